@@ -1,0 +1,249 @@
+"""The `.colibri` reader: checked tables, a lazy memory map and zero-copy NumPy views.
+
+Opening a file reads only the header and the three sections (with `pread`, each size checked first);
+tensor and expert bytes are mapped, never read until asked for. Expert blobs are verified against their
+seeded checksum on first use by default, so corrupt weights never reach a kernel.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import errors as E
+from . import spec as S
+from .dtypes import NUMPY_STORAGE, to_float32
+from .spec import checks
+from .spec.checksum import dense_seed, digest, expert_seed
+
+VERIFY_POLICIES = ("never", "first-use", "always")
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Everything `colibri inspect` needs: header and sections, all checked."""
+
+    header: S.Header
+    metadata: dict
+    dense: tuple[S.DenseEntry, ...]
+    wsit: np.ndarray
+    plan: S.FilePlan
+    file_size: int
+
+
+@dataclass(frozen=True)
+class ExpertView:
+    """Zero-copy views of one expert's arrays (scales are None when unquantized)."""
+
+    gate_up: np.ndarray
+    gate_up_scale: np.ndarray | None
+    down: np.ndarray
+    down_scale: np.ndarray | None
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, int]:
+    """Open read-only without blocking (a FIFO must not hang us); demand a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise E.NotARegularFile("no such file", field="path", value=str(path)) from None
+    except OSError as exc:
+        raise E.NotARegularFile(f"cannot open: {exc.strerror}", field="path", value=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise E.NotARegularFile("not a regular file", field="path", value=str(path))
+    return fd, st.st_size
+
+
+def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise E.TruncatedFile(f"file ended inside the {what}", field=what, value=len(data), offset=offset)
+    return data
+
+
+def read_tables(fd: int, file_size: int) -> Tables:
+    """Read and check the header, metadata, dense directory and WSIT; nothing else is touched."""
+    head = pread_exact(fd, min(S.HEADER_SIZE, file_size), 0, "header")
+    h = checks.parse_header(head, file_size)
+    meta_raw = pread_exact(fd, h.metadata_size, h.metadata_offset, "metadata")
+    checks.check_section(h, S.Section.METADATA, meta_raw)
+    dir_raw = pread_exact(fd, h.dense_dir_size, h.dense_dir_offset, "dense_dir")
+    checks.check_section(h, S.Section.DENSE_DIRECTORY, dir_raw)
+    wsit_raw = pread_exact(fd, h.wsit_size, h.wsit_offset, "wsit")
+    checks.check_section(h, S.Section.WSIT, wsit_raw)
+    meta = S.decode_metadata(meta_raw, h.metadata_offset)
+    _check_metadata(meta, h)
+    entries = checks.parse_dense_directory(h, dir_raw)
+    wsit = checks.parse_wsit(h, wsit_raw)
+    plan = checks.check_layout(h, entries, wsit)
+    checks.check_metadata_agrees(h, meta, entries, plan)
+    return Tables(h, meta, tuple(entries), wsit, plan, file_size)
+
+
+def _check_metadata(meta: dict, h: S.Header) -> None:
+    try:
+        S.check_metadata(meta)
+    except E.InvalidMetadata as exc:
+        raise E.InvalidMetadata(str(exc), field=exc.field, value=exc.value, offset=h.metadata_offset) from None
+
+
+def load_tables(path: str | os.PathLike) -> Tables:
+    fd, size = open_regular(path)
+    try:
+        return read_tables(fd, size)
+    finally:
+        os.close(fd)
+
+
+class ColibriFile:
+    """An open `.colibri` file. Use `colibri_format.open(path)` as a context manager."""
+
+    def __init__(self, path: str | os.PathLike, verify: str = "first-use") -> None:
+        if verify not in VERIFY_POLICIES:
+            raise E.InvalidInput(f"verify must be one of {VERIFY_POLICIES}", field="verify", value=verify)
+        self.path = Path(path)
+        self.verify = verify
+        fd, size = open_regular(path)
+        try:
+            self.tables = read_tables(fd, size)
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._dense = {e.name: e for e in self.tables.dense}
+        self._verified: set = set()
+
+    # --- tables -----------------------------------------------------------------------------------
+    @property
+    def header(self) -> S.Header:
+        return self.tables.header
+
+    @property
+    def metadata(self) -> dict:
+        return self.tables.metadata
+
+    @property
+    def model(self) -> dict:
+        return self.tables.metadata["model"]
+
+    @property
+    def wsit(self) -> np.ndarray:
+        return self.tables.wsit
+
+    @property
+    def blob_layout(self) -> S.BlobLayout:
+        return self.tables.plan.blob
+
+    def dense_names(self) -> list[str]:
+        return [e.name for e in self.tables.dense]
+
+    def has_dense(self, name: str) -> bool:
+        return name in self._dense
+
+    # --- dense tensors ----------------------------------------------------------------------------
+    def _entry(self, name: str) -> S.DenseEntry:
+        entry = self._dense.get(name)
+        if entry is None:
+            raise E.InvalidInput("no such dense tensor in this file", field="name", value=name)
+        return entry
+
+    def dense(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view in the stored dtype (bf16 as uint16 bit patterns)."""
+        e = self._entry(name)
+        self._maybe_verify(("dense", name), lambda: self.verify_dense(name))
+        count = e.size // S.DTYPE_SIZE[S.DType(e.dtype)]
+        return np.frombuffer(self._mm, NUMPY_STORAGE[S.DType(e.dtype)], count, e.offset).reshape(e.shape)
+
+    def dense_f32(self, name: str) -> np.ndarray:
+        return to_float32(self.dense(name), S.DType(self._entry(name).dtype))
+
+    def verify_dense(self, name: str) -> None:
+        e = self._entry(name)
+        if digest(self._mm[e.offset:e.offset + e.size], dense_seed(name, e.offset)) != e.checksum:
+            raise E.CorruptTensor(f"dense tensor {name!r} fails its checksum", field=name, offset=e.offset)
+        self._verified.add(("dense", name))
+
+    # --- experts ----------------------------------------------------------------------------------
+    def _blob_entry(self, layer: int, expert: int) -> tuple[int, int, int]:
+        plan = self.tables.plan
+        if layer not in plan.moe_layers or not 0 <= expert < plan.num_experts:
+            raise E.InvalidInput("no such (layer, expert) in this file", field="expert", value=(layer, expert))
+        row = self.tables.wsit[plan.blob_index(layer, expert)]
+        return int(row["offset"]), int(row["size"]), int(row["checksum"])
+
+    def expert_blob(self, layer: int, expert: int) -> memoryview:
+        """The whole blob (one contiguous, 4096-aligned range), e.g. for one DMA to the GPU."""
+        offset, size, _ = self._blob_entry(layer, expert)
+        self._maybe_verify(("expert", layer, expert), lambda: self.verify_expert(layer, expert))
+        return memoryview(self._mm)[offset:offset + size]
+
+    def blob_offset(self, layer: int, expert: int) -> int:
+        return self._blob_entry(layer, expert)[0]
+
+    def verify_expert(self, layer: int, expert: int) -> None:
+        offset, size, checksum = self._blob_entry(layer, expert)
+        if digest(self._mm[offset:offset + size], expert_seed(layer, expert, offset)) != checksum:
+            raise E.CorruptExpert(f"expert {expert} of layer {layer} fails its checksum",
+                                  field=f"expert[{layer},{expert}]", offset=offset)
+        self._verified.add(("expert", layer, expert))
+
+    def expert(self, layer: int, expert: int) -> ExpertView:
+        offset, _, _ = self._blob_entry(layer, expert)
+        self._maybe_verify(("expert", layer, expert), lambda: self.verify_expert(layer, expert))
+        views = {}
+        for a in self.blob_layout.arrays:
+            count = a.shape[0] * a.shape[1]
+            views[a.name] = np.frombuffer(self._mm, NUMPY_STORAGE[a.dtype], count, offset + a.offset).reshape(a.shape)
+        return ExpertView(views["gate_up"], views.get("gate_up_scale"), views["down"], views.get("down_scale"))
+
+    def expert_f32(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized (gate_up [2I,H], down [H,I]) as new float32 arrays."""
+        v = self.expert(layer, expert)
+        fmt = S.ExpertFormat(self.header.expert_format)
+        if fmt not in S.QUANTIZED_FORMATS:
+            dt = S.EXPERT_FORMAT_DTYPE[fmt]
+            return to_float32(v.gate_up, dt), to_float32(v.down, dt)
+        return dequantize(v.gate_up, v.gate_up_scale), dequantize(v.down, v.down_scale)
+
+    def _maybe_verify(self, key, check) -> None:
+        if self.verify == "always" or (self.verify == "first-use" and key not in self._verified):
+            check()
+
+    # --- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # NumPy views still point into the map; it is unmapped when they are collected
+
+    def __enter__(self) -> ColibriFile:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """q[r, c] * scale[r, c // g], where g = columns / scale columns."""
+    rows, cols = q.shape
+    groups = scale.shape[1]
+    out = q.astype(np.float32).reshape(rows, groups, cols // groups)
+    out *= scale[:, :, None]
+    return out.reshape(rows, cols)
+
+
+def open(path: str | os.PathLike, verify: str = "first-use") -> ColibriFile:  # noqa: A001 (mirrors builtins.open)
+    """Open a `.colibri` file: checks all tables, maps the data lazily.
+
+    Raises:
+        ColibriFormatError: any fault in the file (a subclass names field, value and offset).
+    """
+    return ColibriFile(path, verify)

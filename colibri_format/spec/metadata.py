@@ -1,0 +1,214 @@
+"""The metadata section: strict UTF-8 JSON with a documented schema (docs/spec.md, "Metadata").
+
+Parsing rejects duplicate keys, NaN/Infinity, nesting deeper than MAX_JSON_DEPTH and anything over
+MAX_METADATA_BYTES; `check_model` validates every field the runtime relies on, by type and range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ..errors import InvalidMetadata
+from . import constants as C
+
+ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
+QK_NORMS = frozenset({"none", "per_head", "full"})
+ACTIVATIONS = frozenset({"silu"})
+ROUTER_SCORING = frozenset({"softmax", "sigmoid"})
+ROUTER_ORDER = frozenset({"softmax_topk", "topk_softmax"})
+SHARED_GATES = frozenset({"sigmoid", "none"})
+EXPERT_QUANT_NAMES = frozenset(C.EXPERT_FORMAT_NAMES.values())
+
+
+def encode_metadata(meta: dict) -> bytes:
+    """Deterministic encoding: sorted keys, no spaces, UTF-8, NaN refused."""
+    try:
+        text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMetadata(f"metadata cannot be encoded as strict JSON: {exc}", field="metadata") from None
+    return text.encode("utf-8")
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidMetadata("duplicate key in metadata JSON", field="metadata", value=key)
+        out[key] = value
+    return out
+
+
+def _no_constants(name):
+    raise InvalidMetadata("NaN/Infinity are not allowed in metadata", field="metadata", value=name)
+
+
+def _check_depth(obj, offset: int | None) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > C.MAX_JSON_DEPTH:
+            raise InvalidMetadata("metadata nested too deeply", field="metadata", value=depth, offset=offset)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def decode_metadata(raw: bytes, offset: int | None = None) -> dict:
+    """Parse metadata bytes into a dict; every fault is an InvalidMetadata."""
+    if len(raw) > C.MAX_METADATA_BYTES:
+        raise InvalidMetadata("metadata larger than the limit", field="metadata_size", value=len(raw), offset=offset)
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidMetadata(f"metadata is not UTF-8 (byte {exc.start})", field="metadata",
+                              offset=None if offset is None else offset + exc.start) from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except RecursionError:
+        raise InvalidMetadata("metadata nested too deeply", field="metadata", offset=offset) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidMetadata(f"metadata is not valid JSON: {exc.msg} at char {exc.pos}", field="metadata",
+                              offset=offset) from None
+    if not isinstance(obj, dict):
+        raise InvalidMetadata("metadata must be a JSON object", field="metadata", value=type(obj).__name__,
+                              offset=offset)
+    _check_depth(obj, offset)
+    return obj
+
+
+# --- schema -----------------------------------------------------------------------------------------
+def _get(obj: dict, key: str, path: str):
+    if key not in obj:
+        raise InvalidMetadata("missing metadata field", field=f"{path}.{key}")
+    return obj[key]
+
+
+def _int(obj, key, path, lo, hi):
+    v = _get(obj, key, path)
+    if type(v) is not int or not lo <= v <= hi:
+        raise InvalidMetadata(f"must be an integer in [{lo}, {hi}]", field=f"{path}.{key}", value=v)
+    return v
+
+
+def _num(obj, key, path, lo=-math.inf, hi=math.inf, allow_none=False, exclusive_lo=False):
+    v = _get(obj, key, path)
+    if v is None and allow_none:
+        return v
+    ok = type(v) in (int, float) and math.isfinite(v) and v <= hi and (v > lo if exclusive_lo else v >= lo)
+    if not ok:
+        raise InvalidMetadata("must be a finite number in range", field=f"{path}.{key}", value=v)
+    return v
+
+
+def _bool(obj, key, path):
+    v = _get(obj, key, path)
+    if type(v) is not bool:
+        raise InvalidMetadata("must be true or false", field=f"{path}.{key}", value=v)
+    return v
+
+
+def _choice(obj, key, path, choices):
+    v = _get(obj, key, path)
+    if not isinstance(v, str) or v not in choices:
+        raise InvalidMetadata(f"must be one of {sorted(choices)}", field=f"{path}.{key}", value=v)
+    return v
+
+
+def _dict(obj, key, path):
+    v = _get(obj, key, path)
+    if not isinstance(v, dict):
+        raise InvalidMetadata("must be an object", field=f"{path}.{key}", value=type(v).__name__)
+    return v
+
+
+def _check_rope(rope: dict) -> None:
+    _choice(rope, "type", "model.rope", ROPE_TYPES)
+    _num(rope, "theta", "model.rope", 0, 1e12, exclusive_lo=True)
+    for key, value in rope.items():
+        if key == "type":
+            continue
+        if isinstance(value, list):
+            if len(value) > C.MAX_DIM or not all(type(x) in (int, float) and math.isfinite(x) for x in value):
+                raise InvalidMetadata("rope list must hold finite numbers", field=f"model.rope.{key}")
+        elif value is not None and not (type(value) in (int, float, bool) and math.isfinite(value)):
+            raise InvalidMetadata("rope parameter must be a finite number", field=f"model.rope.{key}", value=value)
+
+
+def _check_layers(model: dict) -> None:
+    n = model["num_layers"]
+    moe = _get(model, "moe_layers", "model")
+    if (not isinstance(moe, list) or not moe or len(moe) > n
+            or any(type(x) is not int or not 0 <= x < n for x in moe)
+            or any(b <= a for a, b in zip(moe, moe[1:]))):
+        raise InvalidMetadata("moe_layers must be a non-empty increasing list of layer indices",
+                              field="model.moe_layers", value=moe)
+    if len(moe) < n:
+        _int(model, "dense_intermediate_size", "model", 1, C.MAX_EXPERT_INTERMEDIATE)
+
+
+def check_model(model: dict) -> dict:
+    """Validate the `model` object (types, ranges, internal consistency). Returns it unchanged."""
+    p = "model"
+    _int(model, "vocab_size", p, 1, C.MAX_DIM)
+    _int(model, "hidden_size", p, 1, C.MAX_HIDDEN)
+    _int(model, "num_layers", p, 1, C.MAX_LAYERS)
+    heads = _int(model, "num_attention_heads", p, 1, 4096)
+    kv = _int(model, "num_key_value_heads", p, 1, heads)
+    if heads % kv:
+        raise InvalidMetadata("num_attention_heads must be a multiple of num_key_value_heads",
+                              field="model.num_key_value_heads", value=kv)
+    _int(model, "head_dim", p, 1, 4096)
+    _num(model, "rms_norm_eps", p, 0, 1.0, exclusive_lo=True)
+    _int(model, "max_position_embeddings", p, 1, 1 << 30)
+    _check_rope(_dict(model, "rope", p))
+    _bool(model, "qkv_bias", p)
+    _bool(model, "o_bias", p)
+    _choice(model, "qk_norm", p, QK_NORMS)
+    _num(model, "clip_qkv", p, 0, 1e9, allow_none=True, exclusive_lo=True)
+    if _get(model, "sliding_window", p) is not None:
+        _int(model, "sliding_window", p, 1, 1 << 30)
+    _bool(model, "tie_word_embeddings", p)
+    _choice(model, "hidden_act", p, ACTIVATIONS)
+    experts = _int(model, "num_experts", p, 1, C.MAX_EXPERTS)
+    _int(model, "top_k", p, 1, min(experts, C.MAX_TOP_K))
+    _int(model, "expert_intermediate_size", p, 1, C.MAX_EXPERT_INTERMEDIATE)
+    _check_layers(model)
+    router = _dict(model, "router", p)
+    _choice(router, "scoring", "model.router", ROUTER_SCORING)
+    _choice(router, "order", "model.router", ROUTER_ORDER)
+    _bool(router, "normalize_topk", "model.router")
+    _bool(router, "bias", "model.router")
+    _num(router, "scale", "model.router", 0, 1e6, exclusive_lo=True)
+    shared = _get(model, "shared_expert", p)
+    if shared is not None:
+        if not isinstance(shared, dict):
+            raise InvalidMetadata("must be null or an object", field="model.shared_expert")
+        _int(shared, "intermediate_size", "model.shared_expert", 1, C.MAX_EXPERT_INTERMEDIATE)
+        _choice(shared, "gate", "model.shared_expert", SHARED_GATES)
+    mult = _dict(model, "multipliers", p)
+    for key in ("embedding", "residual", "logits"):
+        _num(mult, key, "model.multipliers", 0, 1e9, exclusive_lo=True)
+    _num(mult, "attention", "model.multipliers", 0, 1e9, allow_none=True, exclusive_lo=True)
+    return model
+
+
+def check_metadata(meta: dict) -> dict:
+    """Validate the top-level metadata object and its `model` and `quantization` parts."""
+    if meta.get("format") != "colibri":
+        raise InvalidMetadata('metadata "format" must be "colibri"', field="format", value=meta.get("format"))
+    for key in ("spec_version", "architecture"):
+        v = _get(meta, key, "metadata")
+        if not isinstance(v, str) or not 0 < len(v) <= 64:
+            raise InvalidMetadata("must be a short string", field=key, value=v)
+    check_model(_dict(meta, "model", "metadata"))
+    quant = _dict(meta, "quantization", "metadata")
+    _choice(quant, "experts", "quantization", EXPERT_QUANT_NAMES)
+    _choice(quant, "dense_dtype", "quantization", frozenset(C.DTYPE_NAMES))
+    _dict(meta, "provenance", "metadata")
+    tok = _get(meta, "tokenizer", "metadata")
+    if tok is not None:
+        if not isinstance(tok, dict):
+            raise InvalidMetadata("must be null or an object", field="tokenizer")
+        if "tokenizer_json" in tok and not isinstance(tok["tokenizer_json"], str):
+            raise InvalidMetadata("must be a string", field="tokenizer.tokenizer_json")
+    return meta

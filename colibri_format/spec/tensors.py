@@ -1,0 +1,63 @@
+"""The canonical dense tensors a model needs, derived from the metadata `model` object.
+
+The converter writes exactly this list in this order, and the reader demands it, so a file's directory
+is never a free-form bag of names: every tensor has a meaning the runtime knows.
+"""
+
+from __future__ import annotations
+
+
+def dense_layer_indices(model: dict) -> list[int]:
+    moe = set(model["moe_layers"])
+    return [i for i in range(model["num_layers"]) if i not in moe]
+
+
+def _attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    h, hd = model["hidden_size"], model["head_dim"]
+    q, kv = model["num_attention_heads"] * hd, model["num_key_value_heads"] * hd
+    p = f"layers.{i}.attn."
+    out = [(p + "q_proj", (q, h)), (p + "k_proj", (kv, h)), (p + "v_proj", (kv, h)), (p + "o_proj", (h, q))]
+    if model["qkv_bias"]:
+        out += [(p + "q_bias", (q,)), (p + "k_bias", (kv,)), (p + "v_bias", (kv,))]
+    if model["o_bias"]:
+        out.append((p + "o_bias", (h,)))
+    if model["qk_norm"] == "per_head":
+        out += [(p + "q_norm", (hd,)), (p + "k_norm", (hd,))]
+    elif model["qk_norm"] == "full":
+        out += [(p + "q_norm", (q,)), (p + "k_norm", (kv,))]
+    return out
+
+
+def _ffn_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    h = model["hidden_size"]
+    if i not in model["moe_layers"]:
+        d = model["dense_intermediate_size"]
+        p = f"layers.{i}.mlp."
+        return [(p + "gate_proj", (d, h)), (p + "up_proj", (d, h)), (p + "down_proj", (h, d))]
+    p = f"layers.{i}.moe."
+    out = [(p + "router", (model["num_experts"], h))]
+    if model["router"]["bias"]:
+        out.append((p + "router_bias", (model["num_experts"],)))
+    shared = model["shared_expert"]
+    if shared is not None:
+        s = shared["intermediate_size"]
+        out += [(p + "shared.gate_proj", (s, h)), (p + "shared.up_proj", (s, h)),
+                (p + "shared.down_proj", (h, s))]
+        if shared["gate"] == "sigmoid":
+            out.append((p + "shared_gate", (1, h)))
+    return out
+
+
+def canonical_dense_tensors(model: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every dense tensor, in the canonical directory order."""
+    v, h = model["vocab_size"], model["hidden_size"]
+    out: list[tuple[str, tuple[int, ...]]] = [("embed_tokens", (v, h))]
+    for i in range(model["num_layers"]):
+        out.append((f"layers.{i}.input_norm", (h,)))
+        out += _attention_tensors(model, i)
+        out.append((f"layers.{i}.post_attn_norm", (h,)))
+        out += _ffn_tensors(model, i)
+    out.append(("final_norm", (h,)))
+    if not model["tie_word_embeddings"]:
+        out.append(("lm_head", (v, h)))
+    return out

@@ -1,0 +1,214 @@
+"""The `.colibri` writer: planned, positional and crash-safe.
+
+Every offset is planned from the model's shapes before the first byte is written, so tensors and expert
+blobs can be written in any order (by several workers, or after a resume) with positional writes into a
+`.part` file beside the destination. `finalize()` writes the metadata, the directory, the WSIT and, last,
+the header; then fsync, rename over the destination and fsync the folder. An interrupted job therefore
+never leaves anything at the destination, and a reader rejects a `.part` file (its header is zero).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import spec as S
+from .dtypes import NUMPY_STORAGE, to_storage
+from .errors import InvalidInput, WriteError
+from .fsutil import atomic_replace, fsync_fd, pwrite_all
+from .spec.checksum import dense_seed, digest, expert_seed, section_seed
+
+
+def part_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}.part")
+
+
+class ColibriWriter:
+    """Write one `.colibri` file for `model` (the metadata `model` object).
+
+    Args:
+        path: destination file.
+        model: normalized model description (docs/design.md); decides the dense tensors and blob shape.
+        dense_dtype: storage dtype of every dense tensor.
+        expert_format: storage of expert matrices; `group_size` for INT8_GROUP.
+        resume: reopen an existing `.part` file instead of starting a new one (the caller re-verifies
+            what it wrote before, and passes the checksums back with `restore_checksums`).
+    """
+
+    def __init__(self, path: str | os.PathLike, model: dict, *, dense_dtype: S.DType,
+                 expert_format: S.ExpertFormat, group_size: int = 0, resume: bool = False,
+                 part_path: Path | None = None) -> None:
+        S.check_model(model)
+        self.path = Path(path)
+        self.model = model
+        self.dense_dtype = S.DType(dense_dtype)
+        self.expert_format = S.ExpertFormat(expert_format)
+        self.group_size = group_size if self.expert_format == S.ExpertFormat.INT8_GROUP else 0
+        self._check_dims()
+        blob = S.blob_layout(model["hidden_size"], model["expert_intermediate_size"], self.expert_format,
+                             self.group_size)
+        dense = [(name, self.dense_dtype, shape) for name, shape in S.canonical_dense_tensors(model)]
+        self.plan = S.plan_file(dense, tuple(model["moe_layers"]), model["num_experts"], blob)
+        self._dense_index = {t.name: t for t in self.plan.dense}
+        self.dense_checksums: dict[str, int] = {}
+        self.expert_checksums: dict[tuple[int, int], int] = {}
+        self.part_path = part_path or part_path_for(self.path)
+        self._fd = self._open_part(resume)
+
+    # --- setup ------------------------------------------------------------------------------------
+    def _check_dims(self) -> None:
+        m = self.model
+        for key in ("hidden_size", "expert_intermediate_size"):
+            if m[key] % S.DIM_MULTIPLE:
+                raise InvalidInput(f"{key} must be a multiple of {S.DIM_MULTIPLE} for .colibri v1",
+                                   field=key, value=m[key])
+        if self.expert_format == S.ExpertFormat.INT8_GROUP:
+            g = self.group_size
+            if g < S.MIN_GROUP_SIZE or g % S.DIM_MULTIPLE or m["hidden_size"] % g or m["expert_intermediate_size"] % g:
+                raise InvalidInput("group size must be a multiple of 16 dividing hidden and expert sizes",
+                                   field="group_size", value=g)
+
+    def _open_part(self, resume: bool) -> int:
+        flags = os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC)
+        try:
+            fd = os.open(self.part_path, flags, 0o644)
+        except OSError as exc:
+            raise WriteError(f"cannot open {self.part_path}: {exc.strerror}") from None
+        try:
+            # Sparse zero-filled space up to the sections: padding is zero without being written.
+            if os.fstat(fd).st_size != self.plan.metadata_offset:
+                os.ftruncate(fd, self.plan.metadata_offset)
+        except OSError as exc:
+            os.close(fd)
+            raise WriteError(f"cannot size {self.part_path}: {exc.strerror}") from None
+        return fd
+
+    @property
+    def total_bytes(self) -> int:
+        return self.plan.metadata_offset
+
+    # --- data -------------------------------------------------------------------------------------
+    def write_dense(self, name: str, array: np.ndarray) -> int:
+        """Write one dense tensor (converted to the file's dense dtype); returns its checksum."""
+        t = self._dense_index.get(name)
+        if t is None:
+            raise InvalidInput("tensor is not part of this model's dense directory", field="name", value=name)
+        data = to_storage(array, t.dtype)
+        if tuple(data.shape) != t.shape:
+            raise InvalidInput(f"tensor {name} has shape {data.shape}, expected {t.shape}", field="shape",
+                               value=tuple(data.shape))
+        pwrite_all(self._fd, data, t.offset)
+        self.dense_checksums[name] = digest(data, dense_seed(name, t.offset))
+        return self.dense_checksums[name]
+
+    def build_blob(self, arrays: dict[str, np.ndarray]) -> bytearray:
+        """Pack an expert's arrays (gate_up, [gate_up_scale], down, [down_scale]) into blob bytes."""
+        blob = self.plan.blob
+        buf = bytearray(blob.size)
+        for spec_arr in blob.arrays:
+            if spec_arr.name not in arrays:
+                raise InvalidInput("expert array missing", field=spec_arr.name)
+            data = to_storage(arrays[spec_arr.name], spec_arr.dtype)
+            if tuple(data.shape) != spec_arr.shape:
+                raise InvalidInput(f"expert array {spec_arr.name} has shape {data.shape}, expected {spec_arr.shape}",
+                                   field=spec_arr.name, value=tuple(data.shape))
+            np.frombuffer(buf, dtype=NUMPY_STORAGE[spec_arr.dtype], count=data.size,
+                          offset=spec_arr.offset)[:] = data.ravel()
+        return buf
+
+    def write_expert(self, layer: int, expert: int, arrays: dict[str, np.ndarray]) -> int:
+        return self.write_expert_blob(layer, expert, self.build_blob(arrays))
+
+    def write_expert_blob(self, layer: int, expert: int, blob: bytes | bytearray) -> int:
+        """Write a packed blob at its planned slot; returns its (seeded) checksum."""
+        if layer not in self.plan.moe_layers or not 0 <= expert < self.plan.num_experts:
+            raise InvalidInput("no such (layer, expert) in this model", field="expert", value=(layer, expert))
+        if len(blob) != self.plan.blob.size:
+            raise InvalidInput("blob has the wrong size", field="blob", value=len(blob))
+        offset = self.plan.blob_offset(layer, expert)
+        pwrite_all(self._fd, blob, offset)
+        self.expert_checksums[(layer, expert)] = digest(blob, expert_seed(layer, expert, offset))
+        return self.expert_checksums[(layer, expert)]
+
+    def restore_checksums(self, dense: dict[str, int], experts: dict[tuple[int, int], int]) -> None:
+        """On resume: checksums of pieces already written (and re-verified by the caller)."""
+        self.dense_checksums.update(dense)
+        self.expert_checksums.update(experts)
+
+    def sync(self) -> None:
+        fsync_fd(self._fd)
+
+    # --- commit -----------------------------------------------------------------------------------
+    def missing(self) -> tuple[list[str], list[tuple[int, int]]]:
+        dense = [t.name for t in self.plan.dense if t.name not in self.dense_checksums]
+        experts = [k for k in self.plan.blob_keys() if k not in self.expert_checksums]
+        return dense, experts
+
+    def finalize(self, metadata: dict) -> Path:
+        """Write sections and header, fsync, rename over the destination, fsync the folder."""
+        dense_missing, experts_missing = self.missing()
+        if dense_missing or experts_missing:
+            raise WriteError(f"cannot finalize: {len(dense_missing)} dense tensors and "
+                             f"{len(experts_missing)} experts not written", field="missing",
+                             value=(dense_missing[:3], experts_missing[:3]))
+        S.check_metadata(metadata)
+        if metadata["model"] != self.model:
+            raise InvalidInput("metadata model differs from the model the file was planned for", field="model")
+        if metadata["quantization"]["experts"] != S.EXPERT_FORMAT_NAMES[self.expert_format]:
+            raise InvalidInput("metadata quantization.experts differs from the expert format",
+                               field="quantization.experts", value=metadata["quantization"]["experts"])
+        meta_raw = S.encode_metadata(metadata)
+        if len(meta_raw) > S.MAX_METADATA_BYTES:
+            raise InvalidInput("metadata too large", field="metadata_size", value=len(meta_raw))
+        header = self._write_sections(meta_raw)
+        pwrite_all(self._fd, header.pack(), 0)
+        fsync_fd(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        atomic_replace(self.part_path, self.path)
+        return self.path
+
+    def _write_sections(self, meta_raw: bytes) -> S.Header:
+        plan = self.plan
+        dir_off, wsit_off, wsit_size, file_size = plan.sections(len(meta_raw), len(plan.dense))
+        directory = b"".join(
+            S.DenseEntry(t.name, int(t.dtype), len(t.shape), 0, t.shape, t.offset, t.size,
+                         self.dense_checksums[t.name]).pack() for t in plan.dense)
+        wsit = b"".join(
+            S.WsitEntry(layer, e, plan.blob_offset(layer, e), plan.blob.size, self.expert_checksums[(layer, e)]).pack()
+            for layer, e in plan.blob_keys())
+        os.ftruncate(self._fd, file_size)
+        pwrite_all(self._fd, meta_raw, plan.metadata_offset)
+        pwrite_all(self._fd, bytes(dir_off - plan.metadata_offset - len(meta_raw)), plan.metadata_offset + len(meta_raw))
+        pwrite_all(self._fd, directory, dir_off)
+        pwrite_all(self._fd, wsit, wsit_off)
+        m = self.model
+        return S.Header(
+            magic=S.MAGIC, version_major=S.VERSION_MAJOR, version_minor=S.VERSION_MINOR, flags=0,
+            file_size=file_size, alignment=S.BLOB_ALIGNMENT, num_layers=m["num_layers"],
+            num_moe_layers=len(plan.moe_layers), num_experts=plan.num_experts, top_k=m["top_k"],
+            num_dense_tensors=len(plan.dense), hidden_size=m["hidden_size"],
+            expert_intermediate_size=m["expert_intermediate_size"], expert_format=int(self.expert_format),
+            reserved0=0, group_size=self.group_size, expert_blob_size=plan.blob.size, data_offset=S.DATA_OFFSET,
+            experts_offset=plan.experts_offset, metadata_offset=plan.metadata_offset,
+            metadata_size=len(meta_raw), metadata_checksum=digest(meta_raw, section_seed(S.Section.METADATA, plan.metadata_offset)),
+            dense_dir_offset=dir_off, dense_dir_size=len(directory),
+            dense_dir_checksum=digest(directory, section_seed(S.Section.DENSE_DIRECTORY, dir_off)),
+            wsit_offset=wsit_off, wsit_size=wsit_size,
+            wsit_checksum=digest(wsit, section_seed(S.Section.WSIT, wsit_off)))
+
+    def abort(self, remove_part: bool = False) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if remove_part:
+            self.part_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> ColibriWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if self._fd >= 0:
+            self.abort(remove_part=False)
