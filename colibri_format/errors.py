@@ -109,3 +109,20 @@ class ResumeError(ColibriFormatError):
 
 class WriteError(ColibriFormatError):
     """Writing the output failed (disk full, file size limit, I/O error)."""
+
+
+# --- running a model (runtime engines) ------------------------------------------------------------
+class EmptyInput(InvalidInput):
+    """An inference request has no sequences, or a sequence has no token ids."""
+
+
+class TokenIdOutOfRange(InvalidInput):
+    """A token id is not an integer in [0, vocab_size)."""
+
+
+class SequenceTooLong(InvalidInput):
+    """A sequence is longer than the engine's `max_seq_len`."""
+
+
+class BatchTooLarge(InvalidInput):
+    """A request holds more sequences than the engine's `max_batch_size`."""
