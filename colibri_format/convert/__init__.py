@@ -1,0 +1,1 @@
+"""The Hugging Face side of `colibri convert`: config, checkpoint reading, adapters, quantizer."""

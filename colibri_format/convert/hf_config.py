@@ -1,0 +1,330 @@
+"""Reading an untrusted Hugging Face `config.json` and normalising it.
+
+`load_config(dir)` parses the file strictly (size cap, one JSON object, no
+duplicate keys, no NaN/Infinity). `Fields` gives typed, range-checked access to
+it. `common_model(...)` builds the design-doc `model` dict for a plain
+Mixtral-like decoder; each adapter in `convert/arch/` overrides the fields its
+architecture changes and hands the result to `finish_model`, which checks the
+cross-field invariants. Both transformers v4 and v5 spellings are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from colibri_format.convert.safe_paths import read_capped, resolve_member
+from colibri_format.errors import InvalidInput, UnsupportedModel
+
+CONFIG_MAX_BYTES = 4 << 20
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_DIM = 1 << 20
+MAX_HEADS = 4096
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 27
+MAX_LIST = 1 << 16
+
+EXPERT_COUNT_ALIASES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+ROPE_LISTS = ("short_factor", "long_factor")  # longrope only
+
+# Key order of the `model` object in docs/design.md; finish_model checks all are present.
+MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "max_position_embeddings", "rope", "qkv_bias", "o_bias",
+              "qk_norm", "clip_qkv", "sliding_window", "tie_word_embeddings", "hidden_act", "moe_layers",
+              "dense_intermediate_size", "num_experts", "top_k", "expert_intermediate_size", "router",
+              "shared_expert", "multipliers")
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """A parsed config.json: the raw object, its model_type, and the XXH3-64 of its bytes."""
+
+    raw: Mapping[str, Any]
+    model_type: str
+    xxh3: str
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidInput(f"duplicate JSON key {key!r}", field=key)
+        out[key] = value
+    return out
+
+
+def _reject_constant(token: str) -> None:
+    raise InvalidInput(f"JSON constant {token} is not allowed", value=token)
+
+
+def parse_json_object(data: bytes, *, what: str) -> dict[str, Any]:
+    """Strict JSON: UTF-8, one object at the top, no duplicate keys, no NaN/Infinity."""
+    try:
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicates,
+                         parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{what} is not UTF-8", field=what) from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {exc.msg} at char {exc.pos}", field=what,
+                           offset=exc.pos) from exc
+    except RecursionError as exc:
+        raise InvalidInput(f"{what} nests too deeply", field=what) from exc
+    if not isinstance(obj, dict):
+        raise InvalidInput(f"{what} must hold a JSON object, not {type(obj).__name__}", field=what)
+    return obj
+
+
+def load_config(checkpoint_dir: str | Path) -> HFConfig:
+    """Read and strictly parse `<dir>/config.json`."""
+    path = resolve_member(Path(checkpoint_dir), "config.json", field="config.json")
+    data = read_capped(path, max_bytes=CONFIG_MAX_BYTES, field="config.json")
+    raw = parse_json_object(data, what="config.json")
+    return HFConfig(raw=raw, model_type=model_type_of(raw), xxh3=xxhash.xxh3_64_hexdigest(data))
+
+
+def model_type_of(raw: Mapping[str, Any]) -> str:
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise InvalidInput("config.json has no string 'model_type'", field="model_type", value=model_type)
+    return model_type
+
+
+class Fields:
+    """Typed, range-checked getters over a config mapping; `None` counts as absent."""
+
+    def __init__(self, raw: Mapping[str, Any], where: str = "config.json") -> None:
+        self.raw = raw
+        self.where = where
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def _fail(self, key: str, value: Any, expected: str) -> InvalidInput:
+        return InvalidInput(f"{self.where}: {key!r} must be {expected}, got {value!r}", field=key, value=value)
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise InvalidInput(f"{self.where}: required field {key!r} is missing", field=key)
+            return default
+        return value
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int = MAX_DIM) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _REQUIRED:
+            return value
+        # bool is an int subclass in Python; JSON true must not pass as 1.
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self._fail(key, value, f"an integer in [{lo}, {hi}]")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED, *, lo: float = -math.inf,
+               hi: float = math.inf, lo_open: bool = False) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _REQUIRED:
+            return value
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+        if not ok:
+            raise self._fail(key, value, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
+        return float(value)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if not isinstance(value, bool) and value is not default:
+            raise self._fail(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if not isinstance(value, str) and value is not default:
+            raise self._fail(key, value, "a string")
+        return value
+
+    def int_list(self, key: str, default: Any = _REQUIRED, *, lo: int = 0, hi: int = MAX_DIM) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _REQUIRED:
+            return value
+        if not isinstance(value, list) or len(value) > MAX_LIST:
+            raise self._fail(key, value, f"a list of at most {MAX_LIST} integers")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not lo <= item <= hi:
+                raise self._fail(key, value, f"a list of integers in [{lo}, {hi}]")
+        return list(value)
+
+    def mapping(self, key: str) -> Mapping[str, Any] | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self._fail(key, value, "a JSON object")
+        return value
+
+
+def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
+    """Features no adapter handles, whatever the model_type claims."""
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise UnsupportedModel(f"pre-quantized checkpoints are not supported (quantization_config, "
+                               f"quant_method={method!r}: FP8/MXFP4/GPTQ/AWQ...); use the bf16/fp16/fp32 release",
+                               field="quantization_config", value=method)
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        if raw.get(key) is not None:
+            raise UnsupportedModel(f"multi-head latent attention ({key!r}) is not supported", field=key)
+
+
+def expert_count(f: Fields) -> int:
+    """The routed-expert count under any of its aliases; aliases must agree."""
+    found = {key: f.integer(key, None, lo=1, hi=MAX_EXPERTS) for key in EXPERT_COUNT_ALIASES}
+    values = {v for v in found.values() if v is not None}
+    if not values:
+        raise InvalidInput(f"{f.where}: no expert count (one of {', '.join(EXPERT_COUNT_ALIASES)})",
+                           field="num_experts")
+    if len(values) > 1:
+        present = {k: v for k, v in found.items() if v is not None}
+        raise InvalidInput(f"{f.where}: expert-count aliases disagree: {present}", field="num_experts",
+                           value=present)
+    return values.pop()
+
+
+def head_dim(f: Fields, hidden: int, heads: int) -> int:
+    """Explicit `head_dim` when given (Qwen3-MoE: 128 != hidden/heads), else hidden/heads."""
+    if f.has("head_dim"):
+        return f.integer("head_dim", hi=MAX_DIM)
+    if hidden % heads:
+        raise InvalidInput(f"{f.where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+                           field="num_attention_heads", value=heads)
+    return hidden // heads
+
+
+def sliding_window(f: Fields) -> int | None:
+    """0/null mean no window; Qwen's `use_sliding_window: false` switches it off too."""
+    if f.flag("use_sliding_window", True) is False:
+        return None
+    window = f.integer("sliding_window", None, lo=0, hi=MAX_POSITIONS)
+    return window or None
+
+
+def _rope_source(f: Fields) -> tuple[Mapping[str, Any], Any]:
+    # v5: rope_parameters {rope_type, rope_theta, ...}; v4: rope_theta + rope_scaling {type|rope_type, ...}.
+    params = f.mapping("rope_parameters")
+    if params is not None:
+        return params, params.get("rope_theta", f.raw.get("rope_theta"))
+    return f.mapping("rope_scaling") or {}, f.raw.get("rope_theta")
+
+
+def rope(f: Fields, default_theta: float) -> dict[str, Any]:
+    """The design-doc `rope` object: type, theta and the HF scaling parameters under their HF names."""
+    params, theta = _rope_source(f)
+    p = Fields(params, where=f"{f.where} rope")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise p._fail("rope_type", kind, "a string")
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+                               field="rope_type", value=kind)
+    theta_f = Fields({"rope_theta": theta}, where=f.where).number("rope_theta", default_theta, lo=0.0,
+                                                                   lo_open=True)
+    out: dict[str, Any] = {"type": kind, "theta": theta_f}
+    for key in ROPE_NUMBERS:
+        if p.has(key):
+            out[key] = p.number(key)
+    if kind == "longrope":
+        for key in ROPE_LISTS:
+            if p.has(key):
+                out[key] = _number_list(p, key)
+    return out
+
+
+def _number_list(f: Fields, key: str) -> list[float]:
+    value = f.raw[key]
+    if not isinstance(value, list) or len(value) > MAX_LIST:
+        raise f._fail(key, value, "a list of numbers")
+    return [Fields({key: v}, where=f.where).number(key) for v in value]
+
+
+def hidden_act(f: Fields) -> str:
+    act = f.text("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')", field="hidden_act", value=act)
+    return act
+
+
+def common_model(f: Fields, *, default_theta: float, default_eps: float, default_max_pos: int,
+                 expert_intermediate_key: str) -> dict[str, Any]:
+    """Every design-doc field for a plain Mixtral-like MoE decoder (all layers MoE, no biases)."""
+    hidden = f.integer("hidden_size")
+    heads = f.integer("num_attention_heads", hi=MAX_HEADS)
+    num_layers = f.integer("num_hidden_layers", hi=MAX_LAYERS)
+    return {
+        "vocab_size": f.integer("vocab_size", hi=MAX_VOCAB),
+        "hidden_size": hidden,
+        "num_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.integer("num_key_value_heads", heads, hi=MAX_HEADS),
+        "head_dim": head_dim(f, hidden, heads),
+        "rms_norm_eps": f.number("rms_norm_eps", default_eps, lo=0.0, hi=1.0, lo_open=True),
+        "max_position_embeddings": f.integer("max_position_embeddings", default_max_pos, hi=MAX_POSITIONS),
+        "rope": rope(f, default_theta),
+        "qkv_bias": False, "o_bias": False, "qk_norm": "none", "clip_qkv": None,
+        "sliding_window": None,
+        "tie_word_embeddings": f.flag("tie_word_embeddings", False),
+        "hidden_act": hidden_act(f),
+        "moe_layers": list(range(num_layers)),
+        "dense_intermediate_size": None,
+        "num_experts": expert_count(f),
+        "top_k": f.integer("num_experts_per_tok", hi=MAX_EXPERTS),
+        "expert_intermediate_size": f.integer(expert_intermediate_key),
+        "router": {"scoring": "softmax", "order": "softmax_topk", "normalize_topk": True, "bias": False,
+                   "scale": 1.0},
+        "shared_expert": None,
+        "multipliers": {"embedding": 1.0, "residual": 1.0, "attention": None, "logits": 1.0},
+    }
+
+
+def finish_model(model: dict[str, Any]) -> dict[str, Any]:
+    """Check cross-field invariants and return the dict in design-doc key order."""
+    missing = [k for k in MODEL_KEYS if k not in model]
+    extra = [k for k in model if k not in MODEL_KEYS]
+    if missing or extra:  # a bug in an adapter, not in the input
+        raise RuntimeError(f"adapter produced a bad model dict: missing {missing}, extra {extra}")
+    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
+    if heads % kv:
+        raise InvalidInput(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                           field="num_key_value_heads", value=kv)
+    if model["top_k"] > model["num_experts"]:
+        raise InvalidInput(f"num_experts_per_tok {model['top_k']} exceeds the expert count "
+                           f"{model['num_experts']}", field="num_experts_per_tok", value=model["top_k"])
+    if len(model["moe_layers"]) == model["num_layers"]:
+        model["dense_intermediate_size"] = None  # no dense layer uses it
+    elif model["dense_intermediate_size"] is None:
+        raise InvalidInput("config.json: dense layers need 'intermediate_size'", field="intermediate_size")
+    return {k: model[k] for k in MODEL_KEYS}
+
+
+def moe_layer_indices(f: Fields, num_layers: int) -> list[int]:
+    """Qwen-style sparse layers: not in `mlp_only_layers` and (i+1) % decoder_sparse_step == 0."""
+    dense_only = set(f.int_list("mlp_only_layers", [], lo=0, hi=MAX_LAYERS))
+    step = f.integer("decoder_sparse_step", 1, hi=MAX_LAYERS)
+    return [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
+
+
+def normalize_config(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(architecture, model dict) for any supported config; dispatches on `model_type`."""
+    from colibri_format.convert.arch import get_adapter  # the adapters import this module
+
+    reject_unsupported_features(raw)
+    adapter = get_adapter(model_type_of(raw))
+    return adapter.model_type, adapter.normalize_config(raw)

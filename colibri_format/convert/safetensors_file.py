@@ -1,0 +1,147 @@
+"""A strict, zero-copy safetensors reader built on np.memmap.
+
+We parse the header ourselves rather than use `safetensors.safe_open`: NumPy
+has no bfloat16, and going through torch would pull it into every conversion.
+The data section is memory-mapped read-only, so reading one expert out of a
+fused `[E, 2I, H]` tensor touches only that expert's pages; nothing ever
+loads a whole shard. bf16 is viewed as uint16 and widened to float32 by a shift.
+
+The header is checked the way the reference implementation checks it: a size
+cap, known dtypes, byte lengths equal to the shape product, and tensor ranges
+that tile the data section exactly (sorted, no gaps, no overlap, ending at EOF).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibri_format.errors import InvalidInput, UnsupportedModel
+
+HEADER_MAX_BYTES = 100 << 20
+MAX_NDIM = 8
+
+# safetensors dtype tag -> (our dtype name, numpy storage dtype, bytes per element)
+FLOAT_DTYPES = {
+    "F32": ("float32", np.dtype("<f4")),
+    "F16": ("float16", np.dtype("<f2")),
+    "BF16": ("bfloat16", np.dtype("<u2")),
+    "F64": ("float64", np.dtype("<f8")),
+}
+# Legal in the format but not a weight we can convert (FP8 block scales, int weights, ...).
+OTHER_DTYPES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4,
+                "I64": 8, "U64": 8, "BOOL": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's header entry; `begin`/`end` are relative to the data section."""
+
+    name: str
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _itemsize(tag: str) -> int:
+    if tag in FLOAT_DTYPES:
+        return FLOAT_DTYPES[tag][1].itemsize
+    return OTHER_DTYPES[tag]
+
+
+def _entry(name: str, spec: Any, where: str) -> TensorEntry:
+    if not isinstance(spec, dict):
+        raise InvalidInput(f"{where}: header entry {name!r} is not an object", field=name)
+    tag, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(tag, str) or (tag not in FLOAT_DTYPES and tag not in OTHER_DTYPES):
+        raise InvalidInput(f"{where}: tensor {name!r} has unknown dtype {tag!r}", field=name, value=tag)
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+        raise InvalidInput(f"{where}: tensor {name!r} has a bad shape {shape!r}", field=name, value=shape)
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise InvalidInput(f"{where}: tensor {name!r} has bad data_offsets {offsets!r}", field=name,
+                           value=offsets)
+    count = 1
+    for d in shape:  # Python ints: no silent wrap-around
+        count *= d
+    if count * _itemsize(tag) != offsets[1] - offsets[0]:
+        raise InvalidInput(f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
+                           f"{tag}{shape} needs {count * _itemsize(tag)}", field=name)
+    return TensorEntry(name, tag, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(entries: list[TensorEntry], data_size: int, where: str) -> None:
+    cursor = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != cursor:
+            kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a gap"
+            raise InvalidInput(f"{where}: tensor {e.name!r} {kind} (offset {e.begin}, expected {cursor})",
+                               field=e.name, offset=e.begin)
+        cursor = e.end
+    if cursor != data_size:
+        raise InvalidInput(f"{where}: tensors cover {cursor} bytes but the data section has {data_size}",
+                           offset=cursor)
+
+
+class SafetensorsFile:
+    """One `.safetensors` file: parsed header, lazily memory-mapped data."""
+
+    def __init__(self, path: Path, display_name: str) -> None:
+        from colibri_format.convert.hf_config import parse_json_object
+
+        self.path = path
+        self.name = display_name
+        with open(path, "rb") as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            if self.size < 8:
+                raise InvalidInput(f"{display_name}: {self.size} bytes is too short for a safetensors file")
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > min(HEADER_MAX_BYTES, self.size - 8):
+                raise InvalidInput(f"{display_name}: header length {header_len} exceeds the file or the cap",
+                                   value=header_len, offset=0)
+            header = parse_json_object(fh.read(header_len), what=f"{display_name} header")
+        self.data_start = 8 + header_len
+        header.pop("__metadata__", None)
+        self.entries = {name: _entry(name, spec, display_name) for name, spec in header.items()}
+        _check_tiling(list(self.entries.values()), self.size - self.data_start, display_name)
+        self._map: np.memmap | None = None
+
+    def _data(self) -> np.ndarray:
+        if self._map is None:
+            if self.size == self.data_start:  # mmap cannot map zero bytes
+                return np.zeros(0, np.uint8)
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
+        return self._map
+
+    def view(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view in the storage dtype (bf16 as uint16)."""
+        e = self.entries[name]
+        if e.dtype not in FLOAT_DTYPES:
+            raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {e.dtype}; only F32/F16/BF16/F64 "
+                                   "weights can be converted", field=name, value=e.dtype)
+        storage = FLOAT_DTYPES[e.dtype][1]
+        return self._data()[e.begin:e.end].view(storage).reshape(e.shape)
+
+    def close(self) -> None:
+        self._map = None  # the mapping closes when the last view is gone
+
+
+def to_float32(storage: np.ndarray, tag: str) -> np.ndarray:
+    """A fresh float32 copy of a storage-dtype array (widening bf16 by a 16-bit shift)."""
+    if tag == "BF16":
+        out = np.empty(storage.shape, np.float32)
+        np.left_shift(storage, 16, out=out.view(np.uint32), dtype=np.uint32)
+        return out
+    return np.array(storage, dtype=np.float32, copy=True)
+
+
+def dtype_name(tag: str) -> str:
+    return FLOAT_DTYPES[tag][0] if tag in FLOAT_DTYPES else tag.lower()

@@ -1,0 +1,210 @@
+"""`SourceCheckpoint`: one Hugging Face checkpoint folder, read tensor by tensor.
+
+Layouts, in order of preference:
+1. `model.safetensors.index.json` + shards (names from its `weight_map`),
+2. a single `model.safetensors`,
+3. only with `allow_pickle=True`: `pytorch_model.bin.index.json` + shards, or `pytorch_model.bin`.
+
+Every read returns a fresh float32 array of just that tensor (or one expert
+of a fused 3-D tensor), so memory stays bounded by the largest single tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from colibri_format.convert.hf_config import HFConfig, load_config, parse_json_object
+from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member
+from colibri_format.convert.safetensors_file import SafetensorsFile, dtype_name, to_float32
+from colibri_format.errors import InvalidInput, UnsupportedModel
+
+INDEX_MAX_BYTES = 64 << 20
+MAX_SHARDS = 100_000
+HASH_CHUNK = 16 << 20
+ST_INDEX, ST_SINGLE = "model.safetensors.index.json", "model.safetensors"
+PT_INDEX, PT_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A weight file of the checkpoint, for provenance and the resume journal."""
+
+    name: str
+    size: int
+
+
+class _File(Protocol):
+    name: str
+    size: int
+
+
+def _weight_map(raw: dict[str, Any], what: str) -> dict[str, str]:
+    wm = raw.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise InvalidInput(f"{what}: 'weight_map' must be a non-empty object", field="weight_map")
+    for tensor, shard in wm.items():
+        check_basename(shard, field=f"{what} weight_map[{tensor!r}]")
+    if len(set(wm.values())) > MAX_SHARDS:
+        raise InvalidInput(f"{what}: more than {MAX_SHARDS} shards", field="weight_map")
+    return wm
+
+
+def file_xxh3(path: Path) -> str:
+    """XXH3-64 of a file, streamed in 16 MiB chunks."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class SourceCheckpoint:
+    """Read-only access to a checkpoint's tensors by their Hugging Face names."""
+
+    def __init__(self, root: Path, config: HFConfig, source_format: str, files: dict[str, _File],
+                 weight_map: dict[str, str], index_xxh3: str | None) -> None:
+        self.root = root
+        self.config = config
+        self.source_format = source_format
+        self.index_xxh3 = index_xxh3
+        self._files = files
+        self._where = weight_map  # tensor name -> file name
+        self._check_weight_map()
+
+    def _check_weight_map(self) -> None:
+        for tensor, fname in self._where.items():
+            if tensor not in self._names_in(fname):
+                raise InvalidInput(f"index lists {tensor!r} in {fname!r}, which does not hold it", field=tensor)
+
+    def _names_in(self, fname: str) -> Any:
+        f = self._files[fname]
+        return f.entries if isinstance(f, SafetensorsFile) else set(f.names)
+
+    # --- listing -------------------------------------------------------------------------------
+    @property
+    def files(self) -> list[SourceFile]:
+        return [SourceFile(name, f.size) for name, f in sorted(self._files.items())]
+
+    @property
+    def config_xxh3(self) -> str:
+        return self.config.xxh3
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def _file(self, name: str) -> _File:
+        try:
+            return self._files[self._where[name]]
+        except KeyError:
+            raise InvalidInput(f"checkpoint has no tensor {name!r}", field=name) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f = self._file(name)
+        return f.entries[name].shape if isinstance(f, SafetensorsFile) else f.shape(name)
+
+    def dtype(self, name: str) -> str:
+        """'float32' | 'float16' | 'bfloat16' | 'float64' (or the raw tag of a non-float tensor)."""
+        f = self._file(name)
+        return dtype_name(f.entries[name].dtype) if isinstance(f, SafetensorsFile) else f.dtype(name)
+
+    # --- reading -------------------------------------------------------------------------------
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor as a fresh float32 array."""
+        f = self._file(name)
+        if isinstance(f, SafetensorsFile):
+            return to_float32(f.view(name), f.entries[name].dtype)
+        return f.read(name)
+
+    def read_slice(self, name: str, index: int) -> np.ndarray:
+        """`tensor[index]` as float32, copying only that slice (one expert of a fused tensor)."""
+        shape = self.shape(name)
+        if not shape or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < shape[0]:
+            raise InvalidInput(f"index {index!r} is out of range for {name!r} of shape {shape}", field=name,
+                               value=index)
+        f = self._file(name)
+        if isinstance(f, SafetensorsFile):
+            return to_float32(f.view(name)[index], f.entries[name].dtype)
+        return f.read(name, index)
+
+    def provenance(self, *, hash_files: bool = False) -> dict[str, Any]:
+        """The design-doc `provenance` fields this side knows (no tool name/version)."""
+        files = []
+        for sf in self.files:
+            digest = file_xxh3(self.root / sf.name) if hash_files else None
+            files.append({"name": sf.name, "size": sf.size, "xxh3": digest})
+        return {"source_format": self.source_format, "source_files": files,
+                "config_xxh3": self.config.xxh3, "index_xxh3": self.index_xxh3}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            if isinstance(f, SafetensorsFile):
+                f.close()
+
+    def __enter__(self) -> SourceCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensor_names())
+
+
+def _read_index(root: Path, index_name: str) -> tuple[dict[str, str], str]:
+    path = resolve_member(root, index_name, field=index_name)
+    data = read_capped(path, max_bytes=INDEX_MAX_BYTES, field=index_name)
+    return _weight_map(parse_json_object(data, what=index_name), index_name), xxhash.xxh3_64_hexdigest(data)
+
+
+def _open_files(root: Path, names: set[str], opener: Any) -> dict[str, _File]:
+    return {n: opener(resolve_member(root, n, field=f"shard {n!r}"), n) for n in sorted(names)}
+
+
+def _open_safetensors(root: Path, config: HFConfig) -> SourceCheckpoint:
+    index_xxh3 = None
+    if (root / ST_INDEX).exists():
+        weight_map, index_xxh3 = _read_index(root, ST_INDEX)
+        files = _open_files(root, set(weight_map.values()), SafetensorsFile)
+    else:
+        files = _open_files(root, {ST_SINGLE}, SafetensorsFile)
+        weight_map = {t: ST_SINGLE for t in files[ST_SINGLE].entries}
+    return SourceCheckpoint(root, config, "safetensors", files, weight_map, index_xxh3)
+
+
+def _open_torch_bin(root: Path, config: HFConfig) -> SourceCheckpoint:
+    from colibri_format.convert.torch_bin import TorchBinFile
+
+    index_xxh3 = None
+    if (root / PT_INDEX).exists():
+        weight_map, index_xxh3 = _read_index(root, PT_INDEX)
+        files = _open_files(root, set(weight_map.values()), TorchBinFile)
+    else:
+        files = _open_files(root, {PT_SINGLE}, TorchBinFile)
+        weight_map = {t: PT_SINGLE for t in files[PT_SINGLE].names}
+    return SourceCheckpoint(root, config, "pytorch_bin", files, weight_map, index_xxh3)
+
+
+def open_checkpoint(checkpoint_dir: str | Path, *, allow_pickle: bool = False) -> SourceCheckpoint:
+    """Open a checkpoint folder; pickled `.bin` weights only when no safetensors exist and allowed."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise InvalidInput(f"{str(root)!r} is not a directory", field="checkpoint_dir")
+    config = load_config(root)
+    if (root / ST_INDEX).exists() or (root / ST_SINGLE).exists():
+        return _open_safetensors(root, config)
+    if (root / PT_INDEX).exists() or (root / PT_SINGLE).exists():
+        if not allow_pickle:
+            raise UnsupportedModel("only pickled pytorch_model*.bin weights found; pickles can run code, so "
+                                   "this needs allow_pickle=True (or convert to safetensors)", field="allow_pickle")
+        return _open_torch_bin(root, config)
+    raise InvalidInput(f"no {ST_SINGLE}, {ST_INDEX} or {PT_SINGLE} in the checkpoint folder",
+                       field="checkpoint_dir")
