@@ -20,15 +20,17 @@ from typing import Any
 import xxhash
 
 from colibri_format.convert.safe_paths import read_capped, resolve_member
-from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.errors import InvalidInput, InvalidMetadata, UnsupportedModel
+from colibri_format.spec import check_model
 
 CONFIG_MAX_BYTES = 4 << 20
+# Caps on config numbers, checked before anything is sized from them (the spec re-checks its own).
 MAX_LAYERS = 1024
 MAX_EXPERTS = 4096
 MAX_DIM = 1 << 20
 MAX_HEADS = 4096
 MAX_VOCAB = 1 << 22
-MAX_POSITIONS = 1 << 27
+MAX_POSITIONS = 1 << 30
 MAX_LIST = 1 << 16
 
 EXPERT_COUNT_ALIASES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -311,7 +313,13 @@ def finish_model(model: dict[str, Any]) -> dict[str, Any]:
         model["dense_intermediate_size"] = None  # no dense layer uses it
     elif model["dense_intermediate_size"] is None:
         raise InvalidInput("config.json: dense layers need 'intermediate_size'", field="intermediate_size")
-    return {k: model[k] for k in MODEL_KEYS}
+    ordered = {k: model[k] for k in MODEL_KEYS}
+    try:
+        check_model(ordered)  # the format's own limits, so a bad config fails here, not at write time
+    except InvalidMetadata as exc:
+        raise InvalidInput(f"config.json describes a model the format cannot hold: {exc}", field=exc.field,
+                           value=exc.value) from exc
+    return ordered
 
 
 def moe_layer_indices(f: Fields, num_layers: int) -> list[int]:

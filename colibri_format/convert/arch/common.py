@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from colibri_format.errors import InvalidInput
+from colibri_format.spec import canonical_dense_tensors
 
 Model = dict[str, Any]
 
@@ -90,50 +91,8 @@ def layer_prefix(layer: int) -> str:
 
 
 def canonical_shapes(model: Model) -> dict[str, tuple[int, ...]]:
-    """Every dense tensor the `.colibri` file must hold for this model, with its shape."""
-    h, v, hd = model["hidden_size"], model["vocab_size"], model["head_dim"]
-    q, kv = model["num_attention_heads"] * hd, model["num_key_value_heads"] * hd
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (v, h), "final_norm": (h,)}
-    if not model["tie_word_embeddings"]:
-        shapes["lm_head"] = (v, h)
-    moe = set(model["moe_layers"])
-    for i in range(model["num_layers"]):
-        shapes.update(_attention_shapes(model, f"layers.{i}", h, q, kv, hd))
-        if i in moe:
-            shapes.update(_moe_shapes(model, f"layers.{i}.moe", h))
-        else:
-            d = model["dense_intermediate_size"]
-            shapes.update({f"layers.{i}.mlp.gate_proj": (d, h), f"layers.{i}.mlp.up_proj": (d, h),
-                           f"layers.{i}.mlp.down_proj": (h, d)})
-    return shapes
-
-
-def _attention_shapes(model: Model, c: str, h: int, q: int, kv: int, hd: int) -> dict[str, tuple[int, ...]]:
-    s = {f"{c}.input_norm": (h,), f"{c}.post_attn_norm": (h,), f"{c}.attn.q_proj": (q, h),
-         f"{c}.attn.k_proj": (kv, h), f"{c}.attn.v_proj": (kv, h), f"{c}.attn.o_proj": (h, q)}
-    if model["qkv_bias"]:
-        s.update({f"{c}.attn.q_bias": (q,), f"{c}.attn.k_bias": (kv,), f"{c}.attn.v_bias": (kv,)})
-    if model["o_bias"]:
-        s[f"{c}.attn.o_bias"] = (h,)
-    if model["qk_norm"] == "per_head":
-        s.update({f"{c}.attn.q_norm": (hd,), f"{c}.attn.k_norm": (hd,)})
-    elif model["qk_norm"] == "full":
-        s.update({f"{c}.attn.q_norm": (q,), f"{c}.attn.k_norm": (kv,)})
-    return s
-
-
-def _moe_shapes(model: Model, c: str, h: int) -> dict[str, tuple[int, ...]]:
-    s: dict[str, tuple[int, ...]] = {f"{c}.router": (model["num_experts"], h)}
-    if model["router"]["bias"]:
-        s[f"{c}.router_bias"] = (model["num_experts"],)
-    shared = model["shared_expert"]
-    if shared is not None:
-        i_s = shared["intermediate_size"]
-        s.update({f"{c}.shared.gate_proj": (i_s, h), f"{c}.shared.up_proj": (i_s, h),
-                  f"{c}.shared.down_proj": (h, i_s)})
-        if shared["gate"] == "sigmoid":
-            s[f"{c}.shared_gate"] = (1, h)
-    return s
+    """Every dense tensor the `.colibri` file holds for this model, in canonical order (from the spec)."""
+    return dict(canonical_dense_tensors(model))
 
 
 # --- dense tensors -------------------------------------------------------------------------------
@@ -204,7 +163,7 @@ def _check_dense(src: Any, model: Model, tensors: list[DenseTensor]) -> None:
 
 
 def dense_tensors(src: Any, model: Model, names: HFNames) -> list[DenseTensor]:
-    """All canonical dense tensors in file order, each checked for presence and shape."""
+    """All canonical dense tensors in the spec's directory order, each checked for presence and shape."""
     out = [DenseTensor("embed_tokens", "model.embed_tokens.weight"), DenseTensor("final_norm", "model.norm.weight")]
     if not model["tie_word_embeddings"]:  # tied checkpoints have no lm_head on disk
         out.append(DenseTensor("lm_head", "lm_head.weight"))
@@ -213,7 +172,8 @@ def dense_tensors(src: Any, model: Model, names: HFNames) -> list[DenseTensor]:
         out += _attention_tensors(model, i)
         out += _moe_tensors(src, model, names, i) if i in moe else _dense_mlp_tensors(names, i)
     _check_dense(src, model, out)
-    return out
+    by_name = {t.name: t for t in out}
+    return [by_name[name] for name in canonical_shapes(model)]
 
 
 # --- experts -------------------------------------------------------------------------------------

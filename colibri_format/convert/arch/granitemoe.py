@@ -31,10 +31,9 @@ def granite_model(f: Fields) -> dict[str, Any]:
     # softmax over the k selected logits already sums to one: no extra renormalisation
     model["router"].update(order="topk_softmax", normalize_topk=False)
     model["multipliers"] = {
-        "embedding": f.number("embedding_multiplier", 1.0),
-        "residual": f.number("residual_multiplier", 1.0),
-        "attention": f.number("attention_multiplier", 1.0),
-        "logits": f.number("logits_scaling", 1.0, lo=0.0, lo_open=True),
+        key: f.number(hf_key, 1.0, lo=0.0, lo_open=True)
+        for key, hf_key in (("embedding", "embedding_multiplier"), ("residual", "residual_multiplier"),
+                            ("attention", "attention_multiplier"), ("logits", "logits_scaling"))
     }
     return model
 
