@@ -1,0 +1,46 @@
+"""Checks on what a caller hands an engine; shared by the NumPy and CUDA engines so both reject alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from colibri_format.errors import (BatchTooLarge, EmptyInput, InvalidInput, SequenceTooLong,
+                                   TokenIdOutOfRange)
+
+
+def check_ids(seq: object, vocab_size: int, max_seq_len: int, index: int = 0) -> np.ndarray:
+    """One sequence of token ids -> int64 array [n], or a precise error."""
+    if isinstance(seq, (str, bytes)) or not isinstance(seq, (Sequence, np.ndarray)):
+        raise InvalidInput(f"sequence {index} must be a list of token ids", field=f"batch[{index}]",
+                           value=type(seq).__name__)
+    arr = np.asarray(seq)
+    if arr.size == 0:
+        raise EmptyInput(f"sequence {index} has no token ids", field=f"batch[{index}]")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TokenIdOutOfRange(f"sequence {index} must hold integer token ids", field=f"batch[{index}]",
+                                value=seq if arr.ndim != 1 else arr.dtype.name)
+    if len(arr) > max_seq_len:
+        raise SequenceTooLong(f"sequence {index} has {len(arr)} tokens, over max_seq_len={max_seq_len}",
+                              field=f"batch[{index}]", value=len(arr))
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        raise TokenIdOutOfRange(f"token id at position {bad[0]} of sequence {index} is outside "
+                                f"[0, {vocab_size})", field=f"batch[{index}][{bad[0]}]", value=int(arr[bad[0]]))
+    return arr.astype(np.int64)
+
+
+def check_batch(batch: object, vocab_size: int, max_batch_size: int, max_seq_len: int) -> list[np.ndarray]:
+    """A batch (a list of token id lists) -> one int64 array per sequence, or a precise error."""
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, (Sequence, np.ndarray)):
+        raise InvalidInput("a batch must be a list of token id lists", field="batch", value=type(batch).__name__)
+    if len(batch) == 0:
+        raise EmptyInput("the batch holds no sequences", field="batch")
+    if all(isinstance(x, (int, np.integer)) for x in batch):
+        raise InvalidInput("a batch must be a list of token id lists, not one flat list (wrap it: [ids])",
+                           field="batch")
+    if len(batch) > max_batch_size:
+        raise BatchTooLarge(f"{len(batch)} sequences, over max_batch_size={max_batch_size}", field="batch",
+                            value=len(batch))
+    return [check_ids(seq, vocab_size, max_seq_len, i) for i, seq in enumerate(batch)]

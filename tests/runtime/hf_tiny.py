@@ -1,0 +1,186 @@
+"""Tiny seeded transformers MoE models and their canonical (colibri) form, for the fidelity tests.
+
+`to_canonical` is a deliberately small test-side mapping from a transformers v5 state dict to the canonical
+tensor names of docs/design.md; the real converter adapters live in colibri_format/convert/arch/.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers as tf
+
+from colibri_format.runtime.weights import DictWeights
+
+SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _configs():
+    return {
+        "mixtral": lambda: tf.MixtralConfig(**SMALL, intermediate_size=16, num_local_experts=4, sliding_window=5,
+                                            rope_parameters={"rope_type": "llama3", "rope_theta": 500.0,
+                                                             "factor": 4.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16}),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=24,
+                                               moe_intermediate_size=16, shared_expert_intermediate_size=20,
+                                               num_experts=5, mlp_only_layers=[1], norm_topk_prob=False),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**SMALL, head_dim=12, moe_intermediate_size=16, num_experts=4,
+                                               norm_topk_prob=True,
+                                               rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0,
+                                                                "factor": 4.0, "original_max_position_embeddings": 16}),
+        "olmoe": lambda: tf.OlmoeConfig(**SMALL, intermediate_size=16, num_experts=4, clip_qkv=1.5,
+                                        attention_bias=True, rope_parameters={"rope_type": "linear",
+                                                                              "rope_theta": 10000.0, "factor": 2.0}),
+        "granitemoe": lambda: tf.GraniteMoeConfig(**SMALL, intermediate_size=16, num_local_experts=4,
+                                                  tie_word_embeddings=True, embedding_multiplier=3.0,
+                                                  residual_multiplier=0.5, attention_multiplier=0.3,
+                                                  logits_scaling=2.5),
+        "granitemoeshared": lambda: tf.GraniteMoeSharedConfig(**SMALL, intermediate_size=16,
+                                                              shared_intermediate_size=24, num_local_experts=4,
+                                                              embedding_multiplier=2.0, residual_multiplier=0.7,
+                                                              attention_multiplier=0.2, logits_scaling=1.5),
+    }
+
+
+ARCHS = list(_configs())
+
+
+def build_hf(arch: str, seed: int = 0):
+    """A seeded fp32 eager model whose every parameter is random (norms near 1, biases non-zero)."""
+    config = _configs()[arch]()
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                experts_implementation="eager").float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif ".gate.weight" in name or "router" in name:
+                p.copy_(0.6 * noise)          # decisive routing: no near-ties between fp32 implementations
+            else:
+                p.copy_(0.2 * noise)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()   # [n, V]
+
+
+# --- HF config -> metadata `model` -------------------------------------------------------------------------
+
+def _rope(cfg) -> dict:
+    params = dict(cfg.rope_parameters)
+    out = {"type": params.pop("rope_type", "default"), "theta": params.pop("rope_theta")}
+    return {**out, **params}
+
+
+def _moe_layers(arch: str, cfg) -> list[int]:
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return list(range(cfg.num_hidden_layers))
+    return [i for i in range(cfg.num_hidden_layers)
+            if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0]
+
+
+def _router(arch: str, cfg) -> dict:
+    if arch.startswith("granite"):
+        return {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": False, "scale": 1.0}
+    normalize = True if arch == "mixtral" else bool(cfg.norm_topk_prob)
+    return {"scoring": "softmax", "order": "softmax_topk", "normalize_topk": normalize, "bias": False, "scale": 1.0}
+
+
+def _shared(arch: str, cfg):
+    if arch == "qwen2_moe":
+        return {"intermediate_size": cfg.shared_expert_intermediate_size, "gate": "sigmoid"}
+    if arch == "granitemoeshared":
+        return {"intermediate_size": cfg.shared_intermediate_size, "gate": "none"}
+    return None
+
+
+def _multipliers(arch: str, cfg) -> dict:
+    if not arch.startswith("granite"):
+        return {"embedding": 1.0, "residual": 1.0, "attention": None, "logits": 1.0}
+    return {"embedding": cfg.embedding_multiplier, "residual": cfg.residual_multiplier,
+            "attention": cfg.attention_multiplier, "logits": cfg.logits_scaling}
+
+
+def model_dict(arch: str, cfg) -> dict:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn_bias = bool(getattr(cfg, "attention_bias", False))
+    moe_layers = _moe_layers(arch, cfg)
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "rope": _rope(cfg),
+        "qkv_bias": bool(getattr(cfg, "qkv_bias", False)) if arch == "qwen2_moe" else attn_bias,
+        "o_bias": attn_bias and arch != "qwen2_moe",
+        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(arch, "none"),
+        "clip_qkv": getattr(cfg, "clip_qkv", None),
+        "sliding_window": getattr(cfg, "sliding_window", None) if arch == "mixtral" else None,
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings), "hidden_act": cfg.hidden_act,
+        "moe_layers": moe_layers,
+        "dense_intermediate_size": cfg.intermediate_size if len(moe_layers) < cfg.num_hidden_layers else None,
+        "num_experts": getattr(cfg, "num_local_experts", None) or cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "expert_intermediate_size": getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
+        "router": _router(arch, cfg), "shared_expert": _shared(arch, cfg), "multipliers": _multipliers(arch, cfg),
+    }
+
+
+# --- HF state dict -> canonical tensors ----------------------------------------------------------------------
+
+_ATTN = {"q_proj.weight": "q_proj", "k_proj.weight": "k_proj", "v_proj.weight": "v_proj", "o_proj.weight": "o_proj",
+         "q_proj.bias": "q_bias", "k_proj.bias": "k_bias", "v_proj.bias": "v_bias", "o_proj.bias": "o_bias",
+         "q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
+
+
+def _layer_tensor(i: int, rest: str, t: np.ndarray, dense: dict, experts: dict) -> None:
+    p = f"layers.{i}"
+    rest = rest.replace("block_sparse_moe.", "mlp.")
+    if rest.startswith("self_attn."):
+        dense[f"{p}.attn.{_ATTN[rest[len('self_attn.'):]]}"] = t
+    elif rest == "input_layernorm.weight":
+        dense[f"{p}.input_norm"] = t
+    elif rest == "post_attention_layernorm.weight":
+        dense[f"{p}.post_attn_norm"] = t
+    elif rest in ("mlp.gate.weight", "mlp.router.weight"):
+        dense[f"{p}.moe.router"] = t
+    elif rest.startswith("mlp.experts."):
+        part = 0 if rest.endswith("gate_up_proj") else 1
+        for e in range(t.shape[0]):
+            experts.setdefault((i, e), [None, None])[part] = t[e]
+    elif rest.startswith("mlp.shared_expert."):
+        dense[f"{p}.moe.shared.{rest.split('.')[2]}"] = t
+    elif rest == "mlp.shared_expert_gate.weight":
+        dense[f"{p}.moe.shared_gate"] = t
+    elif rest == "shared_mlp.input_linear.weight":
+        half = t.shape[0] // 2
+        dense[f"{p}.moe.shared.gate_proj"], dense[f"{p}.moe.shared.up_proj"] = t[:half], t[half:]
+    elif rest == "shared_mlp.output_linear.weight":
+        dense[f"{p}.moe.shared.down_proj"] = t
+    elif rest.startswith("mlp.") and rest.endswith("_proj.weight"):
+        dense[f"{p}.mlp.{rest.split('.')[1]}"] = t
+    else:
+        raise KeyError(rest)
+
+
+def to_canonical(arch: str, model) -> DictWeights:
+    dense, experts = {}, {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().float().numpy().copy()
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            _layer_tensor(int(i), rest, t, dense, experts)
+        elif name == "model.embed_tokens.weight":
+            dense["embed_tokens"] = t
+        elif name == "model.norm.weight":
+            dense["final_norm"] = t
+        elif name == "lm_head.weight" and not model.config.tie_word_embeddings:
+            dense["lm_head"] = t
+    experts = {k: (v[0], v[1]) for k, v in experts.items()}
+    return DictWeights(model_dict(arch, model.config), dense, experts)
