@@ -1,7 +1,8 @@
 """The NumPy engine against transformers' fp32 eager forward, for every supported architecture.
 
-Each tiny model is random and seeded; the engine sees it only through canonical tensors and the metadata
-`model` object, so a pass means the format carries everything the architecture needs.
+Each tiny model is random and seeded, saved with `save_pretrained` and read back through the converter's
+checkpoint reader and architecture adapters; the engine sees it only through canonical tensors and the
+metadata `model` object, so a pass means the format carries everything the architecture needs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime.engine import Engine
-from hf_tiny import ARCHS, build_hf, hf_logits, to_canonical
+from hf_tiny import ARCHS, build_hf, checkpoint_weights, hf_logits, to_canonical
 
 TOL = 1e-4  # relative: |got - ref| / |ref| per sequence
 
@@ -25,11 +26,26 @@ def prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request):
+def pair(request, tmp_path_factory):
     hf = build_hf(request.param)
-    engine = Engine(to_canonical(request.param, hf))
+    engine = Engine(checkpoint_weights(hf, tmp_path_factory.mktemp(request.param)))
     yield hf, engine
     engine.close()
+
+
+def test_converter_agrees_with_an_independent_mapping(pair, tmp_path):
+    # the converter's canonical form (legacy and v5-fused checkpoints) vs a direct state-dict mapping
+    hf, engine = pair
+    arch = engine.weights.metadata["architecture"]
+    mine, fused = to_canonical(arch, hf), checkpoint_weights(hf, tmp_path, fused=True)
+    for theirs in (engine.weights, fused):
+        assert theirs.model == mine.model
+        assert sorted(theirs._dense) == sorted(mine._dense)
+        for name in mine._dense:
+            np.testing.assert_array_equal(theirs.dense(name), mine.dense(name))
+        for key in mine._experts:
+            for a, b in zip(theirs.expert(*key), mine.expert(*key)):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_ragged_batch_prefill_matches_transformers(pair):
