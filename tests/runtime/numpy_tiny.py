@@ -1,0 +1,54 @@
+"""A random tiny model built with NumPy alone (no transformers): for engine behaviour tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_format.runtime.weights import DictWeights
+
+MODEL = {
+    "vocab_size": 50, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 4, "rms_norm_eps": 1e-5, "max_position_embeddings": 128,
+    "rope": {"type": "default", "theta": 10000.0}, "qkv_bias": False, "o_bias": False, "qk_norm": "none",
+    "clip_qkv": None, "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
+    "moe_layers": [0, 1], "dense_intermediate_size": None, "num_experts": 8, "top_k": 2,
+    "expert_intermediate_size": 8,
+    "router": {"scoring": "softmax", "order": "softmax_topk", "normalize_topk": True, "bias": False, "scale": 1.0},
+    "shared_expert": None, "multipliers": {"embedding": 1.0, "residual": 1.0, "attention": None, "logits": 1.0},
+}
+
+
+def dense_shapes(m: dict) -> dict[str, tuple[int, ...]]:
+    h, v, hd = m["hidden_size"], m["vocab_size"], m["head_dim"]
+    nq, nkv = m["num_attention_heads"] * hd, m["num_key_value_heads"] * hd
+    shapes = {"embed_tokens": (v, h), "final_norm": (h,), "lm_head": (v, h)}
+    for i in range(m["num_layers"]):
+        p = f"layers.{i}"
+        shapes |= {f"{p}.input_norm": (h,), f"{p}.post_attn_norm": (h,), f"{p}.attn.q_proj": (nq, h),
+                   f"{p}.attn.k_proj": (nkv, h), f"{p}.attn.v_proj": (nkv, h), f"{p}.attn.o_proj": (h, nq),
+                   f"{p}.moe.router": (m["num_experts"], h)}
+    return shapes
+
+
+def random_weights(seed: int = 0, **overrides) -> DictWeights:
+    model = {**MODEL, **overrides}
+    rng = np.random.default_rng(seed)
+    dense = {n: (1.0 + 0.1 * rng.standard_normal(s) if len(s) == 1 else 0.3 * rng.standard_normal(s))
+             .astype(np.float32) for n, s in dense_shapes(model).items()}
+    h, i = model["hidden_size"], model["expert_intermediate_size"]
+    experts = {(layer, e): ((0.3 * rng.standard_normal((2 * i, h))).astype(np.float32),
+                            (0.3 * rng.standard_normal((h, i))).astype(np.float32))
+               for layer in model["moe_layers"] for e in range(model["num_experts"])}
+    return DictWeights(model, dense, experts)
+
+
+class CountingWeights(DictWeights):
+    """Records every expert read, to prove that unrouted experts are never touched."""
+
+    def __init__(self, inner: DictWeights) -> None:
+        super().__init__(inner.model, inner._dense, inner._experts, inner.metadata)
+        self.reads: list[tuple[int, int]] = []
+
+    def expert(self, layer: int, expert: int):
+        self.reads.append((layer, expert))
+        return super().expert(layer, expert)
