@@ -1,0 +1,160 @@
+"""Adapters: canonical dense tensors and per-expert tensors equal the transformers module's weights.
+
+The reference is the in-memory model's own `state_dict` (the v5 runtime layout: fused
+`experts.gate_up_proj [E, 2I, H]`), so both disk layouts are checked against one truth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from colibri_format.convert.arch import get_adapter
+from colibri_format.convert.arch.common import dense_shape, read_dense
+from colibri_format.convert.hf_config import normalize_config
+from colibri_format.convert.source import open_checkpoint
+from colibri_format.errors import InvalidInput
+from colibri_format.spec import canonical_dense_tensors
+from tests.hf_models import ARCHS
+
+GRANITE = ("granitemoe", "granitemoeshared")
+
+
+def moe_prefix(arch: str, i: int) -> str:
+    return f"model.layers.{i}.{'block_sparse_moe' if arch in GRANITE else 'mlp'}"
+
+
+def reference_dense(arch: str, name: str, model: dict[str, Any], ref: dict[str, np.ndarray]) -> np.ndarray:
+    """The state_dict tensor behind a canonical name, written independently of the adapters."""
+    globals_ = {"embed_tokens": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                "lm_head": "lm_head.weight"}
+    if name in globals_:
+        return ref[globals_[name]]
+    _, i, rest = name.split(".", 2)
+    p = f"model.layers.{i}"
+    simple = {"input_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+              "moe.shared_gate": "mlp.shared_expert_gate.weight"}
+    for x in ("q", "k", "v", "o"):
+        simple[f"attn.{x}_proj"] = f"self_attn.{x}_proj.weight"
+        simple[f"attn.{x}_bias"] = f"self_attn.{x}_proj.bias"
+        simple[f"attn.{x}_norm"] = f"self_attn.{x}_norm.weight"
+    for x in ("gate_proj", "up_proj", "down_proj"):
+        simple[f"mlp.{x}"] = f"mlp.{x}.weight"
+        simple[f"moe.shared.{x}"] = f"mlp.shared_expert.{x}.weight"
+    if rest == "moe.router":
+        return ref[f"{moe_prefix(arch, int(i))}.{'router' if arch in GRANITE else 'gate'}.weight"]
+    if arch == "granitemoeshared" and rest.startswith("moe.shared."):
+        i_s = model["shared_expert"]["intermediate_size"]
+        fused = ref[f"{p}.shared_mlp.input_linear.weight"]
+        return {"moe.shared.gate_proj": fused[:i_s], "moe.shared.up_proj": fused[i_s:],
+                "moe.shared.down_proj": ref[f"{p}.shared_mlp.output_linear.weight"]}[rest]
+    return ref[f"{p}.{simple[rest]}"]
+
+
+def open_and_normalize(folder: Path) -> tuple[Any, Any, dict[str, Any]]:
+    src = open_checkpoint(folder)
+    arch, model = normalize_config(src.config.raw)
+    return src, get_adapter(arch), model
+
+
+LAYOUTS = [(arch, fused, sharded) for arch in ARCHS for fused, sharded in [(False, False), (True, True)]]
+LAYOUTS += [("mixtral", False, True), ("qwen2_moe", True, False)]
+
+
+@pytest.mark.parametrize("arch, fused, sharded", LAYOUTS)
+def test_dense_tensors_match_the_module(tiny_checkpoint: Any, tiny_reference: Any, arch: str, fused: bool,
+                                        sharded: bool) -> None:
+    ref = tiny_reference(arch)
+    src, adapter, model = open_and_normalize(tiny_checkpoint(arch, fused=fused, sharded=sharded))
+    with src:
+        dense = adapter.dense_tensors(src, model)
+        expected = canonical_dense_tensors(model)
+        assert [(t.name, dense_shape(src, t)) for t in dense] == expected
+        for t in dense:
+            np.testing.assert_array_equal(read_dense(src, t), reference_dense(arch, t.name, model, ref),
+                                          err_msg=t.name)
+
+
+@pytest.mark.parametrize("arch, fused, sharded", LAYOUTS)
+def test_expert_tensors_match_the_module(tiny_checkpoint: Any, tiny_reference: Any, arch: str, fused: bool,
+                                         sharded: bool) -> None:
+    ref = tiny_reference(arch)
+    src, adapter, model = open_and_normalize(tiny_checkpoint(arch, fused=fused, sharded=sharded))
+    i_size, h = model["expert_intermediate_size"], model["hidden_size"]
+    with src:
+        for layer, expert in itertools.product(model["moe_layers"], range(model["num_experts"])):
+            gate, up, down = adapter.expert_tensors(src, model, layer, expert)
+            gate_up = ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][expert]
+            assert gate.shape == up.shape == (i_size, h) and down.shape == (h, i_size)
+            assert all(a.dtype == np.float32 for a in (gate, up, down))
+            np.testing.assert_array_equal(gate, gate_up[:i_size])
+            np.testing.assert_array_equal(up, gate_up[i_size:])
+            np.testing.assert_array_equal(down, ref[f"{moe_prefix(arch, layer)}.experts.down_proj"][expert])
+
+
+@pytest.mark.parametrize("arch", ["granitemoe", "mixtral"])
+def test_tied_checkpoint_has_no_lm_head(tiny_checkpoint: Any, tiny_reference: Any, arch: str) -> None:
+    src, adapter, model = open_and_normalize(tiny_checkpoint(arch, tie=True))
+    with src:
+        assert not src.has("lm_head.weight")
+        names = [t.name for t in adapter.dense_tensors(src, model)]
+        assert "lm_head" not in names and names[0] == "embed_tokens"
+        embed = next(t for t in adapter.dense_tensors(src, model) if t.name == "embed_tokens")
+        np.testing.assert_array_equal(read_dense(src, embed), tiny_reference(arch, tie=True)["lm_head.weight"])
+
+
+def test_bf16_experts_upcast_exactly(tiny_checkpoint: Any, tiny_reference: Any) -> None:
+    ref = tiny_reference("qwen3_moe", dtype="bfloat16")
+    src, adapter, model = open_and_normalize(tiny_checkpoint("qwen3_moe", dtype="bfloat16"))
+    with src:
+        gate, up, down = adapter.expert_tensors(src, model, 1, 3)
+        np.testing.assert_array_equal(down, ref["model.layers.1.mlp.experts.down_proj"][3])
+
+
+# --- mismatches ------------------------------------------------------------------------------------
+
+def edit_config(folder: Path, **changes: Any) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_config_weights_disagreement_is_a_clear_error(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    folder = shutil.copytree(tiny_checkpoint("mixtral", fused=True), tmp_path / "ckpt")
+    edit_config(folder, intermediate_size=8)
+    src, adapter, model = open_and_normalize(folder)
+    with src, pytest.raises(InvalidInput, match=r"gate_up_proj.*expected \(4, 16, 32\)"):
+        adapter.expert_tensors(src, model, 0, 0)
+    edit_config(folder, intermediate_size=16, vocab_size=64)
+    src, adapter, model = open_and_normalize(folder)
+    with src, pytest.raises(InvalidInput, match="embed_tokens.*disagree"):
+        adapter.dense_tensors(src, model)
+
+
+def test_untied_config_with_missing_lm_head_is_rejected(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    folder = shutil.copytree(tiny_checkpoint("granitemoe", tie=True), tmp_path / "ckpt")
+    edit_config(folder, tie_word_embeddings=False)
+    src, adapter, model = open_and_normalize(folder)
+    with src, pytest.raises(InvalidInput, match="lm_head"):
+        adapter.dense_tensors(src, model)
+
+
+def test_expert_index_out_of_range_and_dense_layer(tiny_checkpoint: Any) -> None:
+    src, adapter, model = open_and_normalize(tiny_checkpoint("qwen2_moe"))
+    with src:
+        for layer, expert in [(0, 0), (1, 4), (1, -1), (9, 0)]:  # layer 0 is dense in the fixture
+            with pytest.raises(InvalidInput):
+                adapter.expert_tensors(src, model, layer, expert)
+
+
+def test_missing_expert_tensors_name_the_layer(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    folder = shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "ckpt")
+    edit_config(folder, num_hidden_layers=3)  # layer 2 does not exist on disk
+    src, adapter, model = open_and_normalize(folder)
+    with src, pytest.raises(InvalidInput, match="model.layers.2"):
+        adapter.expert_tensors(src, model, 2, 0)

@@ -1,0 +1,117 @@
+"""int8 quantizer: the half-step error bound, zero rows, reported errors, and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from colibri_format.convert.quantize import benchmark_quantize, dequantize_int8, quantize_int8
+from colibri_format.errors import InvalidInput
+
+FINITE = st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+
+
+@st.composite
+def weight_and_group(draw: st.DrawFn) -> tuple[np.ndarray, int | None]:
+    group = draw(st.sampled_from([None, 1, 2, 4, 8]))
+    n_in = (group or 1) * draw(st.integers(1, 6))
+    w = draw(arrays(np.float32, (draw(st.integers(1, 6)), n_in), elements=FINITE))
+    if draw(st.booleans()):
+        w[draw(st.integers(0, w.shape[0] - 1))] = 0.0  # an all-zero row
+    return w, group
+
+
+def expanded(scale: np.ndarray, n_in: int) -> np.ndarray:
+    return np.repeat(scale, n_in // scale.shape[1], axis=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(weight_and_group())
+def test_error_is_at_most_half_a_step_everywhere(case: tuple[np.ndarray, int | None]) -> None:
+    w, group = case
+    q, scale, max_rel, mean_rel = quantize_int8(w, group)
+    g = group or w.shape[1]
+    assert q.dtype == np.int8 and q.shape == w.shape
+    assert scale.dtype == np.float32 and scale.shape == (w.shape[0], w.shape[1] // g)
+    assert np.abs(q.astype(np.int32)).max() <= 127
+    deq = dequantize_int8(q, scale, group)
+    step = expanded(scale, w.shape[1]).astype(np.float64)
+    err = np.abs(w.astype(np.float64) - deq.astype(np.float64))
+    assert (err <= step / 2 * (1 + 1e-6) + 1e-30).all()
+    # reported errors agree with a direct float64 computation
+    row_max = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True)
+    rel = np.divide(err, row_max, out=np.zeros_like(err), where=row_max > 0)
+    assert max_rel == pytest.approx(rel.max(), rel=1e-4, abs=1e-7)
+    assert mean_rel == pytest.approx(rel.mean(), rel=1e-4, abs=1e-7)
+    assert max_rel <= 0.5 / 127 * (1 + 1e-5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrays(np.float32, (3, 8), elements=FINITE))
+def test_row_max_is_exactly_representable(w: np.ndarray) -> None:
+    q, scale, _, _ = quantize_int8(w)
+    for row in range(w.shape[0]):
+        if np.abs(w[row]).max() > 0:
+            assert np.abs(q[row].astype(np.int32)).max() == 127
+
+
+def test_zero_rows_and_groups_give_exact_zeros_with_unit_scale() -> None:
+    w = np.zeros((3, 8), np.float32)
+    w[1, 4:] = [1, -2, 3, -4]
+    q, scale, max_rel, mean_rel = quantize_int8(w, 4)
+    assert scale[0].tolist() == [1.0, 1.0] and scale[1, 0] == 1.0
+    assert not q[0].any() and not q[1, :4].any()
+    deq = dequantize_int8(q, scale, 4)
+    assert np.array_equal(deq[0], np.zeros(8)) and np.array_equal(deq[2], np.zeros(8))
+    assert np.isfinite([max_rel, mean_rel]).all()
+
+
+def test_group_quantization_beats_row_quantization_on_outliers() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 256), dtype=np.float32) * 0.01
+    w[:, 0] = 10.0  # one outlier column ruins the per-row scale
+    assert quantize_int8(w, 32).mean_rel_err < quantize_int8(w).mean_rel_err / 5
+
+
+def test_large_blocked_input_matches_small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from colibri_format.convert import quantize as qmod
+
+    w = np.random.default_rng(1).standard_normal((300, 64), dtype=np.float32)
+    whole = quantize_int8(w, 16)
+    monkeypatch.setattr(qmod, "BLOCK_BYTES", 7 * 64 * 4)  # 7 rows per block, ragged last block
+    blocked = quantize_int8(w, 16)
+    assert np.array_equal(whole.q, blocked.q) and np.array_equal(whole.scale, blocked.scale)
+    assert whole.max_rel_err == pytest.approx(blocked.max_rel_err)
+    assert whole.mean_rel_err == pytest.approx(blocked.mean_rel_err)
+
+
+def test_non_contiguous_input_is_accepted() -> None:
+    w = np.random.default_rng(2).standard_normal((8, 16), dtype=np.float32)
+    assert np.array_equal(quantize_int8(w.T.copy().T).q, quantize_int8(np.ascontiguousarray(w)).q)
+    assert np.array_equal(quantize_int8(w[:, ::2]).q, quantize_int8(np.ascontiguousarray(w[:, ::2])).q)
+
+
+@pytest.mark.parametrize("w, group", [
+    (np.ones((2, 8), np.float64), None), (np.ones(8, np.float32), None), (np.ones((2, 8), np.float32), 3),
+    (np.ones((2, 8), np.float32), 0), (np.ones((2, 8), np.float32), True), (np.ones((2, 0), np.float32), None),
+    (np.array([[1.0, np.nan]], np.float32), None), (np.array([[1.0, np.inf]], np.float32), None),
+])
+def test_bad_arguments_are_invalid_input(w: np.ndarray, group: int | None) -> None:
+    with pytest.raises(InvalidInput):
+        quantize_int8(w, group)
+
+
+def test_dequantize_checks_shapes() -> None:
+    q, scale, _, _ = quantize_int8(np.ones((2, 8), np.float32), 4)
+    with pytest.raises(InvalidInput):
+        dequantize_int8(q, scale, None)
+    with pytest.raises(InvalidInput):
+        dequantize_int8(q, scale[:1], 4)
+
+
+def test_benchmark_reports_throughput() -> None:
+    result = benchmark_quantize(64, 256, group_size=32, repeats=1)
+    assert result["gb_per_s"] > 0 and result["source_bytes"] == 64 * 256 * 4
