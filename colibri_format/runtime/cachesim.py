@@ -1,0 +1,329 @@
+"""Trace-driven expert-cache simulator: replay a routing trace under every policy and capacity.
+
+The replay uses the policy classes of :mod:`colibri_format.runtime.cache` (the same code as the
+engines' :class:`ExpertCache`) on integer keys ``moe_layer_index * num_experts + expert``, and the same
+clock conventions: the access clock is the position in the global access sequence (one clock for all
+partitions), the token clock the forward-pass index.
+
+CLI (wired by the CLI owner)::
+
+    colibri cache-sim TRACE --capacity 10%,25%,40%,60% [--policy all] [--scope global|per_layer] [--json]
+
+maps to ``run_cache_sim(TRACE, "10%,25%,40%,60%", policy="all", scope="global")`` and
+``render_table(result)`` (or ``json.dumps(result)`` with ``--json``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colibri_format.errors import InvalidInput
+from colibri_format.runtime.cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
+                                          next_use)
+from colibri_format.runtime.trace import (Accesses, Trace, access_sequence, make_header, read_trace,
+                                          records_from_arrays)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One simulated configuration: a policy name plus LRFU's decay and clock."""
+
+    policy: str
+    decay: float = 0.999
+    clock: str = "access"
+
+    @property
+    def label(self) -> str:
+        if self.policy == "lrfu":
+            return f"lrfu d={self.decay:g}/{self.clock}"
+        return self.policy
+
+
+DEFAULT_POLICIES = (
+    PolicySpec("lru"), PolicySpec("lfu"), PolicySpec("random"), PolicySpec("static"),
+    PolicySpec("lrfu", 0.999, "access"), PolicySpec("lrfu", 0.99, "access"),
+    PolicySpec("lrfu", 0.999, "token"), PolicySpec("lrfu", 0.9, "token"),
+    PolicySpec("belady"),
+)
+
+
+def parse_policies(policy: str) -> list[PolicySpec]:
+    """``all`` or a comma list of ``lru``, ``lfu``, ``random``, ``static``, ``belady``,
+    ``lrfu[:DECAY[:access|token]]`` (e.g. ``lrfu:0.99:token``)."""
+    if not isinstance(policy, str) or not policy.strip():
+        raise InvalidInput("empty policy list", field="policy", value=policy)
+    if policy.strip() == "all":
+        return list(DEFAULT_POLICIES)
+    specs = []
+    for item in policy.split(","):
+        parts = item.strip().split(":")
+        name = parts[0]
+        if name == "lrfu" and len(parts) <= 3:
+            try:
+                decay = check_decay(float(parts[1])) if len(parts) > 1 else 0.999
+            except ValueError:
+                raise InvalidInput(f"bad LRFU decay in {item!r}", field="policy", value=item) from None
+            clock = parts[2] if len(parts) > 2 else "access"
+            if clock not in ("access", "token"):
+                raise InvalidInput(f"unknown clock in {item!r}; expected access or token", field="policy",
+                                   value=item)
+            specs.append(PolicySpec("lrfu", decay, clock))
+        elif name in ("lru", "lfu", "random", "static", "belady") and len(parts) == 1:
+            specs.append(PolicySpec(name))
+        else:
+            raise InvalidInput(f"unknown policy {item.strip()!r}; expected all, lru, lfu, lrfu[:decay[:clock]], "
+                               "static, belady or random", field="policy", value=item)
+    return specs
+
+
+def parse_capacities(spec: str, total: int) -> list[tuple[str, int]]:
+    """Parse ``10%,25%,64`` into ``(label, capacity)`` pairs; percentages are of ``total`` experts.
+
+    A percentage rounds to the nearest integer, at least 1.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidInput("empty capacity list", field="capacity", value=spec)
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        try:
+            if item.endswith("%"):
+                frac = float(item[:-1]) / 100.0
+                if not (0.0 < frac <= 1.0):
+                    raise ValueError
+                cap = max(1, int(round(frac * total)))
+            else:
+                cap = int(item)
+                if cap < 1:
+                    raise ValueError
+        except ValueError:
+            raise InvalidInput(f"bad capacity {item!r}: use a percentage in (0%, 100%] or a count >= 1",
+                               field="capacity", value=item) from None
+        out.append((item, cap))
+    return out
+
+
+def top_experts(keys: np.ndarray, capacity: int, parts: np.ndarray | None = None) -> list[int]:
+    """The ``capacity`` most accessed keys (per partition when ``parts`` is given); ties -> smaller key."""
+    groups = [keys] if parts is None else [keys[parts == p] for p in np.unique(parts)]
+    pinned: list[int] = []
+    for g in groups:
+        uniq, counts = np.unique(g, return_counts=True)
+        order = np.lexsort((uniq, -counts))  # count descending, then key ascending
+        pinned.extend(uniq[order[:capacity]].tolist())
+    return pinned
+
+
+@dataclass(frozen=True)
+class SimResult:
+    accesses: int
+    hits: int
+    misses: int
+    evictions: int
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / self.accesses if self.accesses else 0.0
+
+
+def _replay(keys: list[int], clocks: Sequence[int], parts: list[int] | None,
+            policies: list[CachePolicy]) -> tuple[int, int]:
+    """Run the access/miss/insert protocol; returns (misses, evictions)."""
+    misses = evictions = 0
+    if parts is None:
+        pol = policies[0]
+        touch, admits, insert = pol.touch, pol.admits, pol.insert
+        for key, now in zip(keys, clocks):
+            if touch(key, now):
+                continue
+            misses += 1
+            if admits(key) and insert(key, now) is not None:
+                evictions += 1
+        return misses, evictions
+    bound = [(p.touch, p.admits, p.insert) for p in policies]
+    for key, now, part in zip(keys, clocks, parts):
+        touch, admits, insert = bound[part]
+        if touch(key, now):
+            continue
+        misses += 1
+        if admits(key) and insert(key, now) is not None:
+            evictions += 1
+    return misses, evictions
+
+
+def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | None,
+             scope: str = "global", *, layer_index: dict[int, int] | None = None, seed: int = 0) -> SimResult:
+    """Replay one access sequence under one policy and capacity (per layer for ``per_layer``)."""
+    if scope not in SCOPES:
+        raise InvalidInput(f"unknown scope {scope!r}; expected global or per_layer", field="scope", value=scope)
+    if layer_index is None:
+        layer_index = {layer: i for i, layer in enumerate(sorted(set(acc.layer.tolist())))}
+    lidx = np.zeros(max(layer_index) + 1 if layer_index else 1, dtype=np.int64)
+    for layer, i in layer_index.items():
+        lidx[layer] = i
+    part_arr = lidx[acc.layer]
+    keys_arr = part_arr * num_experts + acc.expert
+    keys = keys_arr.tolist()
+    n = len(keys)
+    clocks: Sequence[int] = range(n) if spec.clock == "access" else acc.step.tolist()
+    if scope == "global":
+        pids = [0]
+        parts = None
+    else:
+        pids = list(range(len(layer_index)))
+        parts = part_arr.tolist()
+
+    policies: list[CachePolicy] = []
+    for pid in pids:
+        if spec.policy == "static":
+            if scope == "global":
+                pinned = top_experts(keys_arr, capacity or n)
+            else:
+                pinned = top_experts(keys_arr[part_arr == pid], capacity or n)
+            policies.append(make_policy("static", capacity, pinned=pinned))
+        elif spec.policy == "belady":
+            sub = keys if parts is None else keys_arr[part_arr == pid].tolist()
+            policies.append(BeladyPolicy(capacity, sub, next_use(sub)))
+        else:
+            policies.append(make_policy(spec.policy, capacity, decay=spec.decay, seed=seed))
+    misses, evictions = _replay(keys, clocks, parts, policies)
+    return SimResult(n, n - misses, misses, evictions)
+
+
+def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy: str = "all",
+                  scope: str = "global", *, blob_bytes: int | None = None, dedup: bool = True,
+                  seed: int = 0) -> dict[str, Any]:
+    """Replay a trace under each policy at each capacity.
+
+    Args:
+        trace: a trace path (read with :func:`read_trace`) or an in-memory :class:`Trace`.
+        capacities: comma list of percentages of all experts (``10%,25%``; of one layer's experts for
+            ``per_layer``) or absolute counts (total for ``global``, per layer for ``per_layer``).
+        policy: ``all`` or a comma list (see :func:`parse_policies`).
+        scope: ``global`` or ``per_layer``.
+        blob_bytes: bytes of one expert blob; adds ``bytes_paged = misses * blob_bytes`` to each row.
+        dedup: one access per expert per layer per forward pass (as the engines do).
+
+    Returns:
+        ``{"trace": {...}, "scope", "dedup", "rows": [{"policy", "label", "decay", "clock",
+        "capacity", "capacity_spec", "fraction", "accesses", "hits", "misses", "evictions",
+        "miss_rate", "bytes_paged"?}, ...]}``.
+    """
+    if scope not in SCOPES:
+        raise InvalidInput(f"unknown scope {scope!r}; expected global or per_layer", field="scope", value=scope)
+    if blob_bytes is not None and (isinstance(blob_bytes, bool) or not isinstance(blob_bytes, int)
+                                   or blob_bytes < 0):
+        raise InvalidInput("blob_bytes must be a non-negative integer", field="blob_bytes", value=blob_bytes)
+    tr = trace if isinstance(trace, Trace) else read_trace(trace)
+    specs = parse_policies(policy)
+    h = tr.header
+    per_part = h.num_experts if scope == "per_layer" else h.total_experts
+    caps = parse_capacities(capacities, per_part)
+    acc = access_sequence(tr, "global", dedup=dedup)
+    assert isinstance(acc, Accesses)
+    layer_index = {layer: i for i, layer in enumerate(h.moe_layers)}
+    distinct = len(set(zip(acc.layer.tolist(), acc.expert.tolist())))
+    rows = []
+    for spec in specs:
+        for cap_spec, cap in caps:
+            res = simulate(acc, h.num_experts, spec, cap, scope, layer_index=layer_index, seed=seed)
+            row: dict[str, Any] = {
+                "policy": spec.policy, "label": spec.label,
+                "decay": spec.decay if spec.policy == "lrfu" else None,
+                "clock": spec.clock if spec.policy == "lrfu" else None,
+                "capacity": cap, "capacity_spec": cap_spec, "fraction": cap / per_part,
+                "accesses": res.accesses, "hits": res.hits, "misses": res.misses,
+                "evictions": res.evictions, "miss_rate": res.miss_rate}
+            if blob_bytes is not None:
+                row["bytes_paged"] = res.misses * blob_bytes
+            rows.append(row)
+    return {
+        "trace": {"model": h.model, "num_layers": h.num_layers, "moe_layers": len(h.moe_layers),
+                  "num_experts": h.num_experts, "top_k": h.top_k, "tokens": len(tr.records),
+                  "steps": int(acc.step[-1]) + 1 if len(acc) else 0, "accesses": len(acc),
+                  "distinct_experts": distinct,
+                  "cold_miss_rate": distinct / len(acc) if len(acc) else 0.0},
+        "scope": scope, "dedup": dedup, "rows": rows}
+
+
+def render_table(result: dict[str, Any]) -> Any:
+    """A rich ``Table``: one row per policy, one column per capacity, cells = miss rate."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = result["trace"]
+    unit = "per layer" if result["scope"] == "per_layer" else "total"
+    table = Table(title=f"expert-cache miss rate, scope={result['scope']}",
+                  caption=(f"{escape(str(t['model']))}: {t['moe_layers']} MoE layers x {t['num_experts']} experts, "
+                           f"top-{t['top_k']}, {t['accesses']} accesses, cold misses "
+                           f"{100 * t['cold_miss_rate']:.2f}%"))
+    table.add_column("policy")
+    caps: list[tuple[str, int]] = []
+    for row in result["rows"]:
+        if (row["capacity_spec"], row["capacity"]) not in caps:
+            caps.append((row["capacity_spec"], row["capacity"]))
+    for spec, cap in caps:
+        table.add_column(f"{spec} ({cap} {unit})", justify="right")
+    labels: list[str] = []
+    cells: dict[tuple[str, int], str] = {}
+    for row in result["rows"]:
+        if row["label"] not in labels:
+            labels.append(row["label"])
+        cell = f"{100 * row['miss_rate']:.2f}%"
+        if "bytes_paged" in row:
+            cell += f" {row['bytes_paged'] / 2**30:.2f} GiB"
+        cells[(row["label"], row["capacity"])] = cell
+    for label in labels:
+        table.add_row(label, *(cells.get((label, cap), "") for _, cap in caps))
+    return table
+
+
+# --- synthetic traces -----------------------------------------------------------------------------
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, skew: float = 1.0,
+                    locality: float = 0.0, seed: int = 0, *, batch: int = 1,
+                    model: str = "synthetic") -> Trace:
+    """A synthetic routing trace (every layer MoE) for tests and benchmarks.
+
+    Each layer ranks its experts by a random permutation and gives rank r the popularity
+    ``(r + 1) ** -skew`` (Zipf; ``skew=0`` is uniform). For each token of each sequence, every expert
+    the same sequence chose at this layer on the previous step is kept with probability ``locality``;
+    the remaining slots are sampled without replacement in proportion to popularity (Gumbel top-k).
+
+    Args:
+        tokens: forward passes; each routes ``batch`` tokens (one per sequence).
+    """
+    make_header(num_layers, range(num_layers), num_experts, top_k, model)  # range checks
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise InvalidInput("tokens must be a non-negative integer", field="tokens", value=tokens)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidInput("batch must be a positive integer", field="batch", value=batch)
+    if not (skew >= 0.0 and math.isfinite(skew)):
+        raise InvalidInput("skew must be a finite number >= 0", field="skew", value=skew)
+    if not (0.0 <= locality <= 1.0):
+        raise InvalidInput("locality must be in [0, 1]", field="locality", value=locality)
+    rng = np.random.default_rng(seed)
+    ranks = np.argsort(rng.random((num_layers, num_experts)), axis=1)  # [L, E] rank of each expert
+    logp = -skew * np.log1p(ranks.astype(np.float64))                  # [L, E]
+    choices = np.empty((tokens, batch, num_layers, top_k), dtype=np.int32)
+    prev = np.zeros((batch, num_layers, num_experts), dtype=bool)
+    rows = np.arange(batch)[:, None, None]
+    cols = np.arange(num_layers)[None, :, None]
+    for t in range(tokens):
+        scores = logp[None] + rng.gumbel(size=(batch, num_layers, num_experts))    # [B, L, E]
+        if locality > 0.0 and t > 0:
+            keep = prev & (rng.random((batch, num_layers, num_experts)) < locality)
+            scores[keep] = np.inf
+        top = np.argpartition(-scores, top_k - 1, axis=2)[:, :, :top_k]              # [B, L, k]
+        order = np.argsort(-scores[rows, cols, top], axis=2, kind="stable")         # router order
+        top = np.take_along_axis(top, order, axis=2)
+        choices[t] = top
+        prev[:] = False
+        prev[rows, cols, top] = True
+    header = make_header(num_layers, range(num_layers), num_experts, top_k, model)
+    return Trace(header, records_from_arrays(choices, header.moe_layers))
