@@ -5,6 +5,10 @@ the checkpoint. We accept a plain basename only, resolve it, and insist that the
 resolved file is a regular file inside the checkpoint folder. The one symlink
 layout we follow is the Hugging Face hub cache, where
 `snapshots/<rev>/<name>` links to `../../blobs/<hash>`.
+
+Unlike the `.colibri` reader we do not refuse hard links (st_nlink > 1): a hard
+link can only be made by someone who could already read the file, and dedup
+tools and `cp -l` copies of checkpoints use them legitimately.
 """
 
 from __future__ import annotations

@@ -158,3 +158,18 @@ def test_missing_expert_tensors_name_the_layer(tiny_checkpoint: Any, tmp_path: P
     src, adapter, model = open_and_normalize(folder)
     with src, pytest.raises(InvalidInput, match="model.layers.2"):
         adapter.expert_tensors(src, model, 2, 0)
+
+
+def test_gate_up_rows_reuses_the_fused_buffer_and_concatenates_otherwise(tiny_checkpoint: Any) -> None:
+    from colibri_format.convert.arch.common import gate_up_rows
+
+    for fused in (True, False):
+        src, adapter, model = open_and_normalize(tiny_checkpoint("mixtral", fused=fused, sharded=fused))
+        with src:
+            gate, up, _ = adapter.expert_tensors(src, model, 1, 2)
+            stacked = gate_up_rows(gate, up)
+            assert stacked.shape == (32, 32) and stacked.flags.c_contiguous
+            np.testing.assert_array_equal(stacked, np.concatenate([gate, up]))
+            assert (stacked is gate.base) == fused
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    assert gate_up_rows(a[2:], a[:2]) is not a  # swapped halves must not be mistaken for gate-first

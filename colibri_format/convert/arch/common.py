@@ -215,3 +215,16 @@ def expert_tensors(src: Any, model: Model, names: HFNames, layer: int, expert: i
         _check_shape(src, name, shape)
         parts.append(src.read(name))
     return parts[0], parts[1], parts[2]
+
+
+def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The blob's `gate_up [2I, H]` (gate rows first).
+
+    For fused checkpoints `expert_tensors` returns gate and up as the two halves of one
+    freshly read array; that array is handed back as is instead of being copied again.
+    """
+    base = gate.base
+    adjacent = (base is not None and up.base is base and base.ndim == 2 and base.flags.c_contiguous
+                and base.shape == (gate.shape[0] + up.shape[0], gate.shape[1])
+                and gate.ctypes.data == base.ctypes.data and up.ctypes.data == base.ctypes.data + gate.nbytes)
+    return base if adjacent else np.concatenate([gate, up])
