@@ -38,6 +38,10 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 ROPE_LISTS = ("short_factor", "long_factor")  # longrope only
+# Parameters without which the runtime cannot compute the frequencies of each rope type.
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "longrope": ("short_factor", "long_factor")}
 
 # Key order of the `model` object in docs/design.md; finish_model checks all are present.
 MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
@@ -231,6 +235,8 @@ def rope(f: Fields, default_theta: float) -> dict[str, Any]:
     """The design-doc `rope` object: type, theta and the HF scaling parameters under their HF names."""
     params, theta = _rope_source(f)
     p = Fields(params, where=f"{f.where} rope")
+    if any(isinstance(v, dict) for v in params.values()):  # v5 per-layer-type rope (Gemma-style)
+        raise UnsupportedModel("per-layer-type rope_parameters are not supported", field="rope_parameters")
     kind = params.get("rope_type", params.get("type", "default"))
     if not isinstance(kind, str):
         raise p._fail("rope_type", kind, "a string")
@@ -247,6 +253,10 @@ def rope(f: Fields, default_theta: float) -> dict[str, Any]:
         for key in ROPE_LISTS:
             if p.has(key):
                 out[key] = _number_list(p, key)
+    missing = [key for key in ROPE_REQUIRED.get(kind, ()) if key not in out]
+    if missing:
+        raise InvalidInput(f"{f.where}: rope type {kind!r} needs {', '.join(missing)}", field="rope_parameters",
+                           value=kind)
     return out
 
 

@@ -124,6 +124,16 @@ class SourceCheckpoint:
             return to_float32(f.view(name), f.entries[name].dtype)
         return f.read(name)
 
+    def read_native(self, name: str) -> np.ndarray:
+        """The whole tensor in its stored dtype (bfloat16 as uint16 bit patterns), as a fresh array.
+
+        Lets dense tensors go to a bf16/fp16 file without a float32 copy twice their size.
+        """
+        f = self._file(name)
+        if isinstance(f, SafetensorsFile):
+            return np.array(f.view(name), copy=True)
+        return f.read_native(name)
+
     def read_slice(self, name: str, index: int) -> np.ndarray:
         """`tensor[index]` as float32, copying only that slice (one expert of a fused tensor)."""
         shape = self.shape(name)

@@ -57,6 +57,16 @@ class TorchBinFile:
     def dtype(self, name: str) -> str:
         return _FLOAT_NAMES.get(str(self._state[name].dtype), str(self._state[name].dtype))
 
+    def read_native(self, name: str) -> np.ndarray:
+        """A copy in the stored dtype; bfloat16 comes back as uint16 bit patterns."""
+        torch = _torch()
+        tensor = self._state[name]
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(np.uint16).copy()
+        if str(tensor.dtype) not in _FLOAT_NAMES:
+            raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}", field=name)
+        return tensor.numpy().copy()
+
     def read(self, name: str, index: int | None = None) -> np.ndarray:
         tensor = self._state[name]
         if str(tensor.dtype) not in _FLOAT_NAMES:

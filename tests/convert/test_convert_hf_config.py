@@ -108,6 +108,29 @@ def test_v5_rope_parameters_with_yarn() -> None:
                     "beta_fast": 32.0, "beta_slow": 1.0}
 
 
+@pytest.mark.parametrize("params, needle", [
+    ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"), ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0]}, "long_factor"),
+])
+def test_rope_type_without_its_parameters_is_invalid(params: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidInput, match=needle):
+        model_of({**MIXTRAL, "rope_parameters": params})
+
+
+def test_longrope_keeps_its_factor_lists() -> None:
+    params = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1, 1.5], "long_factor": [2, 3],
+              "original_max_position_embeddings": 4096}
+    rope = model_of({**MIXTRAL, "rope_parameters": params})["rope"]
+    assert rope["short_factor"] == [1.0, 1.5] and rope["long_factor"] == [2.0, 3.0]
+
+
+def test_per_layer_type_rope_is_unsupported() -> None:
+    params = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(UnsupportedModel, match="per-layer-type"):
+        model_of({**MIXTRAL, "rope_parameters": params})
+
+
 def test_rope_parameters_win_over_v4_fields() -> None:
     raw = {**MIXTRAL, "rope_theta": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 2e6}}
     assert model_of(raw)["rope"] == {"type": "default", "theta": 2e6}

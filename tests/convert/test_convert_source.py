@@ -41,6 +41,18 @@ def test_every_tensor_reads_back_exactly(tiny_checkpoint: Any, tiny_reference: A
             assert got.dtype == np.float32 and np.array_equal(got, expected), name
 
 
+@pytest.mark.parametrize("dtype, storage", [("bfloat16", np.uint16), ("float16", np.float16),
+                                            ("float32", np.float32)])
+def test_read_native_keeps_the_stored_bits(tiny_checkpoint: Any, dtype: str, storage: Any) -> None:
+    from colibri_format.dtypes import bf16_bits_to_float32
+
+    with open_checkpoint(tiny_checkpoint("olmoe", dtype=dtype)) as src:
+        native = src.read_native("model.embed_tokens.weight")
+        assert native.dtype == storage and native.flags.owndata
+        widened = bf16_bits_to_float32(native) if dtype == "bfloat16" else native.astype(np.float32)
+        assert np.array_equal(widened, src.read("model.embed_tokens.weight"))
+
+
 def test_read_slice_returns_one_expert_without_the_rest(tiny_checkpoint: Any, tiny_reference: Any) -> None:
     ref = tiny_reference("mixtral", dtype="bfloat16")
     with open_checkpoint(tiny_checkpoint("mixtral", fused=True, dtype="bfloat16")) as src:
@@ -203,6 +215,9 @@ def test_pickle_needs_opt_in_and_then_reads(tiny_checkpoint: Any, tiny_reference
         assert src.dtype(FUSED_GATE_UP) == "bfloat16"
         assert np.array_equal(src.read(FUSED_GATE_UP), ref[FUSED_GATE_UP])
         assert np.array_equal(src.read_slice(FUSED_GATE_UP, 2), ref[FUSED_GATE_UP][2])
+        native = src.read_native(FUSED_GATE_UP)
+        assert native.dtype == np.uint16
+        assert np.array_equal((native.astype(np.uint32) << 16).view(np.float32), ref[FUSED_GATE_UP])
 
 
 def test_hostile_pickle_is_refused_even_when_allowed(tmp_path: Path) -> None:
