@@ -165,7 +165,7 @@ class ColibriFile:
 
     def verify_dense(self, name: str) -> None:
         e = self._entry(name)
-        if digest(self._mm[e.offset:e.offset + e.size], dense_seed(name, e.offset)) != e.checksum:
+        if digest(memoryview(self._mm)[e.offset:e.offset + e.size], dense_seed(name, e.offset)) != e.checksum:
             raise E.CorruptTensor(f"dense tensor {name!r} fails its checksum", field=name, offset=e.offset)
         self._verified.add(("dense", name))
 
@@ -188,7 +188,7 @@ class ColibriFile:
 
     def verify_expert(self, layer: int, expert: int) -> None:
         offset, size, checksum = self._blob_entry(layer, expert)
-        if digest(self._mm[offset:offset + size], expert_seed(layer, expert, offset)) != checksum:
+        if digest(memoryview(self._mm)[offset:offset + size], expert_seed(layer, expert, offset)) != checksum:
             raise E.CorruptExpert(f"expert {expert} of layer {layer} fails its checksum",
                                   field=f"expert[{layer},{expert}]", offset=offset)
         self._verified.add(("expert", layer, expert))
