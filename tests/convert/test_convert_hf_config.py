@@ -14,6 +14,7 @@ from colibri_format.convert import hf_config
 from colibri_format.convert.arch import SUPPORTED_MODEL_TYPES, get_adapter
 from colibri_format.convert.hf_config import load_config, normalize_config
 from colibri_format.errors import ColibriFormatError, InvalidInput, UnsupportedModel
+from tests.convert.hand_configs import MIXTRAL, QWEN2, QWEN3
 from tests.hf_models import ARCHS
 
 BASE = {
@@ -40,14 +41,6 @@ EXPECTED = {
     "granitemoeshared": {"router": GRANITE_ROUTER, "multipliers": GRANITE_MULT,
                          "shared_expert": {"intermediate_size": 24, "gate": "none"}},
 }
-
-MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 16,
-           "num_local_experts": 4, "num_experts_per_tok": 2}
-QWEN2 = {**MIXTRAL, "model_type": "qwen2_moe", "num_local_experts": None, "num_experts": 4,
-         "moe_intermediate_size": 16, "intermediate_size": 48, "shared_expert_intermediate_size": 24}
-QWEN3 = {**QWEN2, "model_type": "qwen3_moe", "shared_expert_intermediate_size": None}
-
 
 def model_of(raw: dict[str, Any]) -> dict[str, Any]:
     return normalize_config({k: v for k, v in raw.items() if v is not None})[1]
