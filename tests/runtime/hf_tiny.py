@@ -66,6 +66,15 @@ def build_hf(arch: str, seed: int = 0):
     return model
 
 
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
 def hf_logits(model, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()   # [n, V]
@@ -206,3 +215,33 @@ def checkpoint_weights(model, out_dir, fused: bool = False) -> DictWeights:
                 gate, up, down = adapter.expert_tensors(src, meta_model, layer, e)
                 experts[(layer, e)] = (np.concatenate([gate, up]), np.array(down))
     return DictWeights(meta_model, dense, experts, {"architecture": arch, "model": meta_model, "tokenizer": None})
+
+
+# --- a `.colibri` file from canonical tensors, through the real writer --------------------------------------
+
+def write_colibri(weights: DictWeights, path, experts: str = "float32", dense: str = "float32",
+                  group_size: int | None = None):
+    """Write `weights` with colibri_format.writer (experts: float32 | float16 | bfloat16 | int8_row | int8_group)."""
+    from colibri_format import spec as S
+    from colibri_format.convert.quantize import quantize_int8
+    from colibri_format.writer import ColibriWriter
+
+    fmt = {v: k for k, v in S.EXPERT_FORMAT_NAMES.items()}[experts]
+    model = weights.model
+    with ColibriWriter(path, model, dense_dtype=S.DTYPE_NAMES[dense], expert_format=fmt,
+                       group_size=group_size or 0) as w:
+        for name, _ in S.canonical_dense_tensors(model):
+            w.write_dense(name, weights.dense(name))
+        for (layer, e), (gate_up, down) in weights._experts.items():
+            if fmt in S.QUANTIZED_FORMATS:
+                gu, dn = quantize_int8(gate_up, group_size), quantize_int8(down, group_size)
+                arrays = {"gate_up": gu.q, "gate_up_scale": gu.scale, "down": dn.q, "down_scale": dn.scale}
+            else:
+                arrays = {"gate_up": gate_up, "down": down}
+            w.write_expert(layer, e, arrays)
+        quant = {"experts": experts, "bits": 8 if fmt in S.QUANTIZED_FORMATS else None, "group_size": group_size,
+                 "dense_dtype": dense, "error": {"max_rel": 0.0, "mean_rel": 0.0, "per_expert": []}}
+        meta = {"format": "colibri", "spec_version": "1.0",
+                "architecture": weights.metadata.get("architecture", "unknown"), "model": model,
+                "quantization": quant, "provenance": {}, "tokenizer": weights.metadata.get("tokenizer")}
+        return w.finalize(meta)

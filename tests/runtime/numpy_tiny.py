@@ -12,7 +12,7 @@ MODEL = {
     "rope": {"type": "default", "theta": 10000.0}, "qkv_bias": False, "o_bias": False, "qk_norm": "none",
     "clip_qkv": None, "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
     "moe_layers": [0, 1], "dense_intermediate_size": None, "num_experts": 8, "top_k": 2,
-    "expert_intermediate_size": 8,
+    "expert_intermediate_size": 16,
     "router": {"scoring": "softmax", "order": "softmax_topk", "normalize_topk": True, "bias": False, "scale": 1.0},
     "shared_expert": None, "multipliers": {"embedding": 1.0, "residual": 1.0, "attention": None, "logits": 1.0},
 }
@@ -52,3 +52,22 @@ class CountingWeights(DictWeights):
     def expert(self, layer: int, expert: int):
         self.reads.append((layer, expert))
         return super().expert(layer, expert)
+
+
+# --- a word-level tokenizer over a 10-word vocabulary, with a chat template -----------------------------
+
+WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "user", "assistant", ":", "hi", "there"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {{ eos_token }} "
+            "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def tokenizer_entry(**extra) -> dict:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": TEMPLATE}
+    return {"tokenizer_json": tok.to_str(), "tokenizer_config": config, "generation_config": {}, **extra}

@@ -105,7 +105,7 @@ def test_stats_are_reported(engine):
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
     assert 2 <= stats.experts_touched <= 16
     assert stats.cache_misses == stats.expert_loads == stats.experts_touched   # unbounded cache: one load each
-    assert stats.cache_hits > 0 and stats.bytes_paged == stats.expert_loads * (2 * 8 * 16 + 16 * 8) * 4
+    assert stats.cache_hits > 0 and stats.bytes_paged == stats.expert_loads * (2 * 16 * 16 + 16 * 16) * 4
 
 
 # --- lazy experts, cache, trace ------------------------------------------------------------------------

@@ -11,18 +11,9 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime.engine import Engine
-from hf_tiny import ARCHS, build_hf, checkpoint_weights, hf_logits, to_canonical
+from hf_tiny import ARCHS, build_hf, checkpoint_weights, hf_logits, prompts, rel_err, to_canonical
 
 TOL = 1e-4  # relative: |got - ref| / |ref| per sequence
-
-
-def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-
-
-def prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

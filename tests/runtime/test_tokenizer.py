@@ -5,27 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from colibri_format.errors import InvalidInput, InvalidMetadata
 from colibri_format.runtime import Engine
 from colibri_format.runtime.tokenizer import Tokenizer
 from colibri_format.runtime.weights import DictWeights
-from numpy_tiny import random_weights
-
-WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "user", "assistant", ":", "hi", "there"]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {{ eos_token }} "
-            "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
-
-
-def tokenizer_entry(**extra) -> dict:
-    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    tok.add_special_tokens(["<s>", "</s>"])
-    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": TEMPLATE}
-    return {"tokenizer_json": tok.to_str(), "tokenizer_config": config, "generation_config": {}, **extra}
+from numpy_tiny import WORDS, random_weights, tokenizer_entry
 
 
 def test_round_trip_and_stop_ids():
