@@ -173,3 +173,16 @@ def test_gate_up_rows_reuses_the_fused_buffer_and_concatenates_otherwise(tiny_ch
             assert (stacked is gate.base) == fused
     a = np.arange(12, dtype=np.float32).reshape(4, 3)
     assert gate_up_rows(a[2:], a[:2]) is not a  # swapped halves must not be mistaken for gate-first
+
+
+def test_converter_imports_neither_torch_nor_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, colibri_format.convert.source, colibri_format.convert.quantize, "
+            "colibri_format.convert.arch as a\n"
+            "[a.get_adapter(t) for t in a.SUPPORTED_MODEL_TYPES]\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
