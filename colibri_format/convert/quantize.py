@@ -14,8 +14,8 @@ rows count as error 0). Per-row quantization therefore reports at most
 0.5/127 ~ 0.0039. These are what docs/design.md stores under `quantization.error`.
 
 Speed: rows are processed in ~1 MiB blocks through two reused float32 buffers,
-so the eight vectorised passes per block run from cache, not memory; max|w|
-comes from max and min reductions (no |w| array), and the error is taken from
+so the vectorised passes per block run from cache, not memory; small groups are
+reduced with strided element-wise calls (see `_reduce_groups`), and the error is taken from
 `w/scale - rint(w/scale)` rather than a second dequantizing multiply.
 `benchmark_quantize` measures it.
 """
@@ -31,6 +31,7 @@ from colibri_format.errors import InvalidInput
 
 QMAX = 127
 BLOCK_BYTES = 1 << 20  # rows per pass sized so the temporaries stay in cache
+SMALL_GROUP = 32  # at or below this group size, reduce with strided element-wise calls
 
 
 class Quantized(NamedTuple):
@@ -74,7 +75,7 @@ def quantize_int8(w: np.ndarray, group_size: int | None = None) -> Quantized:
 def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray,
                     r: np.ndarray) -> tuple[float, float]:
     """Fill q and scale for a block of rows; return (max, sum) of the relative error."""
-    amax = np.maximum(w3.max(axis=2), -w3.min(axis=2))  # [rows, G], no |w| temporary
+    amax = _reduce_groups(np.maximum, np.abs(w3, out=x))  # [rows, G]; NaN propagates
     if not np.isfinite(amax).all():
         raise InvalidInput("weight holds NaN or infinity", field="weight")
     np.divide(amax, np.float32(QMAX), out=scale)
@@ -87,9 +88,24 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
     np.abs(x, out=x)
     row_max = amax.max(axis=1, keepdims=True)
     weight = scale / np.where(row_max > 0, row_max, np.float32(1))  # zero rows: error 0
-    group_max = x.max(axis=2) * weight
-    group_sum = x.sum(axis=2) * weight
+    group_max = _reduce_groups(np.maximum, x) * weight
+    group_sum = _reduce_groups(np.add, x) * weight
     return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
+
+
+def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray) -> np.ndarray:
+    """ufunc-reduce [rows, G, g] over g.
+
+    NumPy reduces a short contiguous last axis one tiny inner loop per group; for small
+    groups, g strided element-wise calls over all groups at once are 2-4x faster.
+    """
+    g = x3.shape[2]
+    if g > SMALL_GROUP:
+        return ufunc.reduce(x3, axis=2)
+    acc = x3[..., 0].copy()
+    for k in range(1, g):
+        ufunc(acc, x3[..., k], out=acc)
+    return acc
 
 
 def dequantize_int8(q: np.ndarray, scale: np.ndarray, group_size: int | None = None) -> np.ndarray:

@@ -115,3 +115,17 @@ def test_dequantize_checks_shapes() -> None:
 def test_benchmark_reports_throughput() -> None:
     result = benchmark_quantize(64, 256, group_size=32, repeats=1)
     assert result["gb_per_s"] > 0 and result["source_bytes"] == 64 * 256 * 4
+
+
+@pytest.mark.parametrize("group", [None, 64, 8])
+def test_both_group_reductions_agree(monkeypatch: pytest.MonkeyPatch, group: int | None) -> None:
+    from colibri_format.convert import quantize as qmod
+
+    w = np.random.default_rng(3).standard_normal((40, 128), dtype=np.float32)
+    results = []
+    for small in (0, 1 << 20):  # force the axis reduction, then the strided one
+        monkeypatch.setattr(qmod, "SMALL_GROUP", small)
+        results.append(quantize_int8(w, group))
+    assert np.array_equal(results[0].q, results[1].q) and np.array_equal(results[0].scale, results[1].scale)
+    assert results[0].max_rel_err == pytest.approx(results[1].max_rel_err, rel=1e-6)
+    assert results[0].mean_rel_err == pytest.approx(results[1].mean_rel_err, rel=1e-5)
