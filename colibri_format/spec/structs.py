@@ -72,7 +72,7 @@ HEADER_FIELDS: tuple[Field, ...] = (
 )
 
 DENSE_ENTRY_FIELDS: tuple[Field, ...] = (
-    Field("name", "128s", "UTF-8 canonical name, NUL-padded; 1..127 bytes of [A-Za-z0-9_.]"),
+    Field("name", "128s", "ASCII canonical name, NUL-padded; 1..127 bytes of [A-Za-z0-9_.]"),
     Field("dtype", "H", "DType code: 0 F32, 1 F16, 2 BF16"),
     Field("rank", "H", "1..4"),
     Field("reserved", "I", "MUST be 0"),

@@ -1,0 +1,1 @@
+"""Commands backed by the converter and the engines (imported lazily by `colibri_format.cli`)."""
