@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from colibri_format.convert.safe_paths import read_capped, resolve_member
+from colibri_format.convert.safe_paths import read_capped, resolve_member, short_repr
 from colibri_format.errors import InvalidInput, InvalidMetadata, UnsupportedModel
 from colibri_format.spec import check_model
 
@@ -66,7 +66,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise InvalidInput(f"duplicate JSON key {key!r}", field=key)
+            raise InvalidInput(f"duplicate JSON key {short_repr(key)}", field=key)
         out[key] = value
     return out
 
@@ -118,7 +118,8 @@ class Fields:
         return self.raw.get(key) is not None
 
     def _fail(self, key: str, value: Any, expected: str) -> InvalidInput:
-        return InvalidInput(f"{self.where}: {key!r} must be {expected}, got {value!r}", field=key, value=value)
+        return InvalidInput(f"{self.where}: {key!r} must be {expected}, got {short_repr(value)}", field=key,
+                            value=value)
 
     def _get(self, key: str, default: Any) -> Any:
         value = self.raw.get(key)
@@ -184,7 +185,7 @@ def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise UnsupportedModel(f"pre-quantized checkpoints are not supported (quantization_config, "
-                               f"quant_method={method!r}: FP8/MXFP4/GPTQ/AWQ...); use the bf16/fp16/fp32 release",
+                               f"quant_method={short_repr(method)}: FP8/MXFP4/GPTQ/AWQ...); use the bf16/fp16/fp32 release",
                                field="quantization_config", value=method)
     for key in ("kv_lora_rank", "q_lora_rank"):
         if raw.get(key) is not None:
@@ -241,7 +242,7 @@ def rope(f: Fields, default_theta: float) -> dict[str, Any]:
     if not isinstance(kind, str):
         raise p._fail("rope_type", kind, "a string")
     if kind not in ROPE_TYPES:
-        raise UnsupportedModel(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+        raise UnsupportedModel(f"rope type {short_repr(kind)} is not supported (supported: {', '.join(ROPE_TYPES)})",
                                field="rope_type", value=kind)
     theta_f = Fields({"rope_theta": theta}, where=f.where).number("rope_theta", default_theta, lo=0.0,
                                                                    lo_open=True)
@@ -270,7 +271,7 @@ def _number_list(f: Fields, key: str) -> list[float]:
 def hidden_act(f: Fields) -> str:
     act = f.text("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')", field="hidden_act", value=act)
+        raise UnsupportedModel(f"hidden_act {short_repr(act)} is not supported (only 'silu')", field="hidden_act", value=act)
     return act
 
 

@@ -24,10 +24,16 @@ from colibri_format.errors import InvalidInput
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """repr() cut to `limit` characters: an untrusted value must not flood an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_basename(name: object, *, field: str) -> str:
     """Return `name` if it is a safe plain file name, else raise InvalidInput."""
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
-        raise InvalidInput(f"{field}: {name!r} is not a plain file name", field=field, value=name)
+        raise InvalidInput(f"{field}: {short_repr(name)} is not a plain file name", field=field, value=name)
     return name
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
 HEADER_MAX_BYTES = 100 << 20
@@ -57,23 +58,23 @@ def _itemsize(tag: str) -> int:
 
 def _entry(name: str, spec: Any, where: str) -> TensorEntry:
     if not isinstance(spec, dict):
-        raise InvalidInput(f"{where}: header entry {name!r} is not an object", field=name)
+        raise InvalidInput(f"{where}: header entry {short_repr(name)} is not an object", field=name)
     tag, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if not isinstance(tag, str) or (tag not in FLOAT_DTYPES and tag not in OTHER_DTYPES):
-        raise InvalidInput(f"{where}: tensor {name!r} has unknown dtype {tag!r}", field=name, value=tag)
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} has unknown dtype {short_repr(tag)}", field=name, value=tag)
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
-        raise InvalidInput(f"{where}: tensor {name!r} has a bad shape {shape!r}", field=name, value=shape)
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} has a bad shape {short_repr(shape)}", field=name, value=shape)
     if (not isinstance(offsets, list) or len(offsets) != 2
             or any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in offsets)
             or offsets[0] > offsets[1]):
-        raise InvalidInput(f"{where}: tensor {name!r} has bad data_offsets {offsets!r}", field=name,
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} has bad data_offsets {short_repr(offsets)}", field=name,
                            value=offsets)
     count = 1
     for d in shape:  # Python ints: no silent wrap-around
         count *= d
     if count * _itemsize(tag) != offsets[1] - offsets[0]:
-        raise InvalidInput(f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} spans {offsets[1] - offsets[0]} bytes but "
                            f"{tag}{shape} needs {count * _itemsize(tag)}", field=name)
     return TensorEntry(name, tag, tuple(shape), offsets[0], offsets[1])
 
@@ -83,7 +84,7 @@ def _check_tiling(entries: list[TensorEntry], data_size: int, where: str) -> Non
     for e in sorted(entries, key=lambda e: (e.begin, e.end)):
         if e.begin != cursor:
             kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a gap"
-            raise InvalidInput(f"{where}: tensor {e.name!r} {kind} (offset {e.begin}, expected {cursor})",
+            raise InvalidInput(f"{where}: tensor {short_repr(e.name)} {kind} (offset {e.begin}, expected {cursor})",
                                field=e.name, offset=e.begin)
         cursor = e.end
     if cursor != data_size:
@@ -125,7 +126,7 @@ class SafetensorsFile:
         """Zero-copy read-only view in the storage dtype (bf16 as uint16)."""
         e = self.entries[name]
         if e.dtype not in FLOAT_DTYPES:
-            raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {e.dtype}; only F32/F16/BF16/F64 "
+            raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}; only F32/F16/BF16/F64 "
                                    "weights can be converted", field=name, value=e.dtype)
         storage = FLOAT_DTYPES[e.dtype][1]
         return self._data()[e.begin:e.end].view(storage).reshape(e.shape)

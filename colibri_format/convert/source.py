@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from colibri_format.convert.hf_config import HFConfig, load_config, parse_json_object
-from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member
+from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member, short_repr
 from colibri_format.convert.safetensors_file import SafetensorsFile, dtype_name, to_float32
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
@@ -49,7 +49,7 @@ def _weight_map(raw: dict[str, Any], what: str) -> dict[str, str]:
     if not isinstance(wm, dict) or not wm:
         raise InvalidInput(f"{what}: 'weight_map' must be a non-empty object", field="weight_map")
     for tensor, shard in wm.items():
-        check_basename(shard, field=f"{what} weight_map[{tensor!r}]")
+        check_basename(shard, field=f"{what} weight_map[{short_repr(tensor)}]")
     if len(set(wm.values())) > MAX_SHARDS:
         raise InvalidInput(f"{what}: more than {MAX_SHARDS} shards", field="weight_map")
     return wm
@@ -80,7 +80,7 @@ class SourceCheckpoint:
     def _check_weight_map(self) -> None:
         for tensor, fname in self._where.items():
             if tensor not in self._names_in(fname):
-                raise InvalidInput(f"index lists {tensor!r} in {fname!r}, which does not hold it", field=tensor)
+                raise InvalidInput(f"index lists {short_repr(tensor)} in {fname!r}, which does not hold it", field=tensor)
 
     def _names_in(self, fname: str) -> Any:
         f = self._files[fname]

@@ -255,3 +255,10 @@ def test_all_config_errors_are_colibri_format_errors() -> None:
     for raw in ({}, {"model_type": 3}, {**MIXTRAL, "num_local_experts": "x"}, {**MIXTRAL, "model_type": "dbrx"}):
         with pytest.raises(ColibriFormatError):
             normalize_config(raw)
+
+
+def test_error_messages_stay_short_for_huge_untrusted_values() -> None:
+    for raw in ({**MIXTRAL, "num_local_experts": "x" * 100_000}, {**MIXTRAL, "model_type": "m" * 100_000}):
+        with pytest.raises(ColibriFormatError) as info:
+            normalize_config(raw)
+        assert len(str(info.value)) < 600

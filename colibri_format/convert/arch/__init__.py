@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri_format.convert.arch.common import DenseTensor
+from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
@@ -52,7 +53,7 @@ def get_adapter(model_type: str) -> Adapter:
     """The adapter for `model_type`, or UnsupportedModel naming it and listing what is supported."""
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = f" ({NOT_YET[model_type]} not implemented)" if model_type in NOT_YET else ""
-        raise UnsupportedModel(f"model_type {model_type!r} is not supported{why}; supported: "
+        raise UnsupportedModel(f"model_type {short_repr(model_type)} is not supported{why}; supported: "
                                f"{', '.join(SUPPORTED_MODEL_TYPES)}", field="model_type", value=model_type)
     module = importlib.import_module(f"colibri_format.convert.arch.{model_type}")
     return Adapter(module.MODEL_TYPE, module.normalize_config, module.dense_tensors, module.expert_tensors)
