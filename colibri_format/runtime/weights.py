@@ -98,6 +98,7 @@ class FileWeights:
         return len(self._reader.expert_blob(layer, expert))  # the whole blob: what one paging transfer moves
 
     def close(self) -> None:
+        self._cache = _DenseCache()  # drop views into the map so that closing can unmap it
         close = getattr(self._reader, "close", None)
         if close is not None:
             close()
