@@ -30,17 +30,40 @@ def encode_metadata(meta: dict) -> bytes:
     return text.encode("utf-8")
 
 
+class _Reject(Exception):
+    """Raised inside the JSON hooks; decode_metadata turns it into an InvalidMetadata with the offset."""
+
+    def __init__(self, message: str, value) -> None:
+        super().__init__(message)
+        self.value = value
+
+
 def _no_duplicates(pairs):
     out = {}
     for key, value in pairs:
         if key in out:
-            raise InvalidMetadata("duplicate key in metadata JSON", field="metadata", value=key)
+            raise _Reject("duplicate key in metadata JSON", key)
         out[key] = value
     return out
 
 
 def _no_constants(name):
-    raise InvalidMetadata("NaN/Infinity are not allowed in metadata", field="metadata", value=name)
+    raise _Reject("NaN/Infinity are not allowed in metadata", name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):   # a literal such as 1e400 overflows to infinity
+        raise _Reject("number overflows to infinity in metadata", text[:32])
+    return value
+
+
+_MAX_DOUBLE = 1.7976931348623157e308
+
+
+def _finite_number(v) -> bool:
+    """A finite float, or an int a double can hold; bool excluded. Never converts a huge int to float."""
+    return (type(v) is int and -_MAX_DOUBLE <= v <= _MAX_DOUBLE) or (type(v) is float and math.isfinite(v))
 
 
 def _check_depth(obj, offset: int | None) -> None:
@@ -63,11 +86,17 @@ def decode_metadata(raw: bytes, offset: int | None = None) -> dict:
         raise InvalidMetadata(f"metadata is not UTF-8 (byte {exc.start})", field="metadata",
                               offset=None if offset is None else offset + exc.start) from None
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
+                         parse_float=_finite_float)
+    except _Reject as exc:
+        raise InvalidMetadata(str(exc), field="metadata", value=exc.value, offset=offset) from None
     except RecursionError:
         raise InvalidMetadata("metadata nested too deeply", field="metadata", offset=offset) from None
     except json.JSONDecodeError as exc:
         raise InvalidMetadata(f"metadata is not valid JSON: {exc.msg} at char {exc.pos}", field="metadata",
+                              offset=offset) from None
+    except ValueError as exc:   # e.g. an integer literal over the int-conversion digit limit
+        raise InvalidMetadata(f"metadata holds an unrepresentable number: {exc}", field="metadata",
                               offset=offset) from None
     if not isinstance(obj, dict):
         raise InvalidMetadata("metadata must be a JSON object", field="metadata", value=type(obj).__name__,
@@ -94,7 +123,7 @@ def _num(obj, key, path, lo=-math.inf, hi=math.inf, allow_none=False, exclusive_
     v = _get(obj, key, path)
     if v is None and allow_none:
         return v
-    ok = type(v) in (int, float) and math.isfinite(v) and v <= hi and (v > lo if exclusive_lo else v >= lo)
+    ok = _finite_number(v) and v <= hi and (v > lo if exclusive_lo else v >= lo)
     if not ok:
         raise InvalidMetadata("must be a finite number in range", field=f"{path}.{key}", value=v)
     return v
@@ -128,9 +157,9 @@ def _check_rope(rope: dict) -> None:
         if key == "type":
             continue
         if isinstance(value, list):
-            if len(value) > C.MAX_DIM or not all(type(x) in (int, float) and math.isfinite(x) for x in value):
+            if len(value) > C.MAX_DIM or not all(_finite_number(x) for x in value):
                 raise InvalidMetadata("rope list must hold finite numbers", field=f"model.rope.{key}")
-        elif value is not None and not (type(value) in (int, float, bool) and math.isfinite(value)):
+        elif value is not None and not (type(value) is bool or _finite_number(value)):
             raise InvalidMetadata("rope parameter must be a finite number", field=f"model.rope.{key}", value=value)
 
 
