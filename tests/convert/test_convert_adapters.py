@@ -186,3 +186,21 @@ def test_converter_imports_neither_torch_nor_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoeshared"])
+def test_open_hf_checkpoint_facade(tiny_checkpoint: Any, tiny_reference: Any, arch: str) -> None:
+    from colibri_format.convert.checkpoint import open_hf_checkpoint
+
+    ref = tiny_reference(arch)
+    with open_hf_checkpoint(tiny_checkpoint(arch, fused=True, sharded=True)) as ckpt:
+        assert ckpt.architecture == arch and ckpt.model["num_experts"] == 4
+        dense = ckpt.dense_tensors()
+        assert [(t.name, ckpt.dense_shape(t)) for t in dense] == canonical_dense_tensors(ckpt.model)
+        assert np.array_equal(ckpt.read_dense(dense[0]), ref["model.embed_tokens.weight"])
+        keys = list(ckpt.expert_keys())
+        assert keys == [(layer, e) for layer in ckpt.model["moe_layers"] for e in range(4)]
+        gate, _, _ = ckpt.expert(*keys[-1])
+        layer, e = keys[-1]
+        np.testing.assert_array_equal(gate, ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][e][:16])
+        assert ckpt.tokenizer() is None  # the tiny fixtures ship no tokenizer
