@@ -262,3 +262,22 @@ def test_error_messages_stay_short_for_huge_untrusted_values() -> None:
         with pytest.raises(ColibriFormatError) as info:
             normalize_config(raw)
         assert len(str(info.value)) < 600
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("Mixtral-8x7B", {"head_dim": 128, "num_experts": 8, "top_k": 2, "expert_intermediate_size": 14336,
+                      "rope": {"type": "default", "theta": 1e6}, "moe_layers": list(range(32))}),
+    ("Qwen1.5-MoE-A2.7B", {"num_experts": 60, "sliding_window": None, "qkv_bias": True,
+                           "shared_expert": {"intermediate_size": 5632, "gate": "sigmoid"}}),
+    ("Qwen3-30B-A3B", {"head_dim": 128, "num_experts": 128, "top_k": 8, "qk_norm": "per_head",
+                       "dense_intermediate_size": None}),
+    ("OLMoE-1B-7B", {"qk_norm": "full", "clip_qkv": None, "expert_intermediate_size": 1024}),
+    ("granite-3.0-1b-a400m", {"tie_word_embeddings": True, "vocab_size": 49155,
+                              "multipliers": {"embedding": 12.0, "residual": 0.22, "attention": 0.015625,
+                                              "logits": 6.0}}),
+])
+def test_published_model_configs_normalize(name: str, expected: dict[str, Any]) -> None:
+    from tests.convert.hand_configs import PUBLISHED
+
+    model = model_of(PUBLISHED[name])
+    assert {k: model[k] for k in expected} == expected
