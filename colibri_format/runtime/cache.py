@@ -17,12 +17,13 @@ the access (an access counter or a token counter); only LRFU reads it.
 Policies
 --------
 ``lru``     evict the least recently used entry.
-``lfu``     evict the entry with the fewest accesses since it was inserted (in-cache counts; ties go to
-            the least recently used).
+``lfu``     evict the entry with the fewest accesses (ties go to the least recently used). By default
+            counts are in-cache (they restart at 1 on insertion); ``history=True`` keeps the counts
+            of evicted keys ("perfect" LFU).
 ``lrfu``    evict the lowest ``count * decay ** (now - last)`` (the LRFU family of Lee et al.; ``count``
-            is the entry's access count since insertion, ``last`` the clock at its last access). Ties go
-            to the least recently used. ``decay = 1`` is exactly ``lfu``; ``decay < 1/N`` on a sequence
-            of N accesses is exactly ``lru``.
+            is the entry's access count, counted as for ``lfu``, ``last`` the clock at its last access).
+            Ties go to the least recently used. ``decay = 1`` is exactly ``lfu``; ``decay < 1/N`` on a
+            sequence of N accesses is exactly ``lru``.
 ``static``  a fixed set of pinned keys stays resident once loaded; any other key is served on a miss
             without being inserted.
 ``belady``  the offline optimum (Belady's MIN with bypass): evict the entry used farthest in the future,
@@ -169,13 +170,19 @@ class _HeapPolicy(CachePolicy):
     ``_entries[key] = [count, seq, priority]``; the heap holds ``(priority, seq, key)`` records, of
     which only the one whose ``seq`` matches the entry is live. ``seq`` is unique per record, so keys
     themselves are never compared.
+
+    ``history=False`` (in-cache counts): a key's count restarts at 1 each time it is inserted.
+    ``history=True`` ("perfect" counts): the count of an evicted key is remembered and continues when
+    it comes back (memory: one int per distinct key ever seen).
     """
 
-    def __init__(self, capacity: int | None) -> None:
+    def __init__(self, capacity: int | None, history: bool = False) -> None:
         super().__init__(capacity)
+        self.history = bool(history)
         self._entries: dict[Hashable, list[Any]] = {}
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
+        self._past: dict[Hashable, int] = {}  # evicted key -> its count (history=True only)
 
     def _priority(self, count: int, now: float) -> float:
         raise NotImplementedError
@@ -198,8 +205,9 @@ class _HeapPolicy(CachePolicy):
         if self._full():
             victim = self._pop_min()
         self._seq += 1
-        prio = self._priority(1, now)
-        self._entries[key] = [1, self._seq, prio]
+        count = self._past.pop(key, 0) + 1 if self.history else 1
+        prio = self._priority(count, now)
+        self._entries[key] = [count, self._seq, prio]
         heapq.heappush(self._heap, (prio, self._seq, key))
         return victim
 
@@ -210,6 +218,8 @@ class _HeapPolicy(CachePolicy):
             entry = entries.get(key)
             if entry is not None and entry[1] == seq:
                 del entries[key]
+                if self.history:
+                    self._past[key] = entry[0]
                 return key
 
     def _compact(self) -> None:
@@ -217,7 +227,9 @@ class _HeapPolicy(CachePolicy):
         heapq.heapify(self._heap)
 
     def remove(self, key: Hashable) -> None:
-        del self._entries[key]  # its heap record becomes stale
+        entry = self._entries.pop(key)  # its heap record becomes stale
+        if self.history:
+            self._past[key] = entry[0]
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -227,7 +239,7 @@ class _HeapPolicy(CachePolicy):
 
 
 class LFUPolicy(_HeapPolicy):
-    """Least frequently used (access count since insertion); ties go to the least recently used."""
+    """Least frequently used; ties go to the least recently used. See ``_HeapPolicy`` for ``history``."""
 
     name = "lfu"
 
@@ -240,8 +252,8 @@ class LRFUPolicy(_HeapPolicy):
 
     name = "lrfu"
 
-    def __init__(self, capacity: int | None, decay: float = 0.999) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int | None, decay: float = 0.999, history: bool = False) -> None:
+        super().__init__(capacity, history)
         self.decay = check_decay(decay)
         self._lam = -math.log(self.decay)  # >= 0; 0 when decay == 1 (pure LFU)
 
@@ -416,17 +428,20 @@ class RandomPolicy(CachePolicy):
 
 def make_policy(policy: str, capacity: int | None, *, decay: float = 0.999,
                 pinned: Iterable[Hashable] | None = None, future: Sequence[Hashable] | None = None,
-                seed: int = 0) -> CachePolicy:
-    """Build one policy instance by name; ``pinned`` is for ``static``, ``future`` for ``belady``."""
+                seed: int = 0, history: bool = False) -> CachePolicy:
+    """Build one policy instance by name; ``pinned`` is for ``static``, ``future`` for ``belady``,
+    ``history`` (counts survive eviction) for ``lfu`` and ``lrfu``."""
     _check_choice(policy, POLICIES, "policy")
+    if history and policy not in ("lfu", "lrfu"):
+        raise InvalidInput("history applies to the lfu and lrfu policies only", field="history")
     if pinned is not None and policy != "static":
         raise InvalidInput("pinned experts are only used by the static policy", field="pinned")
     if policy == "lru":
         return LRUPolicy(capacity)
     if policy == "lfu":
-        return LFUPolicy(capacity)
+        return LFUPolicy(capacity, history)
     if policy == "lrfu":
-        return LRFUPolicy(capacity, decay)
+        return LRFUPolicy(capacity, decay, history)
     if policy == "static":
         if pinned is None:
             raise InvalidInput("the static policy needs a set of pinned experts", field="pinned")
@@ -496,6 +511,8 @@ class ExpertCache(Generic[T]):
         future: the full ``(layer, expert)`` access sequence, for ``belady`` (simulation only).
         on_evict: called as ``on_evict(layer, expert, slot, value)`` before an evicted slot is reused.
         seed: for the ``random`` policy.
+        history: ``lfu``/``lrfu`` only: an evicted expert's access count is remembered and resumes when
+            it is loaded again (default False: counts restart at 1 on every insertion).
 
     Raises:
         InvalidInput: capacity < 1, an unknown policy, scope or clock, decay outside (0, 1], a static
@@ -511,7 +528,7 @@ class ExpertCache(Generic[T]):
                  decay: float = 0.999, clock: str = "access",
                  pinned: Iterable[tuple[int, int]] | None = None, *,
                  future: Sequence[tuple[int, int]] | None = None,
-                 on_evict: EvictHook | None = None, seed: int = 0) -> None:
+                 on_evict: EvictHook | None = None, seed: int = 0, history: bool = False) -> None:
         self.capacity = check_capacity(capacity)
         self.policy = _check_choice(policy, POLICIES, "policy")
         self.scope = _check_choice(scope, SCOPES, "scope")
@@ -519,6 +536,9 @@ class ExpertCache(Generic[T]):
         self.decay = check_decay(decay)
         self.on_evict = on_evict
         self._seed = seed
+        self.history = bool(history)
+        if history and policy not in ("lfu", "lrfu"):
+            raise InvalidInput("history applies to the lfu and lrfu policies only", field="history")
         self._pinned = self._split(pinned, "pinned")
         self._future = self._split(future, "future")
         if policy == "static" and pinned is None:
@@ -557,7 +577,7 @@ class ExpertCache(Generic[T]):
             pinned = self._pinned.get(pid, []) if self.policy == "static" else None
             future = self._future.get(pid, []) if self.policy == "belady" else None
             part = _Partition(make_policy(self.policy, self.capacity, decay=self.decay, pinned=pinned,
-                                          future=future, seed=self._seed))
+                                          future=future, seed=self._seed, history=self.history))
             self._parts[pid] = part
         return part
 

@@ -32,30 +32,43 @@ from colibri_format.runtime.trace import (Accesses, Trace, access_sequence, make
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """One simulated configuration: a policy name plus LRFU's decay and clock."""
+    """One simulated configuration: a policy name plus LRFU's decay and clock, and whether LFU/LRFU
+    counts survive eviction (``history``)."""
 
     policy: str
     decay: float = 0.999
     clock: str = "access"
+    history: bool = False
 
     @property
     def label(self) -> str:
+        """Human label, e.g. ``lrfu+hist d=0.999/token``."""
+        name = self.policy + ("+hist" if self.history else "")
         if self.policy == "lrfu":
-            return f"lrfu d={self.decay:g}/{self.clock}"
-        return self.policy
+            return f"{name} d={self.decay:g}/{self.clock}"
+        return name
+
+    @property
+    def text(self) -> str:
+        """The form :func:`parse_policies` reads back, e.g. ``lrfu+hist:0.999:token``."""
+        name = self.policy + ("+hist" if self.history else "")
+        return f"{name}:{self.decay!r}:{self.clock}" if self.policy == "lrfu" else name
 
 
 DEFAULT_POLICIES = (
-    PolicySpec("lru"), PolicySpec("lfu"), PolicySpec("random"), PolicySpec("static"),
+    PolicySpec("lru"), PolicySpec("lfu"), PolicySpec("lfu", history=True), PolicySpec("random"),
+    PolicySpec("static"),
     PolicySpec("lrfu", 0.999, "access"), PolicySpec("lrfu", 0.99, "access"),
     PolicySpec("lrfu", 0.999, "token"), PolicySpec("lrfu", 0.9, "token"),
+    PolicySpec("lrfu", 0.999, "access", True), PolicySpec("lrfu", 0.9, "token", True),
     PolicySpec("belady"),
 )
 
 
 def parse_policies(policy: str) -> list[PolicySpec]:
-    """``all`` or a comma list of ``lru``, ``lfu``, ``random``, ``static``, ``belady``,
-    ``lrfu[:DECAY[:access|token]]`` (e.g. ``lrfu:0.99:token``)."""
+    """``all`` or a comma list of ``lru``, ``lfu``, ``lfu+hist``, ``random``, ``static``, ``belady``,
+    ``lrfu[+hist][:DECAY[:access|token]]`` (e.g. ``lrfu:0.99:token``). ``+hist``: counts survive
+    eviction."""
     if not isinstance(policy, str) or not policy.strip():
         raise InvalidInput("empty policy list", field="policy", value=policy)
     if policy.strip() == "all":
@@ -64,6 +77,12 @@ def parse_policies(policy: str) -> list[PolicySpec]:
     for item in policy.split(","):
         parts = item.strip().split(":")
         name = parts[0]
+        history = name.endswith("+hist")
+        if history:
+            name = name[: -len("+hist")]
+            if name not in ("lfu", "lrfu"):
+                raise InvalidInput(f"+hist applies to lfu and lrfu only, not {item.strip()!r}", field="policy",
+                                   value=item)
         if name == "lrfu" and len(parts) <= 3:
             try:
                 decay = check_decay(float(parts[1])) if len(parts) > 1 else 0.999
@@ -73,12 +92,12 @@ def parse_policies(policy: str) -> list[PolicySpec]:
             if clock not in ("access", "token"):
                 raise InvalidInput(f"unknown clock in {item!r}; expected access or token", field="policy",
                                    value=item)
-            specs.append(PolicySpec("lrfu", decay, clock))
+            specs.append(PolicySpec("lrfu", decay, clock, history))
         elif name in ("lru", "lfu", "random", "static", "belady") and len(parts) == 1:
-            specs.append(PolicySpec(name))
+            specs.append(PolicySpec(name, history=history))
         else:
-            raise InvalidInput(f"unknown policy {item.strip()!r}; expected all, lru, lfu, lrfu[:decay[:clock]], "
-                               "static, belady or random", field="policy", value=item)
+            raise InvalidInput(f"unknown policy {item.strip()!r}; expected all, lru, lfu[+hist], "
+                               "lrfu[+hist][:decay[:clock]], static, belady or random", field="policy", value=item)
     return specs
 
 
@@ -191,7 +210,8 @@ def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | 
             sub = keys if parts is None else keys_arr[part_arr == pid].tolist()
             policies.append(BeladyPolicy(capacity, sub, next_use(sub)))
         else:
-            policies.append(make_policy(spec.policy, capacity, decay=spec.decay, seed=seed))
+            policies.append(make_policy(spec.policy, capacity, decay=spec.decay, seed=seed,
+                                        history=spec.history))
     misses, evictions = _replay(keys, clocks, parts, policies)
     return SimResult(n, n - misses, misses, evictions)
 
@@ -211,7 +231,7 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
         dedup: one access per expert per layer per forward pass (as the engines do).
 
     Returns:
-        ``{"trace": {...}, "scope", "dedup", "rows": [{"policy", "label", "decay", "clock",
+        ``{"trace": {...}, "scope", "dedup", "rows": [{"policy", "label", "history", "decay", "clock",
         "capacity", "capacity_spec", "fraction", "accesses", "hits", "misses", "evictions",
         "miss_rate", "bytes_paged"?}, ...]}``.
     """
@@ -234,7 +254,7 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
         for cap_spec, cap in caps:
             res = simulate(acc, h.num_experts, spec, cap, scope, layer_index=layer_index, seed=seed)
             row: dict[str, Any] = {
-                "policy": spec.policy, "label": spec.label,
+                "policy": spec.policy, "label": spec.label, "history": spec.history,
                 "decay": spec.decay if spec.policy == "lrfu" else None,
                 "clock": spec.clock if spec.policy == "lrfu" else None,
                 "capacity": cap, "capacity_spec": cap_spec, "fraction": cap / per_part,

@@ -35,10 +35,12 @@ def token_clock(n: int, data: st.DataObject) -> list[int]:
 class RefCache:
     """O(n) scan per eviction, the literal definitions; returns (hit, victim) per access."""
 
-    def __init__(self, policy: str, capacity: int | None, decay: float = 1.0) -> None:
+    def __init__(self, policy: str, capacity: int | None, decay: float = 1.0, history: bool = False) -> None:
         self.policy, self.capacity, self.decay = policy, capacity, Fraction(decay)
         self.res: dict[int, list] = {}  # key -> [count, last clock, last seq]
         self.seq = 0
+        self.history = history
+        self.all_counts: dict[int, int] = {}  # every access ever, per key
 
     def score(self, key: int, now: int):
         count, last, seq = self.res[key]
@@ -50,6 +52,7 @@ class RefCache:
 
     def access(self, key: int, now: int) -> tuple[bool, int | None]:
         self.seq += 1
+        self.all_counts[key] = self.all_counts.get(key, 0) + 1
         if key in self.res:
             e = self.res[key]
             e[0] += 1
@@ -59,7 +62,7 @@ class RefCache:
         if self.capacity is not None and len(self.res) >= self.capacity:
             victim = min(self.res, key=lambda k: self.score(k, now))
             del self.res[victim]
-        self.res[key] = [1, now, self.seq]
+        self.res[key] = [self.all_counts[key] if self.history else 1, now, self.seq]
         return False, victim
 
 
@@ -121,6 +124,31 @@ def test_lrfu_matches_exact_reference(keys, cap, decay, token, data):
     clocks = token_clock(len(keys), data) if token else list(range(len(keys)))
     ref = RefCache("lrfu", cap, decay)
     assert run_policy(LRFUPolicy(cap, decay), keys, clocks) == [ref.access(k, t) for k, t in zip(keys, clocks)]
+
+
+@FAST
+@given(keys=keys_st, cap=st.integers(1, 6), decay=st.sampled_from(DECAYS), token=st.booleans(),
+       data=st.data())
+def test_history_counts_match_reference(keys, cap, decay, token, data):
+    clocks = token_clock(len(keys), data) if token else list(range(len(keys)))
+    ref = RefCache("lfu", cap, history=True)
+    assert run_policy(LFUPolicy(cap, history=True), keys, clocks) == [ref.access(k, t) for k, t in zip(keys, clocks)]
+    ref = RefCache("lrfu", cap, decay, history=True)
+    assert run_policy(LRFUPolicy(cap, decay, history=True), keys, clocks) == [ref.access(k, t) for k, t in
+                                                                              zip(keys, clocks)]
+
+
+def test_in_cache_counts_degenerate_on_a_cyclic_sweep():
+    # each step touches hot keys 0, 1 and four cold keys from a rotating pool of 8: 6 keys > 4 slots.
+    # In-cache LFU never accumulates a count, so it behaves like LRU (every access misses); with
+    # history the hot keys' counts grow even while they miss, and they stay resident.
+    keys = [k for t in range(50) for k in [0, 1] + [2 + (4 * t + j) % 8 for j in range(4)]]
+
+    def misses(p):
+        return sum(not h for h, _ in run_policy(p, keys, range(len(keys))))
+
+    assert misses(LRUPolicy(4)) == misses(LFUPolicy(4)) == misses(LRFUPolicy(4, 0.999)) == len(keys)
+    assert misses(LFUPolicy(4, history=True)) <= 4 * 50 + 8  # only the cold keys miss, after warm-up
 
 
 @settings(max_examples=60, deadline=None)
@@ -344,6 +372,7 @@ def test_belady_through_expert_cache():
     ({"capacity": 4, "clock": "time"}, "clock"), ({"capacity": 4, "policy": "static"}, "pinned"),
     ({"capacity": 4, "policy": "belady"}, "future"), ({"capacity": 4, "pinned": [(0, 1)]}, "pinned"),
     ({"capacity": 4, "policy": "static", "pinned": [(0, "x")]}, "pinned"),
+    ({"capacity": 4, "policy": "lru", "history": True}, "history"),
 ])
 def test_bad_arguments(kwargs, field):
     with pytest.raises(InvalidInput) as err:

@@ -201,7 +201,8 @@ def replay_with_expert_cache(tr: Trace, spec: PolicySpec, cap: int, scope: str) 
                         for k in top_experts(keys, cap, parts)]
     if spec.policy == "belady":
         kw["future"] = pairs
-    cache = ExpertCache(cap, policy=spec.policy, scope=scope, decay=spec.decay, clock=spec.clock, **kw)
+    cache = ExpertCache(cap, policy=spec.policy, scope=scope, decay=spec.decay, clock=spec.clock,
+                        history=spec.history, **kw)
     step = -1
     for (layer, expert), s in zip(pairs, acc.step.tolist()):
         while step < s:
@@ -219,7 +220,7 @@ def test_simulator_matches_expert_cache(seed, cap, per_layer, which, batch):
     spec = DEFAULT_POLICIES[which]
     scope = "per_layer" if per_layer else "global"
     cap = min(cap, 8) if per_layer else cap
-    res = run_cache_sim(tr, str(cap), spec.label.replace(" d=", ":").replace("/", ":"), scope)
+    res = run_cache_sim(tr, str(cap), spec.text, scope)
     assert res["rows"][0]["misses"] == replay_with_expert_cache(tr, spec, cap, scope)
 
 
@@ -278,7 +279,8 @@ def test_capacities():
     assert parse_capacities("0.1%", 64) == [("0.1%", 1)]
 
 
-@pytest.mark.parametrize("spec", ["", "fifo", "lrfu:2", "lrfu:0", "lrfu:x", "lrfu:0.9:wall", "lru:0.9"])
+@pytest.mark.parametrize("spec", ["", "fifo", "lrfu:2", "lrfu:0", "lrfu:x", "lrfu:0.9:wall", "lru:0.9", "lru+hist",
+                                  "lrfu:0.9:token:x"])
 def test_bad_policies(spec):
     with pytest.raises(InvalidInput):
         parse_policies(spec)
@@ -286,6 +288,9 @@ def test_bad_policies(spec):
 
 def test_policies():
     assert parse_policies("all") == list(DEFAULT_POLICIES)
+    assert [parse_policies(p.text) for p in DEFAULT_POLICIES] == [[p] for p in DEFAULT_POLICIES]
+    assert parse_policies("lfu+hist,lrfu+hist:0.9:token") == [PolicySpec("lfu", history=True),
+                                                              PolicySpec("lrfu", 0.9, "token", True)]
     assert parse_policies("lru, lrfu, lrfu:0.5:token") == [PolicySpec("lru"), PolicySpec("lrfu", 0.999, "access"),
                                                            PolicySpec("lrfu", 0.5, "token")]
     with pytest.raises(InvalidInput):
