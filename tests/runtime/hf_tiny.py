@@ -199,22 +199,17 @@ def to_canonical(arch: str, model) -> DictWeights:
 
 def checkpoint_weights(model, out_dir, fused: bool = False) -> DictWeights:
     """Canonical tensors as the real converter reads them from a saved checkpoint (legacy or v5 fused form)."""
-    from colibri_format.convert.arch import get_adapter
-    from colibri_format.convert.arch.common import read_dense
-    from colibri_format.convert.hf_config import normalize_config
-    from colibri_format.convert.source import open_checkpoint
+    from colibri_format.convert.checkpoint import open_hf_checkpoint
 
     model.save_pretrained(out_dir, save_original_format=not fused)
-    with open_checkpoint(out_dir) as src:
-        arch, meta_model = normalize_config(src.config.raw)
-        adapter = get_adapter(arch)
-        dense = {t.name: read_dense(src, t) for t in adapter.dense_tensors(src, meta_model)}
+    with open_hf_checkpoint(out_dir) as cp:
+        dense = {t.name: cp.read_dense(t) for t in cp.dense_tensors()}
         experts = {}
-        for layer in meta_model["moe_layers"]:
-            for e in range(meta_model["num_experts"]):
-                gate, up, down = adapter.expert_tensors(src, meta_model, layer, e)
-                experts[(layer, e)] = (np.concatenate([gate, up]), np.array(down))
-    return DictWeights(meta_model, dense, experts, {"architecture": arch, "model": meta_model, "tokenizer": None})
+        for layer, e in cp.expert_keys():
+            gate, up, down = cp.expert(layer, e)
+            experts[(layer, e)] = (np.concatenate([gate, up]), np.array(down))
+        meta = {"architecture": cp.architecture, "model": cp.model, "tokenizer": cp.tokenizer()}
+    return DictWeights(cp.model, dense, experts, meta)
 
 
 # --- a `.colibri` file from canonical tensors, through the real writer --------------------------------------
