@@ -185,7 +185,8 @@ def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise UnsupportedModel(f"pre-quantized checkpoints are not supported (quantization_config, "
-                               f"quant_method={short_repr(method)}: FP8/MXFP4/GPTQ/AWQ...); use the bf16/fp16/fp32 release",
+                               f"quant_method={short_repr(method)}: FP8/MXFP4/GPTQ/AWQ...); "
+                               "use the bf16/fp16/fp32 release",
                                field="quantization_config", value=method)
     for key in ("kv_lora_rank", "q_lora_rank"):
         if raw.get(key) is not None:
@@ -271,7 +272,8 @@ def _number_list(f: Fields, key: str) -> list[float]:
 def hidden_act(f: Fields) -> str:
     act = f.text("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModel(f"hidden_act {short_repr(act)} is not supported (only 'silu')", field="hidden_act", value=act)
+        raise UnsupportedModel(f"hidden_act {short_repr(act)} is not supported (only 'silu')", field="hidden_act",
+                               value=act)
     return act
 
 

@@ -61,10 +61,12 @@ def _entry(name: str, spec: Any, where: str) -> TensorEntry:
         raise InvalidInput(f"{where}: header entry {short_repr(name)} is not an object", field=name)
     tag, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if not isinstance(tag, str) or (tag not in FLOAT_DTYPES and tag not in OTHER_DTYPES):
-        raise InvalidInput(f"{where}: tensor {short_repr(name)} has unknown dtype {short_repr(tag)}", field=name, value=tag)
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} has unknown dtype {short_repr(tag)}", field=name,
+                           value=tag)
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
-        raise InvalidInput(f"{where}: tensor {short_repr(name)} has a bad shape {short_repr(shape)}", field=name, value=shape)
+        raise InvalidInput(f"{where}: tensor {short_repr(name)} has a bad shape {short_repr(shape)}", field=name,
+                           value=shape)
     if (not isinstance(offsets, list) or len(offsets) != 2
             or any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in offsets)
             or offsets[0] > offsets[1]):
@@ -130,6 +132,28 @@ class SafetensorsFile:
                                    "weights can be converted", field=name, value=e.dtype)
         storage = FLOAT_DTYPES[e.dtype][1]
         return self._data()[e.begin:e.end].view(storage).reshape(e.shape)
+
+    # The same small interface as TorchBinFile, so SourceCheckpoint does not care which it holds.
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self.entries[name].dtype)
+
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        """float32 copy of the tensor, or of `tensor[index]` only."""
+        storage = self.view(name)
+        return to_float32(storage if index is None else storage[index], self.entries[name].dtype)
+
+    def read_native(self, name: str) -> np.ndarray:
+        return np.array(self.view(name), copy=True)
 
     def close(self) -> None:
         self._map = None  # the mapping closes when the last view is gone

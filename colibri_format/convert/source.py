@@ -21,7 +21,7 @@ import xxhash
 
 from colibri_format.convert.hf_config import HFConfig, load_config, parse_json_object
 from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member, short_repr
-from colibri_format.convert.safetensors_file import SafetensorsFile, dtype_name, to_float32
+from colibri_format.convert.safetensors_file import SafetensorsFile
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
 INDEX_MAX_BYTES = 64 << 20
@@ -40,8 +40,18 @@ class SourceFile:
 
 
 class _File(Protocol):
+    """What SafetensorsFile and TorchBinFile both offer."""
+
     name: str
     size: int
+    names: list[str]
+
+    def __contains__(self, name: str) -> bool: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> str: ...
+    def read(self, name: str, index: int | None = None) -> np.ndarray: ...
+    def read_native(self, name: str) -> np.ndarray: ...
+    def close(self) -> None: ...
 
 
 def _weight_map(raw: dict[str, Any], what: str) -> dict[str, str]:
@@ -79,12 +89,9 @@ class SourceCheckpoint:
 
     def _check_weight_map(self) -> None:
         for tensor, fname in self._where.items():
-            if tensor not in self._names_in(fname):
-                raise InvalidInput(f"index lists {short_repr(tensor)} in {fname!r}, which does not hold it", field=tensor)
-
-    def _names_in(self, fname: str) -> Any:
-        f = self._files[fname]
-        return f.entries if isinstance(f, SafetensorsFile) else set(f.names)
+            if tensor not in self._files[fname]:
+                raise InvalidInput(f"index lists {short_repr(tensor)} in {fname!r}, which does not hold it",
+                                   field=tensor)
 
     # --- listing -------------------------------------------------------------------------------
     @property
@@ -108,31 +115,23 @@ class SourceCheckpoint:
             raise InvalidInput(f"checkpoint has no tensor {name!r}", field=name) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        f = self._file(name)
-        return f.entries[name].shape if isinstance(f, SafetensorsFile) else f.shape(name)
+        return self._file(name).shape(name)
 
     def dtype(self, name: str) -> str:
         """'float32' | 'float16' | 'bfloat16' | 'float64' (or the raw tag of a non-float tensor)."""
-        f = self._file(name)
-        return dtype_name(f.entries[name].dtype) if isinstance(f, SafetensorsFile) else f.dtype(name)
+        return self._file(name).dtype(name)
 
     # --- reading -------------------------------------------------------------------------------
     def read(self, name: str) -> np.ndarray:
         """The whole tensor as a fresh float32 array."""
-        f = self._file(name)
-        if isinstance(f, SafetensorsFile):
-            return to_float32(f.view(name), f.entries[name].dtype)
-        return f.read(name)
+        return self._file(name).read(name)
 
     def read_native(self, name: str) -> np.ndarray:
         """The whole tensor in its stored dtype (bfloat16 as uint16 bit patterns), as a fresh array.
 
         Lets dense tensors go to a bf16/fp16 file without a float32 copy twice their size.
         """
-        f = self._file(name)
-        if isinstance(f, SafetensorsFile):
-            return np.array(f.view(name), copy=True)
-        return f.read_native(name)
+        return self._file(name).read_native(name)
 
     def read_slice(self, name: str, index: int) -> np.ndarray:
         """`tensor[index]` as float32, copying only that slice (one expert of a fused tensor)."""
@@ -140,10 +139,7 @@ class SourceCheckpoint:
         if not shape or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < shape[0]:
             raise InvalidInput(f"index {index!r} is out of range for {name!r} of shape {shape}", field=name,
                                value=index)
-        f = self._file(name)
-        if isinstance(f, SafetensorsFile):
-            return to_float32(f.view(name)[index], f.entries[name].dtype)
-        return f.read(name, index)
+        return self._file(name).read(name, index)
 
     def provenance(self, *, hash_files: bool = False) -> dict[str, Any]:
         """The design-doc `provenance` fields this side knows (no tool name/version)."""
@@ -156,8 +152,7 @@ class SourceCheckpoint:
 
     def close(self) -> None:
         for f in self._files.values():
-            if isinstance(f, SafetensorsFile):
-                f.close()
+            f.close()
 
     def __enter__(self) -> SourceCheckpoint:
         return self
@@ -186,7 +181,7 @@ def _open_safetensors(root: Path, config: HFConfig) -> SourceCheckpoint:
         files = _open_files(root, set(weight_map.values()), SafetensorsFile)
     else:
         files = _open_files(root, {ST_SINGLE}, SafetensorsFile)
-        weight_map = {t: ST_SINGLE for t in files[ST_SINGLE].entries}
+        weight_map = {t: ST_SINGLE for t in files[ST_SINGLE].names}
     return SourceCheckpoint(root, config, "safetensors", files, weight_map, index_xxh3)
 
 

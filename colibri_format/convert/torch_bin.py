@@ -47,6 +47,9 @@ class TorchBinFile:
             raise InvalidInput(f"{display_name}: expected a flat dict of name -> tensor")
         self._state = state
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._state
+
     @property
     def names(self) -> list[str]:
         return list(self._state)
@@ -75,3 +78,6 @@ class TorchBinFile:
             tensor = tensor[index]
         # copy=True: the result must not alias the mapping, and only this slice is read.
         return tensor.to(dtype=_torch().float32, copy=True).numpy()
+
+    def close(self) -> None:
+        self._state = {}

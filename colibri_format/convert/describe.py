@@ -1,0 +1,130 @@
+"""What a conversion records about itself: the file's metadata, the tokenizer, and the journal fingerprint.
+
+The metadata holds no timestamps and no absolute paths, so the same input and options give the same bytes.
+The fingerprint ties a resume journal to its inputs (config, index, every shard's name, size, mtime and
+safetensors header, the tokenizer files) and to the options; a resume with any of them changed is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from colibri_format import __version__
+from colibri_format import spec as S
+from colibri_format.convert.hf_config import parse_json_object
+from colibri_format.convert.safe_paths import read_capped, resolve_member
+from colibri_format.errors import InvalidInput
+
+TOKENIZER_JSON_MAX = 48 << 20       # the metadata section is capped at 64 MiB in all
+SMALL_JSON_MAX = 8 << 20
+SAFETENSORS_HEADER_MAX = 100 << 20
+JOURNAL_FORMAT = "colibri-convert-journal/1"
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+def _optional_member(root: Path, name: str) -> Path | None:
+    if not (root / name).exists():
+        return None
+    return resolve_member(root, name, field=name)
+
+
+def read_tokenizer(root: Path) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The metadata `tokenizer` object (None when the checkpoint has no tokenizer files), and their hashes."""
+    out: dict[str, Any] = {}
+    hashes: dict[str, str] = {}
+    path = _optional_member(root, "tokenizer.json")
+    if path is not None:
+        raw = read_capped(path, max_bytes=TOKENIZER_JSON_MAX, field="tokenizer.json")
+        try:
+            out["tokenizer_json"] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("tokenizer.json is not UTF-8", field="tokenizer.json") from None
+        hashes["tokenizer.json"] = xxhash.xxh3_64_hexdigest(raw)
+    for name, key in (("tokenizer_config.json", "tokenizer_config"), ("generation_config.json", "generation_config")):
+        path = _optional_member(root, name)
+        if path is not None:
+            raw = read_capped(path, max_bytes=SMALL_JSON_MAX, field=name)
+            out[key] = parse_json_object(raw, what=name)
+            hashes[name] = xxhash.xxh3_64_hexdigest(raw)
+    return (out or None), hashes
+
+
+# --- metadata -------------------------------------------------------------------------------------
+def quantization_block(expert_format: S.ExpertFormat, dense_dtype: str, group_size: int,
+                       per_expert: list[list[Any]] | None) -> dict[str, Any]:
+    quantized = expert_format in S.QUANTIZED_FORMATS
+    block: dict[str, Any] = {"experts": S.EXPERT_FORMAT_NAMES[expert_format], "bits": 8 if quantized else None,
+                             "group_size": group_size or None, "dense_dtype": dense_dtype, "error": None}
+    if quantized and per_expert:
+        block["error"] = {"max_rel": max(row[2] for row in per_expert),
+                          "mean_rel": sum(row[3] for row in per_expert) / len(per_expert),
+                          "per_expert": per_expert}
+    return block
+
+
+def provenance(src: Any) -> dict[str, Any]:
+    return {"source_format": src.source_format,
+            "source_files": [{"name": f.name, "size": f.size} for f in src.files],
+            "config_xxh3": src.config_xxh3, "index_xxh3": src.index_xxh3,
+            "tool": "colibri-format", "tool_version": __version__}
+
+
+def build_metadata(*, architecture: str, model: dict[str, Any], quantization: dict[str, Any],
+                   provenance_block: dict[str, Any], tokenizer: dict[str, Any] | None) -> dict[str, Any]:
+    return {"format": "colibri", "spec_version": f"{S.VERSION_MAJOR}.{S.VERSION_MINOR}",
+            "architecture": architecture, "model": model, "quantization": quantization,
+            "provenance": provenance_block, "tokenizer": tokenizer}
+
+
+# --- journal fingerprint --------------------------------------------------------------------------
+def _safetensors_header_xxh3(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return None
+            (n,) = struct.unpack("<Q", head)
+            return xxhash.xxh3_64_hexdigest(fh.read(min(n, SAFETENSORS_HEADER_MAX)))
+    except OSError:
+        return None
+
+
+def input_fingerprint(src: Any, tokenizer_hashes: dict[str, str]) -> dict[str, Any]:
+    files = []
+    for f in src.files:
+        path = resolve_member(Path(src.root), f.name, field=f.name)
+        st = os.stat(path)
+        header = _safetensors_header_xxh3(path) if f.name.endswith(".safetensors") else None
+        files.append([f.name, st.st_size, st.st_mtime_ns, header])
+    return {"config_xxh3": src.config_xxh3, "index_xxh3": src.index_xxh3, "files": files,
+            "tokenizer": dict(sorted(tokenizer_hashes.items()))}
+
+
+def journal_header(inputs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "header", "format": JOURNAL_FORMAT, "tool_version": __version__, "inputs": inputs,
+            "options": options}
+
+
+def header_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """A sentence naming what changed between two journal headers, or None when they match."""
+    if old.get("format") != new["format"] or old.get("tool_version") != new["tool_version"]:
+        return "it was written by another version of the converter"
+    if old.get("options") != new["options"]:
+        changed = sorted(k for k in new["options"] if (old.get("options") or {}).get(k) != new["options"][k])
+        return f"the conversion options changed ({', '.join(changed) or 'options'})"
+    old_in, new_in = old.get("inputs") or {}, new["inputs"]
+    for key, what in (("config_xxh3", "config.json"), ("index_xxh3", "the safetensors index"),
+                      ("tokenizer", "the tokenizer files")):
+        if old_in.get(key) != new_in[key]:
+            return f"{what} changed"
+    if old_in.get("files") != new_in["files"]:
+        old_files = {row[0]: row for row in old_in.get("files") or [] if isinstance(row, list) and row}
+        changed = [row[0] for row in new_in["files"] if old_files.get(row[0]) != row]
+        gone = sorted(set(old_files) - {row[0] for row in new_in["files"]})
+        return f"weight files changed ({', '.join((changed + gone)[:4]) or 'file list'})"
+    return None

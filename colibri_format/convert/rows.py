@@ -1,0 +1,127 @@
+"""Row-chunked reads of canonical tensors, so no whole tensor or whole expert is ever held in memory.
+
+A canonical matrix is a list of `RowSpan`s: rows of a Hugging Face tensor (or of one expert of a fused 3-D
+tensor), concatenated. The blob's `gate_up [2I, H]` is `w1` then `w3` for per-expert checkpoints and rows
+`[0, 2I)` of `gate_up_proj[e]` for fused ones. The spans come from the adapter's own name table
+(`NAMES` in each `convert/arch/<type>.py`) and are checked against the shapes the adapter expects, so both
+paths read exactly what `adapter.expert_tensors` returns (tests/convert/test_pipeline.py compares them).
+
+Reads go through the safetensors memory map (only the chunk's pages are touched); sources without a
+zero-copy view (pickled `.bin`) fall back to one whole-tensor read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colibri_format.convert.arch import common
+from colibri_format.errors import InvalidInput, UnsupportedModel
+
+CHUNK_ELEMENTS = 1 << 21  # ~8 MB of float32 per step; fixed, so statistics never depend on the machine
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows [start, stop) of `hf_name` (of `hf_name[index]` when `index` is set: one expert of a fused tensor)."""
+
+    hf_name: str
+    index: int | None
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class ExpertSpans:
+    gate_up: tuple[RowSpan, ...]
+    down: tuple[RowSpan, ...]
+
+
+def dense_spans(src: Any, t: common.DenseTensor) -> tuple[RowSpan, ...]:
+    shape = tuple(src.shape(t.hf_name))
+    if t.transform is not None:
+        return (RowSpan(t.hf_name, None, t.transform.start, t.transform.stop),)
+    return (RowSpan(t.hf_name, None, 0, shape[0] if shape else 1),)
+
+
+def names_table(model_type: str) -> common.HFNames:
+    module = importlib.import_module(f"colibri_format.convert.arch.{model_type}")
+    names = getattr(module, "NAMES", None)
+    if not isinstance(names, common.HFNames):
+        raise UnsupportedModel(f"adapter {model_type!r} has no HFNames table for streaming", field="model_type")
+    return names
+
+
+def expert_spans(src: Any, model: dict[str, Any], names: common.HFNames, layer: int, expert: int) -> ExpertSpans:
+    """Where the rows of one expert's gate_up and down live, shapes checked like the adapter checks them."""
+    e_count, i_size, h = model["num_experts"], model["expert_intermediate_size"], model["hidden_size"]
+    p = common.layer_prefix(layer)
+    layout = common._layout_for(src, names, p)  # the adapter's own layout probe (same module family)
+    if isinstance(layout, common.FusedLinear):
+        gate_up, down = layout.gate_up.format(p=p), layout.down.format(p=p)
+        common._check_shape(src, gate_up, (e_count, 2 * i_size, h))
+        common._check_shape(src, down, (e_count, h, i_size))
+        return ExpertSpans((RowSpan(gate_up, expert, 0, 2 * i_size),), (RowSpan(down, expert, 0, h),))
+    gate, up, down = (f.format(p=p, e=expert) for f in (layout.gate, layout.up, layout.down))
+    for name, shape in ((gate, (i_size, h)), (up, (i_size, h)), (down, (h, i_size))):
+        common._check_shape(src, name, shape)
+    return ExpertSpans((RowSpan(gate, None, 0, i_size), RowSpan(up, None, 0, i_size)), (RowSpan(down, None, 0, h),))
+
+
+# --- reading ---------------------------------------------------------------------------------------
+def native_view(src: Any, name: str) -> np.ndarray:
+    """The tensor in its stored dtype (bf16 as uint16): a zero-copy map for safetensors, else a copy."""
+    f = src._file(name)  # SourceCheckpoint keeps the per-file readers; only safetensors ones have .view
+    view = getattr(f, "view", None)
+    return view(name) if callable(view) else src.read_native(name)
+
+
+def to_float32(chunk: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 copy of a stored chunk; bf16 bits widen by a 16-bit shift."""
+    if out is None:
+        out = np.empty(chunk.shape, np.float32)
+    if dtype == "bfloat16":
+        np.left_shift(chunk, 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif dtype in ("float32", "float16", "float64"):
+        np.copyto(out, chunk, casting="unsafe" if dtype == "float64" else "same_kind")
+    else:
+        raise UnsupportedModel(f"tensor dtype {dtype!r} cannot be converted", value=dtype)
+    return out
+
+
+def iter_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[tuple[np.ndarray, str]]:
+    """(stored rows, dtype name) in order, each at most CHUNK_ELEMENTS values (at least one row)."""
+    for span in spans:
+        view = native_view(src, span.hf_name)
+        dtype = src.dtype(span.hf_name)
+        if span.index is not None:
+            view = view[span.index]
+        if view.ndim == 0 or view.ndim > 2:
+            raise InvalidInput(f"{span.hf_name!r} has rank {view.ndim} where a vector or matrix is needed",
+                               field=span.hf_name)
+        if view.ndim == 1:
+            yield view, dtype
+            continue
+        step = max(1, CHUNK_ELEMENTS // max(1, view.shape[1]))
+        for start in range(span.start, span.stop, step):
+            yield view[start:min(start + step, span.stop)], dtype
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def span_bytes(src: Any, spans: tuple[RowSpan, ...]) -> int:
+    """Source bytes the spans cover (for throughput figures)."""
+    total = 0
+    for span in spans:
+        shape = tuple(src.shape(span.hf_name))[(1 if span.index is not None else 0):]
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        rows = (span.stop - span.start) if shape else 1
+        total += rows * row * ITEMSIZE.get(src.dtype(span.hf_name), 4)
+    return total
