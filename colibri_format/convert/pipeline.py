@@ -1,0 +1,476 @@
+"""`convert()`: a Hugging Face MoE checkpoint to one `.colibri` file, streaming, resumable and crash-safe.
+
+Flow: open and normalize the checkpoint, plan every offset (ColibriWriter), take the writer lock, read the
+journal and re-verify what it lists, then convert the remaining pieces (dense tensors, then expert blobs)
+on `workers` threads. Each piece is streamed in row chunks (read -> quantize -> positional write), so
+memory stays at a few chunks per worker whatever the model size. Completed pieces are made durable in
+batches: fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against
+the checksums, write the sections and header, fsync, rename over the destination, fsync the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from colibri_format import spec as S
+from colibri_format.convert import crashpoint, describe
+from colibri_format.convert.arch import get_adapter
+from colibri_format.convert.emit import ErrorStats, write_dense, write_expert
+from colibri_format.convert.journal import (Journal, JournalState, WriterLock, journal_path_for, lock_path_for,
+                                            read_journal)
+from colibri_format.convert.rows import dense_spans, expert_spans, names_table, span_bytes
+from colibri_format.convert.source import open_checkpoint
+from colibri_format.errors import InvalidInput, ResumeError, WriteError
+from colibri_format.fsutil import fsync_fd
+from colibri_format.spec.checksum import dense_seed, expert_seed
+from colibri_format.writer import ColibriWriter
+
+DTYPES = ("float16", "bfloat16", "float32")
+QUANTIZE_MODES = ("expert", "none")
+BATCH_PIECES = 64                 # fsync + journal at least every 64 pieces...
+BATCH_BYTES = 256 << 20           # ...or every 256 MB written
+VERIFY_CHUNK = 8 << 20
+MAX_WORKERS = 64
+
+# progress(done_pieces, total_pieces, done_source_bytes, total_source_bytes); called on the caller's thread
+Progress = Callable[[int, int, int, int], None]
+
+
+@dataclass
+class ConversionSummary:
+    output_path: str
+    architecture: str
+    expert_format: str
+    dense_dtype: str
+    dense_tensors: int
+    experts: int
+    pieces_resumed: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    workers: int
+    quant_error_max: float | None
+    quant_error_mean: float | None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gb_per_s": self.gb_per_s}
+
+
+@dataclass(frozen=True)
+class Options:
+    dtype: str
+    quantize: str
+    quant_bits: int
+    group_size: int | None
+    workers: int
+
+    @property
+    def expert_format(self) -> S.ExpertFormat:
+        if self.quantize == "none":
+            return S.ExpertFormat(int(S.DTYPE_NAMES[self.dtype]))  # F32/F16/BF16 share their numbers
+        return S.ExpertFormat.INT8_ROW if self.group_size is None else S.ExpertFormat.INT8_GROUP
+
+    def journal_options(self) -> dict[str, Any]:
+        # workers change nothing in the output, so a resume may use another count
+        return {"dtype": self.dtype, "quantize": self.quantize, "quant_bits": self.quant_bits,
+                "group_size": self.group_size}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of work: a dense tensor (`key` = name) or an expert blob (`key` = (layer, expert))."""
+
+    kind: str
+    key: Any
+    source_bytes: int
+    spans: Any
+
+
+@dataclass
+class Job:
+    """Everything planned before the first byte is written."""
+
+    src: Any
+    architecture: str
+    model: dict[str, Any]
+    options: Options
+    pieces: list[Piece]
+    tokenizer: dict[str, Any] | None
+    header: dict[str, Any]
+    dense_index: dict[str, int] = field(default_factory=dict)  # name -> position in the plan
+
+
+@dataclass
+class Progressive:
+    """Counters of the running job (main thread only)."""
+
+    stats: dict[tuple[int, int], ErrorStats] = field(default_factory=dict)
+    bytes_in: int = 0
+    done: int = 0
+
+
+# --- options and planning ---------------------------------------------------------------------------
+def check_options(dtype: str, quantize: str, quant_bits: int, group_size: int | None, workers: int) -> Options:
+    if dtype not in DTYPES:
+        raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}", field="dtype", value=dtype)
+    if quantize not in QUANTIZE_MODES:
+        raise InvalidInput(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}", field="quantize", value=quantize)
+    if quant_bits != 8:
+        raise InvalidInput("only 8-bit expert quantization is implemented", field="quant_bits", value=quant_bits)
+    if group_size is not None and quantize != "expert":
+        raise InvalidInput("--group-size needs --quantize expert", field="group_size", value=group_size)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise InvalidInput(f"--workers must be in [1, {MAX_WORKERS}]", field="workers", value=workers)
+    return Options(dtype, quantize, quant_bits, group_size, workers)
+
+
+def check_expert_counts(model: dict[str, Any], num_experts: int | None, top_k: int | None) -> None:
+    if num_experts is not None and num_experts != model["num_experts"]:
+        raise InvalidInput(f"--num-experts {num_experts} does not match config.json ({model['num_experts']} experts)",
+                           field="num_experts", value=num_experts)
+    if top_k is not None and top_k != model["top_k"]:
+        raise InvalidInput(f"--top-k {top_k} does not match config.json (top_k {model['top_k']})",
+                           field="top_k", value=top_k)
+
+
+def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | None) -> Job:
+    adapter = get_adapter(src.config.model_type)
+    model = adapter.normalize_config(src.config.raw)
+    check_expert_counts(model, num_experts, top_k)
+    names = names_table(adapter.model_type)
+    pieces = []
+    for t in adapter.dense_tensors(src, model):
+        spans = dense_spans(src, t)
+        pieces.append(Piece("dense", t.name, span_bytes(src, spans), spans))
+    for layer in model["moe_layers"]:
+        for e in range(model["num_experts"]):
+            spans = expert_spans(src, model, names, layer, e)
+            pieces.append(Piece("expert", (layer, e), span_bytes(src, spans.gate_up) + span_bytes(src, spans.down),
+                                {"gate_up": spans.gate_up, "down": spans.down}))
+    tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root))
+    header = describe.journal_header(describe.input_fingerprint(src, tok_hashes), options.journal_options())
+    return Job(src, adapter.model_type, model, options, pieces, tokenizer, header)
+
+
+# --- public entry point -----------------------------------------------------------------------------
+def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dtype: str = "float16",
+            quantize: str = "expert", quant_bits: int = 8, group_size: int | None = None,
+            num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
+            verify: bool = True, progress: Progress | None = None) -> ConversionSummary:
+    """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run."""
+    options = check_options(dtype, quantize, quant_bits, group_size, workers)
+    dest = Path(output_path)
+    if dest.is_dir():
+        raise InvalidInput("--output-path is a directory; give a file name", field="output_path", value=str(dest))
+    if not dest.parent.is_dir():
+        raise InvalidInput("the output folder does not exist", field="output_path", value=str(dest.parent))
+    start = time.perf_counter()
+    with open_checkpoint(model_path) as src:
+        job = plan_job(src, options, num_experts, top_k)
+        lock = WriterLock(lock_path_for(dest))
+        lock.acquire()
+        try:
+            return _convert_locked(job, dest, resume, verify, progress, start)
+        finally:
+            lock.release()
+
+
+def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: Progress | None,
+                    start: float) -> ConversionSummary:
+    journal_file = journal_path_for(dest)
+    state = read_journal(journal_file) if resume else JournalState(None, [])
+    if state.header is not None:
+        why = describe.header_difference(state.header, job.header)
+        if why is not None:
+            raise ResumeError(f"cannot resume the partial conversion of {dest.name}: {why} since it was "
+                              "started; run again with --restart to start over", field="journal")
+    resuming = state.header is not None
+    writer = ColibriWriter(dest, job.model, dense_dtype=S.DTYPE_NAMES[job.options.dtype],
+                           expert_format=job.options.expert_format, group_size=job.options.group_size or 0,
+                           resume=resuming)
+    job.dense_index = {t.name: i for i, t in enumerate(writer.plan.dense)}
+    fd = -1
+    journal = None
+    try:
+        _check_free_space(writer, job)
+        fd = _open_rw(writer.part_path)
+        verified = _verify_records(fd, writer, state.pieces, job.options.workers) if resuming else []
+        journal = Journal(journal_file, job.header, verified)
+        run = Progressive()
+        _restore(writer, run, verified)
+        todo = _remaining(job.pieces, writer)
+        _convert_pieces(job, writer, fd, journal, run, todo, progress)
+        if verify:
+            _verify_all(fd, writer, job.options.workers)
+        metadata = _metadata(job, run)
+        os.close(fd)
+        fd = -1
+        crashpoint.hit("finalize")
+        writer.finalize(metadata)
+        crashpoint.hit("journal-remove")
+        journal.remove()
+        return _summary(job, dest, writer, run, len(verified), time.perf_counter() - start)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if journal is not None:
+            journal.close()
+        writer.abort(remove_part=False)
+
+
+def _open_rw(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise WriteError(f"cannot open {path.name}: {exc.strerror}") from None
+
+
+# --- disk space -------------------------------------------------------------------------------------
+def _check_free_space(writer: ColibriWriter, job: Job) -> None:
+    """Fail before writing when the folder cannot hold what is left to write (the .part is sparse)."""
+    plan = writer.plan
+    n_blobs = len(plan.moe_layers) * plan.num_experts
+    tokenizer_bytes = len(S.encode_metadata(job.tokenizer)) if job.tokenizer else 0
+    tables = len(plan.dense) * S.DENSE_ENTRY_SIZE + n_blobs * S.WSIT_ENTRY_SIZE
+    needed = plan.metadata_offset + tokenizer_bytes + tables + n_blobs * 128 + (1 << 20)
+    try:
+        already = os.stat(writer.part_path).st_blocks * 512
+        free = shutil.disk_usage(writer.part_path.parent).free
+    except OSError as exc:
+        raise WriteError(f"cannot check free space: {exc.strerror}") from None
+    if free < needed - already:
+        raise WriteError(f"not enough free space in {writer.part_path.parent}: the conversion needs "
+                         f"{needed - already:,} more bytes, {free:,} are free", field="free_space",
+                         value=needed - already)
+
+
+# --- resume -----------------------------------------------------------------------------------------
+def _slot(writer: ColibriWriter, record: dict[str, Any]) -> tuple[Any, int, int, int] | None:
+    """(key, offset, size, seed) of a journal record, or None when the record names nothing in the plan."""
+    plan = writer.plan
+    if record.get("kind") == "dense":
+        t = next((t for t in plan.dense if t.name == record.get("name")), None)
+        return None if t is None else (t.name, t.offset, t.size, dense_seed(t.name, t.offset))
+    layer, expert = record.get("layer"), record.get("expert")
+    if type(layer) is not int or type(expert) is not int or layer not in plan.moe_layers \
+            or not 0 <= expert < plan.num_experts:
+        return None
+    offset = plan.blob_offset(layer, expert)
+    return (layer, expert), offset, plan.blob.size, expert_seed(layer, expert, offset)
+
+
+def _hash_range(fd: int, offset: int, size: int, seed: int) -> int:
+    h = xxhash.xxh3_64(seed=seed)
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(VERIFY_CHUNK, size - done), offset + done)
+        if not chunk:
+            break  # short file: the digest will not match
+        h.update(chunk)
+        done += len(chunk)
+    return h.intdigest()
+
+
+def _record_matches(fd: int, writer: ColibriWriter, record: dict[str, Any]) -> bool:
+    slot = _slot(writer, record)
+    checksum = record.get("checksum")
+    if slot is None or type(checksum) is not int:
+        return False
+    _, offset, size, seed = slot
+    return _hash_range(fd, offset, size, seed) == checksum
+
+
+def _verify_records(fd: int, writer: ColibriWriter, records: list[dict[str, Any]], workers: int
+                    ) -> list[dict[str, Any]]:
+    """The journal records whose bytes in the .part still hash to the recorded checksum (last one wins)."""
+    latest: dict[Any, dict[str, Any]] = {}
+    for r in records:
+        slot = _slot(writer, r)
+        if slot is not None and _valid_stats(r):
+            latest[slot[0]] = r
+    with ThreadPoolExecutor(workers) as ex:
+        ok = list(ex.map(lambda r: _record_matches(fd, writer, r), latest.values()))
+    return [r for r, good in zip(latest.values(), ok) if good]
+
+
+def _valid_stats(record: dict[str, Any]) -> bool:
+    if record.get("kind") == "dense":
+        return True
+    err = record.get("error")
+    return err is None or (isinstance(err, list) and len(err) == 2
+                           and all(type(x) in (int, float) and 0 <= x < 1e30 for x in err))
+
+
+def _restore(writer: ColibriWriter, run: Progressive, records: list[dict[str, Any]]) -> None:
+    for r in records:
+        if r["kind"] == "dense":
+            writer.restore_checksums({r["name"]: r["checksum"]}, {})
+        else:
+            key = (r["layer"], r["expert"])
+            writer.restore_checksums({}, {key: r["checksum"]})
+            if r.get("error") is not None:
+                run.stats[key] = ErrorStats(float(r["error"][0]), float(r["error"][1]), 1)
+
+
+def _remaining(pieces: list[Piece], writer: ColibriWriter) -> list[Piece]:
+    return [p for p in pieces
+            if (p.kind == "dense" and p.key not in writer.dense_checksums)
+            or (p.kind == "expert" and p.key not in writer.expert_checksums)]
+
+
+# --- the work ---------------------------------------------------------------------------------------
+def _do_piece(job: Job, writer: ColibriWriter, fd: int, piece: Piece) -> tuple[Piece, int, ErrorStats | None]:
+    plan = writer.plan
+    if piece.kind == "dense":
+        t = plan.dense[job.dense_index[piece.key]]
+        return piece, write_dense(fd, t, job.src, piece.spans), None
+    checksum, stats = write_expert(fd, plan.blob, plan.blob_offset(*piece.key), piece.key, job.src, piece.spans)
+    return piece, checksum, stats if plan.blob.expert_format in S.QUANTIZED_FORMATS else None
+
+
+class Batch:
+    """Pieces written but not yet durable; `flush` = fsync(.part), then journal records, then fsync(journal)."""
+
+    def __init__(self, fd: int, journal: Journal) -> None:
+        self.fd, self.journal = fd, journal
+        self.records: list[dict[str, Any]] = []
+        self.bytes = 0
+
+    def add(self, record: dict[str, Any], nbytes: int) -> None:
+        self.records.append(record)
+        self.bytes += nbytes
+        if len(self.records) >= BATCH_PIECES or self.bytes >= BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.records:
+            return
+        crashpoint.hit("data-fsync")
+        fsync_fd(self.fd)
+        self.journal.append(self.records)
+        self.records, self.bytes = [], 0
+
+
+def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, Any]:
+    if piece.kind == "dense":
+        return {"kind": "dense", "name": piece.key, "checksum": checksum}
+    error = None if stats is None else [stats.max_rel, stats.mean_rel]
+    return {"kind": "expert", "layer": piece.key[0], "expert": piece.key[1], "checksum": checksum, "error": error}
+
+
+def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, run: Progressive,
+                    todo: list[Piece], progress: Progress | None) -> None:
+    batch = Batch(fd, journal)
+    total_bytes = sum(p.source_bytes for p in todo)
+
+    def done(result: tuple[Piece, int, ErrorStats | None]) -> None:
+        piece, checksum, stats = result
+        if piece.kind == "dense":
+            writer.restore_checksums({piece.key: checksum}, {})
+        else:
+            writer.restore_checksums({}, {piece.key: checksum})
+            if stats is not None:
+                run.stats[piece.key] = stats
+        run.bytes_in += piece.source_bytes
+        run.done += 1
+        batch.add(_record(piece, checksum, stats), piece.source_bytes)
+        if progress:
+            progress(run.done, len(todo), run.bytes_in, total_bytes)
+
+    if progress:
+        progress(0, len(todo), 0, total_bytes)
+    try:
+        _run_bounded(todo, lambda p: _do_piece(job, writer, fd, p), job.options.workers, done)
+    finally:
+        # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it.
+        # A failed fsync raises here and nothing more is journaled (fsync errors are not retried).
+        _flush_quietly(batch)
+
+
+def _flush_quietly(batch: Batch) -> None:
+    import sys
+    if sys.exc_info()[0] is None:
+        batch.flush()
+        return
+    try:
+        batch.flush()
+    except Exception:  # the original error is the one to report
+        pass
+
+
+def _run_bounded(items: Iterable[Piece], work: Callable[[Piece], Any], workers: int,
+                 on_done: Callable[[Any], None]) -> None:
+    """Run `work` on `workers` threads with at most 2*workers pieces in flight; `on_done` on this thread."""
+    queue = iter(items)
+    pending: set[Future] = set()
+    ex = ThreadPoolExecutor(workers, thread_name_prefix="colibri-convert")
+    try:
+        while True:
+            while len(pending) < 2 * workers and (piece := next(queue, None)) is not None:
+                pending.add(ex.submit(work, piece))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                on_done(f.result())
+    except BaseException:
+        ex.shutdown(wait=True, cancel_futures=True)
+        for f in pending:  # finished while we were stopping: keep their work
+            if f.done() and not f.cancelled() and f.exception() is None:
+                on_done(f.result())
+        raise
+    ex.shutdown(wait=True)
+
+
+# --- finishing --------------------------------------------------------------------------------------
+def _verify_all(fd: int, writer: ColibriWriter, workers: int) -> None:
+    """Re-hash every piece in the .part against its checksum before the rename (catches planning bugs)."""
+    plan = writer.plan
+    slots = [(t.offset, t.size, dense_seed(t.name, t.offset), writer.dense_checksums[t.name], t.name)
+             for t in plan.dense]
+    for layer, e in plan.blob_keys():
+        off = plan.blob_offset(layer, e)
+        slots.append((off, plan.blob.size, expert_seed(layer, e, off), writer.expert_checksums[(layer, e)],
+                      f"expert ({layer}, {e})"))
+    with ThreadPoolExecutor(workers) as ex:
+        results = list(ex.map(lambda s: _hash_range(fd, s[0], s[1], s[2]) == s[3], slots))
+    bad = [s[4] for s, ok in zip(slots, results) if not ok]
+    if bad:
+        raise WriteError(f"the .part file does not read back as written ({len(bad)} pieces, first {bad[0]}); "
+                         "run again with --restart", field="verify", value=bad[:3])
+
+
+def _per_expert(run: Progressive) -> list[list[Any]]:
+    return [[layer, e, s.max_rel, s.mean_rel] for (layer, e), s in sorted(run.stats.items())]
+
+
+def _metadata(job: Job, run: Progressive) -> dict[str, Any]:
+    quant = describe.quantization_block(job.options.expert_format, job.options.dtype, job.options.group_size or 0,
+                                        _per_expert(run))
+    return describe.build_metadata(architecture=job.architecture, model=job.model, quantization=quant,
+                                   provenance_block=describe.provenance(job.src), tokenizer=job.tokenizer)
+
+
+def _summary(job: Job, dest: Path, writer: ColibriWriter, run: Progressive, resumed: int,
+             seconds: float) -> ConversionSummary:
+    rows = _per_expert(run)
+    return ConversionSummary(
+        output_path=str(dest), architecture=job.architecture,
+        expert_format=S.EXPERT_FORMAT_NAMES[job.options.expert_format], dense_dtype=job.options.dtype,
+        dense_tensors=len(writer.plan.dense), experts=len(writer.plan.blob_keys()), pieces_resumed=resumed,
+        bytes_in=run.bytes_in, bytes_out=os.stat(dest).st_size, seconds=seconds, workers=job.options.workers,
+        quant_error_max=max((r[2] for r in rows), default=None) if rows else None,
+        quant_error_mean=sum(r[3] for r in rows) / len(rows) if rows else None)
