@@ -30,6 +30,11 @@ class HFCheckpoint:
     model: dict[str, Any]
     adapter: Adapter
 
+    @property
+    def weights_dtype(self) -> str:
+        """Storage dtype of the embedding ('bfloat16', 'float16', 'float32'): a default for the file's dense dtype."""
+        return self.source.dtype("model.embed_tokens.weight")
+
     def dense_tensors(self) -> list[DenseTensor]:
         """Canonical dense tensors in directory order, shapes already checked against the config."""
         return self.adapter.dense_tensors(self.source, self.model)

@@ -7,6 +7,8 @@ Layouts, in order of preference:
 
 Every read returns a fresh float32 array of just that tensor (or one expert
 of a fused 3-D tensor), so memory stays bounded by the largest single tensor.
+Reads touch no shared mutable state beyond a lazily created read-only mapping,
+so several threads may read from one SourceCheckpoint at once.
 """
 
 from __future__ import annotations
@@ -149,6 +151,17 @@ class SourceCheckpoint:
             files.append({"name": sf.name, "size": sf.size, "xxh3": digest})
         return {"source_format": self.source_format, "source_files": files,
                 "config_xxh3": self.config.xxh3, "index_xxh3": self.index_xxh3}
+
+    def fingerprint(self) -> str:
+        """XXH3-64 over config, index and every weight file's name and size: cheap, for the resume journal.
+
+        It changes when any of those change; a same-size in-place edit needs provenance(hash_files=True).
+        """
+        h = xxhash.xxh3_64()
+        h.update(f"{self.source_format}\0{self.config.xxh3}\0{self.index_xxh3}\0".encode())
+        for sf in self.files:
+            h.update(f"{sf.name}\0{sf.size}\0".encode())
+        return h.hexdigest()
 
     def close(self) -> None:
         for f in self._files.values():

@@ -204,3 +204,10 @@ def test_open_hf_checkpoint_facade(tiny_checkpoint: Any, tiny_reference: Any, ar
         layer, e = keys[-1]
         np.testing.assert_array_equal(gate, ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][e][:16])
         assert ckpt.tokenizer() is None  # the tiny fixtures ship no tokenizer
+
+
+def test_weights_dtype_reports_the_stored_dtype(tiny_checkpoint: Any) -> None:
+    from colibri_format.convert.checkpoint import open_hf_checkpoint
+
+    with open_hf_checkpoint(tiny_checkpoint("olmoe", dtype="bfloat16")) as ckpt:
+        assert ckpt.weights_dtype == "bfloat16"

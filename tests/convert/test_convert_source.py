@@ -254,3 +254,15 @@ def test_index_size_cap(tiny_checkpoint: Any, tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(source_mod, "INDEX_MAX_BYTES", 16)
     with pytest.raises(InvalidInput, match="cap"):
         open_checkpoint(folder)
+
+
+def test_fingerprint_tracks_config_and_file_sizes(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    folder = copy_checkpoint(tiny_checkpoint("mixtral", sharded=True), tmp_path / "ckpt")
+    with open_checkpoint(folder) as src:
+        before = src.fingerprint()
+    with open_checkpoint(folder) as src:
+        assert src.fingerprint() == before
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    with open_checkpoint(folder) as src:
+        assert src.fingerprint() != before
