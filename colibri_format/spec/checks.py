@@ -206,7 +206,7 @@ def _check_wsit_entries(h: Header, wsit: np.ndarray, plan: FilePlan) -> None:
     experts = wsit["expert"].reshape(n_moe, n_exp)
     index = np.arange(h.num_blobs, dtype=np.uint64)
     checks = [
-        ("layer", (layers == layers[:, :1]).all(axis=1).repeat(n_exp), "layer must be constant within a layer's run"),
+        ("layer", (layers == layers[:, :1]).ravel(), "layer must be constant within a layer's run"),
         ("layer", _increasing(layers[:, 0], h.num_layers).repeat(n_exp), "layers must increase and be < num_layers"),
         ("expert", (experts == np.arange(n_exp, dtype=np.uint32)).ravel(), "experts must be in canonical order"),
         ("offset", wsit["offset"] == np.uint64(h.experts_offset) + index * np.uint64(h.expert_blob_size),
