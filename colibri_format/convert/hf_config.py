@@ -280,6 +280,7 @@ def hidden_act(f: Fields) -> str:
 def common_model(f: Fields, *, default_theta: float, default_eps: float, default_max_pos: int,
                  expert_intermediate_key: str) -> dict[str, Any]:
     """Every design-doc field for a plain Mixtral-like MoE decoder (all layers MoE, no biases)."""
+    reject_unsupported_features(f.raw)  # here, so calling an adapter directly cannot skip it
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads", hi=MAX_HEADS)
     num_layers = f.integer("num_hidden_layers", hi=MAX_LAYERS)
@@ -346,6 +347,5 @@ def normalize_config(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """(architecture, model dict) for any supported config; dispatches on `model_type`."""
     from colibri_format.convert.arch import get_adapter  # the adapters import this module
 
-    reject_unsupported_features(raw)
     adapter = get_adapter(model_type_of(raw))
     return adapter.model_type, adapter.normalize_config(raw)

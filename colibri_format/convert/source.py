@@ -52,6 +52,12 @@ class _File(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> str: ...
     def read(self, name: str, index: int | None = None) -> np.ndarray: ...
+    def native_view(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype (bf16 as uint16) without copying: a read-only view of the
+        safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
+        f = self._file(name)
+        return f.view(name) if isinstance(f, SafetensorsFile) else f.read_native(name)
+
     def read_native(self, name: str) -> np.ndarray: ...
     def close(self) -> None: ...
 
@@ -127,6 +133,12 @@ class SourceCheckpoint:
     def read(self, name: str) -> np.ndarray:
         """The whole tensor as a fresh float32 array."""
         return self._file(name).read(name)
+
+    def native_view(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype (bf16 as uint16) without copying: a read-only view of the
+        safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
+        f = self._file(name)
+        return f.view(name) if isinstance(f, SafetensorsFile) else f.read_native(name)
 
     def read_native(self, name: str) -> np.ndarray:
         """The whole tensor in its stored dtype (bfloat16 as uint16 bit patterns), as a fresh array.

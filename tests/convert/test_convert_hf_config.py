@@ -281,3 +281,10 @@ def test_published_model_configs_normalize(name: str, expected: dict[str, Any]) 
 
     model = model_of(PUBLISHED[name])
     assert {k: model[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapters_called_directly_still_refuse_quantized_checkpoints(arch: str) -> None:
+    raw = {**MIXTRAL, "model_type": arch, "quantization_config": {"quant_method": "fp8"}}
+    with pytest.raises(UnsupportedModel, match="fp8"):
+        get_adapter(arch).normalize_config(raw)

@@ -266,3 +266,11 @@ def test_fingerprint_tracks_config_and_file_sizes(tiny_checkpoint: Any, tmp_path
     (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
     with open_checkpoint(folder) as src:
         assert src.fingerprint() != before
+
+
+def test_native_view_is_a_read_only_zero_copy_view(tiny_checkpoint: Any, tiny_reference: Any) -> None:
+    ref = tiny_reference("mixtral", dtype="bfloat16")
+    with open_checkpoint(tiny_checkpoint("mixtral", fused=True, dtype="bfloat16")) as src:
+        view = src.native_view(FUSED_GATE_UP)
+        assert view.dtype == np.uint16 and not view.flags.writeable and not view.flags.owndata
+        assert np.array_equal((view[1].astype(np.uint32) << 16).view(np.float32), ref[FUSED_GATE_UP][1])

@@ -178,7 +178,8 @@ def dense_tensors(src: Any, model: Model, names: HFNames) -> list[DenseTensor]:
 
 # --- experts -------------------------------------------------------------------------------------
 
-def _layout_for(src: Any, names: HFNames, p: str) -> PerExpert | FusedLinear:
+def expert_layout(src: Any, names: HFNames, p: str) -> PerExpert | FusedLinear:
+    """The expert layout used under layer prefix `p` (`model.layers.{i}`), found by name."""
     for layout in names.experts:
         probe = layout.gate_up if isinstance(layout, FusedLinear) else layout.gate.replace("{e}", "0")
         if src.has(probe.format(p=p)):
@@ -186,7 +187,8 @@ def _layout_for(src: Any, names: HFNames, p: str) -> PerExpert | FusedLinear:
     raise InvalidInput(f"no expert tensors found under {p!r} in any known layout", field=p)
 
 
-def _check_shape(src: Any, name: str, expected: tuple[int, ...]) -> None:
+def check_shape(src: Any, name: str, expected: tuple[int, ...]) -> None:
+    """InvalidInput unless `name` exists with exactly `expected` shape (hints at a transposed layout)."""
     if not src.has(name):
         raise InvalidInput(f"checkpoint lacks {name!r}", field=name)
     shape = tuple(src.shape(name))
@@ -202,17 +204,17 @@ def expert_tensors(src: Any, model: Model, names: HFNames, layer: int, expert: i
         raise InvalidInput(f"no expert ({layer}, {expert}) in this model", field="expert", value=(layer, expert))
     e_count, i_size, h = model["num_experts"], model["expert_intermediate_size"], model["hidden_size"]
     p = layer_prefix(layer)
-    layout = _layout_for(src, names, p)
+    layout = expert_layout(src, names, p)
     if isinstance(layout, FusedLinear):
         gate_up_name, down_name = layout.gate_up.format(p=p), layout.down.format(p=p)
-        _check_shape(src, gate_up_name, (e_count, 2 * i_size, h))
-        _check_shape(src, down_name, (e_count, h, i_size))
+        check_shape(src, gate_up_name, (e_count, 2 * i_size, h))
+        check_shape(src, down_name, (e_count, h, i_size))
         gate_up = src.read_slice(gate_up_name, expert)
         return gate_up[:i_size], gate_up[i_size:], src.read_slice(down_name, expert)
     parts = []
     for fmt, shape in ((layout.gate, (i_size, h)), (layout.up, (i_size, h)), (layout.down, (h, i_size))):
         name = fmt.format(p=p, e=expert)
-        _check_shape(src, name, shape)
+        check_shape(src, name, shape)
         parts.append(src.read(name))
     return parts[0], parts[1], parts[2]
 
@@ -228,3 +230,8 @@ def gate_up_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
                 and base.shape == (gate.shape[0] + up.shape[0], gate.shape[1])
                 and gate.ctypes.data == base.ctypes.data and up.ctypes.data == base.ctypes.data + gate.nbytes)
     return base if adjacent else np.concatenate([gate, up])
+
+
+# Older spellings, still used by convert/rows.py.
+_layout_for = expert_layout
+_check_shape = check_shape
