@@ -59,12 +59,13 @@ def tiny_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides: Any)
     config = getattr(transformers, config_cls)(**tiny_config_kwargs(arch, tie=tie, **overrides))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
-    _randomize_norms(model, seed)
+    _randomize_vectors(model, seed)
     return model.eval()
 
 
-def _randomize_norms(model: Any, seed: int) -> None:
-    # Norm weights start at exactly 1.0; random values catch a norm read from the wrong tensor.
+def _randomize_vectors(model: Any, seed: int) -> None:
+    # Norm weights start at exactly 1.0 and biases at 0.0; random values catch a vector read
+    # from the wrong tensor.
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -72,6 +73,8 @@ def _randomize_norms(model: Any, seed: int) -> None:
         for name, param in model.named_parameters():
             if param.ndim == 1 and "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif param.ndim == 1 and name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
 
 
 def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, fused: bool = False, sharded: bool = False,

@@ -211,3 +211,18 @@ def test_weights_dtype_reports_the_stored_dtype(tiny_checkpoint: Any) -> None:
 
     with open_hf_checkpoint(tiny_checkpoint("olmoe", dtype="bfloat16")) as ckpt:
         assert ckpt.weights_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "granitemoe"])
+def test_attention_bias_gives_qkv_and_o_biases(tmp_path: Path, arch: str) -> None:
+    from tests.hf_models import make_tiny_checkpoint, reference_state
+
+    folder = make_tiny_checkpoint(arch, tmp_path, attention_bias=True, seed=5)
+    ref = reference_state(arch, attention_bias=True, seed=5)
+    src, adapter, model = open_and_normalize(folder)
+    assert model["qkv_bias"] and model["o_bias"]
+    with src:
+        dense = {t.name: t for t in adapter.dense_tensors(src, model)}
+        for x in "qkvo":
+            np.testing.assert_array_equal(read_dense(src, dense[f"layers.1.attn.{x}_bias"]),
+                                          ref[f"model.layers.1.self_attn.{x}_proj.bias"])
