@@ -121,6 +121,8 @@ class SafetensorsFile:
         if self._map is None:
             if self.size == self.data_start:  # mmap cannot map zero bytes
                 return np.zeros(0, np.uint8)
+            if os.stat(self.path).st_size != self.size:  # a shrunk file would SIGBUS on access
+                raise InvalidInput(f"{self.name}: file changed size since it was opened", field=self.name)
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
         return self._map
 

@@ -274,3 +274,12 @@ def test_native_view_is_a_read_only_zero_copy_view(tiny_checkpoint: Any, tiny_re
         view = src.native_view(FUSED_GATE_UP)
         assert view.dtype == np.uint16 and not view.flags.writeable and not view.flags.owndata
         assert np.array_equal((view[1].astype(np.uint32) << 16).view(np.float32), ref[FUSED_GATE_UP][1])
+
+
+def test_shard_truncated_after_open_is_caught_before_mapping(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    folder = copy_checkpoint(tiny_checkpoint("mixtral"), tmp_path / "ckpt")
+    with open_checkpoint(folder) as src:
+        path = folder / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:-4])
+        with pytest.raises(InvalidInput, match="changed size"):
+            src.read("model.norm.weight")
