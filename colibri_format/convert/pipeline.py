@@ -37,7 +37,8 @@ from colibri_format.writer import ColibriWriter
 DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZE_MODES = ("expert", "none")
 BATCH_PIECES = 64                 # fsync + journal at least every 64 pieces...
-BATCH_BYTES = 256 << 20           # ...or every 256 MB written
+BATCH_BYTES = 256 << 20           # ...or every 256 MB written...
+BATCH_SECONDS = 1.0               # ...or every second: bounds the work a crash can lose
 VERIFY_CHUNK = 8 << 20
 MAX_WORKERS = 64
 
@@ -219,7 +220,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         os.close(fd)
         fd = -1
         crashpoint.hit("finalize")
-        writer.finalize(metadata)
+        _finalize(writer, metadata)
         crashpoint.hit("journal-remove")
         journal.remove()
         return _summary(job, dest, writer, run, len(verified), time.perf_counter() - start)
@@ -229,6 +230,14 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         if journal is not None:
             journal.close()
         writer.abort(remove_part=False)
+
+
+def _finalize(writer: ColibriWriter, metadata: dict[str, Any]) -> None:
+    try:
+        writer.finalize(metadata)
+    except OSError as exc:  # e.g. EFBIG when sizing the file for its tables under a file size limit
+        raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}; the journal "
+                         "is kept, run again to finish", field="finalize") from None
 
 
 def _open_rw(path: Path) -> int:
@@ -348,11 +357,13 @@ class Batch:
         self.fd, self.journal = fd, journal
         self.records: list[dict[str, Any]] = []
         self.bytes = 0
+        self.since = time.monotonic()
 
     def add(self, record: dict[str, Any], nbytes: int) -> None:
         self.records.append(record)
         self.bytes += nbytes
-        if len(self.records) >= BATCH_PIECES or self.bytes >= BATCH_BYTES:
+        if (len(self.records) >= BATCH_PIECES or self.bytes >= BATCH_BYTES
+                or time.monotonic() - self.since >= BATCH_SECONDS):
             self.flush()
 
     def flush(self) -> None:
@@ -361,7 +372,7 @@ class Batch:
         crashpoint.hit("data-fsync")
         fsync_fd(self.fd)
         self.journal.append(self.records)
-        self.records, self.bytes = [], 0
+        self.records, self.bytes, self.since = [], 0, time.monotonic()
 
 
 def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, Any]:

@@ -60,24 +60,22 @@ def expert_spans(src: Any, model: dict[str, Any], names: common.HFNames, layer: 
     """Where the rows of one expert's gate_up and down live, shapes checked like the adapter checks them."""
     e_count, i_size, h = model["num_experts"], model["expert_intermediate_size"], model["hidden_size"]
     p = common.layer_prefix(layer)
-    layout = common._layout_for(src, names, p)  # the adapter's own layout probe (same module family)
+    layout = common.expert_layout(src, names, p)  # the adapter's own layout probe
     if isinstance(layout, common.FusedLinear):
         gate_up, down = layout.gate_up.format(p=p), layout.down.format(p=p)
-        common._check_shape(src, gate_up, (e_count, 2 * i_size, h))
-        common._check_shape(src, down, (e_count, h, i_size))
+        common.check_shape(src, gate_up, (e_count, 2 * i_size, h))
+        common.check_shape(src, down, (e_count, h, i_size))
         return ExpertSpans((RowSpan(gate_up, expert, 0, 2 * i_size),), (RowSpan(down, expert, 0, h),))
     gate, up, down = (f.format(p=p, e=expert) for f in (layout.gate, layout.up, layout.down))
     for name, shape in ((gate, (i_size, h)), (up, (i_size, h)), (down, (h, i_size))):
-        common._check_shape(src, name, shape)
+        common.check_shape(src, name, shape)
     return ExpertSpans((RowSpan(gate, None, 0, i_size), RowSpan(up, None, 0, i_size)), (RowSpan(down, None, 0, h),))
 
 
 # --- reading ---------------------------------------------------------------------------------------
 def native_view(src: Any, name: str) -> np.ndarray:
     """The tensor in its stored dtype (bf16 as uint16): a zero-copy map for safetensors, else a copy."""
-    f = src._file(name)  # SourceCheckpoint keeps the per-file readers; only safetensors ones have .view
-    view = getattr(f, "view", None)
-    return view(name) if callable(view) else src.read_native(name)
+    return src.native_view(name)
 
 
 def to_float32(chunk: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
