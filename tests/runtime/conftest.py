@@ -9,5 +9,7 @@ import sys
 from pathlib import Path
 
 _ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_HERE = str(Path(__file__).resolve().parent)   # helpers (numpy_tiny, hf_tiny) under --import-mode=importlib
+for _path in (_ROOT, _HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
