@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=None, help="override the Zipf exponent")
     ap.add_argument("--locality", type=float, default=None, help="override the locality")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--phase", type=int, default=0,
+                    help="redraw every layer's popularity every PHASE steps (0: stationary)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", default="10%,25%,40%,60%")
     ap.add_argument("--policy", default="all")
@@ -107,9 +109,9 @@ def main() -> None:
             skew = skew if args.skew is None else args.skew
             loc = loc if args.locality is None else args.locality
             tr = synthetic_trace(layers, experts, k, tokens, skew=skew, locality=loc, seed=args.seed,
-                                 batch=args.batch, model=f"synthetic-{name}")
+                                 batch=args.batch, phase=args.phase, model=f"synthetic-{name}")
             label = (f"SYNTHETIC {name}: {layers}x{experts} top-{k}, {tokens} steps, batch {args.batch}, "
-                     f"zipf s={skew}, locality={loc}, seed={args.seed}")
+                     f"zipf s={skew}, locality={loc}, phase={args.phase}, seed={args.seed}")
             console.print(f"[bold]{label}[/bold]")
             results += run_one(console, tr, label, args)
     if args.json:

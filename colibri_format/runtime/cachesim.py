@@ -2,8 +2,9 @@
 
 The replay uses the policy classes of :mod:`colibri_format.runtime.cache` (the same code as the
 engines' :class:`ExpertCache`) on integer keys ``moe_layer_index * num_experts + expert``, and the same
-clock conventions: the access clock is the position in the global access sequence (one clock for all
-partitions), the token clock the forward-pass index.
+clock values: the access clock is the position in the global access sequence (one clock for all
+partitions), the token clock the forward-pass index + 1 (an engine calls ``begin_token()`` at the start
+of every forward pass). Replaying a trace through an ``ExpertCache`` that way gives identical misses.
 
 CLI (wired by the CLI owner)::
 
@@ -190,7 +191,9 @@ def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | 
     keys_arr = part_arr * num_experts + acc.expert
     keys = keys_arr.tolist()
     n = len(keys)
-    clocks: Sequence[int] = range(n) if spec.clock == "access" else acc.step.tolist()
+    # the same clock values an ExpertCache sees when begin_token() starts every forward pass: LRFU
+    # orders in floating point, so a constant offset could flip near-ties and the two would diverge
+    clocks: Sequence[int] = range(n) if spec.clock == "access" else (acc.step + 1).tolist()
     if scope == "global":
         pids = [0]
         parts = None
@@ -306,7 +309,7 @@ def render_table(result: dict[str, Any]) -> Any:
 
 # --- synthetic traces -----------------------------------------------------------------------------
 def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, skew: float = 1.0,
-                    locality: float = 0.0, seed: int = 0, *, batch: int = 1,
+                    locality: float = 0.0, seed: int = 0, *, batch: int = 1, phase: int = 0,
                     model: str = "synthetic") -> Trace:
     """A synthetic routing trace (every layer MoE) for tests and benchmarks.
 
@@ -317,6 +320,8 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
 
     Args:
         tokens: forward passes; each routes ``batch`` tokens (one per sequence).
+        phase: if > 0, every ``phase`` forward passes each layer's popularity ranking is redrawn (a
+            crude model of switching to an unrelated prompt); 0 keeps it fixed (stationary).
     """
     make_header(num_layers, range(num_layers), num_experts, top_k, model)  # range checks
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -327,6 +332,8 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
         raise InvalidInput("skew must be a finite number >= 0", field="skew", value=skew)
     if not (0.0 <= locality <= 1.0):
         raise InvalidInput("locality must be in [0, 1]", field="locality", value=locality)
+    if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
+        raise InvalidInput("phase must be a non-negative integer", field="phase", value=phase)
     rng = np.random.default_rng(seed)
     ranks = np.argsort(rng.random((num_layers, num_experts)), axis=1)  # [L, E] rank of each expert
     logp = -skew * np.log1p(ranks.astype(np.float64))                  # [L, E]
@@ -335,6 +342,9 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
     rows = np.arange(batch)[:, None, None]
     cols = np.arange(num_layers)[None, :, None]
     for t in range(tokens):
+        if phase and t and t % phase == 0:
+            ranks = np.argsort(rng.random((num_layers, num_experts)), axis=1)
+            logp = -skew * np.log1p(ranks.astype(np.float64))
         scores = logp[None] + rng.gumbel(size=(batch, num_layers, num_experts))    # [B, L, E]
         if locality > 0.0 and t > 0:
             keep = prev & (rng.random((batch, num_layers, num_experts)) < locality)

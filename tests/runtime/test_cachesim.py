@@ -315,11 +315,15 @@ def test_synthetic_skew_and_locality():
     skewed = access_sequence(synthetic_trace(1, 32, 2, 3000, skew=1.5, seed=1))
     top4 = lambda acc: np.sort(np.bincount(acc.expert, minlength=32))[::-1][:4].sum() / len(acc)  # noqa: E731
     assert top4(flat) < 0.2 < 0.5 < top4(skewed)
+    # phases: each block of 500 steps has its own favourites
+    drift = access_sequence(synthetic_trace(1, 32, 2, 1000, skew=3.0, seed=1, phase=500))
+    fav = [np.bincount(drift.expert[drift.step // 500 == i], minlength=32).argmax() for i in (0, 1)]
+    assert fav[0] != fav[1]
     sticky = synthetic_trace(1, 32, 2, 500, skew=0.0, locality=1.0, seed=2)
     assert len({r.experts for r in sticky.records}) == 1  # locality 1 keeps the first choice forever
 
 
-@pytest.mark.parametrize("kwargs", [{"tokens": -1}, {"skew": -1.0}, {"locality": 1.5}, {"batch": 0},
+@pytest.mark.parametrize("kwargs", [{"tokens": -1}, {"skew": -1.0}, {"locality": 1.5}, {"batch": 0}, {"phase": -1},
                                     {"top_k": 20}, {"num_experts": 0}])
 def test_synthetic_bad_arguments(kwargs):
     args = {"num_layers": 2, "num_experts": 8, "top_k": 2, "tokens": 10, **kwargs}
