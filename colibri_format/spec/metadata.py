@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from ..errors import InvalidMetadata
 from . import constants as C
@@ -25,9 +26,9 @@ def encode_metadata(meta: dict) -> bytes:
     """Deterministic encoding: sorted keys, no spaces, UTF-8, NaN refused."""
     try:
         text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return text.encode("utf-8")          # a lone surrogate fails here (UnicodeEncodeError is a ValueError)
     except (TypeError, ValueError) as exc:
         raise InvalidMetadata(f"metadata cannot be encoded as strict JSON: {exc}", field="metadata") from None
-    return text.encode("utf-8")
 
 
 class _Reject(Exception):
@@ -66,12 +67,23 @@ def _finite_number(v) -> bool:
     return (type(v) is int and -_MAX_DOUBLE <= v <= _MAX_DOUBLE) or (type(v) is float and math.isfinite(v))
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _check_depth(obj, offset: int | None) -> None:
+    """Nesting within MAX_JSON_DEPTH, and every string (keys too) real Unicode text: a `\\ud800` escape
+    decodes to a lone surrogate that no UTF-8 encoder (or terminal) accepts."""
     stack = [(obj, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > C.MAX_JSON_DEPTH:
             raise InvalidMetadata("metadata nested too deeply", field="metadata", value=depth, offset=offset)
+        strings = [*node, *(v for v in node.values() if isinstance(v, str))] if isinstance(node, dict) else \
+            [v for v in node if isinstance(v, str)] if isinstance(node, list) else [node] if isinstance(node, str) else []
+        for text in strings:
+            if _SURROGATE.search(text):
+                raise InvalidMetadata("metadata string holds a lone surrogate (not Unicode text)", field="metadata",
+                                      value=text[:32], offset=offset)
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
