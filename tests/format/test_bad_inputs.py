@@ -347,6 +347,10 @@ case("r25-invalid-utf8", _bad_utf8, E.InvalidMetadata, "metadata",
      lambda b: MO(b) + craft.metadata_bytes(b).index(b"\xff"), message="UTF-8")
 case("r25-invalid-json", lambda: with_meta(base(), craft.metadata_bytes(base())[:-1]), E.InvalidMetadata,
      "metadata", MO, message="JSON")
+case("r25-lone-surrogate", lambda: with_meta(base(), craft.metadata_bytes(base()).replace(
+    b'"synthetic"', b'"\\ud800\\u001b[31m"')), E.InvalidMetadata, "metadata", MO, message="surrogate")
+case("r25-lone-surrogate-key", lambda: with_meta(base(), craft.metadata_bytes(base())[:-1] + b',"\\udfff":1}'),
+     E.InvalidMetadata, "metadata", MO, message="surrogate")
 case("r25-not-an-object", lambda: with_meta(base(), b"[]"), E.InvalidMetadata, "metadata", MO)
 case("r25-utf8-bom", lambda: with_meta(base(), b"\xef\xbb\xbf" + craft.metadata_bytes(base())), E.InvalidMetadata,
      "metadata", MO)
@@ -535,6 +539,7 @@ def test_bad_input(c: Case, tmp_path: Path, capsys) -> None:
         assert expected is None or fault.offset == expected, (fault.offset, expected)
     assert cli_main(["validate", path]) == 1
     assert cli_main(["validate", "--json", path]) == 1
+    assert cli_main(["inspect", path]) == 1 if c.stage == "open" else cli_main(["inspect", path]) == 0
     capsys.readouterr()
 
 
