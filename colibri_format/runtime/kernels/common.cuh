@@ -1,0 +1,108 @@
+// Shared helpers for the colibri-format CUDA kernels.
+//
+// No CUDA headers are included, so the same source compiles with nvcc and with NVRTC (CuPy RawModule)
+// without include paths. 16-bit floats travel as raw `unsigned short` bits; conversions use PTX `cvt`.
+#pragma once
+
+#if defined(__CUDACC_RTC__)
+typedef decltype(sizeof(0)) size_t;  // NVRTC compiles without system headers
+#endif
+
+#define COLIBRI_FULL_MASK 0xffffffffu
+
+typedef unsigned short u16;
+
+// ---- element types: a tag per storage format, each with to_f32 / from_f32 --------------------------------------
+struct TF32 {
+    typedef float storage;
+    static __device__ __forceinline__ float to_f32(float v) { return v; }
+    static __device__ __forceinline__ float from_f32(float v) { return v; }
+};
+
+struct TF16 {
+    typedef u16 storage;
+    static __device__ __forceinline__ float to_f32(u16 v) {
+        float f;
+        asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(v));
+        return f;
+    }
+    static __device__ __forceinline__ u16 from_f32(float v) {
+        u16 h;
+        asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+
+struct TBF16 {
+    typedef u16 storage;
+    static __device__ __forceinline__ float to_f32(u16 v) { return __uint_as_float(((unsigned int)v) << 16); }
+    static __device__ __forceinline__ u16 from_f32(float v) {
+        u16 h;
+        asm("{ cvt.rn.bf16.f32 %0, %1; }" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+
+// Loads 16 bytes at p (16-byte aligned) and widens them: 4 floats for TF32, 8 for the 16-bit types.
+template <typename T>
+struct Vec16 {
+    static constexpr int N = 16 / (int)sizeof(typename T::storage);
+};
+
+template <typename T>
+__device__ __forceinline__ void load16_f32(const typename T::storage* p, float* out);
+
+template <>
+__device__ __forceinline__ void load16_f32<TF32>(const float* p, float* out) {
+    float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void load16_f32_16bit(const u16* p, float* out) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    out[0] = T::to_f32((u16)(v.x & 0xffffu)); out[1] = T::to_f32((u16)(v.x >> 16));
+    out[2] = T::to_f32((u16)(v.y & 0xffffu)); out[3] = T::to_f32((u16)(v.y >> 16));
+    out[4] = T::to_f32((u16)(v.z & 0xffffu)); out[5] = T::to_f32((u16)(v.z >> 16));
+    out[6] = T::to_f32((u16)(v.w & 0xffffu)); out[7] = T::to_f32((u16)(v.w >> 16));
+}
+
+template <>
+__device__ __forceinline__ void load16_f32<TF16>(const u16* p, float* out) { load16_f32_16bit<TF16>(p, out); }
+
+template <>
+__device__ __forceinline__ void load16_f32<TBF16>(const u16* p, float* out) { load16_f32_16bit<TBF16>(p, out); }
+
+// ---- int8 -> float without the (slow) conversion unit --------------------------------------------------------
+// For a signed byte b, (b ^ 0x80) is b + 128 as an unsigned byte u; the float whose bits are 0x4B000000 | u is
+// exactly 2^23 + u, so subtracting 2^23 + 128 gives b exactly.
+__device__ __forceinline__ void i8x4_to_f32(unsigned int w, float* out) {
+    const unsigned int u = w ^ 0x80808080u;
+    const float bias = 8388736.0f;  // 2^23 + 128
+    out[0] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7650)) - bias;
+    out[1] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7651)) - bias;
+    out[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7652)) - bias;
+    out[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7653)) - bias;
+}
+
+__device__ __forceinline__ void i8x16_to_f32(const int4& v, float* out) {
+    i8x4_to_f32((unsigned int)v.x, out);
+    i8x4_to_f32((unsigned int)v.y, out + 4);
+    i8x4_to_f32((unsigned int)v.z, out + 8);
+    i8x4_to_f32((unsigned int)v.w, out + 12);
+}
+
+// ---- warp reductions ------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(COLIBRI_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(COLIBRI_FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }

@@ -1,0 +1,483 @@
+// Dense-layer kernels: RMSNorm, RoPE (rotate_half), KV-cache append, attention (decode and causal prefill),
+// embedding gather, residual add, SiLU-and-multiply, and a small-batch dense GEMV (usable inside CUDA graphs,
+// where cuBLAS cannot be captured through CuPy). All math is fp32.
+#include "common.cuh"
+
+// ------------------------------------------------------------------------------------------------ RMSNorm
+// out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * (w + w_offset); one block per row.
+template <typename TX, typename TO, typename TW>
+__device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* __restrict__ x,
+                                             const typename TW::storage* __restrict__ w,
+                                             typename TO::storage* __restrict__ out, int D, float eps,
+                                             float w_offset) {
+    __shared__ float s_red[32];
+    const typename TX::storage* xr = x + (size_t)blockIdx.x * D;
+    typename TO::storage* orow = out + (size_t)blockIdx.x * D;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = TX::to_f32(xr[i]);
+        ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (lane == 0) s_red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < nwarps ? s_red[lane] : 0.0f;
+        v = warp_sum(v);
+        if (lane == 0) s_red[0] = v;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(s_red[0] / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+        orow[i] = TO::from_f32(TX::to_f32(xr[i]) * inv * (TW::to_f32(w[i]) + w_offset));
+}
+
+#define RMSNORM_KERNEL(SUF, TX, TO, TW)                                                                     \
+    extern "C" __global__ void rmsnorm_##SUF(const TX::storage* x, const TW::storage* w, TO::storage* out, \
+                                             int D, float eps, float w_offset) {                           \
+        rmsnorm_impl<TX, TO, TW>(x, w, out, D, eps, w_offset);                                             \
+    }
+// suffix: <x>_<out>_<weight>
+RMSNORM_KERNEL(f32_f32_f32, TF32, TF32, TF32)
+RMSNORM_KERNEL(f32_f32_f16, TF32, TF32, TF16)
+RMSNORM_KERNEL(f32_f32_bf16, TF32, TF32, TBF16)
+RMSNORM_KERNEL(f32_bf16_f32, TF32, TBF16, TF32)
+RMSNORM_KERNEL(f32_bf16_f16, TF32, TBF16, TF16)
+RMSNORM_KERNEL(f32_bf16_bf16, TF32, TBF16, TBF16)
+RMSNORM_KERNEL(bf16_f32_f32, TBF16, TF32, TF32)
+RMSNORM_KERNEL(bf16_f32_f16, TBF16, TF32, TF16)
+RMSNORM_KERNEL(bf16_f32_bf16, TBF16, TF32, TBF16)
+RMSNORM_KERNEL(bf16_bf16_f32, TBF16, TBF16, TF32)
+RMSNORM_KERNEL(bf16_bf16_f16, TBF16, TBF16, TF16)
+RMSNORM_KERNEL(bf16_bf16_bf16, TBF16, TBF16, TBF16)
+
+// ------------------------------------------------------------------------------------------------ RoPE
+// In place on x [N, nh, hd] fp32, rotate_half convention on the first rot dims:
+//   x1 = x[i], x2 = x[i + rot/2] (i < rot/2), c = cos[pos[n], i], s = sin[pos[n], i]
+//   x[i] = x1 c - x2 s; x[i + rot/2] = x2 c + x1 s.     cos/sin: [npos, rot/2] fp32.
+extern "C" __global__ void rope_f32(float* __restrict__ x, const int* __restrict__ pos, const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, int N, int nh, int hd, int rot) {
+    const int half = rot >> 1;
+    const long long total = (long long)N * nh * half;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx % half);
+        const long long nhh = idx / half;  // n * nh + head
+        const int n = (int)(nhh / nh);
+        const int p = pos[n];
+        const float c = cos_t[(size_t)p * half + i], s = sin_t[(size_t)p * half + i];
+        float* v = x + nhh * hd;
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ KV cache
+// Cache layout [num_seqs, capacity, nkv, hd]; row n of k/v [N, nkv, hd] fp32 goes to (seq[n], pos[n]).
+template <typename TC>
+__device__ __forceinline__ void kv_append_impl(const float* __restrict__ k, const float* __restrict__ v,
+                                               typename TC::storage* __restrict__ kc,
+                                               typename TC::storage* __restrict__ vc, const int* __restrict__ seq,
+                                               const int* __restrict__ pos, int N, int row, int capacity) {
+    const long long total = (long long)N * row;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int n = (int)(idx / row), r = (int)(idx - (long long)n * row);
+        const size_t dst = ((size_t)seq[n] * capacity + pos[n]) * row + r;
+        kc[dst] = TC::from_f32(k[idx]);
+        vc[dst] = TC::from_f32(v[idx]);
+    }
+}
+
+#define KV_APPEND_KERNEL(SUF, TC)                                                                              \
+    extern "C" __global__ void kv_append_##SUF(const float* k, const float* v, TC::storage* kc, TC::storage* vc, \
+                                               const int* seq, const int* pos, int N, int row, int capacity) {  \
+        kv_append_impl<TC>(k, v, kc, vc, seq, pos, N, row, capacity);                                          \
+    }
+KV_APPEND_KERNEL(f32, TF32)
+KV_APPEND_KERNEL(f16, TF16)
+KV_APPEND_KERNEL(bf16, TBF16)
+
+// ------------------------------------------------------------------------------------------------ attention
+// One query row per (sequence, position): q [NQ, nh, hd] fp32; query row n reads cache sequence q_seq[n] and the
+// keys [max(0, q_len[n] - window), q_len[n]) (window <= 0: all). Decode: one row per sequence, q_len = its length.
+// Causal prefill: one row per new token, q_len = its position + 1. GQA: head h reads kv head h / (nh / nkv).
+// Grid (NQ, nkv, ceil(G / ATT_GMAX)), ATT_THREADS threads; each warp runs an online softmax over a strided
+// subset of the keys for up to ATT_GMAX query heads of the group; the warps' states are merged at the end.
+#define ATT_THREADS 128
+#define ATT_WARPS (ATT_THREADS / 32)
+#define ATT_GMAX 8
+
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_impl(const float* __restrict__ q, const typename TC::storage* __restrict__ kc,
+                                               const typename TC::storage* __restrict__ vc,
+                                               const int* __restrict__ q_seq, const int* __restrict__ q_len,
+                                               float* __restrict__ out, int nh, int nkv, int capacity, int window,
+                                               float scale) {
+    constexpr int HD = HPL * 32;
+    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
+    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x, kvh = blockIdx.y;
+    const int G = nh / nkv;
+    const int g0 = blockIdx.z * ATT_GMAX;
+    const int ng = min(ATT_GMAX, G - g0);
+    const int len = q_len[n];
+    const int first = window > 0 ? max(0, len - window) : 0;
+    const int sq = q_seq[n];
+
+    float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        const int head = kvh * G + g0 + min(g, ng - 1);
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) {
+            qv[g][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
+            acc[g][u] = 0.0f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    const size_t row = (size_t)nkv * HD;
+    const typename TC::storage* kb = kc + (size_t)sq * capacity * row + (size_t)kvh * HD + lane * HPL;
+    const typename TC::storage* vb = vc + (size_t)sq * capacity * row + (size_t)kvh * HD + lane * HPL;
+    for (int p = first + warp; p < len; p += ATT_WARPS) {
+        float kf[HPL], vf[HPL];
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) {
+            kf[u] = TC::to_f32(kb[(size_t)p * row + u]);
+            vf[u] = TC::to_f32(vb[(size_t)p * row + u]);
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_GMAX; ++g) {
+            if (g < ng) {
+                float s = 0.0f;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) s = fmaf(qv[g][u], kf[u], s);
+                s = warp_sum(s);
+                const float mn = fmaxf(m[g], s);
+                const float c = expf(m[g] - mn), e = expf(s - mn);
+                l[g] = l[g] * c + e;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) acc[g][u] = fmaf(acc[g][u], c, e * vf[u]);
+                m[g] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        float mx = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
+        float num = 0.0f, den = 0.0f;
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            if (s_m[w][g] != NEG_INF) {
+                const float c = expf(s_m[w][g] - mx);
+                num = fmaf(s_acc[w][g][d], c, num);
+                den = fmaf(s_l[w][g], c, den);
+            }
+        }
+        const int head = kvh * G + g0 + g;
+        out[((size_t)n * nh + head) * HD + d] = den > 0.0f ? num / den : 0.0f;
+    }
+}
+
+#define ATTENTION_KERNEL(SUF, TC, HPL)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
+        attention_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,         \
+                        const int* q_len, float* out, int nh, int nkv, int capacity, int window, float scale) { \
+        attention_impl<TC, HPL>(q, kc, vc, q_seq, q_len, out, nh, nkv, capacity, window, scale);              \
+    }
+// suffix: <cache dtype>_hd<head_dim>
+ATTENTION_KERNEL(f32_hd64, TF32, 2)
+ATTENTION_KERNEL(f32_hd128, TF32, 4)
+ATTENTION_KERNEL(f32_hd256, TF32, 8)
+ATTENTION_KERNEL(f16_hd64, TF16, 2)
+ATTENTION_KERNEL(f16_hd128, TF16, 4)
+ATTENTION_KERNEL(f16_hd256, TF16, 8)
+ATTENTION_KERNEL(bf16_hd64, TBF16, 2)
+ATTENTION_KERNEL(bf16_hd128, TBF16, 4)
+ATTENTION_KERNEL(bf16_hd256, TBF16, 8)
+
+// Split-context attention (flash-decoding): the keys of a query row are cut into nsplit contiguous chunks, one
+// block per (row, kv head, query-head chunk, split). Inside a block each warp takes tiles of 32 keys, one key per
+// lane for the scores (q in shared memory), then accumulates p * V with each lane owning HPL dims. The block
+// writes its (max, sum, unnormalized output) per head to the workspace; attention_merge combines the splits.
+// With nsplit == 1 the block writes the final output directly.
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_split_impl(const float* __restrict__ q,
+                                                     const typename TC::storage* __restrict__ kc,
+                                                     const typename TC::storage* __restrict__ vc,
+                                                     const int* __restrict__ q_seq, const int* __restrict__ q_len,
+                                                     float* __restrict__ part_ml, float* __restrict__ part_acc,
+                                                     float* __restrict__ out, int nh, int nkv, int capacity,
+                                                     int window, float scale, int nsplit) {
+    constexpr int HD = HPL * 32;
+    __shared__ __align__(16) float s_q[ATT_GMAX][HD];
+    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
+    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x, kvh = blockIdx.y;
+    const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
+    const int G = nh / nkv;
+    const int g0 = gchunk * ATT_GMAX;
+    const int ng = min(ATT_GMAX, G - g0);
+    const int len = q_len[n];
+    const int first = window > 0 ? max(0, len - window) : 0;
+    const int chunk = (len - first + nsplit - 1) / nsplit;
+    const int lo = first + split * chunk, hi = min(len, lo + chunk);
+    const int sq = q_seq[n];
+
+    for (int i = threadIdx.x; i < ATT_GMAX * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        const int head = kvh * G + g0 + min(g, ng - 1);
+        s_q[g][d] = q[((size_t)n * nh + head) * HD + d] * scale;
+    }
+    __syncthreads();
+
+    float acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) acc[g][u] = 0.0f;
+    }
+    const size_t row = (size_t)nkv * HD;
+    const typename TC::storage* kb = kc + (size_t)sq * capacity * row + (size_t)kvh * HD;
+    const typename TC::storage* vb = vc + (size_t)sq * capacity * row + (size_t)kvh * HD + lane * HPL;
+    constexpr int KV = Vec16<TC>::N;  // elements per 16-byte load
+
+    for (int base = lo + warp * 32; base < hi; base += ATT_WARPS * 32) {
+        const int p = base + lane;
+        float s[ATT_GMAX];
+#pragma unroll
+        for (int g = 0; g < ATT_GMAX; ++g) s[g] = 0.0f;
+        if (p < hi) {
+            const typename TC::storage* kr = kb + (size_t)p * row;
+#pragma unroll 4
+            for (int d0 = 0; d0 < HD; d0 += KV) {
+                float kf[KV];
+                load16_f32<TC>(kr + d0, kf);
+#pragma unroll
+                for (int g = 0; g < ATT_GMAX; ++g) {
+                    if (g < ng) {
+#pragma unroll
+                        for (int u = 0; u < KV; ++u) s[g] = fmaf(s_q[g][d0 + u], kf[u], s[g]);
+                    }
+                }
+            }
+        }
+        float pr[ATT_GMAX];
+#pragma unroll
+        for (int g = 0; g < ATT_GMAX; ++g) {
+            const float sv = p < hi ? s[g] : NEG_INF;
+            const float mn = fmaxf(m[g], warp_max(sv));  // finite: lane 0 of the tile is always valid
+            const float c = expf(m[g] - mn);              // 0 while m is -inf
+            pr[g] = p < hi ? expf(sv - mn) : 0.0f;
+            l[g] = l[g] * c + warp_sum(pr[g]);
+            m[g] = mn;
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) acc[g][u] *= c;
+        }
+        const int nvalid = min(32, hi - base);
+#pragma unroll 4
+        for (int j = 0; j < nvalid; ++j) {
+            float vf[HPL];
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) vf[u] = TC::to_f32(vb[(size_t)(base + j) * row + u]);
+#pragma unroll
+            for (int g = 0; g < ATT_GMAX; ++g) {
+                const float pj = __shfl_sync(COLIBRI_FULL_MASK, pr[g], j);
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) acc[g][u] = fmaf(pj, vf[u], acc[g][u]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        float mx = NEG_INF;
+        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
+        float num = 0.0f, den = 0.0f;
+        if (mx != NEG_INF) {
+            for (int w = 0; w < ATT_WARPS; ++w) {
+                const float c = expf(s_m[w][g] - mx);
+                num = fmaf(s_acc[w][g][d], c, num);
+                den = fmaf(s_l[w][g], c, den);
+            }
+        }
+        const int head = kvh * G + g0 + g;
+        const size_t nhd = (size_t)n * nh + head;
+        if (nsplit == 1) {
+            out[nhd * HD + d] = den > 0.0f ? num / den : 0.0f;
+        } else {
+            part_acc[(nhd * nsplit + split) * HD + d] = num;
+            if (d == 0) {
+                part_ml[(nhd * nsplit + split) * 2] = mx;
+                part_ml[(nhd * nsplit + split) * 2 + 1] = den;
+            }
+        }
+    }
+}
+
+#define ATTENTION_SPLIT_KERNEL(SUF, TC, HPL)                                                                    \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
+        attention_split_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,   \
+                              const int* q_len, float* part_ml, float* part_acc, float* out, int nh, int nkv,  \
+                              int capacity, int window, float scale, int nsplit) {                             \
+        attention_split_impl<TC, HPL>(q, kc, vc, q_seq, q_len, part_ml, part_acc, out, nh, nkv, capacity,      \
+                                      window, scale, nsplit);                                                  \
+    }
+ATTENTION_SPLIT_KERNEL(f32_hd64, TF32, 2)
+ATTENTION_SPLIT_KERNEL(f32_hd128, TF32, 4)
+ATTENTION_SPLIT_KERNEL(f32_hd256, TF32, 8)
+ATTENTION_SPLIT_KERNEL(f16_hd64, TF16, 2)
+ATTENTION_SPLIT_KERNEL(f16_hd128, TF16, 4)
+ATTENTION_SPLIT_KERNEL(f16_hd256, TF16, 8)
+ATTENTION_SPLIT_KERNEL(bf16_hd64, TBF16, 2)
+ATTENTION_SPLIT_KERNEL(bf16_hd128, TBF16, 4)
+ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
+
+// out[r, :] for r = (row, head) = merge of the nsplit partials (max, sum, unnormalized output); one block per r,
+// one thread per dim.
+extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                           float* __restrict__ out, int hd, int nsplit) {
+    const size_t r = blockIdx.x;
+    const float NEG_INF = __int_as_float(0xff800000);
+    float mx = NEG_INF;
+    for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, part_ml[(r * nsplit + s) * 2]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        if (mx != NEG_INF) {
+            for (int s = 0; s < nsplit; ++s) {
+                const float ms = part_ml[(r * nsplit + s) * 2];
+                if (ms == NEG_INF) continue;
+                const float c = expf(ms - mx);
+                num = fmaf(part_acc[(r * nsplit + s) * hd + d], c, num);
+                den = fmaf(part_ml[(r * nsplit + s) * 2 + 1], c, den);
+            }
+        }
+        out[r * hd + d] = den > 0.0f ? num / den : 0.0f;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ elementwise
+// out[n, :] = table[ids[n], :] * mult (fp32); an id outside [0, V) yields a row of NaN.
+template <typename TW>
+__device__ __forceinline__ void embedding_impl(const int* __restrict__ ids, const typename TW::storage* __restrict__ table,
+                                               float* __restrict__ out, int N, int V, int H, float mult) {
+    const long long total = (long long)N * H;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int n = (int)(idx / H), h = (int)(idx - (long long)n * H);
+        const int id = ids[n];
+        out[idx] = (id >= 0 && id < V) ? TW::to_f32(table[(size_t)id * H + h]) * mult : __int_as_float(0x7fc00000);
+    }
+}
+#define EMBEDDING_KERNEL(SUF, TW)                                                                             \
+    extern "C" __global__ void embedding_##SUF(const int* ids, const TW::storage* table, float* out, int N,    \
+                                               int V, int H, float mult) {                                   \
+        embedding_impl<TW>(ids, table, out, N, V, H, mult);                                                  \
+    }
+EMBEDDING_KERNEL(f32, TF32)
+EMBEDDING_KERNEL(f16, TF16)
+EMBEDDING_KERNEL(bf16, TBF16)
+
+// out = a + alpha * b (fp32, n elements; out may alias a or b)
+extern "C" __global__ void residual_add_f32(const float* a, const float* b, float* out, long long n, float alpha) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = fmaf(alpha, b[i], a[i]);
+}
+
+// out[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I] (fp32)
+extern "C" __global__ void silu_mul_f32(const float* __restrict__ gu, float* __restrict__ out, int T, int I) {
+    const long long total = (long long)T * I;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(idx / I), i = (int)(idx - (long long)t * I);
+        out[idx] = silu_f32(gu[(size_t)t * 2 * I + i]) * gu[(size_t)t * 2 * I + I + i];
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ dense GEMV
+// y[t, n] = x[t, :] . W[n, :] (+ bias[n]) for small T: x [T, K] fp32, W [N, K] (f32/f16/bf16), y [T, N] fp32.
+// One warp per group of DG_ROWS output rows, tokens in passes of DG_TOK, 16-byte weight loads (K % 8 == 0 for
+// 16-bit weights, K % 4 == 0 for fp32). Grid-stride over warps.
+#define DG_ROWS 4
+#define DG_TOK 4
+
+template <typename TW>
+__device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
+                                                const float* __restrict__ bias, float* __restrict__ y, int T, int N,
+                                                int K) {
+    constexpr int V = Vec16<TW>::N;
+    const int lane = threadIdx.x & 31;
+    const int n_items = (N + DG_ROWS - 1) / DG_ROWS;
+    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < n_items; item += warps_total) {
+        const int r0 = min(item * DG_ROWS, N - DG_ROWS);  // shifted in range (N >= DG_ROWS)
+        for (int t0 = 0; t0 < T; t0 += DG_TOK) {
+            const int nt = min(DG_TOK, T - t0);
+            float acc[DG_ROWS][DG_TOK];
+#pragma unroll
+            for (int q = 0; q < DG_ROWS; ++q)
+#pragma unroll
+                for (int j = 0; j < DG_TOK; ++j) acc[q][j] = 0.0f;
+#pragma unroll 1
+            for (int c = lane * V; c < K; c += 32 * V) {
+                float wv[DG_ROWS][V];
+#pragma unroll
+                for (int q = 0; q < DG_ROWS; ++q) load16_f32<TW>(w + (size_t)(r0 + q) * K + c, wv[q]);
+#pragma unroll
+                for (int j = 0; j < DG_TOK; ++j) {
+                    if (j < nt) {
+#pragma unroll
+                        for (int u = 0; u < V; u += 4) {
+                            const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + j) * K + c + u));
+#pragma unroll
+                            for (int q = 0; q < DG_ROWS; ++q) {
+                                acc[q][j] = fmaf(wv[q][u], xv.x, acc[q][j]);
+                                acc[q][j] = fmaf(wv[q][u + 1], xv.y, acc[q][j]);
+                                acc[q][j] = fmaf(wv[q][u + 2], xv.z, acc[q][j]);
+                                acc[q][j] = fmaf(wv[q][u + 3], xv.w, acc[q][j]);
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < DG_ROWS; ++q)
+#pragma unroll
+                for (int j = 0; j < DG_TOK; ++j) {
+                    const float s = warp_sum(acc[q][j]);
+                    if (lane == 0 && j < nt && r0 + q >= item * DG_ROWS)
+                        y[(size_t)(t0 + j) * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
+                }
+        }
+    }
+}
+#define DENSE_GEMV_KERNEL(SUF, TW)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                         \
+        dense_gemv_##SUF(const float* x, const TW::storage* w, const float* bias, float* y, int T, int N, int K) { \
+        dense_gemv_impl<TW>(x, w, bias, y, T, N, K);                                                          \
+    }
+DENSE_GEMV_KERNEL(f32, TF32)
+DENSE_GEMV_KERNEL(f16, TF16)
+DENSE_GEMV_KERNEL(bf16, TBF16)

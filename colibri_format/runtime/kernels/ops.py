@@ -1,0 +1,641 @@
+"""Checked Python wrappers around the CUDA kernels in this folder (CuPy RawModules).
+
+CuPy validates nothing it passes to a raw kernel, so every wrapper here checks dtype, C-contiguity, shape and
+device of each array, casts each scalar explicitly (np.int32 / np.int64 / np.float32), and computes its launch
+shape in one place. Modules are compiled once per device from the `.cu` sources (with `common.cuh` inlined, so
+CuPy's on-disk cache sees every source change) and memoized. CuPy is imported only inside functions: the package
+imports without it.
+
+bf16 arrays travel as uint16 arrays of raw bits (or as a `bfloat16` dtype where CuPy has one); float16 and
+float32 are themselves. Every output can be passed in through `out=` (preallocated, e.g. for CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).resolve().parent
+MODULES = ("router", "dispatch", "moe_gemv", "moe_gemm", "layers")
+NVRTC_OPTIONS = ("-std=c++17",)  # no fast-math: expf/rsqrtf/division stay IEEE-accurate in fp32
+
+ROUTER_TPB, ROUTER_EPB, ROUTER_MAX_E = 4, 8, 512         # router.cu
+DISPATCH_THREADS, DISPATCH_MAX_E = 512, 512               # dispatch.cu
+GEMV_THREADS = 128                                        # moe_gemv.cu
+GEMM_THREADS, GEMM_BM, GEMM_BN = 256, 64, 64              # moe_gemm.cu
+ATT_THREADS, ATT_GMAX = 128, 8                            # layers.cu
+GEMV_TOKC = (1, 2, 4, 8)                                  # tokens per pass variants of moe_gemv.cu
+
+
+def _cupy():
+    import cupy  # noqa: PLC0415 -- optional dependency, only on GPU machines
+
+    return cupy
+
+
+# ---- modules ----------------------------------------------------------------------------------------------------
+def kernel_source(name: str) -> str:
+    """The source of `<name>.cu` with `common.cuh` inlined (what NVRTC compiles)."""
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    return (KERNEL_DIR / f"{name}.cu").read_text().replace('#include "common.cuh"', common)
+
+
+_MODULES: dict[tuple[str, int], Any] = {}
+
+
+def module(name: str):
+    """The compiled RawModule `name` for the current device (built on first use, then cached)."""
+    cp = _cupy()
+    key = (name, cp.cuda.Device().id)
+    if key not in _MODULES:
+        if name not in MODULES:
+            raise ValueError(f"unknown kernel module {name!r}")
+        _MODULES[key] = cp.RawModule(code=kernel_source(name), options=NVRTC_OPTIONS)
+    return _MODULES[key]
+
+
+_FUNCTIONS: dict[tuple[str, str, int], Any] = {}
+
+
+def kernel(module_name: str, function: str):
+    """One kernel of a module, for the current device (looked up once)."""
+    cp = _cupy()
+    key = (module_name, function, cp.cuda.Device().id)
+    if key not in _FUNCTIONS:
+        _FUNCTIONS[key] = module(module_name).get_function(function)
+    return _FUNCTIONS[key]
+
+
+def warm_up() -> None:
+    """Compiles and loads every module now (module loading cannot happen inside a graph capture)."""
+    for name in MODULES:
+        module(name)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count() -> int:
+    cp = _cupy()
+    dev = cp.cuda.Device()
+    if dev.id not in _SM_COUNT:
+        _SM_COUNT[dev.id] = int(dev.attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev.id]
+
+
+def _grid_stride_blocks(n: int, threads: int = 256) -> int:
+    return max(1, min(-(-n // threads), _sm_count() * 16))
+
+
+# ---- checks -------------------------------------------------------------------------------------------------------
+def dtype_code(a) -> str:
+    """'f32', 'f16' or 'bf16' (uint16 raw bits or a bfloat16 dtype)."""
+    name = str(a.dtype)
+    if name == "float32":
+        return "f32"
+    if name == "float16":
+        return "f16"
+    if name in ("uint16", "bfloat16"):
+        return "bf16"
+    raise TypeError(f"unsupported float dtype {a.dtype} (expected float32, float16, or bf16 as uint16)")
+
+
+def _check(name: str, a, dtype=None, shape=None, ndim=None, codes=None):
+    cp = _cupy()
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
+    if a.device.id != cp.cuda.Device().id:
+        raise ValueError(f"{name} is on device {a.device.id}, the current device is {cp.cuda.Device().id}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must be {np.dtype(dtype)}, got {a.dtype}")
+    if codes is not None and dtype_code(a) not in codes:
+        raise TypeError(f"{name} dtype {a.dtype} not in {codes}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    return a
+
+
+def _out(name: str, out, shape, dtype):
+    cp = _cupy()
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    return _check(name, out, dtype=dtype, shape=shape)
+
+
+def _ptr(a) -> Any:
+    """A nullable pointer argument: the array, or a NULL pointer."""
+    return a if a is not None else np.uint64(0)
+
+
+# ---- router -------------------------------------------------------------------------------------------------------
+SCORING = {"softmax": 0, "sigmoid": 1}
+ORDER = {"softmax_topk": 0, "topk_softmax": 1}
+
+
+class RouterWorkspace:
+    """Scratch of the fused router: logits [T, E] and per-token-group tickets (zero between launches)."""
+
+    def __init__(self, max_tokens: int, num_experts: int) -> None:
+        cp = _cupy()
+        self.max_tokens, self.num_experts = max_tokens, num_experts
+        self.logits = cp.empty((max_tokens, num_experts), dtype=cp.float32)
+        self.tickets = cp.zeros((-(-max_tokens // ROUTER_TPB),), dtype=cp.uint32)
+
+
+def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
+           normalize: bool = False, scale: float = 1.0, workspace: RouterWorkspace | None = None,
+           out_ids=None, out_weights=None):
+    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32)."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    _check("w", w, ndim=2, codes=("f32", "f16", "bf16"))
+    T, H = x.shape
+    E = w.shape[0]
+    if w.shape[1] != H:
+        raise ValueError(f"router weight is {tuple(w.shape)}, expected [E, {H}]")
+    if H % 8:
+        raise ValueError(f"hidden size {H} must be a multiple of 8 (16-byte loads)")
+    if not (1 <= E <= ROUTER_MAX_E) or not (1 <= k <= min(E, 32)):
+        raise ValueError(f"router needs 1 <= E <= {ROUTER_MAX_E} and 1 <= k <= min(E, 32), got E={E}, k={k}")
+    if scoring not in SCORING or order not in ORDER:
+        raise ValueError(f"scoring {scoring!r} / order {order!r} not supported")
+    if bias is not None:
+        _check("bias", bias, dtype=np.float32, shape=(E,))
+    ws = workspace or RouterWorkspace(T, E)
+    if ws.num_experts != E or ws.max_tokens < T:
+        raise ValueError("router workspace too small for this call")
+    ids = _out("out_ids", out_ids, (T, k), cp.int32)
+    weights = _out("out_weights", out_weights, (T, k), cp.float32)
+    if T == 0:
+        return ids, weights
+    grid = (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB))
+    width = next(c for c in (32, 64, 128, 256, 512) if c >= E)
+    kernel("router", f"moe_router_{dtype_code(w)}_e{width}")(
+        grid, (256,),
+        (x, w, _ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
+         np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale)))
+    return ids, weights
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------------
+class Dispatch(NamedTuple):
+    counts: Any       # [E] int32
+    offsets: Any      # [E+1] int32
+    perm: Any         # [P] sorted position -> pair
+    inv: Any          # [P] pair -> sorted position
+    active: Any       # [E] active experts ascending, -1 after
+    meta: Any         # [4] {num_active, num_tiles, invalid ids, 0}
+    tile_expert: Any  # [max_tiles]
+    tile_start: Any   # [max_tiles]
+    num_pairs: int
+    num_experts: int
+    tile_m: int
+
+
+def max_tiles(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) -> int:
+    return num_pairs // tile_m + min(num_experts, num_pairs) + 1
+
+
+def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | None = None) -> Dispatch:
+    """Groups the pairs of ids [T, k] (or [P]) int32 by expert on the device (see dispatch.cu)."""
+    cp = _cupy()
+    _check("ids", ids, dtype=np.int32)
+    P, E = int(ids.size), int(num_experts)
+    if not (1 <= E <= DISPATCH_MAX_E):
+        raise ValueError(f"dispatch supports 1..{DISPATCH_MAX_E} experts, got {E}")
+    if tile_m < 1:
+        raise ValueError("tile_m must be positive")
+    nt = max_tiles(P, E, tile_m)
+    if out is None:
+        out = Dispatch(cp.empty(E, cp.int32), cp.empty(E + 1, cp.int32), cp.empty(P, cp.int32),
+                       cp.empty(P, cp.int32), cp.empty(E, cp.int32), cp.empty(4, cp.int32),
+                       cp.empty(nt, cp.int32), cp.empty(nt, cp.int32), P, E, tile_m)
+    elif out.num_pairs != P or out.num_experts != E or out.tile_m != tile_m:
+        raise ValueError("dispatch buffers were made for another shape")
+    kernel("dispatch", "moe_dispatch")(
+        (1,), (DISPATCH_THREADS,),
+        (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm, out.inv,
+         out.active, out.meta, out.tile_expert, out.tile_start))
+    return out
+
+
+# ---- experts ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertTable:
+    """Where one MoE layer's resident experts are: blob device addresses and the array offsets inside a blob."""
+
+    blob_ptrs: Any          # cupy uint64 [E]: device address of each expert's blob
+    hidden_size: int
+    intermediate_size: int
+    off_gate_up: int
+    off_gate_up_scale: int
+    off_down: int
+    off_down_scale: int
+    group_size: int = 0     # 0: one scale per row
+
+    @classmethod
+    def from_layout(cls, blob_ptrs, layout) -> "ExpertTable":
+        """From a `colibri_format.spec.BlobLayout` (the only place blob offsets are computed)."""
+        return cls(blob_ptrs, layout.hidden_size, layout.intermediate_size, layout.array("gate_up").offset,
+                   layout.array("gate_up_scale").offset, layout.array("down").offset,
+                   layout.array("down_scale").offset, int(layout.group_size or 0))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.blob_ptrs.size)
+
+    def groups(self) -> tuple[int, int, str]:
+        """(group over H, group over I, kernel suffix 'r' per-row | 'g' grouped)."""
+        H, I, g = self.hidden_size, self.intermediate_size, self.group_size
+        if g in (0, H) and g in (0, I):
+            return H, I, "r"
+        if g % 16 or H % g or I % g:
+            raise ValueError(f"group size {g} must be a multiple of 16 dividing H={H} and I={I}")
+        return g, g, "g"
+
+    def check(self) -> None:
+        _check("blob_ptrs", self.blob_ptrs, dtype=np.uint64, ndim=1)
+        H, I = self.hidden_size, self.intermediate_size
+        if H % 16 or I % 16:
+            raise ValueError(f"H={H} and I={I} must be multiples of 16 (16-byte int8 loads)")
+        if H < 8 or I < 8:
+            raise ValueError("H and I must be at least 8")
+        for name in ("off_gate_up", "off_gate_up_scale", "off_down", "off_down_scale"):
+            if getattr(self, name) % 256:
+                raise ValueError(f"{name}={getattr(self, name)} is not 256-byte aligned")
+        self.groups()
+
+
+def tokens_per_pass(num_tokens: int, k: int, num_experts: int) -> int:
+    """GEMV variant: about twice the mean number of tokens per active expert, 1..8."""
+    want = min(num_tokens, max(1, math.ceil(2 * num_tokens * k / num_experts)))
+    return next(t for t in GEMV_TOKC if t >= min(want, 8))
+
+
+def resident_blocks(fn, threads: int) -> int:
+    """Blocks of `threads` threads of kernel `fn` that fit on one multiprocessor at once (by registers)."""
+    try:
+        regs = int(fn.attributes["num_regs"])
+    except Exception:  # noqa: BLE001 -- attribute missing: a safe guess
+        return 2
+    warp_regs = -(-regs * 32 // 256) * 256          # registers are allocated per warp, 256 at a time
+    warps = min(64, 65536 // warp_regs)
+    return max(1, min(32, warps // (threads // 32)))
+
+
+def _gemv_launch(name: str):
+    """(kernel, grid) for a grid-stride GEMV: exactly the blocks the machine holds at once (no late blocks)."""
+    fn = kernel("moe_gemv", name)
+    return fn, (_sm_count() * resident_blocks(fn, GEMV_THREADS),)
+
+
+def _check_moe_inputs(x_or_act, table: ExpertTable, disp: Dispatch, cols: int, rows: int):
+    table.check()
+    _check("input", x_or_act, dtype=np.float32, shape=(rows, cols))
+    if disp.num_experts != table.num_experts:
+        raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
+
+
+GEMV_WIDE = ("w2", "w4")  # one token per pass, loads of 2 / 4 chunks per lane issued at once (moe_gemv.cu)
+
+
+def wide_variant(ncols: int) -> str | None:
+    """Default one-token-per-pass kernel: 'w4' (fastest or within 15% of it at every shape measured on an H200,
+    docs/benchmarks.md; 't1' and 'w2' stay selectable through `variant`)."""
+    return "w4"
+
+
+def _gemv_name(stage: str, tokc: int, kind: str, variant: str | None) -> str:
+    if tokc not in GEMV_TOKC:
+        raise ValueError(f"tokens per pass must be one of {GEMV_TOKC}")
+    if variant is not None and variant not in ("t1",) + GEMV_WIDE:
+        raise ValueError(f"GEMV variant {variant!r} unknown")
+    if variant in GEMV_WIDE:
+        if tokc != 1:
+            raise ValueError("the wide GEMV variants take one token per pass")
+        return f"moe_{stage}_{variant}_{kind}"
+    return f"moe_{stage}_t{tokc}_{kind}"
+
+
+def moe_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
+                variant: str | None = None, out=None):
+    """Decode GEMV: act [P, I] f32 in sorted (dispatch) order from x [T, H] f32.
+
+    tokens_per_pass_ (1, 2, 4, 8; default from T, k, E) picks the kernel; with one token per pass, variant 't1'
+    (double-buffered loads), 'w2' or 'w4' (wide loads; default for short rows, see `wide_variant`).
+    """
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T = disp.num_pairs // k
+    if T * k != disp.num_pairs:
+        raise ValueError("dispatch pairs are not T * k")
+    _check_moe_inputs(x, table, disp, H, T)
+    gh, _, kind = table.groups()
+    tokc = tokens_per_pass_ or tokens_per_pass(T, k, table.num_experts)
+    name = _gemv_name("gate_up", tokc, kind, variant or (wide_variant(H) if tokc == 1 else None))
+    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    fn, grid = _gemv_launch(name)
+    fn(grid, (GEMV_THREADS,),
+        (x, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale), disp.perm, disp.offsets,
+         disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh)))
+    return act
+
+
+def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pass_: int | None = None,
+             variant: str | None = None, out=None):
+    """Decode GEMV: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    _check_moe_inputs(act, table, disp, I, P)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    k = weights.shape[-1] if weights.ndim == 2 else 1
+    _, gi, kind = table.groups()
+    tokc = tokens_per_pass_ or tokens_per_pass(P // k, k, table.num_experts)
+    name = _gemv_name("down", tokc, kind, variant or (wide_variant(I) if tokc == 1 else None))
+    y = _out("out", out, (P, H), cp.float32)
+    fn, grid = _gemv_launch(name)
+    fn(grid, (GEMV_THREADS,),
+        (act, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm, disp.offsets,
+         disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)))
+    return y
+
+
+TC_THREADS = 128  # moe_gemm.cu tensor-core variant
+
+
+def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
+    if tensor_cores and kind != "r":
+        raise ValueError("the tensor-core grouped GEMM supports per-row scales only")
+    return kind == "r" if tensor_cores is None else bool(tensor_cores)
+
+
+def moe_gemm_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tensor_cores: bool | None = None, out=None):
+    """Prefill grouped GEMM: act [P, I] f32 in sorted order from x [T, H] f32 (dispatch tile_m must be 64).
+
+    tensor_cores (default: with per-row scales) runs the mma.sync bf16 kernel with split (hi + lo) activations.
+    """
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T = disp.num_pairs // k
+    _check_moe_inputs(x, table, disp, H, T)
+    if disp.tile_m != GEMM_BM:
+        raise ValueError(f"dispatch tile_m must be {GEMM_BM} for the grouped GEMM")
+    gh, _, kind = table.groups()
+    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    grid = (-(-I // GEMM_BN), int(disp.tile_expert.size))
+    args = (x, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale), disp.perm,
+            disp.offsets, disp.tile_expert, disp.tile_start, act, np.int32(H), np.int32(I), np.int32(k))
+    if _use_tc(kind, tensor_cores):
+        kernel("moe_gemm", "moe_gemm_tc_gate_up_r")(grid, (TC_THREADS,), args)
+    else:
+        kernel("moe_gemm", f"moe_gemm_gate_up_{kind}")(grid, (GEMM_THREADS,), args + (np.int32(gh),))
+    return act
+
+
+def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_cores: bool | None = None, out=None):
+    """Prefill grouped GEMM: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    _check_moe_inputs(act, table, disp, I, P)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    if disp.tile_m != GEMM_BM:
+        raise ValueError(f"dispatch tile_m must be {GEMM_BM} for the grouped GEMM")
+    _, gi, kind = table.groups()
+    y = _out("out", out, (P, H), cp.float32)
+    grid = (-(-H // GEMM_BN), int(disp.tile_expert.size))
+    args = (act, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm, disp.offsets,
+            disp.tile_expert, disp.tile_start, weights, y, np.int32(H), np.int32(I))
+    if _use_tc(kind, tensor_cores):
+        kernel("moe_gemm", "moe_gemm_tc_down_r")(grid, (TC_THREADS,), args)
+    else:
+        kernel("moe_gemm", f"moe_gemm_down_{kind}")(grid, (GEMM_THREADS,), args + (np.int32(gi),))
+    return y
+
+
+def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
+    """y [T, H] = residual + alpha * sum_j ypair[t*k + j] (slots summed in order; out may be residual)."""
+    cp = _cupy()
+    _check("ypair", ypair, dtype=np.float32, ndim=2)
+    P, H = ypair.shape
+    if P % k or H % 4:
+        raise ValueError(f"ypair {tuple(ypair.shape)} must be [T*{k}, H] with H % 4 == 0")
+    T = P // k
+    if residual is not None:
+        _check("residual", residual, dtype=np.float32, shape=(T, H))
+    y = _out("out", out, (T, H), cp.float32)
+    kernel("moe_gemv", "moe_combine")(
+        (_grid_stride_blocks(T * H // 4),), (256,),
+        (ypair, _ptr(residual), y, np.int32(T), np.int32(H), np.int32(k), np.float32(alpha)))
+    return y
+
+
+def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
+                gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None):
+    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual)."""
+    T, k = ids.shape
+    # measured on an H200 (docs/benchmarks.md): the tensor-core GEMM wins from about 8 pairs per expert
+    use_gemm = gemm if gemm is not None else (T > 32 or T * k >= 8 * table.num_experts)
+    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
+    if use_gemm:
+        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores)
+        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores)
+    else:
+        act = moe_gate_up(x, table, disp, k)
+        ypair = moe_down(act, table, disp, weights)
+    return moe_combine(ypair, k, residual=residual, alpha=alpha)
+
+
+# ---- dense layers ---------------------------------------------------------------------------------------------
+def rmsnorm(x, w, eps: float, *, out_dtype=None, w_offset: float = 0.0, out=None):
+    """out = x * rsqrt(mean(x^2) + eps) * (w + w_offset) over the last axis; x f32/bf16, w f32/f16/bf16."""
+    cp = _cupy()
+    _check("x", x, codes=("f32", "bf16"))
+    D = x.shape[-1]
+    _check("w", w, shape=(D,), codes=("f32", "f16", "bf16"))
+    odt = np.dtype(out_dtype) if out_dtype is not None else x.dtype
+    o = _out("out", out, x.shape, odt)
+    rows = x.size // D if D else 0
+    if rows == 0:
+        return o
+    threads = 256 if D >= 256 else 128 if D >= 128 else 32
+    kernel("layers", f"rmsnorm_{dtype_code(x)}_{dtype_code(o)}_{dtype_code(w)}")(
+        (rows,), (threads,), (x, w, o, np.int32(D), np.float32(eps), np.float32(w_offset)))
+    return o
+
+
+def rope(x, pos, cos, sin):
+    """In place on x [N, nh, hd] f32: rotate_half RoPE of the first 2*cos.shape[1] dims at positions pos [N]."""
+    _check("x", x, dtype=np.float32, ndim=3)
+    N, nh, hd = x.shape
+    _check("pos", pos, dtype=np.int32, shape=(N,))
+    _check("cos", cos, dtype=np.float32, ndim=2)
+    _check("sin", sin, dtype=np.float32, shape=cos.shape)
+    half = cos.shape[1]
+    if 2 * half > hd:
+        raise ValueError(f"rotary dim {2 * half} exceeds head_dim {hd}")
+    total = N * nh * half
+    if total:
+        kernel("layers", "rope_f32")(
+            (_grid_stride_blocks(total),), (256,),
+            (x, pos, cos, sin, np.int32(N), np.int32(nh), np.int32(hd), np.int32(2 * half)))
+    return x
+
+
+def kv_append(k, v, k_cache, v_cache, seq, pos):
+    """Writes k, v [N, nkv, hd] f32 to caches [S, capacity, nkv, hd] (f32/f16/bf16) at (seq[n], pos[n])."""
+    _check("k", k, dtype=np.float32, ndim=3)
+    N, nkv, hd = k.shape
+    _check("v", v, dtype=np.float32, shape=k.shape)
+    _check("k_cache", k_cache, ndim=4, codes=("f32", "f16", "bf16"))
+    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    if k_cache.shape[2:] != (nkv, hd):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold rows of [{nkv}, {hd}]")
+    _check("seq", seq, dtype=np.int32, shape=(N,))
+    _check("pos", pos, dtype=np.int32, shape=(N,))
+    row = nkv * hd
+    if N:
+        kernel("layers", f"kv_append_{dtype_code(k_cache)}")(
+            (_grid_stride_blocks(N * row),), (256,),
+            (k, v, k_cache, v_cache, seq, pos, np.int32(N), np.int32(row), np.int32(k_cache.shape[1])))
+
+
+def attention_splits(num_rows: int, kv_heads: int, group: int, max_len: int) -> int:
+    """Context splits for the split attention kernel: enough blocks for two waves, at least 64 keys a split."""
+    blocks = num_rows * kv_heads * -(-group // ATT_GMAX)
+    return max(1, min(-(-max_len // 64), -(-2 * _sm_count() // blocks), 64))
+
+
+class AttentionWorkspace:
+    """Partials of the split attention kernel (preallocate for CUDA-graph capture)."""
+
+    def __init__(self, num_rows: int, heads: int, head_dim: int, nsplit: int) -> None:
+        cp = _cupy()
+        self.shape = (num_rows, heads, head_dim, nsplit)
+        self.ml = cp.empty(num_rows * heads * nsplit * 2, cp.float32)
+        self.acc = cp.empty(num_rows * heads * nsplit * head_dim, cp.float32)
+
+
+def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, out=None,
+              nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None,
+              simple: bool = False):
+    """q [NQ, nh, hd] f32 against caches [S, cap, nkv, hd]: decode (q_len = length) or causal prefill rows.
+
+    Row n attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n] (window <= 0: all).
+    The split kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults
+    to the cache capacity) and merges them; `simple=True` runs the one-block-per-head kernel instead.
+    """
+    cp = _cupy()
+    _check("q", q, dtype=np.float32, ndim=3)
+    NQ, nh, hd = q.shape
+    _check("k_cache", k_cache, ndim=4, codes=("f32", "f16", "bf16"))
+    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    nkv = k_cache.shape[2]
+    if k_cache.shape[3] != hd or nh % nkv:
+        raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
+    if hd not in (64, 128, 256):
+        raise ValueError(f"head_dim {hd} not supported (64, 128, 256)")
+    _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
+    _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
+    o = _out("out", out, q.shape, cp.float32)
+    if NQ == 0:
+        return o
+    group = nh // nkv
+    gchunks = -(-group // ATT_GMAX)
+    cap = k_cache.shape[1]
+    args_tail = (np.int32(nh), np.int32(nkv), np.int32(cap), np.int32(window), np.float32(scale))
+    if simple:
+        kernel("layers", f"attention_{dtype_code(k_cache)}_hd{hd}")(
+            (NQ, nkv, gchunks), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, o) + args_tail)
+        return o
+    ns = nsplit or attention_splits(NQ, nkv, group, max_len or cap)
+    if ns > 1:
+        ws = workspace or AttentionWorkspace(NQ, nh, hd, ns)
+        if ws.shape != (NQ, nh, hd, ns):
+            raise ValueError(f"attention workspace is {ws.shape}, needs {(NQ, nh, hd, ns)}")
+        ml, acc = ws.ml, ws.acc
+    else:
+        ml = acc = o  # unused
+    kernel("layers", f"attention_split_{dtype_code(k_cache)}_hd{hd}")(
+        (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, ml, acc, o) + args_tail
+        + (np.int32(ns),))
+    if ns > 1:
+        kernel("layers", "attention_merge")((NQ * nh,), (hd,), (ml, acc, o, np.int32(hd), np.int32(ns)))
+    return o
+
+
+def embedding(ids, table, *, mult: float = 1.0, out=None):
+    """out [N, H] f32 = table[ids] * mult (an id out of range gives a NaN row)."""
+    cp = _cupy()
+    _check("ids", ids, dtype=np.int32, ndim=1)
+    _check("table", table, ndim=2, codes=("f32", "f16", "bf16"))
+    N, (V, H) = ids.size, table.shape
+    o = _out("out", out, (N, H), cp.float32)
+    if N:
+        kernel("layers", f"embedding_{dtype_code(table)}")(
+            (_grid_stride_blocks(N * H),), (256,), (ids, table, o, np.int32(N), np.int32(V), np.int32(H),
+                                                    np.float32(mult)))
+    return o
+
+
+def residual_add(a, b, *, alpha: float = 1.0, out=None):
+    """out = a + alpha * b (f32; out may be a)."""
+    cp = _cupy()
+    _check("a", a, dtype=np.float32)
+    _check("b", b, dtype=np.float32, shape=a.shape)
+    o = _out("out", out, a.shape, cp.float32)
+    if a.size:
+        kernel("layers", "residual_add_f32")(
+            (_grid_stride_blocks(a.size),), (256,), (a, b, o, np.int64(a.size), np.float32(alpha)))
+    return o
+
+
+def silu_mul(gu, *, out=None):
+    """gu [T, 2I] f32 -> silu(gu[:, :I]) * gu[:, I:]."""
+    cp = _cupy()
+    _check("gu", gu, dtype=np.float32, ndim=2)
+    T, two_i = gu.shape
+    if two_i % 2:
+        raise ValueError("gu must have an even number of columns")
+    o = _out("out", out, (T, two_i // 2), cp.float32)
+    if o.size:
+        kernel("layers", "silu_mul_f32")(
+            (_grid_stride_blocks(o.size),), (256,), (gu, o, np.int32(T), np.int32(two_i // 2)))
+    return o
+
+
+def dense_gemv(x, w, *, bias=None, out=None):
+    """y [T, N] f32 = x [T, K] f32 @ w[N, K].T (+ bias), w f32/f16/bf16; for T <= 8 (graph-capturable).
+
+    Tokens go in passes of 4 over the weights, so beyond a few tokens cuBLAS (cupy.matmul) is much faster.
+    """
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    _check("w", w, ndim=2, codes=("f32", "f16", "bf16"))
+    T, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w is {tuple(w.shape)}, expected [N, {K}]")
+    if K % 8 or N < 4:
+        raise ValueError(f"dense_gemv needs K % 8 == 0 and N >= 4 (K={K}, N={N})")
+    if bias is not None:
+        _check("bias", bias, dtype=np.float32, shape=(N,))
+    y = _out("out", out, (T, N), cp.float32)
+    if T:
+        blocks = max(1, min(-(-N // 4 // 8), _sm_count() * 8))
+        kernel("layers", f"dense_gemv_{dtype_code(w)}")(
+            (blocks,), (256,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
+    return y

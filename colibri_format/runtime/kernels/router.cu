@@ -1,0 +1,214 @@
+// Fused MoE router: logits = x @ Wr.T, scoring (softmax | sigmoid), top-k, optional renormalisation,
+// optional selection-only bias, router scale. One launch.
+//
+// Grid (ceil(T / ROUTER_TPB), ceil(E / ROUTER_EPB)), 256 threads. Each block computes the logits of ROUTER_TPB
+// tokens for ROUTER_EPB experts, all its threads splitting the hidden dimension (so the router matrix is spread
+// over many multiprocessors and no thread walks a long row alone), and stores them in `logits` [T, E]. The last
+// block of a token group to finish (a ticket taken with atomicAdd after a fence) runs the softmax and the
+// warp-level top-k for that group, one warp per token (each lane holding E / 32 experts; one packed 64-bit
+// max-reduction per selected expert), and resets the group's ticket counter to zero for the next launch. With a
+// single block per token group (E <= ROUTER_EPB) the block selects at once, without the global round trip.
+//
+// Selection order: descending key, ties to the lower expert index (NumPy's stable argsort of -key).
+//   order 0 (softmax_topk): score = softmax(logits) or sigmoid(logits); key = score (+ bias); weight = score,
+//                          divided by the sum of the k selected if normalize; times scale.
+//   order 1 (topk_softmax): key = logits; weight = softmax over the k selected logits; times scale.
+#include "common.cuh"
+
+#define ROUTER_THREADS 256
+#define ROUTER_WARPS (ROUTER_THREADS / 32)
+#define ROUTER_TPB 4   // tokens per block
+#define ROUTER_EPB 8   // experts per block
+
+// All ROUTER_THREADS threads split the hidden dimension (16-byte weight loads, every load of a thread issued
+// before its first use), then the per-thread partial dot products are summed across the block.
+template <typename TW>
+__device__ __forceinline__ void router_logits(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
+                                              float* __restrict__ logits, int T, int H, int E) {
+    constexpr int V = Vec16<TW>::N;
+    __shared__ float s_part[ROUTER_WARPS][ROUTER_EPB * ROUTER_TPB];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t0 = blockIdx.x * ROUTER_TPB;
+    const int e0 = blockIdx.y * ROUTER_EPB;
+    float acc[ROUTER_EPB][ROUTER_TPB];
+#pragma unroll
+    for (int i = 0; i < ROUTER_EPB; ++i)
+#pragma unroll
+        for (int j = 0; j < ROUTER_TPB; ++j) acc[i][j] = 0.0f;
+
+#pragma unroll 2
+    for (int c = threadIdx.x * V; c < H; c += ROUTER_THREADS * V) {
+        float wv[ROUTER_EPB][V];
+#pragma unroll
+        for (int i = 0; i < ROUTER_EPB; ++i) {
+            const int e = min(e0 + i, E - 1);  // clamped: experts past E are computed and discarded
+            load16_f32<TW>(w + (size_t)e * H + c, wv[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTER_TPB; ++j) {
+            const int t = min(t0 + j, T - 1);  // clamped likewise
+#pragma unroll
+            for (int q = 0; q < V; q += 4) {
+                const float4 v = __ldg(reinterpret_cast<const float4*>(x + (size_t)t * H + c + q));
+#pragma unroll
+                for (int i = 0; i < ROUTER_EPB; ++i) {
+                    acc[i][j] = fmaf(wv[i][q], v.x, acc[i][j]);
+                    acc[i][j] = fmaf(wv[i][q + 1], v.y, acc[i][j]);
+                    acc[i][j] = fmaf(wv[i][q + 2], v.z, acc[i][j]);
+                    acc[i][j] = fmaf(wv[i][q + 3], v.w, acc[i][j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < ROUTER_EPB; ++i)
+#pragma unroll
+        for (int j = 0; j < ROUTER_TPB; ++j) {
+            const float sum = warp_sum(acc[i][j]);
+            if (lane == 0) s_part[warp][i * ROUTER_TPB + j] = sum;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROUTER_EPB * ROUTER_TPB) {
+        const int i = threadIdx.x / ROUTER_TPB, j = threadIdx.x % ROUTER_TPB;
+        float sum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < ROUTER_WARPS; ++q) sum += s_part[q][threadIdx.x];
+        if (t0 + j < T && e0 + i < E) logits[(size_t)(t0 + j) * E + e0 + i] = sum;
+    }
+}
+
+// A selection key packed with its expert index into one 64-bit word whose unsigned order is the selection order:
+// larger key first, then the lower index. Float keys are mapped to order-preserving unsigned bits.
+__device__ __forceinline__ unsigned long long pack_key(float k, int e) {
+    unsigned int b = __float_as_uint(k);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned int)(0x7fffffff - e);
+}
+
+template <int EPL>
+__device__ void router_select(const float* __restrict__ logits, const float* __restrict__ bias,
+                              int* __restrict__ topk_ids, float* __restrict__ topk_w, int t, int E, int K,
+                              int scoring, int order, int normalize, float scale) {
+    const int lane = threadIdx.x & 31;
+    const float NEG_INF = __int_as_float(0xff800000);
+    float logit[EPL], score[EPL];
+    unsigned long long key[EPL];
+    float m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        float l = NEG_INF;
+        if (e < E) {
+            l = __ldcg(logits + (size_t)t * E + e);  // written by other blocks: bypass L1
+            if (l != l) l = NEG_INF;  // NaN never wins
+        }
+        logit[i] = l;
+        m = fmaxf(m, l);
+    }
+    m = warp_max(m);
+    if (order == 0 && scoring == 0) {
+        float z = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            score[i] = (lane + 32 * i < E) ? expf(logit[i] - m) : 0.0f;
+            z += score[i];
+        }
+        const float inv = 1.0f / warp_sum(z);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) score[i] *= inv;
+    } else if (order == 0) {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) score[i] = 1.0f / (1.0f + expf(-logit[i]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) score[i] = logit[i];
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        float k = (order == 0) ? score[i] : logit[i];
+        if (order == 0 && bias != nullptr && e < E) k += __ldg(bias + e);
+        if (k != k) k = NEG_INF;
+        key[i] = e < E ? pack_key(k, e) : 0ull;  // 0: below every real key
+    }
+    float my_w = 0.0f;  // lane j < K keeps the j-th selection
+    int my_id = 0;
+    for (int j = 0; j < K; ++j) {
+        unsigned long long best = 0ull;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) best = key[i] > best ? key[i] : best;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long other = __shfl_xor_sync(COLIBRI_FULL_MASK, best, o);
+            best = other > best ? other : best;
+        }
+        const int e = 0x7fffffff - (int)(unsigned int)(best & 0xffffffffull);
+        float sc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            if (key[i] == best) { sc = score[i]; key[i] = 0ull; }  // only the owner lane matches
+        }
+        sc = __shfl_sync(COLIBRI_FULL_MASK, sc, e & 31);
+        if (lane == j) { my_w = sc; my_id = e; }
+    }
+    // weights of the selection
+    const bool mine = lane < K;
+    if (order == 1) {  // softmax over the k selected logits; the first selection holds their maximum
+        const float top = __shfl_sync(COLIBRI_FULL_MASK, my_w, 0);
+        const float ex = mine ? expf(my_w - top) : 0.0f;
+        my_w = ex / warp_sum(ex);
+    } else if (normalize) {
+        my_w = my_w / warp_sum(mine ? my_w : 0.0f);
+    }
+    if (mine) {
+        topk_ids[(size_t)t * K + lane] = my_id;
+        topk_w[(size_t)t * K + lane] = my_w * scale;
+    }
+}
+
+template <typename TW, int EPL>
+__device__ __forceinline__ void router_impl(const float* x, const typename TW::storage* w, const float* bias,
+                                            float* logits, unsigned int* tickets, int* topk_ids, float* topk_w,
+                                            int T, int H, int E, int K, int scoring, int order, int normalize,
+                                            float scale) {
+    __shared__ int s_last;
+    router_logits<TW>(x, w, logits, T, H, E);
+    if (gridDim.y > 1) {  // several blocks share a token group: the last one to finish selects
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned int ticket = atomicAdd(tickets + blockIdx.x, 1u);
+            s_last = (ticket == gridDim.y - 1);
+            if (s_last) tickets[blockIdx.x] = 0u;  // ready for the next launch
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+    } else {
+        __syncthreads();  // this block wrote every logit of its tokens
+    }
+    const int warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * ROUTER_TPB + warp;
+    if (warp < ROUTER_TPB && t < T)
+        router_select<EPL>(logits, bias, topk_ids, topk_w, t, E, K, scoring, order, normalize, scale);
+}
+
+// suffix: <router weight dtype>_e<32 * EPL: largest expert count>
+#define ROUTER_KERNEL(SUFFIX, TW, EPL)                                                                         \
+    extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)                                              \
+        moe_router_##SUFFIX(const float* x, const TW::storage* w, const float* bias, float* logits,           \
+                            unsigned int* tickets, int* topk_ids, float* topk_w, int T, int H, int E, int K,  \
+                            int scoring, int order, int normalize, float scale) {                             \
+        router_impl<TW, EPL>(x, w, bias, logits, tickets, topk_ids, topk_w, T, H, E, K, scoring, order,       \
+                             normalize, scale);                                                               \
+    }
+#define ROUTER_KERNELS(SUF, TW)          \
+    ROUTER_KERNEL(SUF##_e32, TW, 1)      \
+    ROUTER_KERNEL(SUF##_e64, TW, 2)      \
+    ROUTER_KERNEL(SUF##_e128, TW, 4)     \
+    ROUTER_KERNEL(SUF##_e256, TW, 8)     \
+    ROUTER_KERNEL(SUF##_e512, TW, 16)
+
+ROUTER_KERNELS(f32, TF32)
+ROUTER_KERNELS(f16, TF16)
+ROUTER_KERNELS(bf16, TBF16)

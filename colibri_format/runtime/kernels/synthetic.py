@@ -1,0 +1,74 @@
+"""Random int8 experts packed as `.colibri` expert blobs, for kernel tests and benchmarks.
+
+Blob offsets come from `colibri_format.spec.blob_layout` only. `host_experts` builds small experts on the host
+(returning the arrays for the NumPy references too); `device_experts` fills large ones directly on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_format.spec import ExpertFormat, blob_layout
+
+from .ops import ExpertTable
+
+
+def layout_for(hidden: int, inter: int, group: int = 0):
+    fmt = ExpertFormat.INT8_GROUP if group else ExpertFormat.INT8_ROW
+    return blob_layout(hidden, inter, fmt, group)
+
+
+def _scales(rng: np.random.Generator, rows: int, cols: int, group: int) -> np.ndarray:
+    ngroups = 1 if not group else cols // group
+    # about what a quantizer gives for N(0, 1/cols) weights: max|w| / 127
+    return (rng.uniform(0.5, 1.5, (rows, ngroups)) * 3.0 / (127.0 * np.sqrt(cols))).astype(np.float32)
+
+
+def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter: int, group: int = 0):
+    """(layout, experts [(gate_up, gate_up_scale, down, down_scale)], blobs uint8 [E * layout.size])."""
+    layout = layout_for(hidden, inter, group)
+    blobs = np.zeros(num_experts * layout.size, np.uint8)
+    experts = []
+    for e in range(num_experts):
+        gu = rng.integers(-127, 128, (2 * inter, hidden), dtype=np.int8)
+        gus = _scales(rng, 2 * inter, hidden, group)
+        dn = rng.integers(-127, 128, (hidden, inter), dtype=np.int8)
+        dns = _scales(rng, hidden, inter, group)
+        for name, arr in (("gate_up", gu), ("gate_up_scale", gus), ("down", dn), ("down_scale", dns)):
+            off = e * layout.size + layout.array(name).offset
+            raw = arr.reshape(-1).view(np.uint8)
+            blobs[off:off + raw.size] = raw
+        experts.append((gu, gus, dn, dns))
+    return layout, experts, blobs
+
+
+def upload(blobs: np.ndarray, num_experts: int, layout):
+    """Copies packed blobs to the device; returns (device buffer, ExpertTable). Keep the buffer alive."""
+    import cupy as cp  # noqa: PLC0415
+
+    buf = cp.asarray(blobs)
+    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
+    return buf, ExpertTable.from_layout(ptrs, layout)
+
+
+def device_experts(num_experts: int, hidden: int, inter: int, group: int = 0, seed: int = 0):
+    """Random experts generated on the GPU (for benchmark-sized shapes); returns (buffer, ExpertTable)."""
+    import cupy as cp  # noqa: PLC0415
+
+    layout = layout_for(hidden, inter, group)
+    buf = cp.zeros(num_experts * layout.size, cp.uint8)
+    rs = cp.random.RandomState(seed)
+    for e in range(num_experts):
+        for name in ("gate_up", "down"):
+            a = layout.array(name)
+            n = a.shape[0] * a.shape[1]
+            off = e * layout.size + a.offset
+            buf[off:off + n] = rs.randint(0, 255, n, dtype=cp.int32).astype(cp.uint8)
+        for name in ("gate_up_scale", "down_scale"):
+            a = layout.array(name)
+            n = a.shape[0] * a.shape[1]
+            off = e * layout.size + a.offset
+            vals = (rs.uniform(0.5, 1.5, n) * 3.0 / (127.0 * np.sqrt(layout.hidden_size))).astype(cp.float32)
+            buf[off:off + 4 * n] = vals.view(cp.uint8)
+    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
+    return buf, ExpertTable.from_layout(ptrs, layout)

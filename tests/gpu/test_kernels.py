@@ -1,0 +1,316 @@
+"""Every CUDA kernel against its float64 NumPy reference, on fresh random inputs (GPU only).
+
+Outputs are poisoned with NaN before each launch and must come back finite (every element written). Errors are
+relative: ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.runtime.kernels import ops
+from colibri_format.runtime.kernels import reference as ref
+from colibri_format.runtime.kernels.synthetic import host_experts, upload
+
+F32_TOL = 2e-5    # fp32 accumulation vs float64
+BF16_TOL = 1e-2   # one bf16 rounding of the output
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng(request):
+    # fresh inputs every run, but reproducible from the printed seed when a test fails
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def rel(out, expected) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert out.shape == expected.shape, (out.shape, expected.shape)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def nan_like(cp, shape, dtype=np.float32):
+    return cp.full(shape, np.nan, dtype=dtype)
+
+
+def to_device_dtype(cp, a: np.ndarray, code: str):
+    if code == "f32":
+        return cp.asarray(a.astype(np.float32))
+    if code == "f16":
+        return cp.asarray(a.astype(np.float16))
+    return cp.asarray(ref.f32_to_bf16(a.astype(np.float32)))
+
+
+# ---- router -------------------------------------------------------------------------------------------------------
+ROUTER_CASES = [  # T, E, k, H
+    (32, 128, 8, 2048), (1, 8, 2, 4096), (5, 64, 8, 256), (3, 300, 6, 128), (9, 512, 32, 64), (4, 1, 1, 16),
+    (2, 256, 8, 128), (6, 20, 4, 2048)]
+ROUTER_MODES = [
+    dict(scoring="softmax", order="softmax_topk", normalize=True, scale=1.0, bias=False),
+    dict(scoring="softmax", order="softmax_topk", normalize=False, scale=1.0, bias=False),
+    dict(scoring="sigmoid", order="softmax_topk", normalize=True, scale=2.5, bias=True),
+    dict(scoring="softmax", order="topk_softmax", normalize=False, scale=1.0, bias=False),
+]
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+@pytest.mark.parametrize("mode", ROUTER_MODES, ids=lambda m: f"{m['scoring']}-{m['order']}-n{int(m['normalize'])}")
+@pytest.mark.parametrize("wdt", ["f32", "bf16", "f16"])
+def test_router(cp, rng, case, mode, wdt):
+    T, E, k, H = case
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w_host = (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32)
+    w = to_device_dtype(cp, w_host, wdt)
+    bias = rng.standard_normal(E).astype(np.float32) * 0.1 if mode["bias"] else None
+    ws = ops.RouterWorkspace(T, E)
+    for _ in range(2):  # twice: the ticket counters must be back at zero after a launch
+        ids, weights = ops.router(cp.asarray(x), w, k, bias=None if bias is None else cp.asarray(bias),
+                                  scoring=mode["scoring"], order=mode["order"], normalize=mode["normalize"],
+                                  scale=mode["scale"], workspace=ws,
+                                  out_ids=cp.full((T, k), -7, cp.int32), out_weights=nan_like(cp, (T, k)))
+        assert int(ws.tickets.sum()) == 0
+    w64 = ref.as_f64(w.get(), wdt)
+    logits_gpu = ws.logits[:T].get()
+    assert rel(logits_gpu, ref.as_f64(x) @ w64.T) < F32_TOL
+    # selection is checked exactly on the kernel's own logits (float64 logits could reorder near-ties)
+    exp_ids, exp_w = _route_from_logits(logits_gpu.astype(np.float64), k, bias, mode)
+    np.testing.assert_array_equal(ids.get(), exp_ids)
+    assert rel(weights.get(), exp_w) < F32_TOL
+
+
+def _route_from_logits(logits, k, bias, mode):
+    """router_reference with the logits given (x = identity, w = logits^T)."""
+    T, E = logits.shape
+    ids, w, _ = ref.router_reference(np.eye(T), logits.T.copy(), k, bias=bias, scoring=mode["scoring"],
+                                     order=mode["order"], normalize=mode["normalize"], scale=mode["scale"])
+    return ids, w
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("P,E", [(1, 8), (8, 128), (256, 128), (64, 8), (2000, 64), (5000, 512), (16384, 128)])
+@pytest.mark.parametrize("tile_m", [64, 7])
+def test_dispatch(cp, rng, P, E, tile_m):
+    # skewed ids: a few experts get most pairs
+    ids = np.minimum(rng.zipf(1.5, P) - 1, E - 1).astype(np.int32)
+    rng.shuffle(ids)
+    d = ops.dispatch(cp.asarray(ids), E, tile_m=tile_m)
+    r = ref.dispatch_reference(ids, E, tile_m)
+    for name in ("counts", "offsets", "perm", "inv"):
+        np.testing.assert_array_equal(getattr(d, name).get(), r[name], err_msg=name)
+    meta = d.meta.get()
+    nact, ntiles = len(r["active"]), len(r["tile_expert"])
+    assert tuple(meta[:3]) == (nact, ntiles, 0)
+    active = d.active.get()
+    np.testing.assert_array_equal(active[:nact], r["active"])
+    assert (active[nact:] == -1).all()
+    np.testing.assert_array_equal(d.tile_expert.get()[:ntiles], r["tile_expert"])
+    np.testing.assert_array_equal(d.tile_start.get()[:ntiles], r["tile_start"])
+    assert (d.tile_expert.get()[ntiles:] == -1).all()
+
+
+def test_dispatch_counts_invalid_ids(cp):
+    ids = np.array([0, 5, 9, -1, 2], np.int32)
+    d = ops.dispatch(cp.asarray(ids), 6)
+    assert int(d.meta.get()[2]) == 2
+    assert d.inv.get()[2] == -1 and d.inv.get()[3] == -1
+
+
+# ---- experts ------------------------------------------------------------------------------------------------------
+def _moe_case(cp, rng, T, E, k, H, I, group, skew=False):
+    layout, experts, blobs = host_experts(rng, E, H, I, group)
+    buf, table = upload(blobs, E, layout)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    if skew:  # expert 0 in every token: many tokens per expert (several passes)
+        ids = np.stack([np.concatenate([[0], rng.choice(np.arange(1, E), k - 1, replace=False)]) for _ in range(T)])
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    ids = ids.astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return buf, table, experts, x, ids, w
+
+
+MOE_CASES = [  # T, E, k, H, I, group, skew
+    (1, 8, 2, 256, 128, 0, False), (2, 8, 2, 512, 256, 0, False), (3, 16, 4, 256, 96, 0, False),
+    (5, 64, 8, 256, 128, 32, False), (32, 64, 8, 256, 128, 0, True), (32, 8, 2, 128, 64, 16, True),
+    (17, 4, 4, 64, 32, 0, False), (2, 4, 2, 4160, 2080, 0, False)]
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("tokc,variant", [(None, None), (1, "t1"), (1, "w2"), (1, "w4"), (2, None), (4, None),
+                                          (8, None)])
+def test_moe_gemv(cp, rng, case, tokc, variant):
+    T, E, k, H, I, group, skew = case
+    buf, table, experts, x, ids, w = _moe_case(cp, rng, T, E, k, H, I, group, skew)
+    d = ops.dispatch(cp.asarray(ids), E)
+    act = ops.moe_gate_up(cp.asarray(x), table, d, k, tokens_per_pass_=tokc, variant=variant,
+                          out=nan_like(cp, (T * k, I)))
+    exp_act = ref.moe_act_reference(x, ids, experts, group)
+    act_pairs = act.get()[d.inv.get()]  # sorted order -> pair order
+    assert rel(act_pairs, exp_act) < F32_TOL
+    ypair = ops.moe_down(act, table, d, cp.asarray(w), tokens_per_pass_=tokc, variant=variant,
+                         out=nan_like(cp, (T * k, H)))
+    exp_y = ref.moe_down_reference(act_pairs.astype(np.float64), ids, w, experts, group)
+    assert rel(ypair.get(), exp_y) < F32_TOL
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    y = ops.moe_combine(ypair, k, residual=cp.asarray(resid), alpha=0.75, out=nan_like(cp, (T, H)))
+    assert rel(y.get(), ref.moe_combine_reference(ypair.get(), k, resid, 0.75)) < 1e-6
+    full = ref.moe_reference(x, ids, w, experts, group, group)
+    assert rel(ops.moe_combine(ypair, k).get(), full) < F32_TOL
+
+
+@pytest.mark.parametrize("case", [(1, 8, 2, 256, 128, 0, False), (70, 8, 2, 256, 192, 0, False),
+                                  (300, 16, 4, 128, 64, 32, False), (130, 64, 8, 256, 128, 0, True),
+                                  (40, 4, 2, 96, 80, 0, False)])
+@pytest.mark.parametrize("tc", [False, True])
+def test_moe_gemm(cp, rng, case, tc):
+    T, E, k, H, I, group, skew = case
+    if tc and group:
+        pytest.skip("the tensor-core GEMM takes per-row scales only")
+    tol = 1e-4 if tc else F32_TOL  # tensor cores: activations split into two bf16 terms (~16 bits)
+    buf, table, experts, x, ids, w = _moe_case(cp, rng, T, E, k, H, I, group, skew)
+    d = ops.dispatch(cp.asarray(ids), E, tile_m=ops.GEMM_BM)
+    act = ops.moe_gemm_gate_up(cp.asarray(x), table, d, k, tensor_cores=tc, out=nan_like(cp, (T * k, I)))
+    exp_act = ref.moe_act_reference(x, ids, experts, group)
+    act_pairs = act.get()[d.inv.get()]
+    assert rel(act_pairs, exp_act) < tol
+    ypair = ops.moe_gemm_down(act, table, d, cp.asarray(w), tensor_cores=tc, out=nan_like(cp, (T * k, H)))
+    assert rel(ypair.get(), ref.moe_down_reference(act_pairs.astype(np.float64), ids, w, experts, group)) < tol
+
+
+@pytest.mark.parametrize("gemm", [False, True])
+def test_moe_experts_end_to_end(cp, rng, gemm):  # gemm: the tensor-core path (per-row scales)
+    T, E, k, H, I = 6, 16, 4, 256, 128
+    buf, table, experts, x, ids, w = _moe_case(cp, rng, T, E, k, H, I, 0)
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    y = ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, residual=cp.asarray(resid),
+                        alpha=1.0, gemm=gemm)
+    assert rel(y.get(), ref.moe_reference(x, ids, w, experts, residual=resid)) < (1e-4 if gemm else F32_TOL)
+
+
+def test_moe_wrappers_reject_bad_inputs(cp, rng):
+    buf, table, experts, x, ids, w = _moe_case(cp, rng, 2, 8, 2, 64, 32, 0)
+    d = ops.dispatch(cp.asarray(ids), 8)
+    with pytest.raises(TypeError):
+        ops.moe_gate_up(cp.asarray(x.astype(np.float64)), table, d, 2)
+    with pytest.raises(ValueError):
+        ops.moe_gate_up(cp.ones((2, 128), cp.float32)[:, ::2], table, d, 2)  # not C-contiguous
+    with pytest.raises(TypeError):
+        ops.moe_gate_up(x, table, d, 2)  # host array
+
+
+# ---- dense layers -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("xdt,odt", [("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("bf16", "bf16")])
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 2048), (1, 4096), (40, 128), (5, 100)])
+def test_rmsnorm(cp, rng, xdt, odt, wdt, shape):
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32)
+    xd, wd = to_device_dtype(cp, x, xdt), to_device_dtype(cp, w, wdt)
+    out_dtype = np.float32 if odt == "f32" else np.uint16
+    out = ops.rmsnorm(xd, wd, 1e-5, out_dtype=out_dtype, w_offset=0.25)
+    got = ref.as_f64(out.get(), odt)
+    exp = ref.rmsnorm_reference(ref.as_f64(xd.get(), xdt), ref.as_f64(wd.get(), wdt), 1e-5, 0.25)
+    assert rel(got, exp) < (F32_TOL if odt == "f32" else BF16_TOL)
+
+
+@pytest.mark.parametrize("hd,rot", [(128, 128), (64, 32), (256, 256)])
+def test_rope(cp, rng, hd, rot):
+    N, nh, npos = 7, 4, 50
+    x = rng.standard_normal((N, nh, hd)).astype(np.float32)
+    pos = rng.integers(0, npos, N).astype(np.int32)
+    ang = np.arange(npos)[:, None] * (1e4 ** (-np.arange(rot // 2) / (rot // 2)))[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    xd = cp.asarray(x)
+    ops.rope(xd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin))
+    assert rel(xd.get(), ref.rope_reference(x, pos, cos, sin)) < 1e-6
+
+
+@pytest.mark.parametrize("cdt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("window", [0, 5])
+def test_kv_append_and_attention(cp, rng, cdt, hd, window):
+    S, cap, nkv, nh = 3, 40, 2, 8 if hd != 64 else 32  # group of 16 with hd 64: two query-head chunks
+    dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[cdt]
+    kc = cp.asarray(to_device_dtype(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt))
+    vc = cp.asarray(to_device_dtype(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt))
+    assert kc.dtype == dtype
+    # append 4 rows: two to sequence 1, one each to 0 and 2
+    N = 4
+    k_new = rng.standard_normal((N, nkv, hd)).astype(np.float32)
+    v_new = rng.standard_normal((N, nkv, hd)).astype(np.float32)
+    seq = np.array([1, 0, 1, 2], np.int32)
+    pos = np.array([10, 3, 11, 0], np.int32)
+    exp_k, exp_v = ref.kv_append_reference(k_new, v_new, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), seq, pos)
+    ops.kv_append(cp.asarray(k_new), cp.asarray(v_new), kc, vc, cp.asarray(seq), cp.asarray(pos))
+    tol = 1e-6 if cdt == "f32" else BF16_TOL
+    assert rel(ref.as_f64(kc.get(), cdt), exp_k) < tol and rel(ref.as_f64(vc.get(), cdt), exp_v) < tol
+    # decode: one query per sequence; plus causal-prefill rows of sequence 1 at positions 0..11
+    q_seq = np.array([0, 1, 2] + [1] * 12, np.int32)
+    q_len = np.array([4, 12, 1] + list(range(1, 13)), np.int32)
+    q = rng.standard_normal((len(q_seq), nh, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    exp = ref.attention_reference(q, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), q_seq, q_len, scale,
+                                  window)
+    for variant in (dict(), dict(nsplit=1), dict(nsplit=3), dict(nsplit=40), dict(simple=True)):
+        out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), scale, window=window,
+                            out=nan_like(cp, q.shape), **variant)
+        assert rel(out.get(), exp) < F32_TOL, variant
+
+
+def test_attention_long_context(cp, rng):
+    """Many key tiles per warp and per split (the short test above never fills a tile)."""
+    S, cap, nkv, nh, hd = 2, 1000, 2, 8, 128
+    kc = cp.asarray(ref.f32_to_bf16(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    vc = cp.asarray(ref.f32_to_bf16(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    q_seq = np.array([0, 1, 1], np.int32)
+    q_len = np.array([1000, 777, 129], np.int32)
+    q = (rng.standard_normal((3, nh, hd)) * 2).astype(np.float32)
+    exp = ref.attention_reference(q, ref.as_f64(kc.get(), "bf16"), ref.as_f64(vc.get(), "bf16"), q_seq, q_len,
+                                  0.1)
+    for variant in (dict(), dict(nsplit=1), dict(nsplit=7), dict(simple=True)):
+        out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1,
+                            out=nan_like(cp, q.shape), **variant)
+        assert rel(out.get(), exp) < F32_TOL, variant
+
+
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+def test_embedding(cp, rng, wdt):
+    V, H = 100, 64
+    table = to_device_dtype(cp, rng.standard_normal((V, H)).astype(np.float32), wdt)
+    ids = rng.integers(0, V, 9).astype(np.int32)
+    out = ops.embedding(cp.asarray(ids), table, mult=1.5, out=nan_like(cp, (9, H)))
+    assert rel(out.get(), ref.embedding_reference(ids, ref.as_f64(table.get(), wdt), 1.5)) < 1e-7
+    bad = ops.embedding(cp.asarray(np.array([V], np.int32)), table)
+    assert np.isnan(bad.get()).all()
+
+
+def test_residual_add_and_silu_mul(cp, rng):
+    a = rng.standard_normal((5, 300)).astype(np.float32)
+    b = rng.standard_normal((5, 300)).astype(np.float32)
+    ad = cp.asarray(a)
+    ops.residual_add(ad, cp.asarray(b), alpha=0.5, out=ad)  # in place
+    assert rel(ad.get(), ref.residual_add_reference(a, b, 0.5)) < 1e-7
+    gu = rng.standard_normal((4, 2 * 96)).astype(np.float32)
+    assert rel(ops.silu_mul(cp.asarray(gu)).get(), ref.silu_mul_reference(gu)) < 1e-6
+
+
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("T,N,K", [(1, 4096, 2048), (5, 130, 256), (8, 7, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
+    bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    y = ops.dense_gemv(cp.asarray(x), w, bias=None if bias is None else cp.asarray(bias), out=nan_like(cp, (T, N)))
+    assert rel(y.get(), ref.dense_gemv_reference(x, ref.as_f64(w.get(), wdt), bias)) < F32_TOL
