@@ -21,7 +21,7 @@ ExpertSource = Callable[[int, int], ExpertArrays]
 
 
 class ExpertCacheLike(Protocol):
-    def get(self, layer: int, expert: int, loader: Callable[[], Any]) -> Any: ...
+    def get(self, layer: int, expert: int, loader: Callable[[], Any], nbytes: Any = None) -> Any: ...
 
 
 class DictExpertCache:
@@ -33,7 +33,7 @@ class DictExpertCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, layer: int, expert: int, loader: Callable[[], Any]) -> Any:
+    def get(self, layer: int, expert: int, loader: Callable[[], Any], nbytes: Any = None) -> Any:
         key = (layer, expert)
         if key in self._store:
             self.hits += 1
@@ -63,13 +63,15 @@ class CachedExperts:
         self.weights = weights
         self.cache = cache if cache is not None else DictExpertCache()
         self.stats = PagingStats()
+        self._last_nbytes = 0
 
     def __call__(self, layer: int, expert: int) -> ExpertArrays:
         self.stats.requests += 1
         self.stats.touched.add((layer, expert))
-        return self.cache.get(layer, expert, lambda: self._load(layer, expert))
+        return self.cache.get(layer, expert, lambda: self._load(layer, expert), nbytes=lambda _: self._last_nbytes)
 
     def _load(self, layer: int, expert: int) -> ExpertArrays:
+        self._last_nbytes = self.weights.expert_nbytes(layer, expert)   # stored bytes, not the float32 copy
         self.stats.loads += 1
-        self.stats.bytes_paged += self.weights.expert_nbytes(layer, expert)
+        self.stats.bytes_paged += self._last_nbytes
         return self.weights.expert(layer, expert)

@@ -121,7 +121,8 @@ def test_bytes_paged_counts_whole_blobs(small_file):
         blob = len(f.expert_blob(0, 0))
     with Engine(small_file) as engine:
         stats = engine.generate([1, 2], max_new_tokens=3, stop_ids=[]).stats
-    assert stats.bytes_paged == stats.expert_loads * blob and blob % 4096 == 0
+        assert stats.bytes_paged == stats.expert_loads * blob and blob % 4096 == 0
+        assert engine.cache.stats().bytes_paged == stats.bytes_paged
 
 
 def test_run_infer_with_ids_text_chat_and_streaming(small_file, tmp_path):
