@@ -10,6 +10,7 @@ the checksums, write the sections and header, fsync, rename over the destination
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -405,21 +406,13 @@ def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, 
         progress(0, len(todo), 0, total_bytes)
     try:
         _run_bounded(todo, lambda p: _do_piece(job, writer, fd, p), job.options.workers, done)
-    finally:
-        # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it.
-        # A failed fsync raises here and nothing more is journaled (fsync errors are not retried).
-        _flush_quietly(batch)
-
-
-def _flush_quietly(batch: Batch) -> None:
-    import sys
-    if sys.exc_info()[0] is None:
-        batch.flush()
-        return
-    try:
-        batch.flush()
-    except Exception:  # the original error is the one to report
-        pass
+    except BaseException:
+        # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it; the
+        # original error is the one reported. A failed fsync journals nothing (fsync errors are not retried).
+        with contextlib.suppress(Exception):
+            batch.flush()
+        raise
+    batch.flush()
 
 
 def _run_bounded(items: Iterable[Piece], work: Callable[[Piece], Any], workers: int,
