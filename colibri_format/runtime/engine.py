@@ -208,7 +208,8 @@ class Engine:
             if step:
                 logits = self._forward([np.array([out[-1]])], [cache])[0]
             out.append(sample(logits, temperature, top_p, rng))
-            if out[-1] in stop or (callback is not None and callback(out[-1]) is False):
+            halted = callback is not None and callback(out[-1]) is False    # the callback sees every token
+            if out[-1] in stop or halted:
                 stats.finish_reason = "stop" if out[-1] in stop else "callback"
                 break
         stats.prefill_seconds, stats.decode_seconds = t1 - t0, time.perf_counter() - t1
