@@ -1,0 +1,127 @@
+"""The CUDA engine's one door to CuPy: arrays, streams, events, copies, host registration, graph capture.
+
+Every device call of the CUDA engine goes through a `Backend`, so that the engine's logic (buffers, paging
+bookkeeping, graph fallback) can also run on the CPU in tests with a NumPy stand-in (tests/runtime/fake_cuda.py)
+that has the same methods. CuPy is imported only here and in `kernels/ops.py`, and only when a backend is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from colibri_format.errors import InvalidInput
+
+HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
+MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
+
+
+class CupyBackend:
+    """The real thing: CuPy arrays on one device, the kernels of `runtime/kernels/ops.py`."""
+
+    name = "cupy"
+
+    def __init__(self, device_id: int = 0) -> None:
+        import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
+
+        from colibri_format.runtime.kernels import ops  # noqa: PLC0415
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device_id < count:
+            raise InvalidInput(f"device_id {device_id} does not exist ({count} CUDA devices)", field="device_id",
+                               value=device_id)
+        self.xp = cupy
+        self.ops = ops
+        self.device = cupy.cuda.Device(device_id)
+        self.device.use()
+        ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
+
+    # --- arrays -------------------------------------------------------------------------------------------
+    def ptr(self, a) -> int:
+        return int(a.data.ptr)
+
+    def to_device(self, a: np.ndarray):
+        return self.xp.asarray(np.ascontiguousarray(a))
+
+    def to_host(self, a) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+    def set_from_host(self, dst, src: np.ndarray, stream) -> None:
+        """Copy a small host array into an existing device array on `stream` (ordered with its kernels)."""
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape), stream=stream)
+
+    def free_memory(self) -> int:
+        return int(self.device.mem_info[0]) + int(self.xp.get_default_memory_pool().free_bytes())
+
+    # --- streams, events ------------------------------------------------------------------------------------
+    def new_stream(self):
+        return self.xp.cuda.Stream(non_blocking=True)
+
+    def record(self, stream):
+        return stream.record()
+
+    def timing_event(self, stream):
+        ev = self.xp.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def elapsed_ms(self, start, end) -> float:
+        end.synchronize()
+        return float(self.xp.cuda.get_elapsed_time(start, end))
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def sync_event(self, event) -> None:
+        event.synchronize()
+
+    def event_done(self, event) -> bool:
+        return bool(event.done)
+
+    # --- host memory ----------------------------------------------------------------------------------------
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Pin a read-only file mapping in place (raises on failure; the caller falls back to staging)."""
+        self.xp.cuda.runtime.hostRegister(addr, nbytes, HOST_REGISTER_READ_ONLY)
+
+    def unregister_host(self, addr: int) -> None:
+        self.xp.cuda.runtime.hostUnregister(addr)
+
+    def pinned_empty(self, nbytes: int) -> np.ndarray:
+        mem = self.xp.cuda.alloc_pinned_memory(nbytes)
+        return np.frombuffer(mem, np.uint8, nbytes)
+
+    def copy_htod(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+        self.xp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_HOST_TO_DEVICE, stream.ptr)
+
+    # --- graphs ---------------------------------------------------------------------------------------------
+    def capture(self, stream, fn):
+        """Record fn()'s launches on `stream` into a graph; on any error the capture is ended and re-raised."""
+        stream.begin_capture()
+        try:
+            fn()
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001 -- the capture is already invalid; the first error matters
+                pass
+            raise
+        return stream.end_capture()
+
+    def launch(self, graph, stream) -> None:
+        graph.launch(stream)
+
+
+_FACTORY: Any = None
+
+
+def set_backend_factory(factory) -> None:
+    """Tests: build backends with `factory(device_id)` instead of CuPy (None restores CuPy)."""
+    global _FACTORY
+    _FACTORY = factory
+
+
+def make_backend(device_id: int = 0):
+    if _FACTORY is not None:
+        return _FACTORY(device_id)
+    return CupyBackend(device_id)

@@ -1,0 +1,68 @@
+"""Dense weights on the device, uploaded once in their stored dtype, and the products that use them.
+
+Matrices stay f32, f16 or bf16 (bf16 as raw uint16 bits) as the file stores them. Small batches (decode, at
+most `GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel, which reads the stored dtype and
+can be captured in a CUDA graph; larger batches (prefill) upcast the weight into a scratch f32 matrix and use
+cuBLAS through `xp.matmul`, which cannot be captured but is much faster at many rows. Vectors (norms are read
+as stored by the kernels; biases, the router bias and the shared-expert gate) are kept as f32 as well.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GEMV_MAX_ROWS = 32   # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS
+
+
+def upcast(xp, w):
+    """A device matrix in f32 (bf16 bits are widened exactly by a shift)."""
+    if w.dtype == np.float32:
+        return w
+    if w.dtype == np.uint16:
+        return (w.astype(xp.uint32) << 16).view(xp.float32)
+    return w.astype(xp.float32)
+
+
+class DeviceDense:
+    """Every dense tensor of a file on the device; `{p}.gate_up` fuses a dense MLP's gate and up rows."""
+
+    def __init__(self, reader, be) -> None:
+        self.be, self.xp = be, be.xp
+        self.arrays: dict = {}
+        self._f32: dict = {}
+        self.nbytes = 0
+        names = reader.dense_names()
+        for name in names:
+            if name.endswith(".up_proj") and name[:-len(".up_proj")] + ".gate_proj" in names:
+                continue   # uploaded fused with its gate below
+            host = reader.dense(name)             # verified on first use (reader policy)
+            if name.endswith(".gate_proj") and name[:-len(".gate_proj")] + ".up_proj" in names:
+                prefix = name[:-len(".gate_proj")]
+                host = np.concatenate([host, reader.dense(prefix + ".up_proj")])
+                name = prefix + ".gate_up"
+            self.arrays[name] = be.to_device(np.ascontiguousarray(host))
+            self.nbytes += host.nbytes
+
+    def has(self, name: str) -> bool:
+        return name in self.arrays
+
+    def __getitem__(self, name: str):
+        return self.arrays[name]
+
+    def f32(self, name: str):
+        """The tensor as f32 (kept: used for biases and other small vectors)."""
+        if name not in self._f32:
+            self._f32[name] = self.xp.ascontiguousarray(upcast(self.xp, self.arrays[name]))
+        return self._f32[name]
+
+    def linear(self, x, name: str, bias: str | None, out):
+        """out [T, N] f32 = x [T, K] f32 @ W.T (+ bias)."""
+        w = self.arrays[name]
+        b = self.f32(bias) if bias is not None else None
+        T, K = x.shape
+        if T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4:
+            return self.be.ops.dense_gemv(x, w, bias=b, out=out)
+        self.xp.matmul(x, upcast(self.xp, w).T, out=out)
+        if b is not None:
+            out += b
+        return out
