@@ -26,6 +26,8 @@ def upcast(xp, w):
 class DeviceDense:
     """Every dense tensor of a file on the device; `{p}.gate_up` fuses a dense MLP's gate and up rows."""
 
+    GATE_ROWS = 4
+
     def __init__(self, reader, be) -> None:
         self.be, self.xp = be, be.xp
         self.arrays: dict = {}
@@ -40,6 +42,8 @@ class DeviceDense:
                 prefix = name[:-len(".gate_proj")]
                 host = np.concatenate([host, reader.dense(prefix + ".up_proj")])
                 name = prefix + ".gate_up"
+            if name.endswith(".shared_gate"):   # [1, H]: padded with zero rows so dense_gemv (N >= 4) takes it
+                host = np.concatenate([host, np.zeros((self.GATE_ROWS - 1, host.shape[1]), host.dtype)])
             self.arrays[name] = be.to_device(np.ascontiguousarray(host))
             self.nbytes += host.nbytes
 

@@ -66,6 +66,10 @@ class DecodeRunner:
 
     def step(self, ids: np.ndarray, pos: np.ndarray):
         """Logits [B, V] (a device buffer overwritten by the next step) after one token per sequence."""
+        with self.eng.stream:
+            return self._step(ids, pos)
+
+    def _step(self, ids: np.ndarray, pos: np.ndarray):
         eng, B = self.eng, self.batch
         cos, sin = rope_rows(eng.args, [np.array([p]) for p in pos])
         host = HostStep(np.asarray(ids, np.int32), np.asarray(pos, np.int32), np.arange(B, dtype=np.int32),
@@ -304,9 +308,7 @@ class CudaEngine:
 
     def _begin_decode(self, chunk, pos: int) -> None:
         self.routes.begin(self._step, [0], [chunk], [pos])
-        self._step += 1
-        if self.experts.cache is not None:
-            self.experts.cache.begin_token()
+        self._step += 1       # the runner's step advances the expert cache's token clock
         if self.routes.writer is not None or self.routes.observers:
             self.fwd.route_hook = lambda layer, ids: self.routes.record(layer, self.be.to_host(ids).astype(np.int64))
 

@@ -233,12 +233,10 @@ class DeviceForward:
         y = self.mlp(f"{p}.shared", x, ws, "shared")
         if (self.a.shared_expert or {}).get("gate", "none") == "sigmoid":
             xp, T = self.xp, x.shape[0]
-            tmp = ws.buf("shared_tmp", x.shape)
-            g = ws.buf("shared_g", (T,))
-            xp.multiply(x, self.w.f32(f"{p}.shared_gate").reshape(1, -1), out=tmp)
-            xp.sum(tmp, axis=1, out=g)
+            g = ws.buf("shared_g", (T, self.w.GATE_ROWS))
+            self.w.linear(x, f"{p}.shared_gate", None, g)      # column 0 is the gate; the rest are zero rows
             xp.negative(g, out=g)
             xp.exp(g, out=g)
             g += np.float32(1.0)
-            xp.divide(y, g.reshape(T, 1), out=y)
+            xp.divide(y, g[:, :1], out=y)
         return y
