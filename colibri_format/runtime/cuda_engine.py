@@ -159,6 +159,8 @@ class CudaEngine:
             return "graphs disabled"
         if not self.experts.resident:
             return "experts are paged: routing must reach the host every layer"
+        if self.experts.forced_routes is not None:
+            return "routing is replayed from the host (benchmark)"
         if not self.fwd.fast_attention:
             return f"head_dim {self.args.head_dim} uses the array-operation attention fallback"
         if batch > GEMV_MAX_ROWS:

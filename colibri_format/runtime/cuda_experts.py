@@ -178,6 +178,9 @@ class ExpertPool:
         self._prefetched: set = set()
         self._predicted: dict[int, set] = {}
         self.tables: dict[int, object] = {}
+        self.forced_routes = None         # (layer, rows) -> int32 [rows, k]: replaces the router's choices
+        self.time_copies = False          # bracket each copy with timing events (paging GB/s)
+        self._copy_times: list = []
         if self.resident:
             self._load_all(config.verify)
             self.cache = None
@@ -227,6 +230,8 @@ class ExpertPool:
         """h += residual_mult * (routed experts (+ shared expert))(x), for the T rows of x."""
         a, T = self.a, x.shape[0]
         ids, weights = self._route(layer, x, ws, "r")
+        if self.forced_routes is not None:       # benchmarks: replay a routing trace instead of the router's picks
+            self.be.set_from_host(ids, self.forced_routes(layer, T), self.compute)
         if fwd.route_hook is not None:
             fwd.route_hook(layer, ids)
         if self.resident:
@@ -334,7 +339,10 @@ class ExpertPool:
         if busy is not None:
             self.be.wait(self.copy_stream, busy)           # the last pass reading this slot is done
         t0 = time.perf_counter()
+        start = self.be.timing_event(self.copy_stream) if self.time_copies else None
         self.source.copy(self._slot_addr(index), src, self.blob_size, self.copy_stream)
+        if start is not None:
+            self._copy_times.append((start, self.be.timing_event(self.copy_stream)))
         self.counters.copy_seconds += time.perf_counter() - t0
         self._last_copy = self.be.record(self.copy_stream)
         self._copy_pending = True
@@ -386,6 +394,13 @@ class ExpertPool:
             return
         self.counters.actual_next += len(actual)
         self.counters.predicted_correct += sum(int(e) in predicted for e in actual)
+
+    def copy_bandwidth(self) -> tuple[float, int]:
+        """(seconds the copy stream spent copying, copies) since the last call (needs time_copies)."""
+        seconds = sum(self.be.elapsed_ms(a, b) for a, b in self._copy_times) / 1e3
+        n = len(self._copy_times)
+        self._copy_times = []
+        return seconds, n
 
     # --- lifetime ---------------------------------------------------------------------------------------------
     def begin_token(self, rows: int) -> None:
