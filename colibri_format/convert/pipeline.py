@@ -14,33 +14,25 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from colibri_format import spec as S
-from colibri_format.convert import crashpoint, describe
+from colibri_format.convert import crashpoint, describe, schedule
 from colibri_format.convert.arch import get_adapter
 from colibri_format.convert.emit import ErrorStats, write_dense, write_expert
 from colibri_format.convert.journal import (Journal, JournalState, WriterLock, journal_path_for, lock_path_for,
                                             read_journal)
 from colibri_format.convert.rows import dense_spans, expert_spans, names_table, span_bytes
 from colibri_format.convert.source import open_checkpoint
+from colibri_format.convert.verify import verified_records, verify_all
 from colibri_format.errors import InvalidInput, ResumeError, WriteError
-from colibri_format.fsutil import fsync_fd
-from colibri_format.spec.checksum import dense_seed, expert_seed
 from colibri_format.writer import ColibriWriter
 
 DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZE_MODES = ("expert", "none")
-BATCH_PIECES = 64                 # fsync + journal at least every 64 pieces...
-BATCH_BYTES = 256 << 20           # ...or every 256 MB written...
-BATCH_SECONDS = 1.0               # ...or every second: bounds the work a crash can lose
-VERIFY_CHUNK = 8 << 20
 MAX_WORKERS = 64
 
 # progress(done_pieces, total_pieces, done_source_bytes, total_source_bytes); called on the caller's thread
@@ -209,14 +201,14 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
     try:
         _check_free_space(writer, job)
         fd = _open_rw(writer.part_path)
-        verified = _verify_records(fd, writer, state.pieces, job.options.workers) if resuming else []
+        verified = verified_records(fd, writer, state.pieces, job.options.workers) if resuming else []
         journal = Journal(journal_file, job.header, verified)
         run = Progressive()
         _restore(writer, run, verified)
         todo = _remaining(job.pieces, writer)
         _convert_pieces(job, writer, fd, journal, run, todo, progress)
         if verify:
-            _verify_all(fd, writer, job.options.workers)
+            verify_all(fd, writer, job.options.workers)
         metadata = _metadata(job, run)
         os.close(fd)
         fd = -1
@@ -267,63 +259,6 @@ def _check_free_space(writer: ColibriWriter, job: Job) -> None:
                          value=needed - already)
 
 
-# --- resume -----------------------------------------------------------------------------------------
-def _slot(writer: ColibriWriter, record: dict[str, Any]) -> tuple[Any, int, int, int] | None:
-    """(key, offset, size, seed) of a journal record, or None when the record names nothing in the plan."""
-    plan = writer.plan
-    if record.get("kind") == "dense":
-        t = next((t for t in plan.dense if t.name == record.get("name")), None)
-        return None if t is None else (t.name, t.offset, t.size, dense_seed(t.name, t.offset))
-    layer, expert = record.get("layer"), record.get("expert")
-    if type(layer) is not int or type(expert) is not int or layer not in plan.moe_layers \
-            or not 0 <= expert < plan.num_experts:
-        return None
-    offset = plan.blob_offset(layer, expert)
-    return (layer, expert), offset, plan.blob.size, expert_seed(layer, expert, offset)
-
-
-def _hash_range(fd: int, offset: int, size: int, seed: int) -> int:
-    h = xxhash.xxh3_64(seed=seed)
-    done = 0
-    while done < size:
-        chunk = os.pread(fd, min(VERIFY_CHUNK, size - done), offset + done)
-        if not chunk:
-            break  # short file: the digest will not match
-        h.update(chunk)
-        done += len(chunk)
-    return h.intdigest()
-
-
-def _record_matches(fd: int, writer: ColibriWriter, record: dict[str, Any]) -> bool:
-    slot = _slot(writer, record)
-    checksum = record.get("checksum")
-    if slot is None or type(checksum) is not int:
-        return False
-    _, offset, size, seed = slot
-    return _hash_range(fd, offset, size, seed) == checksum
-
-
-def _verify_records(fd: int, writer: ColibriWriter, records: list[dict[str, Any]], workers: int
-                    ) -> list[dict[str, Any]]:
-    """The journal records whose bytes in the .part still hash to the recorded checksum (last one wins)."""
-    latest: dict[Any, dict[str, Any]] = {}
-    for r in records:
-        slot = _slot(writer, r)
-        if slot is not None and _valid_stats(r):
-            latest[slot[0]] = r
-    with ThreadPoolExecutor(workers) as ex:
-        ok = list(ex.map(lambda r: _record_matches(fd, writer, r), latest.values()))
-    return [r for r, good in zip(latest.values(), ok) if good]
-
-
-def _valid_stats(record: dict[str, Any]) -> bool:
-    if record.get("kind") == "dense":
-        return True
-    err = record.get("error")
-    return err is None or (isinstance(err, list) and len(err) == 2
-                           and all(type(x) in (int, float) and 0 <= x < 1e30 for x in err))
-
-
 def _restore(writer: ColibriWriter, run: Progressive, records: list[dict[str, Any]]) -> None:
     for r in records:
         if r["kind"] == "dense":
@@ -351,31 +286,6 @@ def _do_piece(job: Job, writer: ColibriWriter, fd: int, piece: Piece) -> tuple[P
     return piece, checksum, stats if plan.blob.expert_format in S.QUANTIZED_FORMATS else None
 
 
-class Batch:
-    """Pieces written but not yet durable; `flush` = fsync(.part), then journal records, then fsync(journal)."""
-
-    def __init__(self, fd: int, journal: Journal) -> None:
-        self.fd, self.journal = fd, journal
-        self.records: list[dict[str, Any]] = []
-        self.bytes = 0
-        self.since = time.monotonic()
-
-    def add(self, record: dict[str, Any], nbytes: int) -> None:
-        self.records.append(record)
-        self.bytes += nbytes
-        if (len(self.records) >= BATCH_PIECES or self.bytes >= BATCH_BYTES
-                or time.monotonic() - self.since >= BATCH_SECONDS):
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.records:
-            return
-        crashpoint.hit("data-fsync")
-        fsync_fd(self.fd)
-        self.journal.append(self.records)
-        self.records, self.bytes, self.since = [], 0, time.monotonic()
-
-
 def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, Any]:
     if piece.kind == "dense":
         return {"kind": "dense", "name": piece.key, "checksum": checksum}
@@ -385,7 +295,7 @@ def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, 
 
 def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, run: Progressive,
                     todo: list[Piece], progress: Progress | None) -> None:
-    batch = Batch(fd, journal)
+    batch = schedule.Batch(fd, journal)
     total_bytes = sum(p.source_bytes for p in todo)
 
     def done(result: tuple[Piece, int, ErrorStats | None]) -> None:
@@ -405,7 +315,7 @@ def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, 
     if progress:
         progress(0, len(todo), 0, total_bytes)
     try:
-        _run_bounded(todo, lambda p: _do_piece(job, writer, fd, p), job.options.workers, done)
+        schedule.run_bounded(todo, lambda p: _do_piece(job, writer, fd, p), job.options.workers, done)
     except BaseException:
         # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it; the
         # original error is the one reported. A failed fsync journals nothing (fsync errors are not retried).
@@ -415,48 +325,7 @@ def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, 
     batch.flush()
 
 
-def _run_bounded(items: Iterable[Piece], work: Callable[[Piece], Any], workers: int,
-                 on_done: Callable[[Any], None]) -> None:
-    """Run `work` on `workers` threads with at most 2*workers pieces in flight; `on_done` on this thread."""
-    queue = iter(items)
-    pending: set[Future] = set()
-    ex = ThreadPoolExecutor(workers, thread_name_prefix="colibri-convert")
-    try:
-        while True:
-            while len(pending) < 2 * workers and (piece := next(queue, None)) is not None:
-                pending.add(ex.submit(work, piece))
-            if not pending:
-                break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for f in finished:
-                on_done(f.result())
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
-        for f in pending:  # finished while we were stopping: keep their work
-            if f.done() and not f.cancelled() and f.exception() is None:
-                on_done(f.result())
-        raise
-    ex.shutdown(wait=True)
-
-
 # --- finishing --------------------------------------------------------------------------------------
-def _verify_all(fd: int, writer: ColibriWriter, workers: int) -> None:
-    """Re-hash every piece in the .part against its checksum before the rename (catches planning bugs)."""
-    plan = writer.plan
-    slots = [(t.offset, t.size, dense_seed(t.name, t.offset), writer.dense_checksums[t.name], t.name)
-             for t in plan.dense]
-    for layer, e in plan.blob_keys():
-        off = plan.blob_offset(layer, e)
-        slots.append((off, plan.blob.size, expert_seed(layer, e, off), writer.expert_checksums[(layer, e)],
-                      f"expert ({layer}, {e})"))
-    with ThreadPoolExecutor(workers) as ex:
-        results = list(ex.map(lambda s: _hash_range(fd, s[0], s[1], s[2]) == s[3], slots))
-    bad = [s[4] for s, ok in zip(slots, results) if not ok]
-    if bad:
-        raise WriteError(f"the .part file does not read back as written ({len(bad)} pieces, first {bad[0]}); "
-                         "run again with --restart", field="verify", value=bad[:3])
-
-
 def _per_expert(run: Progressive) -> list[list[Any]]:
     return [[layer, e, s.max_rel, s.mean_rel] for (layer, e), s in sorted(run.stats.items())]
 
