@@ -32,7 +32,7 @@ def test_a_router_bias_steers_selection_but_not_weights():
 
 
 def test_expert_rows_are_gate_then_up():
-    x = np.array([[1.0, -2.0]], np.float32)
+    x = np.array([[1.0, 2.0]], np.float32)
     gate, up = np.array([[0.5, 0.25]], np.float32), np.array([[1.0, 1.0]], np.float32)
     down = np.array([[2.0], [3.0]], np.float32)
     y = expert_ffn(x, np.concatenate([gate, up]), down)
