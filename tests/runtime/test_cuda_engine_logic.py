@@ -172,3 +172,16 @@ def test_closed_engine_refuses(mixtral_file, monkeypatch):
     gpu.close()
     with pytest.raises(InvalidInput):
         gpu.infer([[1]])
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_run_bench_reports_every_section(mixtral_file, monkeypatch, capacity):
+    from colibri_format.cli_bench import render, run_bench
+
+    install(monkeypatch)
+    r = run_bench(mixtral_file, batch_size=2, seq_len=8, num_iters=3, warmup_iters=1, max_cached_experts=capacity,
+                  ceiling_bytes=1 << 20)
+    assert {"ceilings", "prefill", "decode", "kernels", "roofline"} <= set(r)
+    assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_gate_up"]["calls"] == 3
+    assert ("paging" in r["decode"]) == (capacity is not None)
+    assert "decode batch 2" in render(r)

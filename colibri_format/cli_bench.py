@@ -1,0 +1,277 @@
+"""`colibri bench FILE`: the CUDA engine's speed on one file, against the device's measured limits.
+
+`run_bench(...)` (the library function) measures, on the GPU:
+
+* ceilings: a 1 GiB device-to-device copy (bytes read + written per second) and a pinned host-to-device copy;
+* prefill: one forward pass over `seq_len` tokens (median of 3), tokens/s;
+* decode: `num_iters` steps of `batch_size` sequences after `warmup_iters` (the step is a replayed CUDA graph
+  when all experts are resident), tokens/s, wall and host time per step (host: time spent in Python before
+  the step's work is queued);
+* per kernel: GPU time of every kernel of one eager decode step, bracketed by CUDA events while a spin kernel
+  keeps the GPU busy (so the host's launch gaps are not counted), with the bytes each moves (weights for dense
+  GEMVs and experts, K/V for attention) and the achieved GB/s;
+* roofline: weight bytes touched per step / copy bandwidth -> the decode tokens/s a bandwidth-bound engine
+  could reach; share = measured / roofline;
+* paging (when experts are paged): hit rate, misses per token, copy GB/s (copy-stream time), stall per token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Annotated, Any, Optional
+
+import numpy as np
+import typer
+
+from .cli import FileArg, JsonOpt, _print_json, app, out
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+"""
+PROFILED = ("embedding", "rmsnorm", "dense_gemv", "rope", "kv_append", "attention", "residual_add", "router",
+            "dispatch", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "silu_mul")
+
+
+# --- ceilings -----------------------------------------------------------------------------------------------
+def copy_ceilings(be, stream, nbytes: int = 1 << 30, reps: int = 5) -> dict:
+    xp = be.xp
+    with stream:
+        src, dst = xp.ones(nbytes, xp.uint8), xp.empty(nbytes, xp.uint8)
+        times = []
+        for _ in range(reps + 1):
+            a = be.timing_event(stream)
+            xp.copyto(dst, src)
+            times.append(be.elapsed_ms(a, be.timing_event(stream)))
+        d2d = 2 * nbytes / (statistics.median(times[1:]) / 1e3) / 1e9
+        del src, dst
+        host = be.pinned_empty(min(nbytes, 256 << 20))
+        host[:] = 1
+        dev = xp.empty(host.size, xp.uint8)
+        times = []
+        for _ in range(reps + 1):
+            a = be.timing_event(stream)
+            be.copy_htod(be.ptr(dev), int(host.ctypes.data), host.size, stream)
+            times.append(be.elapsed_ms(a, be.timing_event(stream)))
+        h2d = host.size / (statistics.median(times[1:]) / 1e3) / 1e9
+    return {"d2d_copy_gbps": d2d, "h2d_pinned_gbps": h2d}
+
+
+# --- per-kernel profile -----------------------------------------------------------------------------------------
+def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
+    """Bytes a call must move (weights / KV), or a thunk evaluated after the step (needs device counts)."""
+    if name == "dense_gemv":
+        return int(args[1].nbytes)
+    if name in ("moe_gate_up", "moe_gemm_gate_up", "moe_down", "moe_gemm_down"):
+        table, disp = args[1], args[2]
+        H, I, g = table.hidden_size, table.intermediate_size, table.group_size
+        gate = "gate_up" in name
+        rows, cols = (2 * I, H) if gate else (H, I)
+        per_expert = rows * cols + rows * (cols // g if g else 1) * 4
+        counts = disp.counts
+        return lambda: int(np.count_nonzero(be.to_host(counts))) * per_expert
+    if name == "attention":
+        kc, q_len = args[1], args[4]
+        row = kc.shape[2] * kc.shape[3] * kc.dtype.itemsize * 2
+        return lambda: int(be.to_host(q_len).sum()) * row
+    return None
+
+
+def profile_step(eng, runner) -> dict:
+    """GPU time and bytes per kernel kind over one eager decode step (the runner's last inputs)."""
+    be, stream = eng.be, eng.stream
+    ops = be.ops
+    records: list = []
+    saved = {n: getattr(ops, n) for n in PROFILED}
+
+    def wrap(name, fn):
+        def timed(*args, **kw):
+            start = be.timing_event(stream)
+            result = fn(*args, **kw)
+            records.append((name, start, be.timing_event(stream), _bytes_of(name, args, kw, be)))
+            return result
+        return timed
+
+    raw_kernel = getattr(be.xp, "RawKernel", None)           # absent in the CPU stand-in of the tests
+    with stream:
+        if raw_kernel is not None:     # ~0.1 s of spinning: the host queues the whole step meanwhile
+            raw_kernel(SPIN_SOURCE, "spin")((1,), (1,), (np.int64(200_000_000),))
+        for n, fn in saved.items():
+            setattr(ops, n, wrap(n, fn))
+        try:
+            eng.fwd.run(runner.inp, runner.kv, runner.ws, runner.batch, None, max_len=runner.capacity)
+        finally:
+            for n, fn in saved.items():
+                setattr(ops, n, fn)
+        be.sync_event(be.record(stream))
+    kinds: dict[str, dict] = {}
+    for name, a, b, nbytes in records:
+        k = kinds.setdefault(name, {"calls": 0, "us": 0.0, "bytes": 0})
+        k["calls"] += 1
+        k["us"] += 1e3 * be.elapsed_ms(a, b)
+        nbytes = nbytes() if callable(nbytes) else nbytes
+        k["bytes"] = (k["bytes"] or 0) + (nbytes or 0)
+    for k in kinds.values():
+        k["gbps"] = k["bytes"] / (k["us"] * 1e-6) / 1e9 if k["bytes"] and k["us"] else None
+    return kinds
+
+
+# --- phases -------------------------------------------------------------------------------------------------------
+def _prefill_bench(eng, seq_len: int, rng) -> dict:
+    prompt = rng.integers(0, eng.vocab_size, seq_len).tolist()
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        eng.infer([prompt])
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[1:])
+    return {"tokens": seq_len, "ms": 1e3 * t, "tokens_per_s": seq_len / t}
+
+
+def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
+    from colibri_format.runtime.cuda_engine import _capacity_for
+
+    chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
+    runner = eng._runner(batch, _capacity_for(prompt_len + warmup + num_iters + 1, eng.config.max_seq_len))
+    tok = eng._argmax(eng._prefill(chunks, runner.kv, list(range(batch)), [0] * batch))
+    pos = np.full(batch, prompt_len)
+    for _ in range(warmup):
+        tok = eng._argmax(runner.step(np.array(tok), pos))
+        pos = pos + 1
+    c0 = eng.experts.counters.as_dict()
+    eng.experts.time_copies = True
+    eng.experts.copy_bandwidth()
+    host, t0 = 0.0, time.perf_counter()
+    for _ in range(num_iters):
+        h0 = time.perf_counter()
+        logits = runner.step(np.array(tok), pos)
+        host += time.perf_counter() - h0
+        tok = eng._argmax(logits)
+        pos = pos + 1
+    wall = time.perf_counter() - t0
+    eng.experts.time_copies = False
+    copy_s, copies = eng.experts.copy_bandwidth()
+    c1 = eng.experts.counters.as_dict()
+    res = {"batch": batch, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
+           "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
+           "graph": "captured" if runner.graph is not None else runner.reason}
+    if not eng.experts.resident:
+        res["paging"] = _paging_delta(c0, c1, num_iters * batch, copy_s, copies)
+    return res, runner
+
+
+def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -> dict:
+    d = {k: c1[k] - c0[k] for k in ("hits", "misses", "loads", "prefetch_loads", "prefetch_hits", "bytes_paged",
+                                   "stall_seconds", "predicted_correct", "actual_next")}
+    acc = d["hits"] + d["misses"]
+    return {"hit_rate": d["hits"] / acc if acc else 0.0, "misses_per_token": d["misses"] / tokens,
+            "loads_per_token": d["loads"] / tokens, "prefetch_loads": d["prefetch_loads"],
+            "prefetch_hits": d["prefetch_hits"],
+            "prefetch_recall": d["predicted_correct"] / d["actual_next"] if d["actual_next"] else None,
+            "gb_paged": d["bytes_paged"] / 1e9, "copies": copies,
+            "paging_gbps": d["bytes_paged"] / copy_s / 1e9 if copy_s else None,
+            "stall_ms_per_token": 1e3 * d["stall_seconds"] / tokens}
+
+
+def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float) -> dict:
+    weights = sum(kernels.get(n, {}).get("bytes", 0) or 0
+                  for n in ("dense_gemv", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down"))
+    bw = ceilings["d2d_copy_gbps"] * 1e9
+    step_s = weights / bw if bw else 0.0
+    roof = batch / step_s if step_s else 0.0
+    return {"weight_bytes_per_step": weights, "roofline_tokens_per_s": roof,
+            "share_of_roofline": decode_tps / roof if roof else None}
+
+
+def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int = 32, warmup_iters: int = 4,
+              max_cached_experts: int | None = None, cache_policy: str = "lrfu", cache_scope: str = "global",
+              prefetch: bool = False, device_id: int = 0, use_graphs: bool = True, profile: bool = True,
+              prefill: bool = True, forced_routes=None, seed: int = 0, engine=None,
+              ceiling_bytes: int = 1 << 30) -> dict:
+    """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
+    from colibri_format.errors import InvalidInput
+    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.engine import EngineConfig
+
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("num_iters", num_iters)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidInput(f"{name} must be a positive integer", field=name, value=v)
+    if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
+        raise InvalidInput("warmup_iters must be an integer >= 0", field="warmup_iters", value=warmup_iters)
+    rng = np.random.default_rng(seed)
+    cfg = EngineConfig(device="cuda", device_id=device_id, max_batch_size=max(batch_size, 1),
+                       max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify="first-use",
+                       max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope)
+    eng = engine or CudaEngine(path, cfg, use_graphs=use_graphs, prefetch=prefetch)
+    try:
+        eng.experts.forced_routes = forced_routes
+        result: dict = {"file": str(path), "config": {"batch_size": batch_size, "seq_len": seq_len,
+                                                      "num_iters": num_iters, "warmup_iters": warmup_iters,
+                                                      "max_cached_experts": max_cached_experts,
+                                                      "cache_policy": cache_policy, "cache_scope": cache_scope,
+                                                      "prefetch": prefetch}}
+        result["ceilings"] = copy_ceilings(eng.be, eng.stream, ceiling_bytes)
+        result["engine"] = {k: v for k, v in eng.stats().items() if k not in ("paging", "graphs", "cache")}
+        if prefill:
+            result["prefill"] = _prefill_bench(eng, seq_len, rng)
+        decode, runner = _decode_bench(eng, batch_size, num_iters, warmup_iters, rng)
+        result["decode"] = decode
+        if profile:
+            kernels = profile_step(eng, runner)
+            result["kernels"] = kernels
+            result["roofline"] = _roofline(kernels, result["ceilings"], batch_size, decode["tokens_per_s"])
+        return result
+    finally:
+        if engine is None:
+            eng.close()
+
+
+def render(result: dict) -> str:
+    lines = [f"{result['file']}",
+             f"copy ceiling {result['ceilings']['d2d_copy_gbps']:.0f} GB/s (device), "
+             f"{result['ceilings']['h2d_pinned_gbps']:.1f} GB/s (pinned host->device)"]
+    if "prefill" in result:
+        p = result["prefill"]
+        lines.append(f"prefill {p['tokens']} tokens: {p['ms']:.2f} ms ({p['tokens_per_s']:.0f} tokens/s)")
+    d = result["decode"]
+    lines.append(f"decode batch {d['batch']}: {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step']:.3f} ms/step, "
+                 f"host {d['host_ms_per_step']:.3f} ms/step, graph: {d['graph']}")
+    if "roofline" in result:
+        r = result["roofline"]
+        share = r["share_of_roofline"]
+        lines.append(f"roofline {r['roofline_tokens_per_s']:.1f} tokens/s ({r['weight_bytes_per_step'] / 1e6:.1f} MB "
+                     f"weights per step); share {share:.0%}" if share is not None else "roofline: n/a")
+    if "paging" in d:
+        p = d["paging"]
+        lines.append(f"paging: hit rate {p['hit_rate']:.1%}, {p['misses_per_token']:.2f} misses/token, "
+                     f"{p['paging_gbps'] or 0:.1f} GB/s, stall {p['stall_ms_per_token']:.3f} ms/token")
+    if "kernels" in result:
+        lines.append(f"{'kernel':<18}{'calls':>6}{'us':>10}{'GB/s':>9}")
+        for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["us"]):
+            gbps = f"{k['gbps']:.0f}" if k["gbps"] else "-"
+            lines.append(f"{name:<18}{k['calls']:>6}{k['us']:>10.1f}{gbps:>9}")
+    return "\n".join(lines)
+
+
+@app.command()
+def bench(path: FileArg,
+          batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences decoded at once.")] = 1,
+          seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Prefill length.")] = 512,
+          num_iters: Annotated[int, typer.Option("--num-iters", min=1, help="Timed decode steps.")] = 32,
+          warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
+          max_cached_experts: Annotated[Optional[int], typer.Option("--max-cached-experts", min=1,
+                                                                    help="Expert cache size (default: all).")] = None,
+          cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
+          prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
+          as_json: JsonOpt = False) -> None:
+    """Benchmark the CUDA engine: prefill/decode tokens/s, per-kernel GPU time and GB/s, share of roofline."""
+    result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
+                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, cache_policy=cache_policy,
+                       prefetch=prefetch)
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(render(result), markup=False)
