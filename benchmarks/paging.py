@@ -1,0 +1,217 @@
+"""Expert paging on one GPU: decode tokens/s with the expert cache at 10/25/50/100% of the experts.
+
+Model: a Qwen3-30B-A3B-shaped int8 file with FEWER LAYERS (4 of 48; hidden 2048, 128 experts top-8, expert FFN
+768, 32/4 heads of 128, bf16 dense) and a 32,000-token vocabulary instead of 151,936 (so the output head does
+not hide the experts), written by `colibri_format.synthetic.write_synthetic` (one random blob repeated: content
+does not matter for paging) to tmpfs. Cache: global scope, lru, lrfu and lrfu + next-layer-router prefetch;
+batch 1 and 8; routing either random (random router weights: near-uniform, little reuse) or replayed from a
+synthetic Zipf trace (`runtime.cachesim.synthetic_trace`, skew 1.0, locality 0.2: the assumption
+benchmarks/cache_policies.py makes for fine-grained shapes). Prefetch is measured with random routing only:
+with a replayed trace the router's prediction is unrelated to the replayed choices.
+
+Beside each run: the PCIe bound implied by its measured misses, tokens/s <= 1 / (misses per token x blob bytes /
+measured pinned host-to-device bandwidth). Also: the Mixtral-8x7B shape (2 of 32 layers, vocab 32,000) with
+max_cached_experts=5 of 8 per layer.
+
+    python benchmarks/paging.py --out paging.json [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3 = dict(vocab=32000, hidden=2048, layers=4, heads=32, kv_heads=4, experts=128, top_k=8, expert_inter=768,
+             qk_norm="per_head", head_dim=128)
+MIXTRAL = dict(vocab=32000, hidden=4096, layers=2, heads=32, kv_heads=8, experts=8, top_k=2, expert_inter=14336,
+               head_dim=128)
+TINY = dict(vocab=256, hidden=128, heads=2, kv_heads=1, expert_inter=32, head_dim=64)
+
+
+def log(msg: str) -> None:
+    print(f"[paging {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_model(path: Path, shape: dict, dry: bool) -> Path:
+    from colibri_format import spec as S
+    from colibri_format.synthetic import synthetic_model, write_synthetic
+
+    shape = {**shape, **({k: v for k, v in TINY.items() if k in shape} if dry else {})}
+    if dry and shape["experts"] > 16:
+        shape["experts"] = 16
+    head_dim = shape.pop("head_dim")
+    model = synthetic_model(**shape)
+    model["head_dim"] = head_dim
+    model["max_position_embeddings"] = 4096
+    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
+    return path
+
+
+class TraceRoutes:
+    """forced_routes for the engine: decode rows replay the trace step by step; prefill rows cycle through it."""
+
+    def __init__(self, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
+        from colibri_format.runtime.cachesim import synthetic_trace
+
+        trace = synthetic_trace(len(layers), experts, k, steps, skew=1.0, locality=0.2, seed=seed, batch=batch)
+        self.choices = np.zeros((steps, batch, len(layers), k), np.int32)
+        for rec in trace.records:
+            for li, (_, chosen) in enumerate(rec.experts):
+                self.choices[rec.t, rec.seq, li] = chosen
+        self.layers, self.batch, self.step = list(layers), batch, 0
+
+    def __call__(self, layer: int, rows: int) -> np.ndarray:
+        li = self.layers.index(layer)
+        if rows == self.batch:
+            out = self.choices[self.step % len(self.choices), :, li]
+            if li == len(self.layers) - 1:
+                self.step += 1
+            return out
+        flat = self.choices[:, :, li].reshape(-1, self.choices.shape[-1])
+        return flat[np.arange(rows) % len(flat)]
+
+
+def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, dry):
+    from colibri_format.cli_bench import run_bench
+
+    routes = TraceRoutes(layers, E, k, batch, n + warmup + 64) if routing == "trace" else None
+    small = dict(ceiling_bytes=1 << 20) if dry else {}
+    r = run_bench(path, batch_size=batch, seq_len=16, num_iters=n, warmup_iters=warmup,
+                  max_cached_experts=capacity, cache_policy=policy, cache_scope=scope, prefetch=prefetch,
+                  profile=False, prefill=False, forced_routes=routes, **small)
+    d = r["decode"]
+    row = {"batch": batch, "capacity": capacity, "policy": policy + ("+prefetch" if prefetch else ""),
+           "routing": routing, "tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"],
+           "graph": d["graph"]}
+    if "paging" in d:
+        p = d["paging"]
+        row.update(p)
+        blob = r["engine"]["blob_bytes"]
+        bw = ceilings["h2d_pinned_gbps"] * 1e9
+        row["pcie_bound_tokens_per_s"] = bw / (p["misses_per_token"] * blob) if p["misses_per_token"] else None
+    return row, r
+
+
+def qwen3_sweep(path: Path, args, ceilings: dict) -> list[dict]:
+    import colibri_format
+
+    with colibri_format.open(path) as f:
+        layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
+    total = len(layers) * E
+    rows = []
+    for routing in ("random", "trace"):
+        for batch in (1, 8):
+            base, _ = one_run(path, layers, E, k, batch=batch, capacity=None, policy="lrfu", prefetch=False,
+                              routing=routing, n=args.steps, warmup=args.warmup, ceilings=ceilings,
+                              scope="global", dry=args.dry_run)
+            base["fraction"] = 1.0
+            rows.append(base)
+            log(f"resident {routing} b{batch}: {base['tokens_per_s']:.1f} tok/s")
+            for frac in (0.10, 0.25, 0.50):
+                cap = max(1, round(frac * total))
+                for policy, prefetch in (("lru", False), ("lrfu", False), ("lrfu", True)):
+                    if prefetch and routing == "trace":
+                        continue
+                    row, _ = one_run(path, layers, E, k, batch=batch, capacity=cap, policy=policy,
+                                     prefetch=prefetch, routing=routing, n=args.steps, warmup=args.warmup,
+                                     ceilings=ceilings, scope="global", dry=args.dry_run)
+                    row["fraction"] = frac
+                    row["vs_resident"] = row["tokens_per_s"] / base["tokens_per_s"]
+                    rows.append(row)
+                    log(f"{routing} b{batch} {frac:.0%} {row['policy']}: {row['tokens_per_s']:.1f} tok/s, hit "
+                        f"{row['hit_rate']:.1%}, {row['paging_gbps'] or 0:.1f} GB/s, stall "
+                        f"{row['stall_ms_per_token']:.2f} ms/tok")
+    return rows
+
+
+def mixtral_runs(path: Path, args, ceilings: dict) -> list[dict]:
+    import colibri_format
+
+    with colibri_format.open(path) as f:
+        layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
+    rows = []
+    for capacity, policy, prefetch in ((None, "lrfu", False), (5, "lru", False), (5, "lrfu", False),
+                                       (5, "lrfu", True)):
+        row, _ = one_run(path, layers, E, k, batch=1, capacity=capacity, policy=policy, prefetch=prefetch,
+                         routing="random", n=max(4, args.steps // 2), warmup=2, ceilings=ceilings,
+                         scope="per_layer", dry=args.dry_run)
+        row["fraction"] = 1.0 if capacity is None else capacity / E
+        rows.append(row)
+        log(f"mixtral cap {capacity} {row['policy']}: {row['tokens_per_s']:.2f} tok/s")
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| routing | batch | cache | policy | tok/s | vs resident | hit rate | misses/tok | GB/s | stall ms/tok "
+          "| prefetch recall | PCIe bound tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        cache = "100%" if r.get("capacity") is None else f"{r.get('fraction', 0):.1%} ({r['capacity']})"
+        def f(key, fmt):
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        print(f"| {r['routing']} | {r['batch']} | {cache} | {r['policy']} | {r['tokens_per_s']:.1f} | "
+              f"{f('vs_resident', '.2f')} | {f('hit_rate', '.1%')} | {f('misses_per_token', '.2f')} | "
+              f"{f('paging_gbps', '.1f')} | {f('stall_ms_per_token', '.2f')} | {f('prefetch_recall', '.2f')} | "
+              f"{f('pcie_bound_tokens_per_s', '.0f')} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--skip-mixtral", action="store_true")
+    ap.add_argument("--work-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    if args.dry_run:
+        sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+        from fake_cuda import FakeBackend
+
+        from colibri_format.runtime import cuda_backend
+
+        cuda_backend.set_backend_factory(FakeBackend)
+        args.steps, args.warmup = 3, 1
+    from colibri_format.cli_bench import copy_ceilings
+    from colibri_format.runtime.cuda_backend import make_backend
+
+    be = make_backend(0)
+    ceilings = copy_ceilings(be, be.new_stream(), 1 << 20 if args.dry_run else 1 << 30)
+    log(f"ceilings {ceilings}")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "ceilings": ceilings, "qwen3": [], "mixtral": []}
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
+        path = write_model(Path(tmp) / "qwen3.colibri", dict(QWEN3), args.dry_run)
+        log(f"qwen3-shaped file {path.stat().st_size / 1e9:.2f} GB")
+        try:
+            result["qwen3"] = qwen3_sweep(path, args, ceilings)
+        finally:
+            path.unlink()
+            save()
+        if not args.skip_mixtral:
+            path = write_model(Path(tmp) / "mixtral.colibri", dict(MIXTRAL), args.dry_run)
+            try:
+                result["mixtral"] = mixtral_runs(path, args, ceilings)
+            finally:
+                path.unlink()
+                save()
+    print_table(result["qwen3"] + result["mixtral"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
