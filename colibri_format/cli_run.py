@@ -21,6 +21,18 @@ def _parse_ids(text: str | None) -> list[int] | None:
         raise InvalidInput("--ids must be comma-separated integers", field="ids", value=text[:40]) from None
 
 
+def _static_pins(policy: str, trace: Path | None, capacity: int | None, scope: str):
+    if policy != "static":
+        if trace is not None:
+            raise InvalidInput("--pin-from-trace only applies to --cache-policy static", field="pin_from_trace")
+        return None
+    if trace is None or capacity is None:
+        raise InvalidInput("--cache-policy static needs --pin-from-trace TRACE and --max-cached-experts N",
+                           field="cache_policy", value=policy)
+    from .runtime.cachesim import pins_from_trace
+    return tuple(pins_from_trace(trace, capacity, scope))
+
+
 def _render_stats(result: dict) -> None:
     from rich.table import Table
     t = Table(title="stats", show_header=False, title_justify="left")
@@ -44,17 +56,22 @@ def infer(path: FileArg,
                                                                     help="Expert cache capacity (default: unbounded).")] = None,
           cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
                                                     help="lru, lfu, lrfu or static.")] = "lrfu",
+          cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",
+          pin_from_trace: Annotated[Optional[Path], typer.Option(
+              "--pin-from-trace", help="For --cache-policy static: pin the most used experts of this trace.")] = None,
           stats: Annotated[bool, typer.Option("--stats", help="Print tokens/s, experts touched, cache hits/misses.")] = False,
           trace: Annotated[Optional[Path], typer.Option("--trace", help="Write the routing trace (JSON Lines) here.")] = None,
           as_json: JsonOpt = False) -> None:
     """Generate text from a .colibri file; text streams as it is generated."""
     from .runtime.infer_cli import run_infer
+    pinned = _static_pins(cache_policy, pin_from_trace, max_cached_experts, cache_scope)
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     if stream is not None and prompt is not None:
         sys.stdout.write(prompt)
     result = run_infer(path, prompt, ids=_parse_ids(ids), chat=chat, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
-                       max_cached_experts=max_cached_experts, cache_policy=cache_policy,
+                       max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
+                       pinned_experts=pinned,
                        trace_path=str(trace) if trace else None)
     if as_json:
         _print_json(result)

@@ -357,3 +357,26 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
         prev[rows, cols, top] = True
     header = make_header(num_layers, range(num_layers), num_experts, top_k, model)
     return Trace(header, records_from_arrays(choices, header.moe_layers))
+
+
+# --- static pins for the engines --------------------------------------------------------------------
+def pins_from_trace(trace: str | os.PathLike[str] | Trace, capacity: int,
+                    scope: str = "global") -> list[tuple[int, int]]:
+    """The experts a `static` cache should pin: the `capacity` most used of a recorded trace
+    (per layer under ``per_layer``), ties broken by (layer, expert) for determinism."""
+    capacity = int(capacity)
+    if capacity < 1:
+        raise InvalidInput("capacity must be a positive integer", field="capacity", value=capacity)
+    tr = trace if isinstance(trace, Trace) else read_trace(trace)
+    acc = access_sequence(tr, "global")
+    assert isinstance(acc, Accesses)
+    counts: dict[tuple[int, int], int] = {}
+    for pair in acc.pairs():
+        counts[pair] = counts.get(pair, 0) + 1
+    ranked = sorted(counts, key=lambda p: (-counts[p], p))
+    if scope == "global":
+        return ranked[:capacity]
+    pins: list[tuple[int, int]] = []
+    for layer in tr.header.moe_layers:
+        pins += [p for p in ranked if p[0] == layer][:capacity]
+    return pins
