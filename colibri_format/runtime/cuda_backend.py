@@ -35,6 +35,7 @@ class CupyBackend:
         self.ops = ops
         self.device = cupy.cuda.Device(device_id)
         self.device.use()
+        self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -45,7 +46,11 @@ class CupyBackend:
         return self.xp.asarray(np.ascontiguousarray(a))
 
     def to_host(self, a) -> np.ndarray:
-        return self.xp.asnumpy(a)
+        """A blocking copy ordered after the compute stream's work (the streams do not wait on the null one)."""
+        return a.get(stream=self.host_stream or self.xp.cuda.get_current_stream())
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
 
     def set_from_host(self, dst, src: np.ndarray, stream) -> None:
         """Copy a small host array into an existing device array on `stream` (ordered with its kernels)."""

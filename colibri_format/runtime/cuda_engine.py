@@ -125,11 +125,13 @@ class CudaEngine:
         self.half = rotary_dim(self.args.rope, self.args.head_dim) // 2
         self.be = make_backend(cfg.device_id)
         self.stream = self.be.new_stream()
+        self.be.host_stream = self.stream
         t0 = time.perf_counter()
         with self.stream:
             self.dense = DeviceDense(self.reader, self.be)
             self.experts = ExpertPool(self.reader, self.args, cfg, self.be, self.dense, self.stream,
                                       _cache_factory(cfg), prefetch=prefetch)
+        self.be.synchronize()        # uploads made outside the compute stream are done before it runs
         self.load_seconds = time.perf_counter() - t0
         self.cache = self.experts.cache
         self.fwd = DeviceForward(self.args, self.dense, self.experts, self.be)
@@ -237,8 +239,9 @@ class CudaEngine:
 
     # --- passes -------------------------------------------------------------------------------------------
     def _prefill_fresh(self, chunks: list[np.ndarray], all_logits: bool = False):
-        kv = KVBuffers(self.be.xp, self.args.num_layers, len(chunks), max(len(c) for c in chunks),
-                       self.args.n_kv_heads, self.args.head_dim)
+        with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
+            kv = KVBuffers(self.be.xp, self.args.num_layers, len(chunks), max(len(c) for c in chunks),
+                           self.args.n_kv_heads, self.args.head_dim)
         return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
 
     def _prefill(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):

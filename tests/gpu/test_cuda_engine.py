@@ -169,3 +169,12 @@ def test_over_budget_names_the_largest_that_fits(mixtral_file, monkeypatch):
     monkeypatch.setattr(CupyBackend, "free_memory", lambda self: MEMORY_RESERVE + 5 * blob)
     with pytest.raises(InvalidInput, match="largest max_cached_experts that fits is 3"):
         Engine(mixtral_file, EngineConfig(device="cuda"))
+
+
+def test_long_prefill_uses_the_grouped_gemm_and_cublas(mixtral_file):
+    prompt = [(7 * i + 3) % 128 for i in range(48)]                 # 48 rows: GEMM experts, cuBLAS dense
+    with Engine(mixtral_file) as cpu, Engine(mixtral_file, EngineConfig(device="cuda")) as gpu:
+        got, exp = gpu.logits([prompt, prompt[:5]]), cpu.logits([prompt, prompt[:5]])
+        assert all(rel(a, b) < LOGIT_TOL for a, b in zip(got, exp))
+        assert gpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids == \
+            cpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids

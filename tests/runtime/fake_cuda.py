@@ -206,6 +206,9 @@ class FakeBackend:
     def set_from_host(self, dst, src, stream) -> None:
         dst[...] = np.asarray(src, dst.dtype).reshape(dst.shape)
 
+    def synchronize(self) -> None:
+        pass
+
     def free_memory(self) -> int:
         return self.free_bytes
 

@@ -185,3 +185,13 @@ def test_run_bench_reports_every_section(mixtral_file, monkeypatch, capacity):
     assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_gate_up"]["calls"] == 3
     assert ("paging" in r["decode"]) == (capacity is not None)
     assert "decode batch 2" in render(r)
+
+
+def test_long_prefill_uses_the_grouped_gemm_and_cublas(mixtral_file, monkeypatch):
+    install(monkeypatch)
+    prompt = [(7 * i + 3) % 128 for i in range(48)]                 # 48 rows: GEMM experts, cuBLAS dense
+    with Engine(mixtral_file) as cpu, Engine(mixtral_file, EngineConfig(device="cuda")) as gpu:
+        got, exp = gpu.logits([prompt, prompt[:5]]), cpu.logits([prompt, prompt[:5]])
+        assert all(rel(a, b) < 1e-4 for a, b in zip(got, exp))
+        assert gpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids == \
+            cpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids
