@@ -18,7 +18,7 @@ for step in $STEPS; do
   t0=$SECONDS
   case $step in
     tests)
-      timeout "$T_TESTS" python3 -m pytest tests/gpu/test_cuda_engine.py -q -p no:cacheprovider -x -rs \
+      timeout "$T_TESTS" python3 -m pytest tests/gpu/test_cuda_engine.py -q -p no:cacheprovider --maxfail=6 -rs --tb=short \
           > "$OUT/tests.log" 2>&1
       rc=$?; summary+=("tests rc=$rc $(tail -1 "$OUT/tests.log") ($((SECONDS - t0)) s)") ;;
     sanitizer)
