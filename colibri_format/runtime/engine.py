@@ -39,6 +39,9 @@ class EngineConfig:
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
     decay_factor: float = 0.999
+    cache_clock: str = "access"               # LRFU clock: per expert access (design) or per token
+    cache_history: bool = True                # lfu/lrfu keep an evicted expert's count (best online policy
+                                              # on the demo model's real traces, docs/cache.md)
     verify: str = "first-use"                 # never | first-use | always (expert and tensor checksums)
     trace_path: str | None = None             # write a routing trace (JSON Lines) here
     pinned_experts: tuple | None = None       # (layer, expert) pairs for cache_policy="static"
@@ -86,7 +89,8 @@ def _make_cache(config: EngineConfig):
 
     pinned = [tuple(p) for p in config.pinned_experts] if config.pinned_experts is not None else None
     return ExpertCache(config.max_cached_experts, policy=config.cache_policy, scope=config.cache_scope,
-                       decay=config.decay_factor, clock="token", pinned=pinned)
+                       decay=config.decay_factor, clock=config.cache_clock, pinned=pinned,
+                       history=config.cache_history and config.cache_policy in ("lfu", "lrfu"))
 
 
 def _cache_counts(cache) -> tuple[int, int]:
