@@ -125,7 +125,7 @@ def time_quantizers(tensors: list[tuple[str, np.ndarray]], seconds: float) -> di
 
 
 def stage_costs(tensors: list[tuple[str, np.ndarray]], tmp: Path) -> dict:
-    """Single-thread seconds per GB of bf16 source for each streaming stage (8 MB chunks, as the pipeline)."""
+    """Single-thread seconds per GB of bf16 source for each streaming stage (chunks of CHUNK_ELEMENTS, as the pipeline)."""
     import xxhash
 
     from colibri_format.convert.rows import CHUNK_ELEMENTS
@@ -222,7 +222,7 @@ def markdown(r: dict) -> str:
         f"{ours['values_per_s'] / g['values_per_s']:.1f}x |",
         f"| colibri convert end to end, {r['workers']} workers, best run (wall) | {e2e_values / 1e6:.1f} M | "
         f"{2 * e2e_values / 1e9:.3f} | {e2e_values / g['values_per_s']:.1f}x |", "",
-        "Single-thread cost of each streaming stage, seconds per GB of bf16 source (8 MB chunks, data in memory): "
+        "Single-thread cost of each streaming stage, seconds per GB of bf16 source (4 MB float32 chunks, data in memory): "
         f"upcast {st['upcast']:.2f}, quantize {st['quantize']:.2f}, write + XXH3 {st['write_hash']:.2f}; one core "
         f"therefore tops out near {_per_core(st):.2f} GB/s and {r['workers']} cores near "
         f"{r['workers'] * _per_core(st):.2f} GB/s.", "",
@@ -311,7 +311,6 @@ def main() -> None:
     r["shards"] = len(list(ckpt.glob("*.safetensors")))
     r["largest_tensor_bytes"] = max(VOCAB * HIDDEN, HIDDEN * INTER) * 2
     r["disk_write_mb_s"] = disk_write_speed(args.dir)
-    r["first_touch_gb_s"], r["memcpy_gb_s"] = memory_speed()
     r["runs"] = []
     for label, out_dir in [("disk (" + str(args.dir) + ")", args.dir)] + [(f"tmpfs ({d})", d) for d in args.tmpfs]:
         r["warm_gb_per_s"] = warm(ckpt)
@@ -320,6 +319,7 @@ def main() -> None:
         print(json.dumps(run, indent=1), flush=True)
         r["runs"].append(run)
         out.unlink(missing_ok=True)
+    r["first_touch_gb_s"], r["memcpy_gb_s"] = memory_speed()  # after the children: keeps ru_maxrss theirs
     subset = expert_subset(ckpt, int(args.quant_gb * 1e9 / 2))
     r["quantizers"] = time_quantizers(subset, args.quant_seconds)
     r["stages"] = stage_costs(subset, args.dir / "stage.tmp")

