@@ -87,7 +87,7 @@ def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n
     small = dict(ceiling_bytes=1 << 20) if dry else {}
     r = run_bench(path, batch_size=batch, seq_len=16, num_iters=n, warmup_iters=warmup,
                   max_cached_experts=capacity, cache_policy=policy, cache_scope=scope, prefetch=prefetch,
-                  profile=False, prefill=False, forced_routes=routes, **small)
+                  profile=False, prefill=False, forced_routes=routes, verify="never", **small)
     d = r["decode"]
     row = {"batch": batch, "capacity": capacity, "policy": policy + ("+prefetch" if prefetch else ""),
            "routing": routing, "tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"],
@@ -99,6 +99,19 @@ def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n
         bw = ceilings["h2d_pinned_gbps"] * 1e9
         row["pcie_bound_tokens_per_s"] = bw / (p["misses_per_token"] * blob) if p["misses_per_token"] else None
     return row, r
+
+
+def verify_cost(path: Path) -> dict:
+    """Host time to hash one blob before its first copy (what verify='first-use' adds to a first miss)."""
+    import colibri_format
+
+    with colibri_format.open(path, verify="never") as f:
+        t0 = time.perf_counter()
+        for e in range(8):
+            f.verify_expert(f.model["moe_layers"][0], e)
+        ms = 1e3 * (time.perf_counter() - t0) / 8
+        blob = len(f.expert_blob(f.model["moe_layers"][0], 0))
+    return {"ms_per_blob": ms, "blob_bytes": blob, "gbps": blob / (ms / 1e3) / 1e9}
 
 
 def qwen3_sweep(path: Path, args, ceilings: dict) -> list[dict]:
@@ -198,6 +211,8 @@ def main() -> int:
         path = write_model(Path(tmp) / "qwen3.colibri", dict(QWEN3), args.dry_run)
         log(f"qwen3-shaped file {path.stat().st_size / 1e9:.2f} GB")
         try:
+            result["verify_cost"] = verify_cost(path)
+            log(f"verification on first use: {result['verify_cost']}")
             result["qwen3"] = qwen3_sweep(path, args, ceilings)
         finally:
             path.unlink()

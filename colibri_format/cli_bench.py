@@ -190,7 +190,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
               max_cached_experts: int | None = None, cache_policy: str = "lrfu", cache_scope: str = "global",
               prefetch: bool = False, device_id: int = 0, use_graphs: bool = True, profile: bool = True,
               prefill: bool = True, forced_routes=None, seed: int = 0, engine=None,
-              ceiling_bytes: int = 1 << 30) -> dict:
+              ceiling_bytes: int = 1 << 30, verify: str = "first-use") -> dict:
     """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
     from colibri_format.errors import InvalidInput
     from colibri_format.runtime.cuda_engine import CudaEngine
@@ -203,7 +203,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         raise InvalidInput("warmup_iters must be an integer >= 0", field="warmup_iters", value=warmup_iters)
     rng = np.random.default_rng(seed)
     cfg = EngineConfig(device="cuda", device_id=device_id, max_batch_size=max(batch_size, 1),
-                       max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify="first-use",
+                       max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify=verify,
                        max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope)
     eng = engine or CudaEngine(path, cfg, use_graphs=use_graphs, prefetch=prefetch)
     try:

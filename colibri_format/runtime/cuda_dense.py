@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-GEMV_MAX_ROWS = 32   # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS
+GEMV_MAX_ROWS = 8    # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS:
+                     # dense_gemv re-reads the weight every 4 rows, so at 32 rows cuBLAS is ~10x faster
+MIRROR_SHARE = 0.25  # f32 copies of the matrices (for cuBLAS) are kept if they take at most this share of free memory
 
 
 def upcast(xp, w):
@@ -32,20 +34,24 @@ class DeviceDense:
         self.be, self.xp = be, be.xp
         self.arrays: dict = {}
         self._f32: dict = {}
+        self.mirror: dict = {}
         self.nbytes = 0
-        names = reader.dense_names()
-        for name in names:
-            if name.endswith(".up_proj") and name[:-len(".up_proj")] + ".gate_proj" in names:
-                continue   # uploaded fused with its gate below
-            host = reader.dense(name)             # verified on first use (reader policy)
-            if name.endswith(".gate_proj") and name[:-len(".gate_proj")] + ".up_proj" in names:
-                prefix = name[:-len(".gate_proj")]
-                host = np.concatenate([host, reader.dense(prefix + ".up_proj")])
-                name = prefix + ".gate_up"
+        names = set(reader.dense_names())
+        for name, host in _fused(reader, names):
             if name.endswith(".shared_gate"):   # [1, H]: padded with zero rows so dense_gemv (N >= 4) takes it
                 host = np.concatenate([host, np.zeros((self.GATE_ROWS - 1, host.shape[1]), host.dtype)])
             self.arrays[name] = be.to_device(np.ascontiguousarray(host))
             self.nbytes += host.nbytes
+        self._make_mirror()
+
+    def _make_mirror(self) -> None:
+        """f32 copies of the matrices for cuBLAS (prefill, batches over GEMV_MAX_ROWS), if memory allows."""
+        mats = {n: a for n, a in self.arrays.items() if a.ndim == 2 and a.shape[0] >= 4}
+        need = sum(a.size * 4 for a in mats.values())
+        if need > MIRROR_SHARE * self.be.free_memory():
+            return
+        for name, a in mats.items():
+            self.mirror[name] = a if a.dtype == np.float32 else self.xp.ascontiguousarray(upcast(self.xp, a))
 
     def has(self, name: str) -> bool:
         return name in self.arrays
@@ -66,7 +72,25 @@ class DeviceDense:
         T, K = x.shape
         if T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4:
             return self.be.ops.dense_gemv(x, w, bias=b, out=out)
-        self.xp.matmul(x, upcast(self.xp, w).T, out=out)
+        w32 = self.mirror.get(name)
+        self.xp.matmul(x, (w32 if w32 is not None else upcast(self.xp, w)).T, out=out)
         if b is not None:
             out += b
         return out
+
+
+def _fused(reader, names: set):
+    """(name, host array) to upload: a dense MLP's gate and up rows as `gate_up`, an attention's q, k and v rows
+    (and biases) as `qkv` / `qkv_bias`, one product each instead of two or three; the rest as stored."""
+    groups = {".gate_proj": (".gate_proj", ".up_proj"), ".q_proj": (".q_proj", ".k_proj", ".v_proj"),
+              ".q_bias": (".q_bias", ".k_bias", ".v_bias")}
+    fused_name = {".gate_proj": ".gate_up", ".q_proj": ".qkv", ".q_bias": ".qkv_bias"}
+    members = set()
+    for name in sorted(names):
+        for head, parts in groups.items():
+            prefix = name[:-len(head)] if name.endswith(head) else None
+            if prefix is not None and all(prefix + s in names for s in parts):
+                members.update(prefix + s for s in parts)
+                yield prefix + fused_name[head], np.concatenate([reader.dense(prefix + s) for s in parts])
+    for name in sorted(names - members):
+        yield name, reader.dense(name)             # verified on first use (reader policy)

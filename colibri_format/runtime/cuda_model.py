@@ -151,11 +151,7 @@ class DeviceForward:
     def attention(self, i, x, inp, kv, ws, T, max_len, host):
         a, p = self.a, f"layers.{i}.attn"
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
-        q = ws.buf("q", (T, nh * hd))
-        k = ws.buf("k", (T, nkv * hd))
-        v = ws.buf("v", (T, nkv * hd))
-        for name, dst in (("q", q), ("k", k), ("v", v)):
-            self.w.linear(x, f"{p}.{name}_proj", f"{p}.{name}_bias" if a.qkv_bias else None, dst)
+        q, k, v = self.qkv(i, x, ws, T)
         if a.qk_norm == "full":
             self.ops.rmsnorm(q, self.w[f"{p}.q_norm"], a.eps, out=q)
             self.ops.rmsnorm(k, self.w[f"{p}.k_norm"], a.eps, out=k)
@@ -167,8 +163,7 @@ class DeviceForward:
             self.ops.rmsnorm(q3, self.w[f"{p}.q_norm"], a.eps, out=q3)
             self.ops.rmsnorm(k3, self.w[f"{p}.k_norm"], a.eps, out=k3)
         if inp.half:
-            self.ops.rope(q3, inp.rpos[:T], inp.cos[:T], inp.sin[:T])
-            self.ops.rope(k3, inp.rpos[:T], inp.cos[:T], inp.sin[:T])
+            self._rope(q3, k3, inp, ws, T)
         self.ops.kv_append(k3, v3, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T])
         att = ws.buf("att", (T, nh, hd))
         if self.fast_attention:
@@ -177,6 +172,32 @@ class DeviceForward:
             self._attention_fallback(q3, kv, i, host, att)
         o = ws.buf("o", (T, a.hidden_size))
         return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
+
+    def qkv(self, i, x, ws, T):
+        """q [T, nh*hd], k, v [T, nkv*hd] from one fused product; views of it for one row, else copies."""
+        a, p = self.a, f"layers.{i}.attn"
+        nq, nk = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        qkv = ws.buf("qkv", (T, nq + 2 * nk))
+        self.w.linear(x, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None, qkv)
+        if T == 1:                         # slices of the flat row: contiguous views, no copies
+            flat = qkv.reshape(-1)
+            return flat[:nq].reshape(1, nq), flat[nq:nq + nk].reshape(1, nk), flat[nq + nk:].reshape(1, nk)
+        parts = (qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:])
+        outs = (ws.buf("q", (T, nq)), ws.buf("k", (T, nk)), ws.buf("v", (T, nk)))
+        for dst, src in zip(outs, parts):
+            self.xp.copyto(dst, src)
+        return outs
+
+    def _rope(self, q3, k3, inp, ws, T) -> None:
+        a = self.a
+        if T == 1:          # q and k are adjacent in the fused row: one launch for both
+            heads = a.n_heads + a.n_kv_heads
+            flat = ws.buf("qkv", (1, (heads + a.n_kv_heads) * a.head_dim)).reshape(-1)
+            self.ops.rope(flat[:heads * a.head_dim].reshape(1, heads, a.head_dim), inp.rpos[:1], inp.cos[:1],
+                          inp.sin[:1])
+            return
+        self.ops.rope(q3, inp.rpos[:T], inp.cos[:T], inp.sin[:T])
+        self.ops.rope(k3, inp.rpos[:T], inp.cos[:T], inp.sin[:T])
 
     def _attention_kernel(self, q3, kv, i, inp, ws, T, max_len, att) -> None:
         a = self.a

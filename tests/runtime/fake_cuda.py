@@ -169,6 +169,20 @@ class _Ops:
         return out
 
 
+def _contiguous(name, fn):
+    """Like the real wrappers' `_check`: every array argument must be C-contiguous."""
+    def checked(*args, **kw):
+        for i, a in enumerate(list(args) + list(kw.values())):
+            if isinstance(a, np.ndarray) and not a.flags.c_contiguous:
+                raise ValueError(f"{name}: argument {i} is not C-contiguous")
+        return fn(*args, **kw)
+    return checked
+
+
+CHECKED = ("embedding", "rmsnorm", "residual_add", "dense_gemv", "silu_mul", "rope", "kv_append", "attention",
+           "router", "dispatch", "moe_gate_up", "moe_down", "moe_combine")
+
+
 class _Stream:
     def __enter__(self):
         return self
@@ -190,6 +204,8 @@ class FakeBackend:
     def __init__(self, device_id: int = 0) -> None:
         self.xp = np
         self.ops = _Ops()
+        for name in CHECKED:
+            setattr(self.ops, name, _contiguous(name, getattr(self.ops, name)))
         self.captures = 0
         self.launches = 0
         self.copies = 0

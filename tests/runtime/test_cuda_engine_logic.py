@@ -182,7 +182,7 @@ def test_run_bench_reports_every_section(mixtral_file, monkeypatch, capacity):
     r = run_bench(mixtral_file, batch_size=2, seq_len=8, num_iters=3, warmup_iters=1, max_cached_experts=capacity,
                   ceiling_bytes=1 << 20)
     assert {"ceilings", "prefill", "decode", "kernels", "roofline"} <= set(r)
-    assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_gate_up"]["calls"] == 3
+    assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_gate_up"]["calls"] >= 3
     assert ("paging" in r["decode"]) == (capacity is not None)
     assert "decode batch 2" in render(r)
 
