@@ -124,7 +124,9 @@ def models(draw) -> tuple[dict, S.DType, S.ExpertFormat, int]:
                             qk_norm=draw(st.sampled_from(["none", "per_head", "full"])), tie=draw(st.booleans()))
     dense_dtype = draw(st.sampled_from(list(S.DENSE_DTYPES)))
     fmt = draw(st.sampled_from(list(S.ExpertFormat)))
-    group = 16 if fmt == S.ExpertFormat.INT8_GROUP else 0
+    group = 0
+    if fmt == S.ExpertFormat.INT8_GROUP:
+        group = draw(st.sampled_from([g for g in (16, 32, 48) if hidden % g == 0 and inter % g == 0]))
     return model, S.DType(dense_dtype), fmt, group
 
 
