@@ -176,9 +176,19 @@ def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -
             "stall_ms_per_token": 1e3 * d["stall_seconds"] / tokens}
 
 
-def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float) -> dict:
-    weights = sum(kernels.get(n, {}).get("bytes", 0) or 0
-                  for n in ("dense_gemv", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down"))
+def dense_weight_bytes(eng) -> int:
+    """Bytes of the dense matrices one decode step reads as stored (all but the embedding, unless tied)."""
+    a, w = eng.args, eng.dense
+    head = "embed_tokens" if a.tied or not w.has("lm_head") else "lm_head"
+    return sum(int(arr.nbytes) for name, arr in w.arrays.items()
+               if arr.ndim == 2 and (name != "embed_tokens" or head == "embed_tokens"))
+
+
+def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float, dense_bytes: int) -> dict:
+    """Weight bytes per step: the dense matrices as stored (whether dense_gemv or cuBLAS reads them) plus the
+    distinct experts the step's profile touched."""
+    weights = dense_bytes + sum(kernels.get(n, {}).get("bytes", 0) or 0
+                                for n in ("moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down"))
     bw = ceilings["d2d_copy_gbps"] * 1e9
     step_s = weights / bw if bw else 0.0
     roof = batch / step_s if step_s else 0.0
@@ -222,7 +232,8 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         if profile:
             kernels = profile_step(eng, runner)
             result["kernels"] = kernels
-            result["roofline"] = _roofline(kernels, result["ceilings"], batch_size, decode["tokens_per_s"])
+            result["roofline"] = _roofline(kernels, result["ceilings"], batch_size, decode["tokens_per_s"],
+                                           dense_weight_bytes(eng))
         return result
     finally:
         if engine is None:
