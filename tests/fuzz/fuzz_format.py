@@ -161,7 +161,7 @@ def m_metadata(rng, buf, seeds):
         return buf
     try:
         meta = json.loads(craft.metadata_bytes(buf))
-    except ValueError:
+    except (ValueError, RecursionError):    # an earlier mutation already broke it
         return buf
     if not isinstance(meta, dict):
         return buf
@@ -172,19 +172,20 @@ def m_metadata(rng, buf, seeds):
     for key in path[:-1]:
         parent = parent[key]
     r = rng.random()
+    deep = 0
     if r < 0.15 and isinstance(parent, dict):
         del parent[path[-1]]
     elif r < 0.2:
-        nested = []
-        for _ in range(rng.choice((15, 16, 17, 40, 5000))):
-            nested = [nested]
-        parent[path[-1]] = nested
+        deep = rng.choice((13, 14, 15, 16, 40, 5000))     # lists inside the leaf's own depth
+        parent[path[-1]] = "__DEEP__"
     else:
         parent[path[-1]] = rng.choice(JSON_VALUES)
     try:
         raw = json.dumps(meta, sort_keys=rng.random() < 0.8, separators=(",", ":")).encode("utf-8", "surrogatepass")
     except (ValueError, RecursionError):
         return buf
+    if deep:            # written as text: json.dumps itself would recurse on 5000 levels
+        raw = raw.replace(b'"__DEEP__"', b"[" * deep + b"]" * deep, 1)
     if rng.random() < 0.1:      # raw text edits JSON cannot express: duplicate keys, NaN, bad UTF-8, huge ints
         raw = rng.choice((b'{"format":"colibri",' + raw[1:], raw.replace(b":1.0", b":NaN", 1),
                           raw.replace(b'"', b'"\xc0', 1), raw.replace(b":1.0", b":1e999", 1),
