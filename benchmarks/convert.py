@@ -157,6 +157,43 @@ def stage_costs(tensors: list[tuple[str, np.ndarray]], tmp: Path) -> dict:
     return {k: v / (nbytes / 1e9) for k, v in t.items()} | {"bytes": nbytes}
 
 
+PROFILE_NAMES = {"_quantize_block": "int8 quantizer (quantize_int8 blocks)", "to_float32": "bf16 -> f32 upcast",
+                 "posix.pwrite": "positional writes", "astype": "dense f32 -> f16 conversion",
+                 "acquire": "final verify pass (thread pool)", "madvise": "releasing mapped source pages",
+                 "reduce": "int8 quantizer (quantize_int8 blocks)"}  # its ufunc reductions
+
+
+def profile_single_thread(ckpt: Path, out: Path) -> dict:
+    """cProfile of one conversion with the pieces run on the calling thread (so the profiler sees them)."""
+    import cProfile
+    import pstats
+
+    from colibri_format.convert import pipeline, schedule
+
+    def sequential(items, work, workers, on_done):
+        for item in items:
+            on_done(work(item))
+
+    real = schedule.run_bounded
+    schedule.run_bounded = sequential
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    try:
+        prof.runcall(pipeline.convert, ckpt, out, workers=1, resume=False)
+    finally:
+        schedule.run_bounded = real
+        out.unlink(missing_ok=True)
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(prof).stats
+    tottime = {}
+    for (_, _, fname), row in stats.items():
+        for key, label in PROFILE_NAMES.items():
+            if fname == key or fname.endswith("." + key) or fname.endswith(f"'{key}' of 'numpy.ufunc' objects}}") \
+                    or key in fname:
+                tottime[label] = tottime.get(label, 0.0) + row[2]
+    return {"wall_s": wall, "tottime_s": dict(sorted(tottime.items(), key=lambda kv: -kv[1]))}
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -227,6 +264,12 @@ def markdown(r: dict) -> str:
         f"therefore tops out near {_per_core(st):.2f} GB/s and {r['workers']} cores near "
         f"{r['workers'] * _per_core(st):.2f} GB/s.", "",
     ]
+    if "profile" in r:
+        p = r["profile"]
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in p["tottime_s"].items())
+        lines += [f"cProfile of the whole conversion on one thread (output on {r['profile_dir']}): "
+                  f"{p['wall_s']:.1f} s = {r['source_bytes'] / p['wall_s'] / 1e9:.2f} GB/s of source; self time: "
+                  f"{parts}.", ""]
     return "\n".join(lines + [r["verdict"], ""])
 
 
@@ -243,14 +286,18 @@ def verdict(r: dict) -> str:
     return (f"Target (>= 1 GB/s) missed here: best {gbps:.2f} GB/s of wall time. Measured causes: (1) the cores "
             f"were shared: the conversion used {c['cpu']['user_s'] + c['cpu']['sys_s']:.0f} CPU-seconds in "
             f"{c['wall_s']:.0f} s of wall time ({(c['cpu']['user_s'] + c['cpu']['sys_s']) / c['wall_s']:.2f} of "
-            f"the {r['workers']} cores it asked for; load average {r['machine']['load_avg_1m_at_start']}); per "
+            f"the {r['workers']} cores it asked for; load average {r['machine']['load_avg_1m_at_start']}; a probe "
+            f"after the runs found {r['cores_available']:.2f} of {r['workers']} cores free: {r['workers']} copies "
+            f"of one CPU loop took that much longer than one); per "
             f"CPU-second it converted {per_cpu_s:.2f} GB, i.e. about {r['workers'] * per_cpu_s:.2f} GB/s on "
             f"{r['workers']} idle cores; (2) inside that CPU time the int8 quantizer is {share:.0%} of the "
-            f"per-chunk work, and kernel time (sys {c['cpu']['sys_s']:.0f} s: page-cache pages for the "
+            f"per-chunk work measured on in-memory data (the profile line above has the whole conversion), "
+            f"and kernel time (sys {c['cpu']['sys_s']:.0f} s: page-cache pages for the "
             f"{r['runs'][0]['convert']['summary']['bytes_out'] / 1e9:.1f} GB output and faults on the mapped "
             f"input; first-touch memory on this VM ran at {r['first_touch_gb_s']:.2f} GB/s against "
-            f"{r['memcpy_gb_s']:.1f} GB/s once touched) is the rest; (3) on disk, the durable output is bounded "
-            f"by the disk's {r['disk_write_mb_s']:.0f} MB/s = {disk_bound:.2f} GB/s of source at this compression.")
+            f"{r['memcpy_gb_s']:.1f} GB/s once touched) is the rest; (3) on disk, the durable output (fsynced "
+            f"before the rename) also waits for the disk: dd measured {r['disk_write_mb_s']:.0f} MB/s, about "
+            f"{disk_bound:.2f} GB/s of source at this compression.")
 
 
 def memory_speed() -> tuple[float, float]:
@@ -262,6 +309,20 @@ def memory_speed() -> tuple[float, float]:
     start = time.perf_counter()
     np.copyto(b, a)
     return first, a.nbytes / (time.perf_counter() - start) / 1e9
+
+
+_SPIN = ("import time, numpy as np; a = np.random.default_rng(0).standard_normal(1 << 22, dtype=np.float32); "
+         "t = time.perf_counter(); [np.rint(a * 1.5) for _ in range(150)]; print(time.perf_counter() - t)")
+
+
+def cores_available(n: int) -> float:
+    """How many of n cores this benchmark really gets: the same CPU loop alone, then n copies at once."""
+    def run(k: int) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", _SPIN], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        return max(float(p.communicate()[0]) for p in procs)
+    alone = min(run(1) for _ in range(3))
+    together = min(run(n) for _ in range(3))
+    return min(n, n * alone / together)
 
 
 def disk_write_speed(directory: Path) -> float:
@@ -289,6 +350,13 @@ def write_doc(text: str) -> None:
     doc.write_text(current.rstrip("\n") + "\n\n" + text)
 
 
+def rewrite_doc(result_json: Path) -> None:
+    """Regenerate the docs section from a saved result.json (no re-measuring)."""
+    r = json.loads(result_json.read_text())
+    r["verdict"] = verdict(r)
+    write_doc(markdown(r))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/colibri-bench"))
@@ -298,9 +366,14 @@ def main() -> None:
     ap.add_argument("--quant-seconds", type=float, default=20.0)
     ap.add_argument("--tmpfs", type=Path, action="append", default=[],
                     help="also convert with the output in this RAM folder (e.g. /dev/shm): CPU-bound figure")
+    ap.add_argument("--profile", action="store_true", help="also cProfile a single-thread conversion")
     ap.add_argument("--doc", action="store_true", help="write the section of docs/benchmarks.md")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoint and output at the end")
+    ap.add_argument("--rewrite-doc", type=Path, help="only regenerate the docs section from this result.json")
     args = ap.parse_args()
+    if args.rewrite_doc:
+        rewrite_doc(args.rewrite_doc)
+        return
 
     cfg = bench_config(args.gb)
     ckpt = args.dir / "ckpt"
@@ -320,9 +393,14 @@ def main() -> None:
         r["runs"].append(run)
         out.unlink(missing_ok=True)
     r["first_touch_gb_s"], r["memcpy_gb_s"] = memory_speed()  # after the children: keeps ru_maxrss theirs
+    r["cores_available"] = cores_available(args.workers)
     subset = expert_subset(ckpt, int(args.quant_gb * 1e9 / 2))
     r["quantizers"] = time_quantizers(subset, args.quant_seconds)
     r["stages"] = stage_costs(subset, args.dir / "stage.tmp")
+    del subset
+    if args.profile:
+        r["profile_dir"] = str(args.tmpfs[0] if args.tmpfs else args.dir)
+        r["profile"] = profile_single_thread(ckpt, Path(r["profile_dir"]) / "colibri-bench-profile.colibri")
     r["verdict"] = verdict(r)
     (args.dir / "result.json").write_text(json.dumps(r, indent=1))
     text = markdown(r)
