@@ -8,6 +8,7 @@ directory will carry, which catches a planning or offset bug that per-piece chec
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,10 +35,21 @@ def record_slot(writer: ColibriWriter, record: dict[str, Any]) -> tuple[Any, int
     return (layer, expert), offset, plan.blob.size, expert_seed(layer, expert, offset)
 
 
+_local = threading.local()
+
+
+def _thread_buffer() -> memoryview:
+    """One read buffer per thread, allocated once (fresh pages are costly on some VMs)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(VERIFY_CHUNK))
+    return buf
+
+
 def hash_range(fd: int, offset: int, size: int, seed: int) -> int:
     """XXH3-64 of `size` bytes at `offset`, read through one reused buffer (no fresh pages per chunk)."""
     h = xxhash.xxh3_64(seed=seed)
-    buf = memoryview(bytearray(min(VERIFY_CHUNK, size)))
+    buf = _thread_buffer()
     done = 0
     while done < size:
         want = min(len(buf), size - done)
