@@ -23,7 +23,11 @@ def test_infer_json_trace_and_cache_sim(model_file, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     result = _infer_json(capsys, model_file, "--ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
     assert len(result["output_ids"]) == 6 and result["prompt_ids"] == [1, 2, 3]
-    assert result["stats"]["experts_touched"] > 0 and result["stats"]["cache_misses"] > 0
+    stats = result["stats"]
+    assert stats["experts_touched"] > 0 and stats["cache_misses"] > 0
+    assert stats["hit_rate"] == stats["cache_hits"] / (stats["cache_hits"] + stats["cache_misses"])
+    assert stats["misses_per_token"] == stats["cache_misses"] / 9          # 3 prompt + 6 generated tokens
+    assert stats["paged_gb_per_s"] > 0 and stats["bytes_paged"] == stats["expert_loads"] * 8192
     assert main(["cache-sim", str(trace), "--capacity", "25%,50%", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)
     policies = {row["policy"] for row in sim["rows"]}

@@ -319,13 +319,14 @@ class CudaEngine:
 
     def _counts(self) -> tuple:
         c = self.experts.counters
-        return c.hits, c.misses, c.loads, c.bytes_paged, set(c.touched)
+        return c.hits, c.misses, c.loads, c.bytes_paged, set(c.touched), c.stall_seconds
 
     def _finish_stats(self, stats: GenerationStats, c0: tuple) -> None:
         c = self.experts.counters
         stats.cache_hits, stats.cache_misses = c.hits - c0[0], c.misses - c0[1]
         stats.expert_loads, stats.bytes_paged = c.loads - c0[2], c.bytes_paged - c0[3]
         stats.experts_touched = len(c.touched - c0[4]) if not self.experts.resident else 0
+        stats.stall_seconds = c.stall_seconds - c0[5]
         stats.prefill_tokens_per_s = stats.prompt_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
         decoded = max(stats.generated_tokens - 1, 0)
         stats.decode_tokens_per_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0

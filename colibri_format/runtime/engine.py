@@ -68,10 +68,20 @@ class GenerationStats:
     cache_misses: int = 0
     expert_loads: int = 0
     bytes_paged: int = 0
+    stall_seconds: float = 0.0                # CUDA engine: compute idle, waiting for expert copies
     finish_reason: str = "length"             # length | stop | callback | max_seq_len
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counters plus the paging view: hit rate, misses per token, GB/s paged, stall per token."""
+        d = asdict(self)
+        tokens = self.prompt_tokens + self.generated_tokens
+        accesses = self.cache_hits + self.cache_misses
+        seconds = self.prefill_seconds + self.decode_seconds
+        d["hit_rate"] = self.cache_hits / accesses if accesses else 0.0
+        d["misses_per_token"] = self.cache_misses / tokens if tokens else 0.0
+        d["paged_gb_per_s"] = self.bytes_paged / seconds / 1e9 if seconds else 0.0
+        d["stall_ms_per_token"] = 1e3 * self.stall_seconds / tokens if tokens else 0.0
+        return d
 
 
 @dataclass
