@@ -381,6 +381,23 @@ def test_damaged_part_and_torn_journal_are_redone(small_ckpt, small_clean, tmp_p
     assert _digest(out) == small_clean[0]
 
 
+def test_forged_journal_records_are_ignored(small_ckpt, small_clean, tmp_path):
+    """Records naming nothing in the plan, or with mistyped fields, are redone rather than trusted."""
+    src, out = _crashed_copy(small_ckpt, tmp_path, small_clean[1] - 1)
+    good = len(read_journal(journal_path_for(out)).pieces)
+    forged = [{"kind": "expert", "layer": 99, "expert": 0, "checksum": 1, "error": None},
+              {"kind": "expert", "layer": 0, "expert": 1, "checksum": "1", "error": None},
+              {"kind": "expert", "layer": True, "expert": 1, "checksum": 5, "error": None},
+              {"kind": "expert", "layer": 1, "expert": 2, "checksum": 5, "error": [float("1e300"), 0.0]},
+              {"kind": "dense", "name": "../../etc/passwd", "checksum": 3},
+              {"kind": "dense", "name": "embed_tokens", "checksum": 3}]
+    with open(journal_path_for(out), "ab") as fh:
+        fh.write(b"".join(frame(r) for r in forged))
+    summary = convert(src, out)
+    assert summary.pieces_resumed == good - 2  # (0, 1) and embed_tokens now carry a wrong checksum
+    assert _digest(out) == small_clean[0]
+
+
 def test_lock_from_killed_writer_is_stale(small_ckpt, small_clean, tmp_path):
     src, out = _crashed_copy(small_ckpt, tmp_path, small_clean[1] // 2)
     assert lock_path_for(out).exists()  # SIGKILL left it behind

@@ -130,6 +130,25 @@ def test_group_quantization_and_bf16_dense(tiny_checkpoint, tmp_path):
         _assert_int8_bound(v.down, v.down_scale, down)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_unquantized_experts_keep_their_dtype(tiny_checkpoint, tmp_path, dtype):
+    """`--quantize none`: experts stored in --dtype; from a bf16 source to bf16 the bits are copied as is."""
+    ckpt = tiny_checkpoint("qwen3_moe", fused=True, dtype="bfloat16")
+    out = tmp_path / "u.colibri"
+    convert(ckpt, out, dtype=dtype, quantize="none")
+    _check_valid(out)
+    _, _, experts = _source_tensors(ckpt)
+    with colibri_format.open(out) as f:
+        assert f.metadata["quantization"]["experts"] == dtype and f.metadata["quantization"]["error"] is None
+        for (layer, e), (gate, up, down) in experts.items():
+            gate_up, down_got = f.expert_f32(layer, e)
+            want_gu, want_down = np.concatenate([gate, up]), down
+            if dtype == "float16":
+                want_gu, want_down = (a.astype(np.float16).astype(np.float32) for a in (want_gu, want_down))
+            np.testing.assert_array_equal(gate_up, want_gu)
+            np.testing.assert_array_equal(down_got, want_down)
+
+
 def test_metadata_is_deterministic_and_path_free(tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("qwen2_moe", sharded=True)
     a, b = tmp_path / "a.colibri", tmp_path / "b.colibri"
