@@ -12,8 +12,10 @@ directory when no corpus directory is given).
 
 from __future__ import annotations
 
+import atexit
 import os
 import resource
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +36,7 @@ from tests.format import craft  # noqa: E402
 
 _SCRATCH = tempfile.mkdtemp(prefix="colibri-atheris-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
 _PATH = os.path.join(_SCRATCH, "input.colibri")
+atexit.register(shutil.rmtree, _SCRATCH, True)
 
 
 def test_one_input(data: bytes) -> None:
@@ -72,6 +75,7 @@ def main() -> None:
     argv = list(sys.argv)
     if not any(not a.startswith("-") for a in argv[1:]):
         corpus = Path(tempfile.mkdtemp(prefix="colibri-atheris-corpus-"))
+        atexit.register(shutil.rmtree, corpus, True)
         from fuzz_format import make_seeds
         for i, seed in enumerate(make_seeds()):
             (corpus / f"seed{i}.colibri").write_bytes(seed)
