@@ -125,7 +125,7 @@ def time_quantizers(tensors: list[tuple[str, np.ndarray]], seconds: float) -> di
 
 
 def stage_costs(tensors: list[tuple[str, np.ndarray]], tmp: Path) -> dict:
-    """Single-thread seconds per GB of bf16 source for each streaming stage (chunks of CHUNK_ELEMENTS, as the pipeline)."""
+    """Single-thread seconds per GB of bf16 source per streaming stage (CHUNK_ELEMENTS chunks, as the pipeline)."""
     import xxhash
 
     from colibri_format.convert.rows import CHUNK_ELEMENTS
@@ -254,12 +254,14 @@ def markdown(r: dict) -> str:
         f"Quantizer alone, one thread, the same expert tensors as float32 ({g['values'] / 1e6:.0f} M values for "
         f"gguf, {ours['values'] / 1e6:.0f} M for colibri):", "",
         "| quantizer | values/s | GB/s of bf16 source | vs gguf Q8_0 |", "| --- | --- | --- | --- |",
-        f"| gguf-py 0.19 `quants.quantize(x, Q8_0)` | {g['values_per_s'] / 1e6:.1f} M | {g['source_gb_per_s']:.3f} | 1x |",
+        f"| gguf-py 0.19 `quants.quantize(x, Q8_0)` | {g['values_per_s'] / 1e6:.1f} M | "
+        f"{g['source_gb_per_s']:.3f} | 1x |",
         f"| colibri `quantize_int8` (per row) | {ours['values_per_s'] / 1e6:.1f} M | {ours['source_gb_per_s']:.3f} | "
         f"{ours['values_per_s'] / g['values_per_s']:.1f}x |",
         f"| colibri convert end to end, {r['workers']} workers, best run (wall) | {e2e_values / 1e6:.1f} M | "
         f"{2 * e2e_values / 1e9:.3f} | {e2e_values / g['values_per_s']:.1f}x |", "",
-        "Single-thread cost of each streaming stage, seconds per GB of bf16 source (4 MB float32 chunks, data in memory): "
+        "Single-thread cost of each streaming stage, seconds per GB of bf16 source (4 MB float32 chunks, data in "
+        "memory): "
         f"upcast {st['upcast']:.2f}, quantize {st['quantize']:.2f}, write + XXH3 {st['write_hash']:.2f}; one core "
         f"therefore tops out near {_per_core(st):.2f} GB/s and {r['workers']} cores near "
         f"{r['workers'] * _per_core(st):.2f} GB/s.", "",

@@ -345,5 +345,5 @@ def _summary(job: Job, dest: Path, writer: ColibriWriter, run: Progressive, resu
         expert_format=S.EXPERT_FORMAT_NAMES[job.options.expert_format], dense_dtype=job.options.dtype,
         dense_tensors=len(writer.plan.dense), experts=len(writer.plan.blob_keys()), pieces_resumed=resumed,
         bytes_in=run.bytes_in, bytes_out=os.stat(dest).st_size, seconds=seconds, workers=job.options.workers,
-        quant_error_max=max((r[2] for r in rows), default=None) if rows else None,
+        quant_error_max=max(r[2] for r in rows) if rows else None,
         quant_error_mean=sum(r[3] for r in rows) / len(rows) if rows else None)
