@@ -52,6 +52,9 @@ def infer(path: FileArg,
           top_p: Annotated[float, typer.Option("--top-p", "--top_p", min=0.0, max=1.0)] = 1.0,
           seed: Annotated[Optional[int], typer.Option("--seed")] = None,
           device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+          devices: Annotated[Optional[str], typer.Option(
+              "--devices", help="Expert parallelism: one process per device, e.g. 0,1 (gloo on cpu, NCCL on cuda)."
+          )] = None,
           max_cached_experts: Annotated[Optional[int], typer.Option("--max-cached-experts", "--max_cached_experts",
                                                                     help="Expert cache capacity (default: unbounded).")] = None,
           cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
@@ -64,15 +67,20 @@ def infer(path: FileArg,
           as_json: JsonOpt = False) -> None:
     """Generate text from a .colibri file; text streams as it is generated."""
     from .runtime.infer_cli import run_infer
+    if devices is not None:                        # before any output: the parent only starts the ranks
+        from .runtime.parallel.launch import infer_runner
+        run_infer = infer_runner(devices, device, path)
     pinned = _static_pins(cache_policy, pin_from_trace, max_cached_experts, cache_scope)
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-    if stream is not None and prompt is not None:
+    if stream is not None and prompt is not None and not chat:
         sys.stdout.write(prompt)
     result = run_infer(path, prompt, ids=_parse_ids(ids), chat=chat, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
                        max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
                        pinned_experts=pinned,
                        trace_path=str(trace) if trace else None)
+    if result is None:                             # a rank other than 0 of --devices: rank 0 prints
+        return
     if as_json:
         _print_json(result)
         return

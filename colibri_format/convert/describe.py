@@ -16,42 +16,28 @@ import xxhash
 
 from colibri_format import __version__
 from colibri_format import spec as S
-from colibri_format.convert.hf_config import parse_json_object
+from colibri_format.convert import tokenizer_files
 from colibri_format.convert.safe_paths import read_capped, resolve_member
-from colibri_format.errors import InvalidInput
 
 TOKENIZER_JSON_MAX = 48 << 20       # the metadata section is capped at 64 MiB in all
-SMALL_JSON_MAX = 8 << 20
 SAFETENSORS_HEADER_MAX = 100 << 20
 JOURNAL_FORMAT = "colibri-convert-journal/1"
 
 
 # --- tokenizer ------------------------------------------------------------------------------------
-def _optional_member(root: Path, name: str) -> Path | None:
-    if not (root / name).exists():
-        return None
-    return resolve_member(root, name, field=name)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 def read_tokenizer(root: Path) -> tuple[dict[str, Any] | None, dict[str, str]]:
-    """The metadata `tokenizer` object (None when the checkpoint has no tokenizer files), and their hashes."""
-    out: dict[str, Any] = {}
-    hashes: dict[str, str] = {}
-    path = _optional_member(root, "tokenizer.json")
-    if path is not None:
-        raw = read_capped(path, max_bytes=TOKENIZER_JSON_MAX, field="tokenizer.json")
-        try:
-            out["tokenizer_json"] = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput("tokenizer.json is not UTF-8", field="tokenizer.json") from None
-        hashes["tokenizer.json"] = xxhash.xxh3_64_hexdigest(raw)
-    for name, key in (("tokenizer_config.json", "tokenizer_config"), ("generation_config.json", "generation_config")):
-        path = _optional_member(root, name)
-        if path is not None:
-            raw = read_capped(path, max_bytes=SMALL_JSON_MAX, field=name)
-            out[key] = parse_json_object(raw, what=name)
+    """The metadata `tokenizer` object (read by `tokenizer_files.read_tokenizer`, the one reader of these
+    files) and the XXH3 of each tokenizer file present, which ties a resumable job to them."""
+    tokenizer = tokenizer_files.read_tokenizer(root)
+    hashes = {}
+    for name in TOKENIZER_FILES:
+        if (root / name).exists():
+            raw = read_capped(resolve_member(root, name, field=name), max_bytes=TOKENIZER_JSON_MAX, field=name)
             hashes[name] = xxhash.xxh3_64_hexdigest(raw)
-    return (out or None), hashes
+    return tokenizer, hashes
 
 
 # --- metadata -------------------------------------------------------------------------------------
