@@ -167,8 +167,11 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
     assert kills >= 2 and most_saved > 0
     if rc != 0:
         saved = len({(r.get("name"), r.get("layer"), r.get("expert")) for r in _journaled(out)})
+        # A kill between the rename and the journal's removal leaves the finished file and no .part:
+        # nothing is left to resume then, and the next run converts again (to the same bytes).
+        had_part = part_path_for(out).exists()
         summary = convert(big_ckpt, out)
-        assert summary.pieces_resumed == saved
+        assert summary.pieces_resumed == (saved if had_part else 0)
     assert _digest(out) == big_clean
     assert _leftovers(out) == []
 
