@@ -40,7 +40,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import platform
 import random
 import sys

@@ -27,7 +27,7 @@ from colibri_format.runtime.cuda_model import (DeviceForward, HostStep, KVBuffer
                                                host_step, rope_rows)
 from colibri_format.runtime.engine import (EngineConfig, GenerationResult, GenerationStats, _make_cache,
                                            _RouteLog)
-from colibri_format.runtime.inputs import check_batch, check_ids
+from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.model import ModelArgs
 from colibri_format.runtime.rope import rotary_dim
 from colibri_format.runtime.sampling import check_sampling, sample
@@ -327,9 +327,7 @@ class CudaEngine:
         stats.expert_loads, stats.bytes_paged = c.loads - c0[2], c.bytes_paged - c0[3]
         stats.experts_touched = len(c.touched - c0[4]) if not self.experts.resident else 0
         stats.stall_seconds = c.stall_seconds - c0[5]
-        stats.prefill_tokens_per_s = stats.prompt_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
-        decoded = max(stats.generated_tokens - 1, 0)
-        stats.decode_tokens_per_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
+        stats.set_rates()
 
     # --- inputs -----------------------------------------------------------------------------------------
     def _check(self, batch) -> list[np.ndarray]:
@@ -337,12 +335,8 @@ class CudaEngine:
             raise InvalidInput("the engine is closed", field="engine")
         return check_batch(batch, self.vocab_size, self.config.max_batch_size, self.config.max_seq_len)
 
-    def _prompt(self, prompt_ids: Sequence[int] | str) -> np.ndarray:
-        if isinstance(prompt_ids, str):
-            if self.tokenizer is None:
-                raise InvalidInput("a text prompt needs a tokenizer, and this file embeds none", field="prompt")
-            prompt_ids = self.tokenizer.encode(prompt_ids)
-        return check_ids(prompt_ids, self.vocab_size, self.config.max_seq_len)
+    def _prompt(self, prompt: Sequence[int] | str) -> np.ndarray:
+        return prompt_ids(prompt, self.tokenizer, self.vocab_size, self.config.max_seq_len)
 
     def _stop_ids(self) -> list[int]:
         return self.tokenizer.stop_ids if self.tokenizer is not None else []

@@ -19,7 +19,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.expert_source import CachedExperts, DictExpertCache, PagingStats
-from colibri_format.runtime.inputs import check_batch, check_ids
+from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.model import MoEModel
 from colibri_format.runtime.sampling import check_sampling, sample
 from colibri_format.runtime.weights import FileWeights, WeightProvider
@@ -70,6 +70,12 @@ class GenerationStats:
     bytes_paged: int = 0
     stall_seconds: float = 0.0                # CUDA engine: compute idle, waiting for expert copies
     finish_reason: str = "length"             # length | stop | callback | max_seq_len
+
+    def set_rates(self) -> None:
+        """Tokens/s of prefill, and of decode (the first new token comes out of the prefill pass)."""
+        self.prefill_tokens_per_s = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        decoded = max(self.generated_tokens - 1, 0)
+        self.decode_tokens_per_s = decoded / self.decode_seconds if decoded and self.decode_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The counters plus the paging view: hit rate, misses per token, GB/s paged, stall per token."""
@@ -236,9 +242,7 @@ class Engine:
         stats.cache_hits, stats.cache_misses = hits - counts0[0], misses - counts0[1]
         stats.experts_touched, stats.expert_loads, stats.bytes_paged = (len(paging.touched), paging.loads,
                                                                         paging.bytes_paged)
-        stats.prefill_tokens_per_s = stats.prompt_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
-        decoded = max(stats.generated_tokens - 1, 0)   # the first new token comes out of the prefill pass
-        stats.decode_tokens_per_s = decoded / stats.decode_seconds if decoded and stats.decode_seconds else 0.0
+        stats.set_rates()
 
     def _forward(self, chunks: list[np.ndarray], caches, all_logits: bool = False, seqs=None) -> list[np.ndarray]:
         if self.closed:
@@ -255,12 +259,8 @@ class Engine:
     def _check(self, batch) -> list[np.ndarray]:
         return check_batch(batch, self.vocab_size, self.config.max_batch_size, self.config.max_seq_len)
 
-    def _prompt(self, prompt_ids: Sequence[int] | str) -> np.ndarray:
-        if isinstance(prompt_ids, str):
-            if self.tokenizer is None:
-                raise InvalidInput("a text prompt needs a tokenizer, and this file embeds none", field="prompt")
-            prompt_ids = self.tokenizer.encode(prompt_ids)
-        return check_ids(prompt_ids, self.vocab_size, self.config.max_seq_len)
+    def _prompt(self, prompt: Sequence[int] | str) -> np.ndarray:
+        return prompt_ids(prompt, self.tokenizer, self.vocab_size, self.config.max_seq_len)
 
     def _stop_ids(self) -> list[int]:
         return self.tokenizer.stop_ids if self.tokenizer is not None else []

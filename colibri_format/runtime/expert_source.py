@@ -13,7 +13,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import numpy as np
 
 from colibri_format.runtime.weights import ExpertArrays, WeightProvider
 

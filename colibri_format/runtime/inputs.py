@@ -44,3 +44,12 @@ def check_batch(batch: object, vocab_size: int, max_batch_size: int, max_seq_len
         raise BatchTooLarge(f"{len(batch)} sequences, over max_batch_size={max_batch_size}", field="batch",
                             value=len(batch))
     return [check_ids(seq, vocab_size, max_seq_len, i) for i, seq in enumerate(batch)]
+
+
+def prompt_ids(prompt: Sequence[int] | str, tokenizer, vocab_size: int, max_seq_len: int) -> np.ndarray:
+    """A generate() prompt: token ids, or text encoded with the file's tokenizer."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidInput("a text prompt needs a tokenizer, and this file embeds none", field="prompt")
+        prompt = tokenizer.encode(prompt)
+    return check_ids(prompt, vocab_size, max_seq_len)
