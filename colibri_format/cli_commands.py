@@ -84,6 +84,9 @@ def convert(
                                          help="Continue an interrupted conversion, or discard it.")] = True,
     verify: Annotated[bool, typer.Option("--verify/--no-verify",
                                          help="Re-hash the whole file before the final rename.")] = True,
+    allow_pickle: Annotated[bool, typer.Option(
+        "--allow-pickle", "--allow_pickle",
+        help="Read pytorch_model*.bin when no safetensors exist (weights-only torch.load).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
@@ -93,7 +96,7 @@ def convert(
     with _convert_progress(quiet or as_json) as progress:
         summary = run_convert(model_path, output_path, dtype=dtype, quantize=quantize, quant_bits=quant_bits,
                               group_size=group_size, num_experts=num_experts, top_k=top_k, workers=workers,
-                              resume=resume, verify=verify, progress=progress)
+                              resume=resume, verify=verify, progress=progress, allow_pickle=allow_pickle)
     if as_json:
         _print_json(summary.to_dict())
     elif not quiet:

@@ -163,8 +163,10 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
 def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dtype: str = "float16",
             quantize: str = "expert", quant_bits: int = 8, group_size: int | None = None,
             num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
-            verify: bool = True, progress: Progress | None = None) -> ConversionSummary:
-    """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run."""
+            verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False) -> ConversionSummary:
+    """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run.
+    `allow_pickle` lets a checkpoint without safetensors be read from `pytorch_model*.bin`
+    (`torch.load(weights_only=True, mmap=True)`)."""
     options = check_options(dtype, quantize, quant_bits, group_size, workers)
     dest = Path(output_path)
     if dest.is_dir():
@@ -172,7 +174,7 @@ def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dt
     if not dest.parent.is_dir():
         raise InvalidInput("the output folder does not exist", field="output_path", value=str(dest.parent))
     start = time.perf_counter()
-    with open_checkpoint(model_path) as src:
+    with open_checkpoint(model_path, allow_pickle=allow_pickle) as src:
         job = plan_job(src, options, num_experts, top_k)
         lock = WriterLock(lock_path_for(dest))
         lock.acquire()
