@@ -32,7 +32,7 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) { }
 }
 """
-PROFILED = ("embedding", "rmsnorm", "dense_gemv", "rope", "kv_append", "attention", "residual_add", "router",
+PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "rope", "kv_append", "attention", "residual_add", "router",
             "dispatch", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "silu_mul")
 
 

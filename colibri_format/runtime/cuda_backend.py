@@ -15,6 +15,11 @@ from colibri_format.errors import InvalidInput
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
+CUDA_R_32F, CUDA_R_16BF = 0, 14         # cudaDataType
+CUBLAS_COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_POINTER_MODE_HOST = 0
 
 
 class CupyBackend:
@@ -58,6 +63,38 @@ class CupyBackend:
 
     def free_memory(self) -> int:
         return int(self.device.mem_info[0]) + int(self.xp.get_default_memory_pool().free_bytes())
+
+    # --- products -------------------------------------------------------------------------------------------
+    def gemm_bf16_split(self, x, w, out, hi=None, lo=None):
+        """out [T, N] f32 = x [T, K] f32 @ w.T for w [N, K] bf16 bits (uint16), on the tensor cores.
+
+        x is split into bf16 hi + lo (`ops.split_bf16`) and the two products are accumulated in fp32 by cuBLAS
+        (GemmEx, CUBLAS_COMPUTE_32F): w is exact in bf16, x keeps ~16 mantissa bits, so the result matches the
+        fp32 product to ~1e-5 relative. Not capturable in a graph through CuPy (eager passes only).
+        """
+        try:
+            from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
+        except ImportError:  # older layouts
+            from cupy.cuda import cublas  # noqa: PLC0415
+
+        T, K = x.shape
+        N = w.shape[0]
+        if w.dtype != np.uint16 or w.shape[1] != K or out.shape != (T, N) or out.dtype != np.float32:
+            raise ValueError(f"gemm_bf16_split: x {x.shape}, w {w.shape} {w.dtype}, out {out.shape} {out.dtype}")
+        hi, lo = self.ops.split_bf16(x, hi=hi, lo=lo)
+        handle = getattr(self.device, "cublas_handle", None) or self.xp.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        try:
+            # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ x^T [K, T]
+            for part, beta in ((hi, zero), (lo, one)):
+                cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_16BF,
+                              K, part.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, CUDA_R_32F, N,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
+        return out
 
     # --- streams, events ------------------------------------------------------------------------------------
     def new_stream(self):

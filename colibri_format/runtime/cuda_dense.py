@@ -9,10 +9,14 @@ as stored by the kernels; biases, the router bias and the shared-expert gate) ar
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 GEMV_MAX_ROWS = 8    # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS:
                      # dense_gemv re-reads the weight every 4 rows, so at 32 rows cuBLAS is ~10x faster
+BF16_SPLIT_MIN_ROWS = 9   # from this many rows, bf16-stored matrices multiply on the tensor cores (bf16 hi+lo
+                          # split of x, fp32 accumulation: ~1e-5 relative) instead of f32 cuBLAS
 MIRROR_SHARE = 0.25  # f32 copies of the matrices (for cuBLAS) are kept if they take at most this share of free memory
 
 
@@ -36,6 +40,8 @@ class DeviceDense:
         self._f32: dict = {}
         self.mirror: dict = {}
         self.nbytes = 0
+        # tensor-core products for bf16 matrices at > GEMV_MAX_ROWS rows (COLIBRI_CUDA_BF16_GEMM=0: f32 cuBLAS)
+        self.bf16_gemm = os.environ.get("COLIBRI_CUDA_BF16_GEMM", "1") != "0" and hasattr(be, "gemm_bf16_split")
         names = set(reader.dense_names())
         for name, host in _fused(reader, names):
             if name.endswith(".shared_gate"):   # [1, H]: padded with zero rows so dense_gemv (N >= 4) takes it
@@ -72,6 +78,11 @@ class DeviceDense:
         T, K = x.shape
         if T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4:
             return self.be.ops.dense_gemv(x, w, bias=b, out=out)
+        if self.bf16_gemm and w.dtype == np.uint16 and T >= BF16_SPLIT_MIN_ROWS:
+            self.be.gemm_bf16_split(x, w, out)
+            if b is not None:
+                out += b
+            return out
         w32 = self.mirror.get(name)
         self.xp.matmul(x, (w32 if w32 is not None else upcast(self.xp, w)).T, out=out)
         if b is not None:

@@ -9,6 +9,7 @@ capturing it in a CUDA graph. All arithmetic is f32, as in the NumPy engine.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,11 @@ import numpy as np
 from colibri_format.runtime.rope import cos_sin, inv_frequencies, rotary_dim
 
 ATTENTION_HEAD_DIMS = (64, 128, 256)   # head sizes the attention kernel is built for
+
+
+def fused_default() -> bool:
+    """Fused layer kernels (add+norm; q/k norm+RoPE+KV append) unless COLIBRI_CUDA_FUSED=0 asks for the unfused path."""
+    return os.environ.get("COLIBRI_CUDA_FUSED", "1") != "0"
 
 
 class Workspace:
@@ -108,6 +114,9 @@ class DeviceForward:
         self.xp, self.ops = be.xp, be.ops
         self.fast_attention = args.head_dim in ATTENTION_HEAD_DIMS
         self.route_hook = None        # (layer, ids device array) -> None; set when routes must reach the host
+        # fused kernels (fused.cu): residual add + post-attention norm, and q/k norm + clip + RoPE + KV append
+        # in one launch each; False keeps the unfused chain (rmsnorm, residual_add, rope, kv_append)
+        self.fused = fused_default() and hasattr(self.ops, "qkv_rope_kv")
 
     # --- the pass ---------------------------------------------------------------------------------------
     def run(self, inp: StepInputs, kv: KVBuffers, ws: Workspace, T: int, out_rows=None, max_len: int = 0,
@@ -139,8 +148,11 @@ class DeviceForward:
         x = ws.buf("x", (T, a.hidden_size))
         self.ops.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
         o = self.attention(i, x, inp, kv, ws, T, max_len, host)
-        self.ops.residual_add(h, o, alpha=float(a.residual_mult), out=h)
-        self.ops.rmsnorm(h, self.w[f"{p}.post_attn_norm"], a.eps, out=x)
+        if self.fused:
+            self.ops.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
+        else:
+            self.ops.residual_add(h, o, alpha=float(a.residual_mult), out=h)
+            self.ops.rmsnorm(h, self.w[f"{p}.post_attn_norm"], a.eps, out=x)
         if i in a.moe_layers:
             self.experts.moe(i, x, h, ws, self)
         else:
@@ -149,6 +161,34 @@ class DeviceForward:
 
     # --- attention ----------------------------------------------------------------------------------------
     def attention(self, i, x, inp, kv, ws, T, max_len, host):
+        a, p = self.a, f"layers.{i}.attn"
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        if self.fused:
+            q3 = self._qkv_fused(i, x, inp, kv, ws, T)
+        else:
+            q3 = self._qkv_unfused(i, x, inp, kv, ws, T)
+        att = ws.buf("att", (T, nh, hd))
+        if self.fast_attention:
+            self._attention_kernel(q3, kv, i, inp, ws, T, max_len, att)
+        else:
+            self._attention_fallback(q3, kv, i, host, att)
+        o = ws.buf("o", (T, a.hidden_size))
+        return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
+
+    def _qkv_fused(self, i, x, inp, kv, ws, T):
+        """q [T, nh, hd] after one fused launch (norms, clip, RoPE; k and v written to the cache)."""
+        a, p = self.a, f"layers.{i}.attn"
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        qkv = ws.buf("qkv", (T, (nh + 2 * nkv) * hd))
+        self.w.linear(x, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None, qkv)
+        norms = {}
+        if a.qk_norm != "none":
+            norms = dict(q_norm=self.w[f"{p}.q_norm"], k_norm=self.w[f"{p}.k_norm"])
+        return self.ops.qkv_rope_kv(qkv, nh, nkv, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
+                                    inp.cos[:T], inp.sin[:T], norm=a.qk_norm, eps=a.eps, clip=a.clip_qkv,
+                                    q_out=ws.buf("q3", (T, nh, hd)), **norms)
+
+    def _qkv_unfused(self, i, x, inp, kv, ws, T):
         a, p = self.a, f"layers.{i}.attn"
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         q, k, v = self.qkv(i, x, ws, T)
@@ -165,13 +205,7 @@ class DeviceForward:
         if inp.half:
             self._rope(q3, k3, inp, ws, T)
         self.ops.kv_append(k3, v3, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T])
-        att = ws.buf("att", (T, nh, hd))
-        if self.fast_attention:
-            self._attention_kernel(q3, kv, i, inp, ws, T, max_len, att)
-        else:
-            self._attention_fallback(q3, kv, i, host, att)
-        o = ws.buf("o", (T, a.hidden_size))
-        return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
+        return q3
 
     def qkv(self, i, x, ws, T):
         """q [T, nh*hd], k, v [T, nkv*hd] from one fused product; views of it for one row, else copies."""

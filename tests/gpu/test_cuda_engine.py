@@ -50,7 +50,7 @@ def mixtral_file(tmp_path_factory):
 
 def test_matches_numpy_engine_on_every_architecture(arch_file):
     with Engine(arch_file) as cpu, Engine(arch_file, EngineConfig(device="cuda", max_seq_len=64)) as gpu:
-        assert type(gpu).__name__ == "CudaEngine"
+        assert type(gpu).__name__ == "CudaEngine" and gpu.fwd.fused
         for got, exp in zip(gpu.logits(PROMPTS), cpu.logits(PROMPTS)):
             assert got.shape == exp.shape and rel(got, exp) < LOGIT_TOL
         assert gpu.infer(PROMPTS) == cpu.infer(PROMPTS)
@@ -58,6 +58,17 @@ def test_matches_numpy_engine_on_every_architecture(arch_file):
         b = cpu.generate([3, 4, 5], max_new_tokens=10, stop_ids=[])
         assert a.output_ids == b.output_ids
         assert gpu.stats()["graphs"] == {"1x64": "captured"}
+
+
+def test_unfused_layer_path_still_matches(arch_file, monkeypatch):
+    """COLIBRI_CUDA_FUSED=0: the unfused kernel chain (rmsnorm, residual_add, rope, kv_append) stays correct."""
+    monkeypatch.setenv("COLIBRI_CUDA_FUSED", "0")
+    with Engine(arch_file) as cpu, Engine(arch_file, EngineConfig(device="cuda", max_seq_len=64)) as gpu:
+        assert not gpu.fwd.fused
+        for got, exp in zip(gpu.logits(PROMPTS), cpu.logits(PROMPTS)):
+            assert rel(got, exp) < LOGIT_TOL
+        assert gpu.generate([3, 4, 5], max_new_tokens=6, stop_ids=[]).output_ids == \
+            cpu.generate([3, 4, 5], max_new_tokens=6, stop_ids=[]).output_ids
 
 
 def test_bf16_dense_weights(tmp_path_factory):

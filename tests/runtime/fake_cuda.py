@@ -81,6 +81,31 @@ class _Ops:
         out[...] = a + np.float32(alpha) * b
         return out
 
+    def add_rmsnorm(self, h, b, w, eps, *, alpha=1.0, out=None):
+        self._count("add_rmsnorm")
+        h[...] = h + np.float32(alpha) * b
+        return self.rmsnorm(h, w, eps, out=out)
+
+    def qkv_rope_kv(self, qkv, heads, kv_heads, k_cache, v_cache, seq, pos, rpos, cos, sin, *, norm="none",
+                    q_norm=None, k_norm=None, eps=1e-6, clip=None, q_out=None):
+        self._count("qkv_rope_kv")
+        N, hd = qkv.shape[0], k_cache.shape[3]
+        nq, nk = heads * hd, kv_heads * hd
+        q, k, v = (np.array(t, np.float32) for t in (qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]))
+        if norm == "full":
+            q, k = self.rmsnorm(q, q_norm, eps, out=q), self.rmsnorm(k, k_norm, eps, out=k)
+        if clip is not None:
+            q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
+        q, k, v = q.reshape(N, heads, hd), k.reshape(N, kv_heads, hd), v.reshape(N, kv_heads, hd)
+        if norm == "per_head":
+            q, k = self.rmsnorm(q, q_norm, eps, out=q), self.rmsnorm(k, k_norm, eps, out=k)
+        if cos.shape[1]:
+            self.rope(q, rpos, cos, sin)
+            self.rope(k, rpos, cos, sin)
+        self.kv_append(k, v, k_cache, v_cache, seq, pos)
+        q_out[...] = q
+        return q_out
+
     def dense_gemv(self, x, w, *, bias=None, out=None):
         self._count("dense_gemv")
         out[...] = x @ f32(w).T + (bias if bias is not None else 0)
@@ -179,7 +204,7 @@ def _contiguous(name, fn):
     return checked
 
 
-CHECKED = ("embedding", "rmsnorm", "residual_add", "dense_gemv", "silu_mul", "rope", "kv_append", "attention",
+CHECKED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "residual_add", "dense_gemv", "silu_mul", "rope", "kv_append", "attention",
            "router", "dispatch", "moe_gate_up", "moe_down", "moe_combine")
 
 

@@ -195,3 +195,24 @@ def test_long_prefill_uses_the_grouped_gemm_and_cublas(mixtral_file, monkeypatch
         assert all(rel(a, b) < 1e-4 for a, b in zip(got, exp))
         assert gpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids == \
             cpu.generate(prompt, max_new_tokens=4, stop_ids=[]).output_ids
+
+
+def test_fused_layer_kernels_match_unfused_path(arch_file, monkeypatch):
+    """COLIBRI_CUDA_FUSED=0 keeps the unfused chain; both give the NumPy engine's logits and tokens."""
+    made = install(monkeypatch)
+    from colibri_format.runtime.cuda_engine import CudaEngine
+
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_CUDA_FUSED", flag)
+        with CudaEngine(arch_file, EngineConfig(device="cuda")) as gpu:
+            assert gpu.fwd.fused == (flag == "1")
+            outs[flag] = (gpu.logits(PROMPTS), gpu.generate([3, 4], max_new_tokens=4, stop_ids=[]).output_ids)
+    ops = made.backends[0].ops
+    assert ops.calls.get("qkv_rope_kv", 0) > 0 and ops.calls.get("add_rmsnorm", 0) > 0
+    with Engine(arch_file) as cpu:
+        want = cpu.logits(PROMPTS)
+    for flag, (logits, _) in outs.items():
+        for got, exp in zip(logits, want):
+            assert rel(got, exp) < 1e-4, flag
+    assert outs["1"][1] == outs["0"][1]

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 KERNEL_DIR = Path(__file__).resolve().parent
-MODULES = ("router", "dispatch", "moe_gemv", "moe_gemm", "layers")
+MODULES = ("router", "dispatch", "moe_gemv", "moe_gemm", "layers", "fused")
 NVRTC_OPTIONS = ("-std=c++17",)  # no fast-math: expf/rsqrtf/division stay IEEE-accurate in fp32
 
 ROUTER_TPB, ROUTER_EPB, ROUTER_MAX_E = 4, 8, 512         # router.cu
@@ -639,3 +639,84 @@ def dense_gemv(x, w, *, bias=None, out=None):
         kernel("layers", f"dense_gemv_{dtype_code(w)}")(
             (blocks,), (256,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
     return y
+
+
+# ---- fused decode-layer kernels (fused.cu) -------------------------------------------------------------------------
+FUSED_THREADS, QKV_THREADS = 256, 128                     # fused.cu
+QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}
+
+
+def add_rmsnorm(h, b, w, eps: float, *, alpha: float = 1.0, out=None):
+    """h += alpha * b (in place, h [R, D] f32), then out [R, D] f32 = rmsnorm(h) * w (w f32/f16/bf16); returns out.
+
+    One launch for the residual add and the norm that follows it (`residual_add` then `rmsnorm`).
+    """
+    cp = _cupy()
+    _check("h", h, dtype=np.float32)
+    D = h.shape[-1] if h.ndim else 0
+    _check("b", b, dtype=np.float32, shape=h.shape)
+    _check("w", w, shape=(D,), codes=("f32", "f16", "bf16"))
+    o = _out("out", out, h.shape, cp.float32)
+    if o is h or o is b:
+        raise ValueError("out must be a buffer of its own (not h or b)")
+    rows = h.size // D if D else 0
+    if rows:
+        kernel("fused", f"add_rmsnorm_{dtype_code(w)}")(
+            (rows,), (FUSED_THREADS,), (h, b, w, o, np.int32(D), np.float32(alpha), np.float32(eps)))
+    return o
+
+
+def qkv_rope_kv(qkv, heads: int, kv_heads: int, k_cache, v_cache, seq, pos, rpos, cos, sin, *,
+                norm: str = "none", q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None,
+                q_out=None):
+    """From the fused projection qkv [N, (heads + 2 kv_heads) hd] f32: q/k norm, clip, RoPE, KV append, in one launch.
+
+    norm: "none", "full" (q over all its heads with q_norm [heads*hd], k with k_norm [kv_heads*hd]) or "per_head"
+    (q_norm, k_norm [hd]); clip (None: off) clamps q, k, v after a full norm and before a per-head norm. RoPE is
+    rotate_half on the first 2*cos.shape[1] dims with cos/sin row rpos[n]. k and v go to the caches
+    [S, capacity, kv_heads, hd] (f32/f16/bf16) at (seq[n], pos[n]); returns q_out [N, heads, hd] f32.
+    """
+    cp = _cupy()
+    _check("qkv", qkv, dtype=np.float32, ndim=2)
+    N, width = qkv.shape
+    _check("k_cache", k_cache, ndim=4, codes=("f32", "f16", "bf16"))
+    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    hd = k_cache.shape[3]
+    if k_cache.shape[2] != kv_heads or width != (heads + 2 * kv_heads) * hd:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of the cache's "
+                         f"{tuple(k_cache.shape)}")
+    for name, a in (("seq", seq), ("pos", pos), ("rpos", rpos)):
+        _check(name, a, dtype=np.int32, shape=(N,))
+    _check("cos", cos, dtype=np.float32, ndim=2)
+    _check("sin", sin, dtype=np.float32, shape=cos.shape)
+    half = cos.shape[1]
+    if 2 * half > hd:
+        raise ValueError(f"rotary dim {2 * half} exceeds head_dim {hd}")
+    if norm not in QK_NORM_MODES:
+        raise ValueError(f"norm must be one of {sorted(QK_NORM_MODES)}, got {norm!r}")
+    if norm == "none":
+        wq = wk = qkv                 # not read (no allocation: the call may be inside a graph capture)
+    else:
+        sizes = (heads * hd, kv_heads * hd) if norm == "full" else (hd, hd)
+        _check("q_norm", q_norm, shape=(sizes[0],), codes=("f32", "f16", "bf16"))
+        _check("k_norm", k_norm, shape=(sizes[1],), dtype=q_norm.dtype)
+        wq, wk = q_norm, k_norm
+    q = _out("q_out", q_out, (N, heads, hd), cp.float32)
+    if N:
+        kernel("fused", f"qkv_rope_kv_{dtype_code(k_cache)}_{dtype_code(wq)}")(
+            (N, -(-(heads + kv_heads) // (QKV_THREADS // 32))), (QKV_THREADS,),
+            (qkv, q, k_cache, v_cache, wq, wk, seq, pos, rpos, cos, sin, np.int32(heads), np.int32(kv_heads),
+             np.int32(hd), np.int32(half), np.int32(k_cache.shape[1]), np.int32(QK_NORM_MODES[norm]),
+             np.float32(eps), np.float32(clip if clip is not None else 0.0)))
+    return q
+
+
+def split_bf16(x, *, hi=None, lo=None):
+    """x f32 -> (hi, lo) bf16 bits (uint16, x's shape): hi = bf16(x), lo = bf16(x - hi)."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32)
+    h = _out("hi", hi, x.shape, cp.uint16)
+    lw = _out("lo", lo, x.shape, cp.uint16)
+    if x.size:
+        kernel("fused", "split_bf16")((_grid_stride_blocks(x.size),), (256,), (x, h, lw, np.int64(x.size)))
+    return h, lw

@@ -186,3 +186,39 @@ def silu_mul_reference(gu):
 def dense_gemv_reference(x, w, bias=None):
     y = as_f64(x) @ as_f64(w).T
     return y if bias is None else y + as_f64(bias)
+
+
+# ---- fused decode-layer kernels (fused.cu) ---------------------------------------------------------------------
+def add_rmsnorm_reference(h, b, w, eps, alpha=1.0):
+    """(h + alpha * b, rmsnorm(h + alpha * b) * w)."""
+    s = as_f64(h) + alpha * as_f64(b)
+    return s, rmsnorm_reference(s, w, eps)
+
+
+def qkv_rope_kv_reference(qkv, heads, kv_heads, k_cache, v_cache, seq, pos, rpos, cos, sin, norm="none",
+                          q_norm=None, k_norm=None, eps=1e-6, clip=None):
+    """(q [N, heads, hd], k_cache, v_cache) after the NumPy engine's q/k norm, clip, RoPE and the KV append."""
+    qkv = as_f64(qkv)
+    N = qkv.shape[0]
+    hd = k_cache.shape[3]
+    nq, nk = heads * hd, kv_heads * hd
+    q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+    if norm == "full":
+        q, k = rmsnorm_reference(q, q_norm, eps), rmsnorm_reference(k, k_norm, eps)
+    if clip is not None:
+        q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
+    q, k, v = q.reshape(N, heads, hd), k.reshape(N, kv_heads, hd), v.reshape(N, kv_heads, hd)
+    if norm == "per_head":
+        q, k = rmsnorm_reference(q, q_norm, eps), rmsnorm_reference(k, k_norm, eps)
+    if cos.shape[1]:
+        q, k = rope_reference(q, rpos, cos, sin), rope_reference(k, rpos, cos, sin)
+    kc, vc = kv_append_reference(k, v, k_cache, v_cache, seq, pos)
+    return q, kc, vc
+
+
+def split_bf16_reference(x):
+    """(hi, lo) as bf16 bits: hi = bf16(x) round-to-nearest-even, lo = bf16(x - hi)."""
+    x = np.asarray(x, np.float32)
+    hi = f32_to_bf16(x)
+    lo = f32_to_bf16((x - bf16_to_f32(hi)).astype(np.float32))
+    return hi, lo

@@ -1,0 +1,150 @@
+"""The fused decode-layer kernels (fused.cu) against their float64 NumPy references (GPU only).
+
+Fresh random inputs every run (seed printed); outputs poisoned with NaN before each launch; relative errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.runtime.kernels import ops
+from colibri_format.runtime.kernels import reference as ref
+
+F32_TOL = 2e-5
+BF16_TOL = 1e-2
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def rel(out, expected) -> float:
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    assert out.shape == expected.shape, (out.shape, expected.shape)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def on_device(cp, a: np.ndarray, code: str):
+    if code == "f32":
+        return cp.asarray(a.astype(np.float32))
+    if code == "f16":
+        return cp.asarray(a.astype(np.float16))
+    return cp.asarray(ref.f32_to_bf16(a.astype(np.float32)))
+
+
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 4096), (8, 1000), (512, 2048), (2, 96)])
+@pytest.mark.parametrize("alpha", [1.0, 0.22])
+def test_add_rmsnorm(cp, rng, wdt, shape, alpha):
+    h = rng.standard_normal(shape).astype(np.float32) * 2
+    b = rng.standard_normal(shape).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32)
+    hd, bd, wd = cp.asarray(h), cp.asarray(b), on_device(cp, w, wdt)
+    out = cp.full(shape, np.nan, cp.float32)
+    got = ops.add_rmsnorm(hd, bd, wd, 1e-5, alpha=alpha, out=out)
+    assert got is out
+    exp_h, exp_x = ref.add_rmsnorm_reference(h, b, ref.as_f64(wd.get(), wdt), 1e-5, alpha)
+    assert rel(hd.get(), exp_h) < 1e-6
+    assert rel(out.get(), exp_x) < F32_TOL
+    # same result as the unfused pair
+    h2, x2 = cp.asarray(h), cp.empty(shape, cp.float32)
+    ops.residual_add(h2, bd, alpha=alpha, out=h2)
+    ops.rmsnorm(h2, wd, 1e-5, out=x2)
+    assert rel(out.get(), x2.get()) < 1e-6
+
+
+QKV_CASES = [  # N, heads, kv_heads, hd, rot, norm, clip
+    (1, 16, 16, 128, 128, "full", None),        # OLMoE
+    (1, 32, 4, 128, 128, "per_head", None),     # Qwen3
+    (1, 32, 8, 128, 128, "none", None),         # Mixtral
+    (4, 8, 2, 64, 32, "per_head", None),        # partial rotary, several rows
+    (3, 4, 4, 256, 256, "full", 1.5),           # clip after the full norm
+    (5, 6, 2, 64, 64, "per_head", 0.7),         # clip before the per-head norm
+    (2, 4, 1, 128, 0, "none", None),            # no rotary
+    (512, 16, 4, 128, 128, "per_head", None),   # prefill rows
+]
+
+
+@pytest.mark.parametrize("case", QKV_CASES)
+@pytest.mark.parametrize("cdt", ["f32", "bf16"])
+@pytest.mark.parametrize("wdt", ["f32", "bf16"])
+def test_qkv_rope_kv(cp, rng, case, cdt, wdt):
+    N, nh, nkv, hd, rot, norm, clip = case
+    S, cap, npos = 3, max(64, N + 2), max(N, 8)
+    qkv = (rng.standard_normal((N, (nh + 2 * nkv) * hd)) * 2).astype(np.float32)
+    kc = on_device(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt)
+    vc = on_device(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt)
+    seq = rng.integers(0, S, N).astype(np.int32)
+    pos = rng.permutation(cap)[:N].astype(np.int32)        # distinct slots: no two rows write the same place
+    rpos = rng.integers(0, npos, N).astype(np.int32)
+    half = rot // 2
+    ang = np.arange(npos)[:, None] * (1e4 ** (-np.arange(half) / max(half, 1)))[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    norms = {}
+    if norm != "none":
+        sizes = (nh * hd, nkv * hd) if norm == "full" else (hd, hd)
+        norms = dict(q_norm=on_device(cp, rng.uniform(0.5, 1.5, sizes[0]).astype(np.float32), wdt),
+                     k_norm=on_device(cp, rng.uniform(0.5, 1.5, sizes[1]).astype(np.float32), wdt))
+    exp_q, exp_k, exp_v = ref.qkv_rope_kv_reference(
+        qkv, nh, nkv, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), seq, pos, rpos, cos, sin, norm=norm,
+        eps=1e-6, clip=clip, **{k: ref.as_f64(v.get(), wdt) for k, v in norms.items()})
+    q_out = cp.full((N, nh, hd), np.nan, cp.float32)
+    got = ops.qkv_rope_kv(cp.asarray(qkv), nh, nkv, kc, vc, cp.asarray(seq), cp.asarray(pos), cp.asarray(rpos),
+                          cp.asarray(cos), cp.asarray(sin), norm=norm, eps=1e-6, clip=clip, q_out=q_out, **norms)
+    assert got is q_out
+    assert rel(q_out.get(), exp_q) < F32_TOL
+    tol = F32_TOL if cdt == "f32" else BF16_TOL
+    assert rel(ref.as_f64(kc.get(), cdt), exp_k) < tol
+    assert rel(ref.as_f64(vc.get(), cdt), exp_v) < tol
+    # the rows written, checked alone (the untouched rest of the cache dominates the norms above)
+    assert rel(ref.as_f64(kc.get(), cdt)[seq, pos], exp_k[seq, pos]) < tol
+    assert rel(ref.as_f64(vc.get(), cdt)[seq, pos], exp_v[seq, pos]) < tol
+
+
+def test_qkv_rope_kv_rejects_bad_shapes(cp):
+    kc = cp.zeros((1, 8, 2, 64), cp.float32)
+    cos = cp.zeros((1, 32), cp.float32)
+    idx = cp.zeros(1, cp.int32)
+    with pytest.raises(ValueError):
+        ops.qkv_rope_kv(cp.zeros((1, 5 * 64), cp.float32), 4, 2, kc, kc.copy(), idx, idx, idx, cos, cos)
+    with pytest.raises(ValueError):
+        ops.qkv_rope_kv(cp.zeros((1, 8 * 64), cp.float32), 4, 2, kc, kc.copy(), idx, idx, idx, cos, cos,
+                        norm="bogus")
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 1000), (512, 2048)])
+def test_split_bf16(cp, rng, shape):
+    x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape)).astype(np.float32)
+    hi, lo = ops.split_bf16(cp.asarray(x), hi=cp.full(shape, 0xFFFF, cp.uint16), lo=cp.full(shape, 0xFFFF, cp.uint16))
+    exp_hi, exp_lo = ref.split_bf16_reference(x)
+    assert (hi.get() == exp_hi).all() and (lo.get() == exp_lo).all()
+    assert rel(ref.bf16_to_f32(hi.get()).astype(np.float64) + ref.bf16_to_f32(lo.get()), x) < 1e-5
+
+
+@pytest.mark.parametrize("T,N,K", [(9, 64, 128), (512, 6144, 2048), (33, 1000, 96), (512, 2048, 4096)])
+def test_gemm_bf16_split(cp, rng, T, N, K):
+    """The prefill dense product for bf16 matrices (tensor cores, hi+lo activations) against float64."""
+    from colibri_format.runtime.cuda_backend import CupyBackend
+
+    be = CupyBackend(cp.cuda.Device().id)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = ref.f32_to_bf16((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32))
+    out = cp.full((T, N), np.nan, cp.float32)
+    be.gemm_bf16_split(cp.asarray(x), cp.asarray(w), out)
+    cp.cuda.get_current_stream().synchronize()
+    exp = x.astype(np.float64) @ ref.bf16_to_f32(w).astype(np.float64).T
+    err = rel(out.get(), exp)
+    print(f"T={T} N={N} K={K} rel={err:.2e}")
+    assert err < 1e-4       # plain bf16 activations would give ~3e-3
