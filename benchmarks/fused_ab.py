@@ -43,12 +43,12 @@ def main() -> int:
         args.iters = 3
 
     import torch
+    from gpu_vs_hf import build_hf
 
     from colibri_format.cli_bench import run_bench
     from colibri_format.convert.pipeline import convert
     from colibri_format.runtime.cuda_engine import CudaEngine
     from colibri_format.runtime.engine import EngineConfig
-    from gpu_vs_hf import build_hf
 
     rows = []
     work = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))

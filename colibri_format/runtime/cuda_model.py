@@ -162,7 +162,7 @@ class DeviceForward:
     # --- attention ----------------------------------------------------------------------------------------
     def attention(self, i, x, inp, kv, ws, T, max_len, host):
         a, p = self.a, f"layers.{i}.attn"
-        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        nh, hd = a.n_heads, a.head_dim
         if self.fused:
             q3 = self._qkv_fused(i, x, inp, kv, ws, T)
         else:
@@ -183,7 +183,7 @@ class DeviceForward:
         self.w.linear(x, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None, qkv)
         norms = {}
         if a.qk_norm != "none":
-            norms = dict(q_norm=self.w[f"{p}.q_norm"], k_norm=self.w[f"{p}.k_norm"])
+            norms = {"q_norm": self.w[f"{p}.q_norm"], "k_norm": self.w[f"{p}.k_norm"]}
         return self.ops.qkv_rope_kv(qkv, nh, nkv, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
                                     inp.cos[:T], inp.sin[:T], norm=a.qk_norm, eps=a.eps, clip=a.clip_qkv,
                                     q_out=ws.buf("q3", (T, nh, hd)), **norms)
