@@ -19,7 +19,6 @@ from . import errors as E
 from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_float32
 from .spec import checks
-from .spec.checksum import dense_seed, digest, expert_seed
 
 VERIFY_POLICIES = ("never", "first-use", "always")
 
@@ -165,8 +164,9 @@ class ColibriFile:
 
     def verify_dense(self, name: str) -> None:
         e = self._entry(name)
-        if digest(memoryview(self._mm)[e.offset:e.offset + e.size], dense_seed(name, e.offset)) != e.checksum:
-            raise E.CorruptTensor(f"dense tensor {name!r} fails its checksum", field=name, offset=e.offset)
+        fault = checks.dense_fault(memoryview(self._mm), e)
+        if fault is not None:
+            raise fault
         self._verified.add(("dense", name))
 
     # --- experts ----------------------------------------------------------------------------------
@@ -188,9 +188,9 @@ class ColibriFile:
 
     def verify_expert(self, layer: int, expert: int) -> None:
         offset, size, checksum = self._blob_entry(layer, expert)
-        if digest(memoryview(self._mm)[offset:offset + size], expert_seed(layer, expert, offset)) != checksum:
-            raise E.CorruptExpert(f"expert {expert} of layer {layer} fails its checksum",
-                                  field=f"expert[{layer},{expert}]", offset=offset)
+        fault = checks.expert_fault(memoryview(self._mm), layer, expert, offset, size, checksum)
+        if fault is not None:
+            raise fault
         self._verified.add(("expert", layer, expert))
 
     def expert(self, layer: int, expert: int) -> ExpertView:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import errors as E
 from ..reader import Tables, open_regular, read_tables
-from ..spec.checksum import dense_seed, digest, expert_seed
+from ..spec import checks
 
 Progress = Callable[[int, int], None]   # (bytes done, bytes total)
 
@@ -95,17 +95,18 @@ def _check_data(view: memoryview, t: Tables, report: ValidationReport, progress:
     for start, end in t.plan.zero_ranges(t.header.metadata_size):
         _check_zero(view, start, end, "padding", fault)
     for e in t.dense:
-        if digest(view[e.offset:e.offset + e.size], dense_seed(e.name, e.offset)) != e.checksum:
-            fault(E.CorruptTensor(f"dense tensor {e.name!r} fails its checksum", field=e.name, offset=e.offset))
+        bad = checks.dense_fault(view, e)
+        if bad is not None:
+            fault(bad)
         done += e.size
     if progress:
         progress(done, total)
     pads = t.plan.blob.padding_ranges()
     for row in t.wsit:
         layer, expert, offset, size = int(row["layer"]), int(row["expert"]), int(row["offset"]), int(row["size"])
-        if digest(view[offset:offset + size], expert_seed(layer, expert, offset)) != int(row["checksum"]):
-            fault(E.CorruptExpert(f"expert {expert} of layer {layer} fails its checksum",
-                                  field=f"expert[{layer},{expert}]", offset=offset))
+        bad = checks.expert_fault(view, layer, expert, offset, size, int(row["checksum"]))
+        if bad is not None:
+            fault(bad)
         for a, b in pads:
             _check_zero(view, offset + a, offset + b, f"expert[{layer},{expert}] padding", fault)
         done += size

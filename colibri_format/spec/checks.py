@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import errors as E
 from . import constants as C
-from .checksum import digest, header_checksum, section_seed
+from .checksum import dense_seed, digest, expert_seed, header_checksum, section_seed
 from .layout import BlobLayout, FilePlan, blob_layout, plan_file
 from .structs import (DENSE_ENTRY_FIELD_OFFSETS, HEADER_FIELD_OFFSETS, WSIT_ENTRY_FIELD_OFFSETS, DenseEntry,
                       Header, WSIT_ENTRY_FMT)
@@ -262,3 +262,18 @@ def check_metadata_agrees(h: Header, meta: dict, entries: list[DenseEntry], plan
             raise E.InvalidDirectoryEntry("dense tensor dtype differs from quantization.dense_dtype",
                                           field=f"dense[{k}].dtype", value=e.dtype,
                                           offset=h.dense_dir_offset + k * C.DENSE_ENTRY_SIZE + 128)
+
+
+def dense_fault(view, entry: DenseEntry) -> E.CorruptTensor | None:
+    """The error for a dense tensor whose bytes (in the mapped `view` of the file) fail their checksum."""
+    if digest(view[entry.offset:entry.offset + entry.size], dense_seed(entry.name, entry.offset)) == entry.checksum:
+        return None
+    return E.CorruptTensor(f"dense tensor {entry.name!r} fails its checksum", field=entry.name, offset=entry.offset)
+
+
+def expert_fault(view, layer: int, expert: int, offset: int, size: int, checksum: int) -> E.CorruptExpert | None:
+    """The error for an expert blob whose bytes fail their (layer, expert, offset)-seeded checksum."""
+    if digest(view[offset:offset + size], expert_seed(layer, expert, offset)) == checksum:
+        return None
+    return E.CorruptExpert(f"expert {expert} of layer {layer} fails its checksum", field=f"expert[{layer},{expert}]",
+                           offset=offset)
