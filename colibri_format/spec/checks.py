@@ -245,7 +245,7 @@ def check_metadata_agrees(h: Header, meta: dict, entries: list[DenseEntry], plan
     if quant["experts"] != fmt_name:
         raise E.InvalidMetadata(f"quantization.experts disagrees with the header ({fmt_name})",
                                 field="quantization.experts", value=quant["experts"], offset=h.metadata_offset)
-    if quant.get("group_size") not in (None, 0, h.group_size) or (h.group_size and quant.get("group_size") != h.group_size):
+    if (quant.get("group_size") or None) != (h.group_size or None):   # null (or 0) exactly when the header has none
         raise E.InvalidMetadata("quantization.group_size disagrees with the header", field="quantization.group_size",
                                 value=quant.get("group_size"), offset=h.metadata_offset)
     dense_dtype = C.DTYPE_NAMES[quant["dense_dtype"]]
