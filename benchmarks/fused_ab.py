@@ -45,9 +45,9 @@ def main() -> int:
     import torch
     from gpu_vs_hf import build_hf
 
-    from colibri_format.cli_bench import run_bench
+    from colibri_format.runtime.cuda.bench import run_bench
     from colibri_format.convert.pipeline import convert
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
     from colibri_format.runtime.engine import EngineConfig
 
     rows = []

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Device check of the fused layer kernels and the bf16 tensor-core dense products, then gpu_vs_hf.
-#   OUT=/tmp/x T_TESTS=60 T_HF=130 TESTS="tests/gpu/test_fused_kernels.py ..." HF_SHAPES=qwen3,olmoe bash benchmarks/fused_check.sh
+#   OUT=/tmp/x T_TESTS=60 T_HF=130 TESTS="tests/runtime/cuda/test_gpu_fused_kernels.py ..." HF_SHAPES=qwen3,olmoe bash benchmarks/fused_check.sh
 set -o pipefail
 OUT=${OUT:-/tmp/fused_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 T_TESTS=${T_TESTS:-60} T_HF=${T_HF:-130}
-TESTS=${TESTS:-"tests/gpu/test_fused_kernels.py tests/gpu/test_cuda_engine.py"}
+TESTS=${TESTS:-"tests/runtime/cuda/test_gpu_fused_kernels.py tests/runtime/cuda/test_gpu_cuda_engine.py"}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader > "$OUT/machine.txt" 2>&1
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/machine.txt"
 t0=$SECONDS

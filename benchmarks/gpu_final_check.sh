@@ -7,7 +7,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt" 2>&1
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/machine.txt"
-timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --tb=short > "$OUT/gpu_tests.log" 2>&1
+timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs --tb=short > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
 demo=/tmp/demo.colibri
 colibri() { python3 -m colibri_format "$@"; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA engine's device run, in order, each step under its own time limit; logs and JSON go to $OUT.
 #   STEPS="tests sanitizer hf paging" bash benchmarks/gpu_suite.sh
-# Steps: tests (tests/gpu/test_cuda_engine.py), sanitizer (compute-sanitizer memcheck on a tiny model),
+# Steps: tests (tests/runtime/cuda/test_gpu_cuda_engine.py), sanitizer (compute-sanitizer memcheck on a tiny model),
 # hf (benchmarks/gpu_vs_hf.py), paging (benchmarks/paging.py). HF_SHAPES / PAGING_ARGS narrow the benchmarks.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -18,7 +18,7 @@ for step in $STEPS; do
   t0=$SECONDS
   case $step in
     tests)
-      timeout "$T_TESTS" python3 -m pytest tests/gpu/test_cuda_engine.py -q -p no:cacheprovider --maxfail=6 -rs --tb=short \
+      timeout "$T_TESTS" python3 -m pytest tests/runtime/cuda/test_gpu_cuda_engine.py -q -p no:cacheprovider --maxfail=6 -rs --tb=short \
           > "$OUT/tests.log" 2>&1
       rc=$?; summary+=("tests rc=$rc $(tail -1 "$OUT/tests.log") ($((SECONDS - t0)) s)") ;;
     sanitizer)

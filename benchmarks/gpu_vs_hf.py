@@ -8,7 +8,7 @@ LAYERS, see SHAPES) a random model is built by transformers in bf16 on the GPU a
 * prefill: one forward pass over 512 tokens (median of 3 after a warm-up).
 
 The same model is then `save_pretrained` (safetensors, bf16) to tmpfs, converted by `colibri convert`'s
-pipeline to int8 experts (bf16 dense), and timed by `colibri_format.cli_bench.run_bench`: decode at batch 1 and
+pipeline to int8 experts (bf16 dense), and timed by `colibri_format.runtime.cuda.bench.run_bench`: decode at batch 1 and
 32 (CUDA-graph replay), 512-token prefill, per-kernel GPU times and the roofline (weight bytes touched per step
 of THIS reduced model / the measured device copy bandwidth).
 
@@ -121,8 +121,8 @@ def hf_bench(model, device: str, n: int, seq_len: int) -> dict:
 
 
 def colibri_bench(path: Path, n: int, seq_len: int, dry: bool) -> dict:
-    from colibri_format.cli_bench import run_bench
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.bench import run_bench
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
     from colibri_format.runtime.engine import EngineConfig
 
     cfg = EngineConfig(device="cuda", max_batch_size=32, max_seq_len=max(seq_len, 64 + n))

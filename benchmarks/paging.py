@@ -5,7 +5,7 @@ Model: a Qwen3-30B-A3B-shaped int8 file with FEWER LAYERS (4 of 48; hidden 2048,
 not hide the experts), written by `colibri_format.synthetic.write_synthetic` (one random blob repeated: content
 does not matter for paging) to tmpfs. Cache: global scope, lru, lrfu and lrfu + next-layer-router prefetch;
 batch 1 and 8; routing either random (random router weights: near-uniform, little reuse) or replayed from a
-synthetic Zipf trace (`runtime.cachesim.synthetic_trace`, skew 1.0, locality 0.2: the assumption
+synthetic Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2: the assumption
 benchmarks/cache_policies.py makes for fine-grained shapes). Prefetch is measured with random routing only:
 with a replayed trace the router's prediction is unrelated to the replayed choices.
 
@@ -60,7 +60,7 @@ class TraceRoutes:
     """forced_routes for the engine: decode rows replay the trace step by step; prefill rows cycle through it."""
 
     def __init__(self, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
-        from colibri_format.runtime.cachesim import synthetic_trace
+        from colibri_format.runtime.cache.cachesim import synthetic_trace
 
         trace = synthetic_trace(len(layers), experts, k, steps, skew=1.0, locality=0.2, seed=seed, batch=batch)
         self.choices = np.zeros((steps, batch, len(layers), k), np.int32)
@@ -81,7 +81,7 @@ class TraceRoutes:
 
 
 def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, dry):
-    from colibri_format.cli_bench import run_bench
+    from colibri_format.runtime.cuda.bench import run_bench
 
     routes = TraceRoutes(layers, E, k, batch, n + warmup + 64) if routing == "trace" else None
     small = dict(ceiling_bytes=1 << 20) if dry else {}
@@ -195,8 +195,8 @@ def main() -> int:
 
         cuda_backend.set_backend_factory(FakeBackend)
         args.steps, args.warmup = 3, 1
-    from colibri_format.cli_bench import copy_ceilings
-    from colibri_format.runtime.cuda_backend import make_backend
+    from colibri_format.runtime.cuda.bench import copy_ceilings
+    from colibri_format.runtime.cuda.backend import make_backend
 
     be = make_backend(0)
     ceilings = copy_ceilings(be, be.new_stream(), 1 << 20 if args.dry_run else 1 << 30)

@@ -83,7 +83,7 @@ def trace_teacher_forced(model: Path, out: Path, passages: list[list[int]], batc
 
 def locality(trace_path: Path) -> dict:
     """Share of (layer, expert) accesses of pass t that pass t-1 also made, and experts per pass and layer."""
-    from colibri_format.runtime.trace import access_sequence, read_trace
+    from colibri_format.runtime.cache.trace import access_sequence, read_trace
 
     acc = access_sequence(read_trace(trace_path))
     steps: dict[int, set] = {}
@@ -129,7 +129,7 @@ TARGETS = (0.187, 0.023)   # the design article's LRU and hybrid miss rates
 def capacity_sweep(out_dir: Path, names: list[str]) -> dict:
     """Global scope, every capacity 1..48: the smallest capacity at which each policy's miss rate is at or
     below each target."""
-    from colibri_format.runtime.cachesim import run_cache_sim
+    from colibri_format.runtime.cache.cachesim import run_cache_sim
 
     out: dict = {}
     print(f"\n#### Capacity needed for a miss rate <= {', '.join(f'{100 * t:.1f}%' for t in TARGETS)} "
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, r in runs.items():
             print(f"{n}: {r}", file=sys.stderr)
 
-    from colibri_format.runtime.cachesim import run_cache_sim
+    from colibri_format.runtime.cache.cachesim import run_cache_sim
 
     results = {}
     for n in names:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from colibri_format.convert.pipeline import convert
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
     from colibri_format.runtime.engine import EngineConfig
     from tests.hf_models import make_tiny_checkpoint
 

@@ -89,7 +89,8 @@ def validate(path: FileArg,
 
 def _register_optional_commands() -> None:
     """Commands whose implementation lives in other modules (registered here to keep one app)."""
-    from . import cli_bench, cli_commands, cli_run  # noqa: F401  (add convert, infer, cache-sim, bench to `app`)
+    from . import cli_commands, cli_run  # noqa: F401
+    from .runtime.cuda import bench  # noqa: F401  (add convert, infer, cache-sim, bench to `app`)
 
 
 def main(argv: list[str] | None = None) -> int:

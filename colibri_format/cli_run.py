@@ -29,7 +29,7 @@ def _static_pins(policy: str, trace: Path | None, capacity: int | None, scope: s
     if trace is None or capacity is None:
         raise InvalidInput("--cache-policy static needs --pin-from-trace TRACE and --max-cached-experts N",
                            field="cache_policy", value=policy)
-    from .runtime.cachesim import pins_from_trace
+    from .runtime.cache.cachesim import pins_from_trace
     return tuple(pins_from_trace(trace, capacity, scope))
 
 
@@ -99,7 +99,7 @@ def cache_sim(trace: Annotated[Path, typer.Argument(help="Routing trace written 
               blob_bytes: Annotated[Optional[int], typer.Option("--blob-bytes", help="Bytes per expert blob.")] = None,
               as_json: JsonOpt = False) -> None:
     """Replay a routing trace under every cache policy and Belady's optimum; print miss rates."""
-    from .runtime.cachesim import render_table, run_cache_sim
+    from .runtime.cache.cachesim import render_table, run_cache_sim
     result = run_cache_sim(trace, capacity, policy, scope, blob_bytes=blob_bytes)
     if as_json:
         _print_json(result)

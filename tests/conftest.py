@@ -1,19 +1,13 @@
-"""Shared test setup: the repository root on sys.path and the Hypothesis profiles.
+"""Shared test setup: the Hypothesis profiles (the repository root is on sys.path through pytest's `pythonpath`).
 
 Profiles: `ci` (derandomized, 200 examples, no deadline) and `nightly` (10,000 random examples).
-HYPOTHESIS_PROFILE=nightly (or pytest's --hypothesis-profile) loads one globally; tests/format/test_properties.py
+HYPOTHESIS_PROFILE=nightly (or pytest's --hypothesis-profile) loads one globally; tests/spec/test_properties.py
 applies the profile named by HYPOTHESIS_PROFILE, `ci` when unset.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 try:
     from hypothesis import HealthCheck, settings

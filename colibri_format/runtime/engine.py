@@ -99,7 +99,7 @@ class GenerationResult:
 
 def _make_cache(config: EngineConfig):
     try:
-        from colibri_format.runtime.cache import ExpertCache
+        from colibri_format.runtime.cache.expert_cache import ExpertCache
     except ImportError:  # a checkout without the cache module: plain LRU, same counters
         return DictExpertCache(config.max_cached_experts)
 
@@ -123,7 +123,7 @@ class _RouteLog:
         self.observers: list[RouteObserver] = []
         self.writer = None
         if trace_path is not None and model.get("moe_layers"):
-            from colibri_format.runtime.trace import TraceWriter
+            from colibri_format.runtime.cache.trace import TraceWriter
 
             self.writer = TraceWriter(trace_path, num_layers=model["num_layers"], moe_layers=model["moe_layers"],
                                       num_experts=model["num_experts"], top_k=model["top_k"],
@@ -284,7 +284,7 @@ class Engine:
 
 def _cuda_engine(source: Any, config: EngineConfig):
     try:
-        from colibri_format.runtime.cuda_engine import CudaEngine
+        from colibri_format.runtime.cuda.engine_cuda import CudaEngine
     except ImportError as exc:
         raise InvalidInput(f"device='cuda' needs CuPy and the CUDA engine ({exc})", field="device",
                            value="cuda") from None

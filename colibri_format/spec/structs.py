@@ -2,7 +2,7 @@
 
 The field tables (name, struct code, meaning) are the single source of truth: the struct format, the
 byte offsets shown by `colibri inspect`, the fuzzers' field map and the tables in docs/spec.md all come
-from them (tests/test_spec_doc.py keeps the document in step).
+from them (tests/spec/test_spec_doc.py keeps the document in step).
 """
 
 from __future__ import annotations

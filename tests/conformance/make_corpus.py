@@ -22,7 +22,7 @@ if str(_ROOT) not in sys.path:
 from colibri_format import spec as S  # noqa: E402
 from colibri_format.inspect import inspect_file  # noqa: E402
 from colibri_format.synthetic import synthetic_model, write_synthetic  # noqa: E402
-from tests.format import craft  # noqa: E402
+from tests.spec import craft  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "corpus"
 

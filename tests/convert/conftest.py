@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# `python -m pytest` puts the repo root on sys.path; a bare `pytest` does not, and the
-# test modules import the shared fixtures as `tests.hf_models`.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.hf_models import make_tiny_checkpoint, reference_state  # noqa: E402
+from tests.hf_models import make_tiny_checkpoint, reference_state
 
 
 @pytest.fixture(scope="session")

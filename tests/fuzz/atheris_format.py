@@ -32,7 +32,7 @@ with atheris.instrument_imports():
     from colibri_format.inspect import validate_file
     from colibri_format.reader import load_tables
 
-from tests.format import craft  # noqa: E402
+from tests.spec import craft  # noqa: E402
 
 _SCRATCH = tempfile.mkdtemp(prefix="colibri-atheris-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
 _PATH = os.path.join(_SCRATCH, "input.colibri")

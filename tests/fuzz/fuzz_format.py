@@ -42,7 +42,7 @@ from colibri_format import errors as E  # noqa: E402
 from colibri_format import spec as S  # noqa: E402
 from colibri_format.inspect import inspect_file, validate_file  # noqa: E402
 from colibri_format.reader import load_tables  # noqa: E402
-from tests.format import craft  # noqa: E402
+from tests.spec import craft  # noqa: E402
 
 CRASH_DIR = Path(__file__).resolve().parent / "crashes"
 MEMORY_LIMIT = 4 << 30

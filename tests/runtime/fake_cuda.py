@@ -1,11 +1,11 @@
-"""A NumPy stand-in for the CUDA engine's backend (runtime/cuda_backend.py), for machines without a GPU.
+"""A NumPy stand-in for the CUDA engine's backend (runtime/cuda/backend.py), for machines without a GPU.
 
 "Device" arrays are NumPy arrays with real host addresses, so blob pointer tables, the slot pool and
 `copy_htod` (a memmove) behave as on the GPU; the kernels are float32 NumPy versions of the `ops` wrappers with
 the same signatures and output conventions (sorted dispatch order, pair order, out= buffers). Streams and events
 are no-ops, and a "captured graph" re-runs the captured function. This exercises the engine's own logic
 (packing, buffers, paging bookkeeping, passes, prefetch, graph fallback) on the CPU; numerical fidelity of the
-real kernels is the business of tests/gpu.
+real kernels is the business of tests/runtime/cuda.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import types
 
 import numpy as np
 
-from colibri_format.runtime.kernels import ops as real_ops
-from colibri_format.runtime.kernels.reference import bf16_to_f32
+from colibri_format.runtime.cuda.kernels import ops as real_ops
+from colibri_format.runtime.cuda.kernels.reference import bf16_to_f32
 
 
 def f32(a) -> np.ndarray:
@@ -300,7 +300,7 @@ class FakeBackend:
 
 def install(monkeypatch, **attrs) -> types.SimpleNamespace:
     """Make the CUDA engine build FakeBackends (attrs: class attributes such as free_bytes); returns a record."""
-    from colibri_format.runtime import cuda_backend
+    from colibri_format.runtime.cuda import backend as cuda_backend
 
     made = types.SimpleNamespace(backends=[])
     cls = type("FakeBackendT", (FakeBackend,), dict(attrs))

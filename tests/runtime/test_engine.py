@@ -7,8 +7,8 @@ import pytest
 from colibri_format.errors import (BatchTooLarge, ColibriFormatError, EmptyInput, InvalidInput, SequenceTooLong,
                                    TokenIdOutOfRange, UnsupportedModel)
 from colibri_format.runtime import Engine, EngineConfig, colibri_free, colibri_infer, colibri_init
-from colibri_format.runtime.trace import access_sequence, read_trace
-from numpy_tiny import CountingWeights, random_weights
+from colibri_format.runtime.cache.trace import access_sequence, read_trace
+from tests.runtime.numpy_tiny import CountingWeights, random_weights
 
 
 @pytest.fixture

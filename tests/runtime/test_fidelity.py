@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime.engine import Engine
-from hf_tiny import ARCHS, build_hf, checkpoint_weights, hf_logits, prompts, rel_err, to_canonical
+from tests.runtime.hf_tiny import ARCHS, build_hf, checkpoint_weights, hf_logits, prompts, rel_err, to_canonical
 
 TOL = 1e-4  # relative: |got - ref| / |ref| per sequence
 

@@ -19,8 +19,8 @@ from colibri_format.convert.pipeline import convert
 from colibri_format.errors import CorruptExpert, InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
 from colibri_format.runtime.infer_cli import run_infer
-from hf_tiny import ARCHS, build_hf, hf_logits, prompts, rel_err, write_colibri
-from numpy_tiny import random_weights, tokenizer_entry
+from tests.runtime.hf_tiny import ARCHS, build_hf, hf_logits, prompts, rel_err, write_colibri
+from tests.runtime.numpy_tiny import random_weights, tokenizer_entry
 
 INT8_LOGIT_TOL = 2e-2
 INT8_BF16_LOGIT_TOL = 3e-2

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_format.runtime import Engine
-from numpy_tiny import random_weights
+from tests.runtime.numpy_tiny import random_weights
 
 ENGINE = Engine(random_weights(sliding_window=3, qkv_bias=False))
 VOCAB = ENGINE.vocab_size

@@ -10,7 +10,7 @@ from colibri_format.errors import InvalidInput, InvalidMetadata
 from colibri_format.runtime import Engine
 from colibri_format.runtime.tokenizer import Tokenizer
 from colibri_format.runtime.weights import DictWeights
-from numpy_tiny import WORDS, random_weights, tokenizer_entry
+from tests.runtime.numpy_tiny import WORDS, random_weights, tokenizer_entry
 
 
 def test_round_trip_and_stop_ids():

@@ -57,7 +57,7 @@ class ExpertParallelEngine(Engine):
         if not m.get("moe_layers"):
             raise InvalidInput("this file has no MoE layer to spread across ranks", field="devices")
         if isinstance(trace, (str, os.PathLike)):
-            from colibri_format.runtime.trace import read_trace
+            from colibri_format.runtime.cache.trace import read_trace
             trace = read_trace(trace)
         placement = plan_placement(m["num_experts"], m["moe_layers"], self.world_size, trace)
         return placement

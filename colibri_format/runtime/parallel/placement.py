@@ -96,7 +96,7 @@ def balanced_owners(load: np.ndarray, world_size: int) -> tuple[int, ...]:
 
 def plan_placement(num_experts: int, moe_layers: Sequence[int], world_size: int,
                    trace=None) -> Placement:
-    """Disjoint ownership of every MoE layer's experts; `trace` (a runtime.trace.Trace) balances the load."""
+    """Disjoint ownership of every MoE layer's experts; `trace` (a runtime.cache.trace.Trace) balances the load."""
     layers = tuple(sorted(int(x) for x in moe_layers))
     _check(num_experts, layers, world_size)
     if trace is None:
@@ -117,7 +117,7 @@ def _better(load: np.ndarray, world_size: int) -> tuple[int, ...]:
 
 def expert_loads(trace, num_experts: int, moe_layers: Sequence[int]) -> dict[int, np.ndarray]:
     """Token-expert pairs per (layer, expert) in a trace: the work each expert's owner does."""
-    from colibri_format.runtime.trace import access_sequence
+    from colibri_format.runtime.cache.trace import access_sequence
 
     header = trace.header
     if header.num_experts != num_experts or tuple(header.moe_layers) != tuple(moe_layers):

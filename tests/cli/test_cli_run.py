@@ -5,7 +5,7 @@ import json
 import pytest
 
 from colibri_format.cli import main
-from colibri_format.runtime.cachesim import pins_from_trace
+from colibri_format.runtime.cache.cachesim import pins_from_trace
 from colibri_format.synthetic import synthetic_model, write_synthetic
 
 

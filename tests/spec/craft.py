@@ -5,7 +5,7 @@ moves here too. By default a patch re-seals what covers the patched bytes (the h
 section checksum of a directory or WSIT entry), so the check under test is the one that fires, not the
 checksum in front of it. Pass `fix=False` to leave the seals alone.
 
-Used by tests/format, tests/conformance/make_corpus.py and tests/fuzz/fuzz_format.py.
+Used by tests/spec, tests/conformance/make_corpus.py and tests/fuzz/fuzz_format.py.
 """
 
 from __future__ import annotations

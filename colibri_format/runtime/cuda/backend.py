@@ -23,14 +23,14 @@ CUBLAS_POINTER_MODE_HOST = 0
 
 
 class CupyBackend:
-    """The real thing: CuPy arrays on one device, the kernels of `runtime/kernels/ops.py`."""
+    """The real thing: CuPy arrays on one device, the kernels of `runtime/cuda/kernels/ops.py`."""
 
     name = "cupy"
 
     def __init__(self, device_id: int = 0) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
-        from colibri_format.runtime.kernels import ops  # noqa: PLC0415
+        from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
 
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device_id < count:

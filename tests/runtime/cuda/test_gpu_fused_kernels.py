@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_format.runtime.kernels import ops
-from colibri_format.runtime.kernels import reference as ref
+from colibri_format.runtime.cuda.kernels import ops
+from colibri_format.runtime.cuda.kernels import reference as ref
 
 F32_TOL = 2e-5
 BF16_TOL = 1e-2
@@ -136,7 +136,7 @@ def test_split_bf16(cp, rng, shape):
 @pytest.mark.parametrize("T,N,K", [(9, 64, 128), (512, 6144, 2048), (33, 1000, 96), (512, 2048, 4096)])
 def test_gemm_bf16_split(cp, rng, T, N, K):
     """The prefill dense product for bf16 matrices (tensor cores, hi+lo activations) against float64."""
-    from colibri_format.runtime.cuda_backend import CupyBackend
+    from colibri_format.runtime.cuda.backend import CupyBackend
 
     be = CupyBackend(cp.cuda.Device().id)
     x = rng.standard_normal((T, K)).astype(np.float32)

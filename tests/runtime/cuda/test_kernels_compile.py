@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from colibri_format.runtime.kernels import ops
+from colibri_format.runtime.cuda.kernels import ops
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA compiler) not on PATH")

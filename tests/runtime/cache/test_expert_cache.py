@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_format.errors import ColibriFormatError, InvalidInput
-from colibri_format.runtime.cache import (BeladyPolicy, CacheStats, ExpertCache, LFUPolicy, LRFUPolicy,
+from colibri_format.runtime.cache.expert_cache import (BeladyPolicy, CacheStats, ExpertCache, LFUPolicy, LRFUPolicy,
                                           LRUPolicy, RandomPolicy, StaticPolicy, make_policy, next_use)
 
 # Decays whose powers are never (or only absurdly nearly) a ratio of small integers, so that exact

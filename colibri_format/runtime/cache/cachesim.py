@@ -1,6 +1,6 @@
 """Trace-driven expert-cache simulator: replay a routing trace under every policy and capacity.
 
-The replay uses the policy classes of :mod:`colibri_format.runtime.cache` (the same code as the
+The replay uses the policy classes of :mod:`colibri_format.runtime.cache.expert_cache` (the same code as the
 engines' :class:`ExpertCache`) on integer keys ``moe_layer_index * num_experts + expert``, and the same
 clock values: the access clock is the position in the global access sequence (one clock for all
 partitions), the token clock the forward-pass index + 1 (an engine calls ``begin_token()`` at the start
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
+from colibri_format.runtime.cache.expert_cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
                                           next_use)
-from colibri_format.runtime.trace import (Accesses, Trace, access_sequence, make_header, read_trace,
+from colibri_format.runtime.cache.trace import (Accesses, Trace, access_sequence, make_header, read_trace,
                                           records_from_arrays)
 
 

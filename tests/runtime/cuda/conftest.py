@@ -1,5 +1,5 @@
-"""GPU tests: everything under tests/gpu is marked `gpu` and skipped, with a visible reason, when CuPy or a CUDA
-device is missing (CI machines have none)."""
+"""GPU tests: every `test_gpu_*.py` module is marked `gpu` and skipped, with a visible reason, when CuPy or a
+CUDA device is missing (CI machines have none). Run them all on a GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ import functools
 import pytest
 
 SKIP_REASON = "no CUDA GPU / CuPy available"
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy (skipped otherwise)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,7 +22,7 @@ def gpu_available() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "tests/gpu/" not in str(item.fspath).replace("\\", "/"):
+        if not item.path.name.startswith("test_gpu_"):
             continue
         item.add_marker(pytest.mark.gpu)
         if not gpu_available():

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Optional
 import numpy as np
 import typer
 
-from .cli import FileArg, JsonOpt, _print_json, app, out
+from colibri_format.cli import FileArg, JsonOpt, _print_json, app, out
 
 SPIN_SOURCE = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -132,7 +132,7 @@ def _prefill_bench(eng, seq_len: int, rng) -> dict:
 
 
 def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
-    from colibri_format.runtime.cuda_engine import _capacity_for
+    from colibri_format.runtime.cuda.engine_cuda import _capacity_for
 
     chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
     runner = eng._runner(batch, _capacity_for(prompt_len + warmup + num_iters + 1, eng.config.max_seq_len))
@@ -203,7 +203,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
               ceiling_bytes: int = 1 << 30, verify: str = "first-use") -> dict:
     """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
     from colibri_format.errors import InvalidInput
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
     from colibri_format.runtime.engine import EngineConfig
 
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("num_iters", num_iters)):

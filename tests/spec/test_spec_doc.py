@@ -7,7 +7,7 @@ import pytest
 
 from colibri_format.spec.doc import render_all
 
-SPEC = Path(__file__).resolve().parent.parent / "docs" / "spec.md"
+SPEC = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
 
 
 def _doc_table(text: str, name: str) -> str:

@@ -20,10 +20,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda_backend import make_backend
-from colibri_format.runtime.cuda_dense import GEMV_MAX_ROWS, DeviceDense
-from colibri_format.runtime.cuda_experts import ExpertPool
-from colibri_format.runtime.cuda_model import (DeviceForward, HostStep, KVBuffers, StepInputs, Workspace,
+from colibri_format.runtime.cuda.backend import make_backend
+from colibri_format.runtime.cuda.dense import GEMV_MAX_ROWS, DeviceDense
+from colibri_format.runtime.cuda.pager import ExpertPool
+from colibri_format.runtime.cuda.forward_cuda import (DeviceForward, HostStep, KVBuffers, StepInputs, Workspace,
                                                host_step, rope_rows)
 from colibri_format.runtime.engine import (EngineConfig, GenerationResult, GenerationStats, _make_cache,
                                            _RouteLog)

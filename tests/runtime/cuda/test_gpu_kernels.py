@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_format.runtime.kernels import ops
-from colibri_format.runtime.kernels import reference as ref
-from colibri_format.runtime.kernels.synthetic import host_experts, upload
+from colibri_format.runtime.cuda.kernels import ops
+from colibri_format.runtime.cuda.kernels import reference as ref
+from colibri_format.runtime.cuda.kernels.synthetic import host_experts, upload
 
 F32_TOL = 2e-5    # fp32 accumulation vs float64
 BF16_TOL = 1e-2   # one bf16 rounding of the output

@@ -1,6 +1,6 @@
 """The CUDA engine's logic on the CPU: NumPy stand-ins for CuPy and the kernels (fake_cuda.py).
 
-The same files, prompts and checks as tests/gpu/test_cuda_engine.py, minus kernel numerics: packing, KV rows,
+The same files, prompts and checks as tests/runtime/cuda/test_gpu_cuda_engine.py, minus kernel numerics: packing, KV rows,
 RoPE rows, buffers reused under "capture", expert slot pool, paging through ExpertCache (hits, misses and
 evictions equal to the NumPy engine's), multi-pass layers, prefetch, staging fallback, verify-on-page-in and the
 budget error.
@@ -14,7 +14,7 @@ import pytest
 from colibri_format.convert.pipeline import convert
 from colibri_format.errors import CorruptExpert, InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
-from fake_cuda import install
+from tests.runtime.fake_cuda import install
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head_dim 64: the kernel path
@@ -106,7 +106,7 @@ def test_prefetch_keeps_outputs_and_reports_recall(mixtral_file, monkeypatch):
     cfg = dict(max_cached_experts=8, cache_policy="lrfu")
     with Engine(mixtral_file, EngineConfig(**cfg)) as cpu:
         want = cpu.generate([3, 4, 5], max_new_tokens=8, stop_ids=[]).output_ids
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
 
     with CudaEngine(mixtral_file, EngineConfig(device="cuda", **cfg), prefetch=True) as gpu:
         assert gpu.generate([3, 4, 5], max_new_tokens=8, stop_ids=[]).output_ids == want
@@ -152,7 +152,7 @@ def test_corrupt_expert_is_caught_on_page_in(tmp_path_factory, monkeypatch):
 
 
 def test_over_budget_names_the_largest_that_fits(mixtral_file, monkeypatch):
-    from colibri_format.runtime.cuda_experts import MEMORY_RESERVE
+    from colibri_format.runtime.cuda.pager import MEMORY_RESERVE
 
     import colibri_format
 
@@ -176,7 +176,7 @@ def test_closed_engine_refuses(mixtral_file, monkeypatch):
 
 @pytest.mark.parametrize("capacity", [None, 3])
 def test_run_bench_reports_every_section(mixtral_file, monkeypatch, capacity):
-    from colibri_format.cli_bench import render, run_bench
+    from colibri_format.runtime.cuda.bench import render, run_bench
 
     install(monkeypatch)
     r = run_bench(mixtral_file, batch_size=2, seq_len=8, num_iters=3, warmup_iters=1, max_cached_experts=capacity,
@@ -200,7 +200,7 @@ def test_long_prefill_uses_the_grouped_gemm_and_cublas(mixtral_file, monkeypatch
 def test_fused_layer_kernels_match_unfused_path(arch_file, monkeypatch):
     """COLIBRI_CUDA_FUSED=0 keeps the unfused chain; both give the NumPy engine's logits and tokens."""
     made = install(monkeypatch)
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
 
     outs = {}
     for flag in ("1", "0"):

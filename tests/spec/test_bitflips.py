@@ -21,7 +21,7 @@ import pytest
 
 from colibri_format.cli import main as cli_main
 from colibri_format.inspect import validate_file
-from tests.format import craft
+from tests.spec import craft
 
 WORKERS = 2
 

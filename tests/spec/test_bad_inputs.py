@@ -34,7 +34,7 @@ from colibri_format.cli import main as cli_main
 from colibri_format.inspect import inspect_file, validate_file
 from colibri_format.reader import load_tables
 from colibri_format.spec.structs import DENSE_ENTRY_FIELD_OFFSETS, HEADER_FIELD_OFFSETS, WSIT_ENTRY_FIELD_OFFSETS
-from tests.format import craft
+from tests.spec import craft
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -35,7 +35,7 @@ from colibri_format.spec.checksum import header_checksum
 from colibri_format.spec.structs import HEADER_FIELDS
 from colibri_format.synthetic import synthetic_metadata, synthetic_model
 from colibri_format.writer import ColibriWriter
-from tests.format import craft
+from tests.spec import craft
 
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 pytestmark = pytest.mark.timeout(300)

@@ -90,7 +90,7 @@ def test_small_heads_use_the_fallback_attention(tmp_path_factory):
 
 
 def test_graph_replay_equals_eager(mixtral_file):
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
 
     cfg = EngineConfig(device="cuda")
     with CudaEngine(mixtral_file, cfg) as g, CudaEngine(mixtral_file, cfg, use_graphs=False) as e:
@@ -128,7 +128,7 @@ def test_paging_matches_numpy_engine(mixtral_file, policy, scope, capacity):
 
 
 def test_prefetch_keeps_outputs(mixtral_file):
-    from colibri_format.runtime.cuda_engine import CudaEngine
+    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
 
     cfg = dict(max_cached_experts=8, cache_policy="lrfu")
     with Engine(mixtral_file, EngineConfig(**cfg)) as cpu:
@@ -139,7 +139,7 @@ def test_prefetch_keeps_outputs(mixtral_file):
 
 
 def test_staging_ring_when_registration_fails(mixtral_file, monkeypatch):
-    from colibri_format.runtime.cuda_backend import CupyBackend
+    from colibri_format.runtime.cuda.backend import CupyBackend
 
     def refuse(self, addr, nbytes):
         raise RuntimeError("refused (test)")
@@ -172,8 +172,8 @@ def test_corrupt_expert_is_caught_on_page_in(tmp_path_factory):
 
 def test_over_budget_names_the_largest_that_fits(mixtral_file, monkeypatch):
     import colibri_format
-    from colibri_format.runtime.cuda_backend import CupyBackend
-    from colibri_format.runtime.cuda_experts import MEMORY_RESERVE
+    from colibri_format.runtime.cuda.backend import CupyBackend
+    from colibri_format.runtime.cuda.pager import MEMORY_RESERVE
 
     with colibri_format.open(mixtral_file) as f:
         blob = len(f.expert_blob(0, 0))

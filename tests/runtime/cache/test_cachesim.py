@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cache import ExpertCache
-from colibri_format.runtime.cachesim import (DEFAULT_POLICIES, PolicySpec, parse_capacities, parse_policies,
+from colibri_format.runtime.cache.expert_cache import ExpertCache
+from colibri_format.runtime.cache.cachesim import (DEFAULT_POLICIES, PolicySpec, parse_capacities, parse_policies,
                                              render_table, run_cache_sim, simulate, synthetic_trace,
                                              top_experts)
-from colibri_format.runtime.trace import (Trace, TraceRecord, TraceWriter, access_sequence, make_header,
+from colibri_format.runtime.cache.trace import (Trace, TraceRecord, TraceWriter, access_sequence, make_header,
                                           read_trace, write_trace)
 
 HEADER = {"colibri_trace": 1, "num_layers": 4, "moe_layers": [1, 3], "num_experts": 8, "top_k": 2,

@@ -19,13 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-for _p in (str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+ROOT = Path(__file__).resolve().parents[3]
 
-from colibri_format.errors import InvalidInput  # noqa: E402
-from colibri_format.runtime.parallel.placement import (describe, expert_loads, plan_placement,  # noqa: E402
+from colibri_format.errors import InvalidInput
+from colibri_format.runtime.parallel.placement import (describe, expert_loads, plan_placement,
                                                        quotas)
 
 LOGIT_TOL = 1e-5
@@ -106,7 +103,7 @@ def run_group(world: int, job: dict, tmp: Path) -> list[tuple[dict, dict]]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     from colibri_format.convert.pipeline import convert
-    from hf_models import ARCHS, make_tiny_checkpoint
+    from tests.hf_models import ARCHS, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ep-files")
     out = {arch: str(root / f"{arch}.colibri") for arch in ARCHS}
@@ -273,7 +270,7 @@ def test_contiguous_placement_is_disjoint_and_balanced_in_count():
 
 
 def _skewed_trace(E=8, layers=(0, 1), steps=40, seed=0):
-    from colibri_format.runtime.trace import Trace, TraceRecord, make_header
+    from colibri_format.runtime.cache.trace import Trace, TraceRecord, make_header
 
     rng = np.random.default_rng(seed)
     probs = np.array([0.5 ** (e % 4) for e in range(E)])[::-1]        # hot experts clustered at high ids
