@@ -1,9 +1,13 @@
-"""The NumPy reference engine: batched prefill, incremental decoding through a KV cache, experts paged lazily.
+"""The engine: one class over one decoder, on the NumPy backend (device="cpu") or the CUDA one (device="cuda").
 
-    with Engine("model.colibri", EngineConfig(max_cached_experts=64)) as eng:
+    with Engine("model.colibri", EngineConfig(device="cuda", max_cached_experts=64)) as eng:
         eng.infer([[1, 2, 3], [4, 5]])                   # next token id per sequence
         eng.generate([1, 2, 3], max_new_tokens=32)       # GenerationResult(output_ids, text, stats)
 
+Dense weights are loaded once as the backend keeps them. Experts live in an `ExpertPool`: all resident when they
+fit in `max_cached_experts` (or it is None), else paged from the file mapping through the `ExpertCache`. Prefill
+is one eager packed pass; decode steps go through a `DecodeRunner`, captured as a CUDA graph when the backend has
+graphs and nothing in the step needs the host (`stats()["graphs"]` says why not otherwise).
 `colibri_init` / `colibri_infer` / `colibri_free` are the C-style names users know from the original project.
 """
 
@@ -18,23 +22,27 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.expert_source import CachedExperts, DictExpertCache, PagingStats
+from colibri_format.runtime.args import ModelArgs
+from colibri_format.runtime.expert_pool import ExpertPool
+from colibri_format.runtime.forward import Decoder, KVBuffers, StepInputs, Workspace, host_step
 from colibri_format.runtime.inputs import check_batch, prompt_ids
-from colibri_format.runtime.model import MoEModel
+from colibri_format.runtime.rope import rotary_dim
+from colibri_format.runtime.runner import DecodeRunner, capacity_for
 from colibri_format.runtime.sampling import check_sampling, sample
-from colibri_format.runtime.weights import FileWeights, WeightProvider
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"                       # "cpu" (this engine) or "cuda" (the CuPy engine)
+    device: str = "cpu"                       # "cpu" (NumPy backend) or "cuda" (CuPy kernels)
     device_id: int = 0
     max_batch_size: int = 32
     max_seq_len: int = 2048
     max_cached_experts: int | None = None     # None: keep every expert once loaded
-    use_async_memcpy: bool = True             # CUDA engine only
+    use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
+    prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
+    bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -97,23 +105,31 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def _make_cache(config: EngineConfig):
-    try:
-        from colibri_format.runtime.cache.expert_cache import ExpertCache
-    except ImportError:  # a checkout without the cache module: plain LRU, same counters
-        return DictExpertCache(config.max_cached_experts)
+def make_cache(config: EngineConfig, on_evict=None):
+    from colibri_format.runtime.cache.expert_cache import ExpertCache
 
     pinned = [tuple(p) for p in config.pinned_experts] if config.pinned_experts is not None else None
-    return ExpertCache(config.max_cached_experts, policy=config.cache_policy, scope=config.cache_scope,
-                       decay=config.decay_factor, clock=config.cache_clock, pinned=pinned,
-                       history=config.cache_history and config.cache_policy in ("lfu", "lrfu"))
+    cache = ExpertCache(config.max_cached_experts, policy=config.cache_policy, scope=config.cache_scope,
+                        decay=config.decay_factor, clock=config.cache_clock, pinned=pinned,
+                        history=config.cache_history and config.cache_policy in ("lfu", "lrfu"))
+    cache.on_evict = on_evict
+    return cache
 
 
-def _cache_counts(cache) -> tuple[int, int]:
-    if hasattr(cache, "stats"):
-        s = cache.stats()
-        return s.hits, s.misses
-    return cache.hits, cache.misses
+def make_backend(config: EngineConfig):
+    """The backend of `config.device`; CuPy is imported only for device="cuda"."""
+    if config.device == "cpu":
+        from colibri_format.runtime.numpy_backend import NumpyBackend
+
+        return NumpyBackend(np.float32)
+    try:
+        from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
+    except ImportError as exc:
+        raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
+    return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores)
+
+
+MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)
 
 
 class _RouteLog:
@@ -149,31 +165,50 @@ class _RouteLog:
 
 
 class Engine:
-    def __new__(cls, source: Any = None, config: EngineConfig | None = None):
-        if config is not None and config.device == "cuda" and cls is Engine:
-            return _cuda_engine(source, config)   # same API, GPU kernels; __init__ below is skipped
-        return super().__new__(cls)
+    """generate / infer / logits / stats / tokenizer / close over a `.colibri` file (a path)."""
 
-    def __init__(self, source: str | os.PathLike | WeightProvider, config: EngineConfig | None = None) -> None:
+    def __init__(self, source: str | os.PathLike, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        owns = isinstance(source, (str, os.PathLike))
-        self.weights = FileWeights.open(os.fspath(source), self.config.verify) if owns else source
-        self._owns_weights = owns
-        self.cache = _make_cache(self.config)
-        self.experts = CachedExperts(self.weights, self.cache)
-        self.routes = _RouteLog(self.weights.model, self.config.trace_path,
-                                str(self.weights.metadata.get("architecture", "unknown")))
-        self.model = MoEModel(self.weights.model, self.weights.dense, self.experts, self.weights.has,
-                              self.routes.record)
-        self._tokenizer: Any = None
-        self._step = 0
+        if not isinstance(source, (str, os.PathLike)):
+            raise InvalidInput("an engine reads a .colibri file path", field="source", value=type(source).__name__)
+        import colibri_format  # late: the package's __init__ imports the reader, which is all we need of it
+
+        self.closed = True
+        self.reader = colibri_format.open(os.fspath(source), verify=self.config.verify)
+        try:
+            self._setup()
+        except BaseException:
+            self.reader.close()
+            raise
         self.closed = False
 
-    # --- properties -------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.config
+        self.metadata = self.reader.metadata
+        self.args = ModelArgs.from_dict(self.reader.model)
+        self.half = rotary_dim(self.args.rope, self.args.head_dim) // 2
+        self.be = make_backend(cfg)
+        self.be.check_support(self.reader.model, self.reader.blob_layout if self.args.moe_layers else None)
+        self.stream = self.be.new_stream()
+        self.be.host_stream = self.stream
+        t0 = time.perf_counter()
+        with self.stream:
+            self.dense = self.be.dense(self.reader)
+            self.experts = ExpertPool(self.reader, self.args, cfg, self.be, self.stream,
+                                      lambda on_evict: make_cache(cfg, on_evict), prefetch=cfg.prefetch)
+        self.be.synchronize()        # uploads made outside the compute stream are done before it runs
+        self.load_seconds = time.perf_counter() - t0
+        self.cache = self.experts.cache
+        self.decoder = Decoder(self.args, self.dense, self.experts, self.be)
+        self.routes = _RouteLog(self.reader.model, cfg.trace_path, str(self.metadata.get("architecture", "unknown")))
+        self._runners: dict[tuple[int, int], DecodeRunner] = {}
+        self._tokenizer: Any = None
+        self._step = 0
 
+    # --- properties -------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.model.args.vocab_size
+        return self.args.vocab_size
 
     @property
     def tokenizer(self):
@@ -181,21 +216,45 @@ class Engine:
         if self._tokenizer is None:
             from colibri_format.runtime.tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_metadata(self.weights.metadata) or False
+            self._tokenizer = Tokenizer.from_metadata(self.metadata) or False
         return self._tokenizer or None
 
-    # --- inference --------------------------------------------------------------------------------------
+    def graph_blocker(self, batch: int) -> str | None:
+        """Why a decode step of `batch` rows cannot be captured as a graph, or None."""
+        if not self.be.graphs:
+            return f"the {self.be.name} backend has no graphs"
+        if not self.config.use_graphs:
+            return "graphs disabled"
+        if not self.experts.resident:
+            return "experts are paged: routing must reach the host every layer"
+        if self.decoder.forced_routes is not None:
+            return "routing is replayed from the host (benchmark)"
+        return self.be.graph_blocker(self.args, batch)
 
+    def stats(self) -> dict:
+        """Engine-level state: expert residency and paging counters, graph status, memory."""
+        graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason) for (b, c), r in self._runners.items()}
+        ex = self.experts
+        out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
+               "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
+               "host_source": ex.source.mode, "host_source_note": ex.source.reason,
+               "load_seconds": self.load_seconds, "graphs": graphs, "paging": ex.counters.as_dict()}
+        if self.cache is not None:
+            s = self.cache.stats()
+            out["cache"] = {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "hit_rate": s.hit_rate}
+        return out
+
+    # --- inference --------------------------------------------------------------------------------------
     def logits(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Logits of every position, [n_i, vocab] float32 per sequence (a fresh KV cache for each)."""
         chunks = self._check(batch)
-        return self._forward(chunks, [self.model.new_cache() for _ in chunks], all_logits=True)
+        out = self.be.to_host(self._prefill_fresh(chunks, all_logits=True)).astype(np.float32, copy=False)
+        return list(np.split(out, np.cumsum([len(c) for c in chunks])[:-1]))
 
     def infer(self, batch: Sequence[Sequence[int]]) -> list[int]:
         """Greedy next token id per sequence after a batched prefill."""
         chunks = self._check(batch)
-        last = self._forward(chunks, [self.model.new_cache() for _ in chunks])
-        return [int(np.argmax(row)) for row in last]
+        return [int(np.argmax(row)) for row in self.be.to_host(self._prefill_fresh(chunks))]
 
     def generate(self, prompt_ids: Sequence[int] | str, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
@@ -206,74 +265,143 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidInput("max_new_tokens must be an integer >= 0", field="max_new_tokens", value=max_new_tokens)
         stop = set(self._stop_ids() if stop_ids is None else stop_ids)
-        self.experts.stats, counts0 = PagingStats(), _cache_counts(self.cache)
+        c0 = self._counts()
         stats = GenerationStats(prompt_tokens=len(prompt))
         out = self._decode(prompt, max_new_tokens, temperature, top_p, seed, stop, callback, stats)
-        self._finish_stats(stats, counts0)
+        self._finish_stats(stats, c0)
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         if self.config.verbose:
-            print(f"colibri: {stats.as_dict()}", file=sys.stderr)
+            print(f"colibri({self.be.name}): {stats.as_dict()}", file=sys.stderr)
         return GenerationResult(out, text, stats)
 
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding of several prompts at once (one decode runner for the batch); token ids per prompt."""
+        chunks = self._check(prompts)
+        need = max(len(c) for c in chunks) + max_new_tokens
+        if need > self.config.max_seq_len:
+            raise InvalidInput(f"prompt + max_new_tokens = {need} exceeds max_seq_len={self.config.max_seq_len}",
+                               field="max_new_tokens", value=max_new_tokens)
+        runner = self._runner(len(chunks), capacity_for(need, self.config.max_seq_len))
+        logits = self._prefill(chunks, runner.kv, list(range(len(chunks))), [0] * len(chunks))
+        outs = [[t] for t in self._argmax(logits)]
+        pos = np.array([len(c) for c in chunks])
+        for _ in range(max_new_tokens - 1):
+            logits = runner.step(np.array([o[-1] for o in outs]), pos)
+            for o, t in zip(outs, self._argmax(logits)):
+                o.append(t)
+            pos = pos + 1
+        return outs
+
+    def _argmax(self, logits) -> list[int]:
+        with self.stream:
+            return [int(t) for t in self.be.to_host(self.be.xp.argmax(logits, axis=1))]
+
+    # --- passes -------------------------------------------------------------------------------------------
+    def _prefill_fresh(self, chunks: list[np.ndarray], all_logits: bool = False):
+        with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
+            kv = KVBuffers(self.be, self.args.num_layers, len(chunks), max(len(c) for c in chunks),
+                           self.args.n_kv_heads, self.args.head_dim)
+        return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
+
+    def _prefill(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):
+        """Device logits [R, V] of a packed, eager pass (R: every row, or each sequence's last)."""
+        host = host_step(self.args, chunks, starts, seqs, all_logits)
+        T = len(host.ids)
+        with self.stream:
+            inp = StepInputs(self.be, T, self.half)
+            inp.fill(host, self.stream)
+            rows = None if all_logits else self.be.to_device(host.out_rows)
+            self._begin(seqs, chunks, starts, T)
+            try:
+                return self.decoder.run(inp, kv, Workspace(self.be), T, rows, max_len=int(host.pos.max()) + 1)
+            finally:
+                self.decoder.route_hook = None
+
+    def _begin(self, seqs, chunks, starts, rows: int) -> None:
+        """Bookkeeping of one pass: trace rows, the expert cache's token clock, the route hook if routes are read."""
+        if self.closed:
+            raise InvalidInput("the engine is closed", field="engine")
+        self.routes.begin(self._step, seqs, chunks, starts)
+        self._step += 1
+        if rows:
+            self.experts.begin_token(rows)      # a decode runner's step advances the clock itself
+        if self.routes.writer is not None or self.routes.observers:
+            self.decoder.route_hook = lambda layer, ids: self.routes.record(layer,
+                                                                            self.be.to_host(ids).astype(np.int64))
+
+    def _runner(self, batch: int, capacity: int) -> DecodeRunner:
+        key = (batch, capacity)
+        if key not in self._runners:
+            while len(self._runners) >= MAX_RUNNERS:
+                self._runners.pop(next(iter(self._runners)))
+            with self.stream:
+                self._runners[key] = DecodeRunner(self, batch, capacity)
+        return self._runners[key]
+
     def _decode(self, prompt, max_new_tokens, temperature, top_p, seed, stop, callback, stats) -> list[int]:
-        rng, cache, out = np.random.default_rng(seed), self.model.new_cache(), []
+        rng, out = np.random.default_rng(seed), []
         budget = min(max_new_tokens, self.config.max_seq_len - len(prompt))
         stats.finish_reason = "length" if budget == max_new_tokens else "max_seq_len"
         if budget <= 0:
             return out
+        runner = self._runner(1, capacity_for(len(prompt) + budget, self.config.max_seq_len))
         t0 = time.perf_counter()
-        logits = self._forward([prompt], [cache])[0]
+        row = self.be.to_host(self._prefill([prompt], runner.kv, [0], [0]))[0]
         t1 = time.perf_counter()
         for step in range(budget):
             if step:
-                logits = self._forward([np.array([out[-1]])], [cache])[0]
-            out.append(sample(logits, temperature, top_p, rng))
-            halted = callback is not None and callback(out[-1]) is False    # the callback sees every token
-            if out[-1] in stop or halted:
+                row = self._decode_step(runner, out[-1], len(prompt) + step - 1)
+            out.append(sample(row, temperature, top_p, rng))
+            if out[-1] in stop or (callback is not None and callback(out[-1]) is False):
                 stats.finish_reason = "stop" if out[-1] in stop else "callback"
                 break
         stats.prefill_seconds, stats.decode_seconds = t1 - t0, time.perf_counter() - t1
         stats.generated_tokens = len(out)
         return out
 
-    def _finish_stats(self, stats: GenerationStats, counts0: tuple[int, int]) -> None:
-        hits, misses = _cache_counts(self.cache)
-        paging = self.experts.stats
-        stats.cache_hits, stats.cache_misses = hits - counts0[0], misses - counts0[1]
-        stats.experts_touched, stats.expert_loads, stats.bytes_paged = (len(paging.touched), paging.loads,
-                                                                        paging.bytes_paged)
+    def _decode_step(self, runner: DecodeRunner, token: int, pos: int) -> np.ndarray:
+        self._begin([0], [np.array([token])], [pos], rows=0)
+        try:
+            return self.be.to_host(runner.step(np.array([token]), np.array([pos])))[0]
+        finally:
+            self.decoder.route_hook = None
+
+    def _counts(self) -> tuple:
+        c = self.experts.counters
+        return c.hits, c.misses, c.loads, c.bytes_paged, set(c.touched), c.stall_seconds
+
+    def _finish_stats(self, stats: GenerationStats, c0: tuple) -> None:
+        c = self.experts.counters
+        stats.cache_hits, stats.cache_misses = c.hits - c0[0], c.misses - c0[1]
+        stats.expert_loads, stats.bytes_paged = c.loads - c0[2], c.bytes_paged - c0[3]
+        stats.experts_touched = len(c.touched - c0[4])
+        stats.stall_seconds = c.stall_seconds - c0[5]
         stats.set_rates()
 
-    def _forward(self, chunks: list[np.ndarray], caches, all_logits: bool = False, seqs=None) -> list[np.ndarray]:
+    # --- inputs -----------------------------------------------------------------------------------------
+    def _check(self, batch) -> list[np.ndarray]:
         if self.closed:
             raise InvalidInput("the engine is closed", field="engine")
-        self.routes.begin(self._step, seqs or range(len(chunks)), chunks, [c.length for c in caches])
-        if hasattr(self.cache, "begin_token"):
-            self.cache.begin_token()
-        out = self.model.forward(chunks, caches, all_logits)
-        self._step += 1
-        return out
-
-    # --- inputs -----------------------------------------------------------------------------------------
-
-    def _check(self, batch) -> list[np.ndarray]:
         return check_batch(batch, self.vocab_size, self.config.max_batch_size, self.config.max_seq_len)
 
     def _prompt(self, prompt: Sequence[int] | str) -> np.ndarray:
+        if self.closed:
+            raise InvalidInput("the engine is closed", field="engine")
         return prompt_ids(prompt, self.tokenizer, self.vocab_size, self.config.max_seq_len)
 
     def _stop_ids(self) -> list[int]:
         return self.tokenizer.stop_ids if self.tokenizer is not None else []
 
     # --- lifetime ---------------------------------------------------------------------------------------
-
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.routes.close()
-        if self._owns_weights:
-            self.weights.close()
+        self._runners.clear()
+        self.experts.close()
+        self.dense = self.decoder = None
+        self.reader.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -282,18 +410,9 @@ class Engine:
         self.close()
 
 
-def _cuda_engine(source: Any, config: EngineConfig):
-    try:
-        from colibri_format.runtime.cuda.engine_cuda import CudaEngine
-    except ImportError as exc:
-        raise InvalidInput(f"device='cuda' needs CuPy and the CUDA engine ({exc})", field="device",
-                           value="cuda") from None
-    return CudaEngine(source, config)
-
-
 # --- the C-style names of the original project ----------------------------------------------------------
 
-def colibri_init(path: str | os.PathLike | WeightProvider, config: EngineConfig | None = None,
+def colibri_init(path: str | os.PathLike, config: EngineConfig | None = None,
                  **fields: Any) -> Engine:
     """Open an engine; `fields` (device_id=, max_batch_size=, ...) build an EngineConfig when none is given."""
     return Engine(path, config or EngineConfig(**fields))

@@ -1,8 +1,8 @@
-"""The CUDA engine's one door to CuPy: arrays, streams, events, copies, host registration, graph capture.
+"""The CUDA backend: the decoder's ops on the kernels of `cuda/kernels`, and the one door to CuPy (arrays,
+streams, events, copies, host registration, graph capture).
 
-Every device call of the CUDA engine goes through a `Backend`, so that the engine's logic (buffers, paging
-bookkeeping, graph fallback) can also run on the CPU in tests with a NumPy stand-in (tests/runtime/fake_cuda.py)
-that has the same methods. CuPy is imported only here and in `kernels/ops.py`, and only when a backend is built.
+It offers the same methods as `runtime.numpy_backend.NumpyBackend`, so one decoder, one expert pool and one engine
+run on either. CuPy is imported only here and in `kernels/ops.py`, and only when a backend is built.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, UnsupportedModel
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
@@ -41,6 +41,7 @@ class CupyBackend:
         self.device = cupy.cuda.Device(device_id)
         self.device.use()
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
+        self.bf16_tensor_cores = bf16_tensor_cores
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -58,8 +59,14 @@ class CupyBackend:
         self.device.synchronize()
 
     def set_from_host(self, dst, src: np.ndarray, stream) -> None:
-        """Copy a small host array into an existing device array on `stream` (ordered with its kernels)."""
-        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape), stream=stream)
+        """Copy a small host array into an existing device array on `stream` (None: the compute stream)."""
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype).reshape(dst.shape), stream=stream or self.host_stream)
+
+    def empty(self, shape, dtype=np.float32):
+        return self.xp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.xp.zeros(shape, dtype=dtype)
 
     def free_memory(self) -> int:
         return int(self.device.mem_info[0]) + int(self.xp.get_default_memory_pool().free_bytes())
@@ -95,6 +102,94 @@ class CupyBackend:
         finally:
             cublas.setPointerMode(handle, mode)
         return out
+
+    # --- what the engine asks of a backend ---------------------------------------------------------------------
+    def check_support(self, model: dict, blob_layout) -> None:
+        """Refuse at open, naming the field, what the kernels cannot run."""
+        from colibri_format.runtime.cuda.limits import check_cuda_support  # noqa: PLC0415
+        from colibri_format.spec.constants import QUANTIZED_FORMATS  # noqa: PLC0415
+
+        if blob_layout is not None and blob_layout.expert_format not in QUANTIZED_FORMATS:
+            raise UnsupportedModel("the CUDA engine runs int8 experts only (convert with --quantize expert); this "
+                                   f"file stores experts as format {int(blob_layout.expert_format)}",
+                                   field="expert_format", value=int(blob_layout.expert_format))
+        check_cuda_support(model, blob_layout)
+
+    def graph_blocker(self, args, batch: int) -> str | None:
+        from colibri_format.runtime.cuda.dense import GEMV_MAX_ROWS  # noqa: PLC0415
+
+        if args.head_dim not in ATTENTION_HEAD_DIMS:
+            return f"head_dim {args.head_dim} uses the array-operation attention fallback"
+        if batch > GEMV_MAX_ROWS:
+            return f"batch {batch} > {GEMV_MAX_ROWS} uses cuBLAS, which cannot be captured"
+        return None
+
+    def dense(self, reader):
+        from colibri_format.runtime.cuda.dense import DeviceDense  # noqa: PLC0415
+
+        return DeviceDense(reader, self)
+
+    def expert_table(self, blob_ptrs, layout, zero_ptr: int):
+        return self.ops.ExpertTable.from_layout(blob_ptrs, layout)
+
+    # --- the decoder's ops ------------------------------------------------------------------------------------
+    def embedding(self, ids, table, *, mult: float, out):
+        return self.ops.embedding(ids, table, mult=mult, out=out)
+
+    def rmsnorm(self, x, w, eps: float, *, out):
+        return self.ops.rmsnorm(x, w, eps, out=out)
+
+    def add_rmsnorm(self, h, b, w, eps: float, *, alpha: float, out):
+        return self.ops.add_rmsnorm(h, b, w, eps, alpha=alpha, out=out)
+
+    def residual_add(self, a, b, *, alpha: float, out):
+        return self.ops.residual_add(a, b, alpha=alpha, out=out)
+
+    def silu_mul(self, gu, *, out):
+        return self.ops.silu_mul(gu, out=out)
+
+    def qkv_rope_kv(self, *args, **kwargs):
+        return self.ops.qkv_rope_kv(*args, **kwargs)
+
+    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int):
+        """The split attention kernel (splits and partials planned once per shape), or, for head sizes it is not
+        built for, the NumPy backend's array code on device arrays (eager only)."""
+        T, nh, hd = q.shape
+        if hd not in ATTENTION_HEAD_DIMS:
+            from colibri_format.runtime.numpy_backend import attention  # noqa: PLC0415
+
+            return attention(q, k_cache, v_cache, self.to_host(q_seq), self.to_host(q_len), scale, window=window,
+                             out=out, xp=self.xp)
+        nkv = k_cache.shape[2]
+        key = ("attention", T, max_len)
+        if key not in ws.extra:
+            ns = self.ops.attention_splits(T, nkv, nh // nkv, max_len)
+            ws.extra[key] = (ns, self.ops.AttentionWorkspace(T, nh, hd, ns) if ns > 1 else None)
+        ns, aws = ws.extra[key]
+        return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, out=out, nsplit=ns,
+                                  workspace=aws)
+
+    def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
+        key = ("router", x.shape[0], w.shape[0])
+        if key not in ws.extra:
+            ws.extra[key] = self.ops.RouterWorkspace(x.shape[0], w.shape[0])
+        return self.ops.router(x, w, k, workspace=ws.extra[key], out_ids=out_ids, out_weights=out_weights, **how)
+
+    def moe(self, x, ids, weights, table, *, residual, alpha: float, ws):
+        """Routed experts of one pass added to the residual: dispatch, gate/up + SiLU, down, weighted combine."""
+        ops, (T, k) = self.ops, ids.shape
+        P, E = T * k, table.num_experts
+        key = ("dispatch", P, E)
+        ws.extra[key] = disp = ops.dispatch(ids, E, tile_m=ops.GEMM_BM, out=ws.extra.get(key))
+        act = ws.buf("moe_act", (P, table.intermediate_size))
+        ypair = ws.buf("moe_ypair", (P, table.hidden_size))
+        if T >= GEMM_MIN_ROWS:
+            ops.moe_gemm_gate_up(x, table, disp, k, out=act)
+            ops.moe_gemm_down(act, table, disp, weights, out=ypair)
+        else:
+            ops.moe_gate_up(x, table, disp, k, out=act)
+            ops.moe_down(act, table, disp, weights, out=ypair)
+        return ops.moe_combine(ypair, k, residual=residual, alpha=alpha, out=residual)
 
     # --- streams, events ------------------------------------------------------------------------------------
     def new_stream(self):
@@ -154,16 +249,5 @@ class CupyBackend:
         graph.launch(stream)
 
 
-_FACTORY: Any = None
-
-
-def set_backend_factory(factory) -> None:
-    """Tests: build backends with `factory(device_id)` instead of CuPy (None restores CuPy)."""
-    global _FACTORY
-    _FACTORY = factory
-
-
-def make_backend(device_id: int = 0):
-    if _FACTORY is not None:
-        return _FACTORY(device_id)
-    return CupyBackend(device_id)
+def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores)

@@ -9,9 +9,9 @@ as stored by the kernels; biases, the router bias and the shared-expert gate) ar
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from colibri_format.runtime.dense import fused_dense_tensors
 
 GEMV_MAX_ROWS = 8    # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS:
                      # dense_gemv re-reads the weight every 4 rows, so at 32 rows cuBLAS is ~10x faster
@@ -40,10 +40,8 @@ class DeviceDense:
         self._f32: dict = {}
         self.mirror: dict = {}
         self.nbytes = 0
-        # tensor-core products for bf16 matrices at > GEMV_MAX_ROWS rows (COLIBRI_CUDA_BF16_GEMM=0: f32 cuBLAS)
-        self.bf16_gemm = os.environ.get("COLIBRI_CUDA_BF16_GEMM", "1") != "0" and hasattr(be, "gemm_bf16_split")
-        names = set(reader.dense_names())
-        for name, host in _fused(reader, names):
+        self.bf16_gemm = be.bf16_tensor_cores     # bf16 matrices beyond GEMV_MAX_ROWS rows on the tensor cores
+        for name, host in fused_dense_tensors(reader):
             if name.endswith(".shared_gate"):   # [1, H]: padded with zero rows so dense_gemv (N >= 4) takes it
                 host = np.concatenate([host, np.zeros((self.GATE_ROWS - 1, host.shape[1]), host.dtype)])
             self.arrays[name] = be.to_device(np.ascontiguousarray(host))
@@ -88,20 +86,3 @@ class DeviceDense:
         if b is not None:
             out += b
         return out
-
-
-def _fused(reader, names: set):
-    """(name, host array) to upload: a dense MLP's gate and up rows as `gate_up`, an attention's q, k and v rows
-    (and biases) as `qkv` / `qkv_bias`, one product each instead of two or three; the rest as stored."""
-    groups = {".gate_proj": (".gate_proj", ".up_proj"), ".q_proj": (".q_proj", ".k_proj", ".v_proj"),
-              ".q_bias": (".q_bias", ".k_bias", ".v_bias")}
-    fused_name = {".gate_proj": ".gate_up", ".q_proj": ".qkv", ".q_bias": ".qkv_bias"}
-    members = set()
-    for name in sorted(names):
-        for head, parts in groups.items():
-            prefix = name[:-len(head)] if name.endswith(head) else None
-            if prefix is not None and all(prefix + s in names for s in parts):
-                members.update(prefix + s for s in parts)
-                yield prefix + fused_name[head], np.concatenate([reader.dense(prefix + s) for s in parts])
-    for name in sorted(names - members):
-        yield name, reader.dense(name)             # verified on first use (reader policy)

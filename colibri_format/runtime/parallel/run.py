@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from colibri_format.runtime.engine import EngineConfig
-from colibri_format.runtime.infer_cli import _prompt_ids, _streamer
+from colibri_format.runtime import EngineConfig
+from colibri_format.runtime.infer import prompt_token_ids, text_streamer
 from colibri_format.runtime.parallel import dist as pdist
 
 
@@ -21,8 +21,8 @@ def run_infer_parallel(path: str | os.PathLike, prompt: str | None = None, *, id
     config.pop("device", None)                    # the rank's torch device comes from the launcher
     try:
         with ExpertParallelEngine(path, EngineConfig(**config), device=me.device) as engine:
-            prompt_ids = _prompt_ids(engine, prompt, ids, chat)
-            on_token = _streamer(engine, stream) if me.rank == 0 else None
+            prompt_ids = prompt_token_ids(engine, prompt, ids, chat)
+            on_token = text_streamer(engine, stream) if me.rank == 0 else None
             result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, seed=seed, callback=on_token)
     finally:

@@ -1,4 +1,8 @@
-"""`colibri infer` as a library call: the CLI layer only parses options and prints the returned dict."""
+"""One generation from a `.colibri` file, as a library call: a prompt (text, chat or token ids) in, a dict out.
+
+`run_infer` is what `colibri infer` runs; `prompt_token_ids` and `text_streamer` are shared with the
+expert-parallel ranks (runtime/parallel/run.py), so both give the same prompt handling and the same stream.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ import os
 from typing import Any, Callable
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.engine import Engine, EngineConfig
+from colibri_format.runtime import Engine, EngineConfig
 
 
-def _prompt_ids(engine: Engine, prompt: str | None, ids: list[int] | None, chat: bool) -> list[int]:
+def prompt_token_ids(engine: Engine, prompt: str | None, ids: list[int] | None, chat: bool) -> list[int]:
+    """The prompt as token ids: `ids` as given, or `prompt` encoded (through the chat template with `chat`)."""
     if (prompt is None) == (ids is None):
         raise InvalidInput("give exactly one of a text prompt or token ids", field="prompt")
     if ids is not None:
@@ -21,8 +26,8 @@ def _prompt_ids(engine: Engine, prompt: str | None, ids: list[int] | None, chat:
     return engine.tokenizer.encode(prompt)
 
 
-def _streamer(engine: Engine, stream: Callable[[str], Any] | None):
-    """A generate() callback that hands `stream` each newly decoded piece of text."""
+def text_streamer(engine: Engine, stream: Callable[[str], Any] | None) -> Callable[[int], None] | None:
+    """A generate() callback that hands `stream` each newly decoded piece of text (None: nothing to stream)."""
     if stream is None or engine.tokenizer is None:
         return None
     out: list[int] = []
@@ -48,9 +53,9 @@ def run_infer(path: str | os.PathLike, prompt: str | None = None, *, ids: list[i
     subclasses for a bad file or bad arguments.
     """
     with Engine(path, EngineConfig(**config)) as engine:
-        prompt_ids = _prompt_ids(engine, prompt, ids, chat)
+        prompt_ids = prompt_token_ids(engine, prompt, ids, chat)
         result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed, callback=_streamer(engine, stream))
+                                 seed=seed, callback=text_streamer(engine, stream))
     stats = result.stats.as_dict()
     return {"prompt_ids": prompt_ids, "output_ids": result.output_ids, "text": result.text,
             "finish_reason": stats.pop("finish_reason"), "stats": stats}

@@ -1,25 +1,25 @@
-"""Experts on the device: a fixed pool of blob-sized slots, filled once (all resident) or paged on demand.
+"""Where each MoE layer's experts are: a fixed pool of blob-sized slots in a backend's memory, filled once
+(all resident) or paged from the file on demand. The pool answers residency only; the decoder computes.
 
-Resident: every blob is copied once at start, layer by layer (one copy per layer: a layer's blobs are
-contiguous in the file); the per-layer pointer tables never change and routing never leaves the device, so a
-decode step can be captured in a CUDA graph.
+Resident: every blob is placed once at start, layer by layer (one copy per layer: a layer's blobs are contiguous
+in the file; a backend whose device is host memory points straight into the file mapping instead). The tables
+never change and routing never leaves the device, so a CUDA decode step can be captured in a graph.
 
-Paged (`max_cached_experts` below the total): the router's choices are copied to the host once per MoE layer;
-`runtime.cache.ExpertCache` decides residency and its slot ids index the device pool, so the NumPy and CUDA
-engines evict alike. A miss is one copy of the whole blob from the file mapping into its slot, on a copy stream
-separate from compute. The mapping is pinned in place with `cudaHostRegister(..., ReadOnly)` (a read-only
-mapping can only be registered with that flag; measured at ~55 GB/s on the H200, against ~43 GB/s for a pinned
-staging ring, which also costs a host memcpy per miss); if registration fails (the file does not fit in pinned
-RAM, or an old driver), copies fall back to a double-buffered pinned staging ring. With verification on, a blob
-is hashed on the host by the reader before its first copy, so a corrupt expert never reaches a kernel.
+Paged (`max_cached_experts` below the total): the router's choices reach the host once per MoE layer;
+`runtime.cache.expert_cache.ExpertCache` decides residency and its slot ids index the pool, so every backend
+evicts alike. A miss is one copy of the whole blob from the file mapping into its slot, on a copy stream separate
+from compute. On CUDA the mapping is pinned in place with `cudaHostRegister(..., ReadOnly)` (~55 GB/s on the
+H200, against ~43 GB/s for a pinned staging ring, which also costs a host memcpy per miss); if registration
+fails, copies go through a double-buffered pinned staging ring. With verification on, a blob is hashed on the
+host by the reader before its first copy, so a corrupt expert never reaches a kernel.
 
 When a layer needs more distinct experts than the pool holds, its experts run in several passes: each pass
 points the experts of other passes at an all-zero blob (which contributes exactly zero) and accumulates into
 the residual. Ordering between the streams uses events: a copy into a slot waits for the last pass that read
 the slot; a pass waits for the copies before it.
 
-Prefetch (optional): the next MoE layer's router is applied to the current layer's normalised hidden state; its
-predicted experts that are not resident are paged in while the current layer computes.
+Prefetch (optional): the decoder applies the next MoE layer's router to the current layer's normalised hidden
+state; its predicted experts that are not resident are paged in while the current layer computes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.errors import InvalidInput
 
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
 GEMM_MIN_ROWS = 33            # MoE rows from which the grouped GEMM replaces the GEMV kernels
@@ -63,15 +63,6 @@ class PagingCounters:
         d["stall_ms_per_token"] = 1e3 * self.stall_seconds / self.tokens if self.tokens else 0.0
         d["prefetch_recall"] = self.predicted_correct / self.actual_next if self.actual_next else 0.0
         return d
-
-
-def check_expert_format(layout) -> None:
-    from colibri_format.spec.constants import QUANTIZED_FORMATS
-
-    if layout.expert_format not in QUANTIZED_FORMATS:
-        raise UnsupportedModel("the CUDA engine runs int8 experts only (convert with --quantize expert); this "
-                               f"file stores experts as format {int(layout.expert_format)}",
-                               field="expert_format", value=int(layout.expert_format))
 
 
 def pool_plan(capacity: int | None, scope: str, num_layers: int, num_experts: int) -> tuple[bool, int]:
@@ -149,24 +140,22 @@ class HostSource:
 
 
 class ExpertPool:
-    def __init__(self, reader, args, config, be, dense, compute_stream, cache_factory, prefetch: bool = False) -> None:
-        self.reader, self.a, self.be, self.xp, self.ops = reader, args, be, be.xp, be.ops
-        self._dense = dense
+    def __init__(self, reader, args, config, be, compute_stream, cache_factory, prefetch: bool = False) -> None:
+        self.reader, self.a, self.be = reader, args, be
         layout = reader.blob_layout
-        check_expert_format(layout)
         self.layout, self.blob_size = layout, int(layout.size)
         self.layers = sorted(args.moe_layers)
         self.E = int(reader.tables.plan.num_experts)
-        self.k = args.top_k
         self.scope = config.cache_scope
         self.capacity = config.max_cached_experts
         self.resident, self.slots = pool_plan(self.capacity, self.scope, len(self.layers), self.E)
         check_budget(self.slots, self.blob_size, be.free_memory(), self.scope, len(self.layers), self.resident)
         self.compute = compute_stream
         self.copy_stream = be.new_stream()
-        self.pool = self.xp.empty((self.slots + 1) * self.blob_size, self.xp.uint8)   # + one scratch slot
+        in_place = self.resident and be.host_is_device     # point into the file mapping: nothing to copy
+        self.pool = be.empty(0 if in_place else (self.slots + 1) * self.blob_size, np.uint8)   # + a scratch slot
         self.base = be.ptr(self.pool)
-        self.zero = self.xp.zeros(self.blob_size, self.xp.uint8)
+        self.zero = be.zeros(self.blob_size, np.uint8)
         self.zero_ptr = be.ptr(self.zero)
         self.source = HostSource(reader, be, *self._mapping(reader))
         self.counters = PagingCounters()
@@ -177,16 +166,17 @@ class ExpertPool:
         self._copy_pending = False
         self._prefetched: set = set()
         self._predicted: dict[int, set] = {}
-        self.tables: dict[int, object] = {}
-        self.forced_routes = None         # (layer, rows) -> int32 [rows, k]: replaces the router's choices
+        self.resident_tables: dict[int, object] = {}
         self.time_copies = False          # bracket each copy with timing events (paging GB/s)
         self._copy_times: list = []
-        if self.resident:
+        self.cache = None
+        if in_place:
+            self._map_all(config.verify)
+        elif self.resident:
             self._load_all(config.verify)
-            self.cache = None
         else:
             self.cache = cache_factory(on_evict=self._on_evict)
-        self.bytes_on_device = (self.slots + 2) * self.blob_size
+        self.bytes_on_device = 0 if in_place else (self.slots + 2) * self.blob_size
 
     @staticmethod
     def _mapping(reader) -> tuple[int, int]:
@@ -197,7 +187,7 @@ class ExpertPool:
 
     # --- tables -----------------------------------------------------------------------------------------
     def table(self, ptrs):
-        return self.ops.ExpertTable.from_layout(ptrs, self.layout)
+        return self.be.expert_table(ptrs, self.layout, self.zero_ptr)
 
     def _slot_addr(self, index: int) -> int:
         return self.base + index * self.blob_size
@@ -220,66 +210,32 @@ class ExpertPool:
                     self.source.copy(dst + e * self.blob_size, src + e * self.blob_size, self.blob_size,
                                      self.copy_stream)
             ptrs = np.array([self._slot_addr(li * self.E + e) for e in range(self.E)], np.uint64)
-            self.tables[layer] = self.table(self.be.to_device(ptrs))
+            self.resident_tables[layer] = self.table(self.be.to_device(ptrs))
         self.be.sync_event(self.be.record(self.copy_stream))
         self.load_seconds = time.perf_counter() - t0
         self.counters.bytes_paged += len(self.layers) * self.E * self.blob_size
 
-    # --- the MoE block --------------------------------------------------------------------------------------
-    def moe(self, layer: int, x, h, ws, fwd) -> None:
-        """h += residual_mult * (routed experts (+ shared expert))(x), for the T rows of x."""
-        a, T = self.a, x.shape[0]
-        ids, weights = self._route(layer, x, ws, "r")
-        if self.forced_routes is not None:       # benchmarks: replay a routing trace instead of the router's picks
-            self.be.set_from_host(ids, self.forced_routes(layer, T), self.compute)
-        if fwd.route_hook is not None:
-            fwd.route_hook(layer, ids)
+    def _map_all(self, verify: str) -> None:
+        """Tables that point straight at the blobs in the file mapping (a backend whose device is host memory)."""
+        for layer in self.layers:
+            if verify != "never":
+                for e in range(self.E):
+                    self.reader.verify_expert(layer, e)
+            ptrs = np.array([self.source.base + self.reader.blob_offset(layer, e) for e in range(self.E)], np.uint64)
+            self.resident_tables[layer] = self.table(ptrs)
+        self.load_seconds = 0.0
+
+    # --- residency ------------------------------------------------------------------------------------------
+    def prefetch_layer(self, layer: int) -> int | None:
+        """The MoE layer whose experts to predict while `layer` computes (None: no prefetch)."""
+        return self._next_layer(layer) if self.prefetch else None
+
+    def tables(self, layer: int, ids, ws, predicted=None):
+        """Yields the expert tables of `layer` for the routed `ids` [T, k]: one when resident; when paged, one per
+        pass, each after the copies it needs (the caller runs the pass before asking for the next table)."""
         if self.resident:
-            self._run(self.tables[layer], x, ids, weights, h, ws)
-        else:
-            self._paged(layer, x, ids, weights, h, ws, fwd)
-        if a.shared_expert is not None:
-            y = fwd.shared(layer, x, ws)
-            self.ops.residual_add(h, y, alpha=float(a.residual_mult), out=h)
-
-    def _route(self, layer: int, x, ws, tag: str, router_layer: int | None = None):
-        a, T = self.a, x.shape[0]
-        src = layer if router_layer is None else router_layer
-        p = f"layers.{src}.moe"
-        key = ("router", T)
-        if key not in ws.extra:
-            ws.extra[key] = self.ops.RouterWorkspace(T, self.E)
-        r = a.router
-        bias = self._dense.f32(f"{p}.router_bias") if r.get("bias") else None
-        ids = ws.buf(f"{tag}_ids", (T, self.k), np.int32)
-        weights = ws.buf(f"{tag}_w", (T, self.k), np.float32)
-        self.ops.router(x, self._dense[f"{p}.router"], self.k, bias=bias, scoring=r.get("scoring", "softmax"),
-                        order=r.get("order", "softmax_topk"), normalize=bool(r.get("normalize_topk")),
-                        scale=float(r.get("scale", 1.0)), workspace=ws.extra[key], out_ids=ids, out_weights=weights)
-        return ids, weights
-
-    def _run(self, table, x, ids, weights, h, ws) -> None:
-        """Routed experts of one pass, accumulated into h (residual) with the residual multiplier."""
-        T, ops = x.shape[0], self.ops
-        P = T * self.k
-        key = ("dispatch", P)
-        disp = ops.dispatch(ids, self.E, tile_m=ops.GEMM_BM, out=ws.extra.get(key))
-        ws.extra[key] = disp
-        inter = self.layout.intermediate_size
-        act = ws.buf("moe_act", (P, inter))
-        ypair = ws.buf("moe_ypair", (P, self.a.hidden_size))
-        if T >= GEMM_MIN_ROWS:
-            ops.moe_gemm_gate_up(x, table, disp, self.k, out=act)
-            ops.moe_gemm_down(act, table, disp, weights, out=ypair)
-        else:
-            ops.moe_gate_up(x, table, disp, self.k, out=act)
-            ops.moe_down(act, table, disp, weights, out=ypair)
-        ops.moe_combine(ypair, self.k, residual=h, alpha=float(self.a.residual_mult), out=h)
-
-    # --- paging -----------------------------------------------------------------------------------------------
-    def _paged(self, layer, x, ids, weights, h, ws, fwd) -> None:
-        nxt = self._next_layer(layer) if self.prefetch else None
-        pred_ids = self._route(layer, x, ws, "pf", router_layer=nxt)[0] if nxt is not None else None
+            yield self.resident_tables[layer]
+            return
         ids_h = self.be.to_host(ids)                                  # the one sync of a paged layer
         uniq = np.unique(ids_h)
         self._score_prediction(layer, uniq)
@@ -288,13 +244,16 @@ class ExpertPool:
         for e in uniq:
             index = self._demand(layer, int(e))
             if index in members.values():         # this layer already uses that slot: run what we have first
-                self._pass(members, x, ids, weights, h, ws)
+                yield self._pass_table(members, ws)
+                self._pass_done(members)
                 members = {}
             self._fill(layer, int(e), index)
             members[int(e)] = index
-        self._pass(members, x, ids, weights, h, ws)
-        if pred_ids is not None:
-            self._prefetch(nxt, np.unique(self.be.to_host(pred_ids)), set(members.values()))
+        if members:
+            yield self._pass_table(members, ws)
+            self._pass_done(members)
+        if predicted is not None:
+            self._prefetch(self._next_layer(layer), np.unique(self.be.to_host(predicted)), set(members.values()))
 
     def _next_layer(self, layer: int) -> int | None:
         i = self.layers.index(layer)
@@ -349,9 +308,8 @@ class ExpertPool:
         self.counters.loads += 1
         self.counters.bytes_paged += self.blob_size
 
-    def _pass(self, members: dict[int, int], x, ids, weights, h, ws) -> None:
-        if not members:
-            return
+    def _pass_table(self, members: dict[int, int], ws):
+        """The table of one pass: its members' slots, every other expert at the zero blob."""
         if self._copy_pending:
             t0 = time.perf_counter()
             self.be.sync_event(self._last_copy)               # compute is idle here: this wait is the stall
@@ -363,7 +321,9 @@ class ExpertPool:
             ptrs[e] = self._slot_addr(index)
         dev = ws.buf("pass_ptrs", (self.E,), np.uint64)
         self.be.set_from_host(dev, ptrs, self.compute)
-        self._run(self.table(dev), x, ids, weights, h, ws)
+        return self.table(dev)
+
+    def _pass_done(self, members: dict[int, int]) -> None:
         done = self.be.record(self.compute)
         for index in members.values():
             self._slot_busy[index] = done
@@ -412,4 +372,4 @@ class ExpertPool:
         self.be.sync_event(self.be.record(self.copy_stream))
         self.source.close()
         self.pool = self.zero = None
-        self.tables = {}
+        self.resident_tables = {}

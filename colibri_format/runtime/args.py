@@ -1,0 +1,67 @@
+"""What a `.colibri` file's `model` object asks of the decoder, checked once when an engine opens.
+
+Every quirk of a supported family is a field of the metadata `model` object (docs/design.md), never a branch on
+the architecture name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from colibri_format.errors import UnsupportedModel
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    max_pos: int
+    rope: dict
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: str                  # none | per_head | full
+    clip_qkv: float | None
+    sliding_window: int | None
+    tied: bool
+    moe_layers: frozenset
+    top_k: int
+    router: dict
+    shared_expert: dict | None
+    embedding_mult: float
+    residual_mult: float
+    attention_scale: float
+    logits_div: float
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> "ModelArgs":
+        _check_supported(m)
+        mult = {"embedding": 1.0, "residual": 1.0, "attention": None, "logits": 1.0, **(m.get("multipliers") or {})}
+        head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+        return cls(
+            vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+            n_heads=m["num_attention_heads"], n_kv_heads=m["num_key_value_heads"], head_dim=head_dim,
+            eps=m["rms_norm_eps"], max_pos=m["max_position_embeddings"], rope=m.get("rope") or {"theta": 10000.0},
+            qkv_bias=bool(m.get("qkv_bias")), o_bias=bool(m.get("o_bias")), qk_norm=m.get("qk_norm") or "none",
+            clip_qkv=m.get("clip_qkv"), sliding_window=m.get("sliding_window") or None,  # 0 means disabled
+            tied=bool(m.get("tie_word_embeddings")), moe_layers=frozenset(m.get("moe_layers") or ()),
+            top_k=m.get("top_k") or 0, router=m.get("router") or {}, shared_expert=m.get("shared_expert"),
+            embedding_mult=mult["embedding"], residual_mult=mult["residual"],
+            attention_scale=mult["attention"] or 1.0 / math.sqrt(head_dim), logits_div=mult["logits"])
+
+
+def _check_supported(m: dict[str, Any]) -> None:
+    checks = [("hidden_act", m.get("hidden_act", "silu"), {"silu"}),
+              ("qk_norm", m.get("qk_norm") or "none", {"none", "per_head", "full"}),
+              ("router.scoring", (m.get("router") or {}).get("scoring", "softmax"), {"softmax", "sigmoid"}),
+              ("router.order", (m.get("router") or {}).get("order", "softmax_topk"), {"softmax_topk", "topk_softmax"})]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise UnsupportedModel(f"model.{name} = {value!r} is not supported (expected one of {sorted(allowed)})",
+                                   field=f"model.{name}", value=value)

@@ -1,0 +1,147 @@
+"""What the CUDA kernels are built with and what they can run, declared once.
+
+Tile and thread constants: `KERNEL_DEFINES[module]` reaches `kernels/<module>.cu` as `-DNAME=value` compile options
+(`define_options`; kernels/ops.py passes them to NVRTC, tests/runtime/cuda/test_kernels_compile.py to nvcc). The
+`.cu` files define none of them and stop with `#error` when one is missing; ops.py computes launch shapes from the
+same names.
+
+Capabilities (experts per layer, top_k, head sizes, alignment) follow from those constants and from the kernels'
+instantiations. `check_cuda_support` refuses, when a file is opened, a spec-valid model that the kernels cannot
+run, with an `UnsupportedModel` naming the field, instead of a ValueError at the first token.
+
+No CuPy here: importable, and testable, on any machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colibri_format.errors import UnsupportedModel
+from colibri_format.spec.constants import EXPERT_FORMAT_NAMES, QUANTIZED_FORMATS, ExpertFormat
+
+WARP = 32
+
+# ---- tile and thread constants (compiled into the kernels through -D) -------------------------------------------
+# router.cu: a block computes the logits of ROUTER_TPB tokens x ROUTER_EPB experts with ROUTER_THREADS threads; the
+# selecting warp of a token keeps one selected expert per lane (ROUTER_MAX_K) and holds ROUTER_MAX_E / 32 experts
+# per lane in its widest instantiation.
+ROUTER_THREADS = 256
+ROUTER_TPB = 4
+ROUTER_EPB = 8
+ROUTER_WIDTHS = (32, 64, 128, 256, 512)     # kernels moe_router_<dtype>_e<width> (width / 32 experts a lane)
+ROUTER_MAX_E = ROUTER_WIDTHS[-1]
+ROUTER_MAX_K = WARP
+# dispatch.cu: one block; per-warp expert counts in shared memory
+DISPATCH_THREADS = 512
+DISPATCH_MAX_E = 512
+# moe_gemv.cu
+GEMV_THREADS = 128
+GEMV_TOKC = (1, 2, 4, 8)                    # tokens per pass of the moe_{gate_up,down}_t<TOKC> kernels
+GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks of loads a lane issued at once
+# moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
+GEMM_THREADS = 256
+GEMM_BM = 64
+GEMM_BN = 64
+GEMM_BK = 32
+GEMM_PAD = 4
+TC_THREADS = 128
+# layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head; dense_gemv
+# warps of DG_ROWS output rows, tokens in passes of DG_TOK
+ATT_THREADS = 128
+ATT_GMAX = 8
+DG_THREADS = 256
+DG_ROWS = 4
+DG_TOK = 4
+# fused.cu
+FUSED_THREADS = 256
+QKV_THREADS = 128
+
+KERNEL_DEFINES: dict[str, dict[str, int]] = {
+    "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
+               "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
+    "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS},
+    "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
+                 "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
+    "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "DG_THREADS": DG_THREADS, "DG_ROWS": DG_ROWS,
+               "DG_TOK": DG_TOK},
+    "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
+}
+
+
+def define_options(module: str) -> tuple[str, ...]:
+    """The `-DNAME=value` compile options of kernel module `module` (NVRTC and nvcc alike)."""
+    return tuple(f"-D{name}={value}" for name, value in KERNEL_DEFINES[module].items())
+
+
+# ---- capabilities --------------------------------------------------------------------------------------------------
+MAX_EXPERTS = min(ROUTER_MAX_E, DISPATCH_MAX_E)   # routed experts per MoE layer (router and dispatch)
+MAX_TOP_K = ROUTER_MAX_K                          # experts selected per token (router)
+ATTENTION_HEAD_DIMS = (64, 128, 256)              # attention kernels attention_split_<dtype>_hd<D>; another head
+#                                                   size is not refused: the engine then runs attention with array ops
+DIM_MULTIPLE = 16            # hidden and expert intermediate sizes: 16-byte int8 loads (moe_gemv.cu, moe_gemm.cu)
+GROUP_MULTIPLE = 16          # int8_group group size: a 16-byte chunk of a row never straddles two groups
+BLOB_ARRAY_ALIGNMENT = 256   # offset of each array inside an expert blob
+EXPERT_FORMATS = QUANTIZED_FORMATS                # the expert kernels read int8 weights with float32 scales
+ACTIVATIONS = frozenset({"silu"})
+ROUTER_SCORING = {"softmax": 0, "sigmoid": 1}     # codes passed to router.cu
+ROUTER_ORDER = {"softmax_topk": 0, "topk_softmax": 1}
+QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}   # codes passed to fused.cu
+
+
+def scale_groups(hidden: int, inter: int, group: int) -> tuple[int, int, str] | None:
+    """(group over H, group over I, kernel suffix: 'r' per-row | 'g' grouped) of the int8 expert kernels for a
+    group size (0: one scale per row), or None when they cannot run it."""
+    if group in (0, hidden) and group in (0, inter):
+        return hidden, inter, "r"
+    if group < 0 or group % GROUP_MULTIPLE or hidden % group or inter % group:
+        return None
+    return group, group, "g"
+
+
+def _refuse(message: str, field: str, value: Any) -> UnsupportedModel:
+    return UnsupportedModel(f"the CUDA kernels cannot run this model: {message}", field=field, value=value)
+
+
+def check_cuda_support(model: dict, blob_layout) -> None:
+    """Raise `UnsupportedModel` naming the field for anything in the file that the CUDA kernels cannot run.
+
+    model: the metadata's `model` object (already spec-checked); blob_layout: the reader's `blob_layout`
+    (`colibri_format.spec.BlobLayout`). Meant for the moment a file is opened, before any device work.
+    """
+    fmt = ExpertFormat(blob_layout.expert_format)
+    if fmt not in EXPERT_FORMATS:
+        raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read int8 experts only "
+                      "(convert with --quantize expert)", "expert_format", int(fmt))
+    experts, top_k = model["num_experts"], model["top_k"]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise _refuse(f"{experts} experts per layer; the router and dispatch kernels take 1 to {MAX_EXPERTS}",
+                      "model.num_experts", experts)
+    if not 1 <= top_k <= min(experts, MAX_TOP_K):
+        raise _refuse(f"top_k {top_k}; the router selects 1 to min(num_experts, {MAX_TOP_K}) experts a token",
+                      "model.top_k", top_k)
+    hidden, inter = blob_layout.hidden_size, blob_layout.intermediate_size
+    for field, value in (("model.hidden_size", hidden), ("model.expert_intermediate_size", inter)):
+        if value < DIM_MULTIPLE or value % DIM_MULTIPLE:
+            raise _refuse(f"{field.split('.')[-1]} {value} is not a multiple of {DIM_MULTIPLE} (16-byte loads)",
+                          field, value)
+    if scale_groups(hidden, inter, blob_layout.group_size) is None:
+        raise _refuse(f"group size {blob_layout.group_size} is not a multiple of {GROUP_MULTIPLE} dividing "
+                      f"hidden_size {hidden} and expert_intermediate_size {inter}", "quantization.group_size",
+                      blob_layout.group_size)
+    for arr in blob_layout.arrays:
+        if arr.offset % BLOB_ARRAY_ALIGNMENT:
+            raise _refuse(f"expert blob array {arr.name} at offset {arr.offset} is not {BLOB_ARRAY_ALIGNMENT}-byte "
+                          "aligned", "blob_layout", arr.name)
+    act = model.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise _refuse(f"activation {act!r}; the kernels compute {sorted(ACTIVATIONS)}", "model.hidden_act", act)
+    router = model.get("router") or {}
+    for key, known in (("scoring", ROUTER_SCORING), ("order", ROUTER_ORDER)):
+        value = router.get(key, next(iter(known)))
+        if value not in known:
+            raise _refuse(f"router {key} {value!r}; the router kernel implements {sorted(known)}",
+                          f"model.router.{key}", value)
+    norm = model.get("qk_norm", "none")
+    if norm not in QK_NORM_MODES:
+        raise _refuse(f"qk_norm {norm!r}; the kernels implement {sorted(QK_NORM_MODES)}", "model.qk_norm", norm)

@@ -1,0 +1,211 @@
+"""The decoder, written once: embedding, attention, the MoE layer (routing, experts, combine, shared expert),
+norms and multipliers, over the ops of a backend (`numpy_backend.NumpyBackend` or `cuda.backend.CupyBackend`).
+
+A pass packs the new tokens of all sequences into T rows without padding: per-token work (norms, products,
+experts) runs on the T rows; attention reads each row's own sequence from the KV buffers. Buffers come from a
+`Workspace` (made once, reused by every pass of a runner, so a CUDA pass can be captured as a graph). The expert
+pool answers only "where are this layer's experts"; one or more passes over its tables add the routed experts'
+output to the residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from colibri_format.runtime.rope import cos_sin, inv_frequencies, rotary_dim
+
+
+class Workspace:
+    """Named buffers of a backend, each made once (shape and dtype fixed by its first request)."""
+
+    def __init__(self, be) -> None:
+        self.be = be
+        self._bufs: dict[str, Any] = {}
+        self.extra: dict[Any, Any] = {}      # backend scratch (router, dispatch, attention workspaces)
+        self.frozen = False                  # set while capturing a graph: a new buffer then is a bug
+
+    def buf(self, name: str, shape: tuple, dtype=None):
+        dtype = np.dtype(dtype) if dtype is not None else self.be.dtype
+        b = self._bufs.get(name)
+        if b is None or b.shape != tuple(shape) or b.dtype != dtype:
+            if self.frozen:
+                raise RuntimeError(f"workspace buffer {name!r} {shape} requested during graph capture")
+            b = self._bufs[name] = self.be.empty(shape, dtype)
+        return b
+
+
+class KVBuffers:
+    """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd]."""
+
+    def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int) -> None:
+        shape = (seqs, capacity, kv_heads, head_dim)
+        self.seqs, self.capacity = seqs, capacity
+        self.keys = [be.zeros(shape) for _ in range(num_layers)]
+        self.values = [be.zeros(shape) for _ in range(num_layers)]
+
+
+@dataclass
+class HostStep:
+    """One pass's inputs on the host (T rows)."""
+    ids: np.ndarray
+    pos: np.ndarray       # absolute position of each row in its sequence
+    seq: np.ndarray       # KV-buffer row (sequence index) of each row
+    cos: np.ndarray       # [T, rotary_dim / 2]
+    sin: np.ndarray
+    out_rows: np.ndarray  # rows whose logits are wanted
+
+
+def rope_rows(args, positions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [T, rot/2] for the rows of each sequence (frequencies at each sequence's total length)."""
+    half = rotary_dim(args.rope, args.head_dim) // 2
+    tables = [cos_sin(p, *inv_frequencies(args.rope, args.head_dim, args.max_pos, int(p[-1]) + 1))
+              for p in positions]
+    cos = np.concatenate([t[0][:, :half] for t in tables])
+    sin = np.concatenate([t[1][:, :half] for t in tables])
+    return np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+
+
+def host_step(args, chunks: list[np.ndarray], starts: list[int], seqs: list[int], all_logits: bool) -> HostStep:
+    positions = [s + np.arange(len(c)) for c, s in zip(chunks, starts)]
+    cos, sin = rope_rows(args, positions)
+    bounds = np.cumsum([0] + [len(c) for c in chunks])
+    rows = np.arange(bounds[-1]) if all_logits else bounds[1:] - 1
+    seq = np.concatenate([np.full(len(c), s) for c, s in zip(chunks, seqs)])
+    return HostStep(np.concatenate(chunks).astype(np.int32), np.concatenate(positions).astype(np.int32),
+                    seq.astype(np.int32), cos, sin, rows.astype(np.int32))
+
+
+class StepInputs:
+    """A pass's inputs on the device, in one int32 buffer (one host-to-device copy per pass)."""
+
+    def __init__(self, be, rows: int, half: int) -> None:
+        self.be, self.rows, self.half = be, rows, half
+        n = rows * (5 + 2 * half)
+        self.host = np.zeros(n, np.int32)
+        self.dev = be.zeros(n, np.int32)
+        r = rows
+        self.ids, self.pos, self.seq, self.qlen, self.rpos = (self.dev[i * r:(i + 1) * r] for i in range(5))
+        self.cos = self.dev[5 * r:5 * r + r * half].view(np.float32).reshape(r, half)
+        self.sin = self.dev[5 * r + r * half:].view(np.float32).reshape(r, half)
+
+    def fill(self, step: HostStep, stream) -> None:
+        r, half, h = self.rows, self.half, self.host
+        for i, a in enumerate((step.ids, step.pos, step.seq, step.pos + 1, np.arange(r))):
+            h[i * r:(i + 1) * r] = a
+        h[5 * r:5 * r + r * half].view(np.float32)[:] = step.cos.reshape(-1)
+        h[5 * r + r * half:].view(np.float32)[:] = step.sin.reshape(-1)
+        self.be.set_from_host(self.dev, h, stream)
+
+
+RouteHook = Callable[[int, Any], None]     # (layer, expert ids [T, k] on the device)
+
+
+class Decoder:
+    """The forward pass of every supported model, over `dense` weights, an expert pool and a backend."""
+
+    def __init__(self, args, dense, experts, be) -> None:
+        self.a, self.w, self.experts, self.be = args, dense, experts, be
+        self.route_hook: RouteHook | None = None    # set when routing must reach the host (traces)
+        self.forced_routes = None                   # benchmarks: (layer, rows) -> int32 [rows, k] replaces routing
+
+    # --- the pass -------------------------------------------------------------------------------------------
+    def run(self, inp: StepInputs, kv: KVBuffers, ws: Workspace, T: int, out_rows=None, max_len: int = 0):
+        """Logits [R, V] of rows `out_rows` (a device int32 array; None = every row)."""
+        a = self.a
+        h = ws.buf("h", (T, a.hidden_size))
+        self.be.embedding(inp.ids[:T], self.w["embed_tokens"], mult=float(a.embedding_mult), out=h)
+        for i in range(a.num_layers):
+            self.block(i, h, inp, kv, ws, T, max_len or kv.capacity)
+        if out_rows is not None:
+            h = self.be.xp.take(h, out_rows, axis=0)
+        return self.head(h, ws)
+
+    def block(self, i: int, h, inp, kv, ws, T: int, max_len: int) -> None:
+        a, p = self.a, f"layers.{i}"
+        x = ws.buf("x", (T, a.hidden_size))
+        self.be.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
+        o = self.attention(i, x, inp, kv, ws, T, max_len)
+        self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
+        if i in a.moe_layers:
+            self.moe(i, x, h, ws)
+        else:
+            self.be.residual_add(h, self.mlp(f"{p}.mlp", x, ws, "mlp"), alpha=float(a.residual_mult), out=h)
+
+    def head(self, h, ws: Workspace):
+        a, R = self.a, h.shape[0]
+        x = ws.buf("final_x", (R, a.hidden_size))
+        self.be.rmsnorm(h, self.w["final_norm"], a.eps, out=x)
+        name = "embed_tokens" if a.tied or not self.w.has("lm_head") else "lm_head"
+        logits = ws.buf("logits", (R, a.vocab_size))
+        self.w.linear(x, name, None, logits)
+        if a.logits_div != 1.0:
+            self.be.xp.divide(logits, logits.dtype.type(a.logits_div), out=logits)
+        return logits
+
+    # --- attention ----------------------------------------------------------------------------------------------
+    def attention(self, i: int, x, inp, kv, ws, T: int, max_len: int):
+        """o_proj(softmax(q k^T) v) after q/k norm, clip, RoPE and the KV append (one fused op)."""
+        a, p = self.a, f"layers.{i}.attn"
+        nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+        qkv = ws.buf("qkv", (T, (nh + 2 * nkv) * hd))
+        self.w.linear(x, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None, qkv)
+        norms = {"q_norm": self.w[f"{p}.q_norm"], "k_norm": self.w[f"{p}.k_norm"]} if a.qk_norm != "none" else {}
+        q = self.be.qkv_rope_kv(qkv, nh, nkv, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
+                                inp.cos[:T], inp.sin[:T], norm=a.qk_norm, eps=a.eps, clip=a.clip_qkv,
+                                q_out=ws.buf("q3", (T, nh, hd)), **norms)
+        att = ws.buf("att", (T, nh, hd))
+        self.be.attention(q, kv.keys[i], kv.values[i], inp.seq[:T], inp.qlen[:T], float(a.attention_scale),
+                          window=int(a.sliding_window or 0), out=att, ws=ws, max_len=max_len)
+        o = ws.buf("o", (T, a.hidden_size))
+        return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
+
+    # --- feed-forward ----------------------------------------------------------------------------------------------
+    def moe(self, i: int, x, h, ws) -> None:
+        """h += residual_mult * (routed experts + shared expert)(x)."""
+        a = self.a
+        ids, weights = self.route(i, x, ws, "r")
+        if self.forced_routes is not None:
+            self.be.set_from_host(ids, self.forced_routes(i, x.shape[0]), None)
+        if self.route_hook is not None:
+            self.route_hook(i, ids)
+        nxt = self.experts.prefetch_layer(i)
+        predicted = self.route(nxt, x, ws, "pf")[0] if nxt is not None else None
+        for table in self.experts.tables(i, ids, ws, predicted):
+            self.be.moe(x, ids, weights, table, residual=h, alpha=float(a.residual_mult), ws=ws)
+        if a.shared_expert is not None:
+            self.be.residual_add(h, self.shared(i, x, ws), alpha=float(a.residual_mult), out=h)
+
+    def route(self, layer: int, x, ws, tag: str):
+        """(expert ids [T, k] int32, weights [T, k]) of `layer`'s router applied to x."""
+        a, T, r = self.a, x.shape[0], self.a.router
+        p = f"layers.{layer}.moe"
+        bias = self.w.f32(f"{p}.router_bias") if r.get("bias") else None
+        return self.be.router(x, self.w[f"{p}.router"], a.top_k, bias=bias, scoring=r.get("scoring", "softmax"),
+                              order=r.get("order", "softmax_topk"), normalize=bool(r.get("normalize_topk")),
+                              scale=float(r.get("scale", 1.0)), ws=ws,
+                              out_ids=ws.buf(f"{tag}_ids", (T, a.top_k), np.int32),
+                              out_weights=ws.buf(f"{tag}_w", (T, a.top_k)))
+
+    def mlp(self, p: str, x, ws, tag: str):
+        """down(silu(gate x) * up x) with the fused [2I, H] gate/up weight."""
+        T = x.shape[0]
+        inter = self.w[f"{p}.gate_up"].shape[0] // 2
+        gu = self.w.linear(x, f"{p}.gate_up", None, ws.buf(f"{tag}_gu", (T, 2 * inter)))
+        act = self.be.silu_mul(gu, out=ws.buf(f"{tag}_act", (T, inter)))
+        return self.w.linear(act, f"{p}.down_proj", None, ws.buf(f"{tag}_y", (T, self.a.hidden_size)))
+
+    def shared(self, i: int, x, ws):
+        """The shared expert's output [T, H], scaled by its per-token sigmoid gate when the model has one."""
+        p, xp = f"layers.{i}.moe", self.be.xp
+        y = self.mlp(f"{p}.shared", x, ws, "shared")
+        if (self.a.shared_expert or {}).get("gate", "none") == "sigmoid":
+            gate = self.w[f"{p}.shared_gate"]                # column 0 is the gate (a backend may pad rows)
+            g = self.w.linear(x, f"{p}.shared_gate", None, ws.buf("shared_g", (x.shape[0], gate.shape[0])))
+            xp.negative(g, out=g)
+            xp.exp(g, out=g)
+            g += g.dtype.type(1.0)
+            xp.divide(y, g[:, :1], out=y)
+        return y

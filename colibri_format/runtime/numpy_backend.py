@@ -1,0 +1,341 @@
+"""The NumPy backend: the decoder's ops in plain array code, and a host "device" for the expert pool.
+
+Two roles, one code:
+- running: `NumpyBackend(np.float32)` is the CPU engine (float32 arithmetic, as transformers' fp32 eager);
+- the oracle: the same functions on float64 inputs are what every CUDA kernel is tested against
+  (tests/runtime/cuda/test_gpu_*.py compare `runtime.cuda.kernels.ops.X` with `numpy_backend.X`).
+
+Every op takes its output through `out=` exactly as the kernel wrapper of the same name does, so the decoder
+calls both backends alike. Inputs may be float32, float16 or bf16 bits (uint16); they are widened to the dtype of
+the activation `x` (float32 or float64). The "device" of this backend is host memory: a device pointer is a host
+address, a copy is a memmove, streams and events are no-ops and there are no graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from colibri_format.dtypes import NUMPY_STORAGE, bf16_bits_to_float32
+from colibri_format.runtime.dense import fused_dense_tensors
+from colibri_format.spec.constants import QUANTIZED_FORMATS
+
+
+# ---- element helpers -------------------------------------------------------------------------------------------
+def widen(a, dtype=np.float64) -> np.ndarray:
+    """Any kernel input (float32, float16 or bf16 bits as uint16) as `dtype`."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return bf16_bits_to_float32(a).astype(dtype, copy=False)
+    return a.astype(dtype, copy=False)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def _store(out, value: np.ndarray) -> np.ndarray:
+    if out is None:
+        return value
+    out[...] = value
+    return out
+
+
+# ---- dense layers ----------------------------------------------------------------------------------------------
+def embedding(ids, table, *, mult: float = 1.0, out=None, dtype=np.float32):
+    return _store(out, widen(np.asarray(table)[np.asarray(ids)], dtype) * dtype(mult))
+
+
+def rmsnorm(x, w, eps: float, *, out=None):
+    """x * rsqrt(mean(x^2) + eps) * w over the last axis (serves [T, H], [T, heads, hd] and full-width q/k)."""
+    x = np.asarray(x)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + x.dtype.type(eps)) * widen(w, x.dtype)
+    return _store(out, y)
+
+
+def add_rmsnorm(h, b, w, eps: float, *, alpha: float = 1.0, out=None):
+    """h += alpha * b (in place), then out = rmsnorm(h) * w."""
+    h += h.dtype.type(alpha) * b
+    return rmsnorm(h, w, eps, out=out)
+
+
+def residual_add(a, b, *, alpha: float = 1.0, out=None):
+    return _store(out, a + a.dtype.type(alpha) * b)
+
+
+def silu_mul(gu, *, out=None):
+    inter = gu.shape[-1] // 2
+    return _store(out, silu(gu[..., :inter]) * gu[..., inter:])
+
+
+def linear(x, w, *, bias=None, out=None):
+    """y = x @ w.T (+ bias), w in any stored dtype."""
+    y = x @ widen(w, x.dtype).T
+    return _store(out, y if bias is None else y + widen(bias, x.dtype))
+
+
+def rope(x, rpos, cos, sin):
+    """In place on x [N, heads, hd]: rotate_half RoPE of the first 2*cos.shape[1] dims with table rows rpos."""
+    half = cos.shape[1]
+    if half == 0:
+        return x
+    c = widen(cos, x.dtype)[np.asarray(rpos)][:, None, :]
+    s = widen(sin, x.dtype)[np.asarray(rpos)][:, None, :]
+    x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
+    x[..., :half] = x1 * c - x2 * s
+    x[..., half:2 * half] = x2 * c + x1 * s
+    return x
+
+
+def qkv_rope_kv(qkv, heads: int, kv_heads: int, k_cache, v_cache, seq, pos, rpos, cos, sin, *, norm: str = "none",
+                q_norm=None, k_norm=None, eps: float = 1e-6, clip: float | None = None, q_out=None):
+    """From the fused projection [N, (heads + 2 kv_heads) hd]: q/k norm ("full" before the head split, "per_head"
+    after it), clip, RoPE, and k, v written to the caches at (seq[n], pos[n]); returns q [N, heads, hd]."""
+    N, hd = qkv.shape[0], k_cache.shape[3]
+    nq, nk = heads * hd, kv_heads * hd
+    q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+    if norm == "full":                                  # OLMoE: the whole projection, pre-split
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+    if clip is not None:
+        q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
+    q, k, v = (t.reshape(N, n, hd).copy() for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    if norm == "per_head":                              # Qwen3: each head, post-split, pre-RoPE
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+    rope(q, rpos, cos, sin)
+    rope(k, rpos, cos, sin)
+    k_cache[np.asarray(seq), np.asarray(pos)] = k
+    v_cache[np.asarray(seq), np.asarray(pos)] = v
+    return _store(q_out, q)
+
+
+def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, out=None, xp=np):
+    """Row n of q [NQ, heads, hd] attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n]
+    (window <= 0: all). `xp` lets the CUDA backend run this for head sizes its kernel is not built for."""
+    seq_h, len_h = np.asarray(q_seq).astype(np.int64), np.asarray(q_len).astype(np.int64)
+    nq, nh, hd = q.shape
+    nkv = k_cache.shape[2]
+    o = out if out is not None else xp.empty_like(q)
+    for s in np.unique(seq_h):
+        rows = np.flatnonzero(seq_h == s)
+        lens = len_h[rows]
+        L = int(lens.max())
+        keys, vals = k_cache[int(s), :L], v_cache[int(s), :L]                    # [L, nkv, hd]
+        qg = q[rows].reshape(len(rows), nkv, nh // nkv, hd).transpose(1, 2, 0, 3)  # [nkv, g, n, hd]
+        scores = qg @ keys.transpose(1, 2, 0)[:, None] * q.dtype.type(scale)    # [nkv, g, n, L]
+        kv = np.arange(L)[None, :]
+        allowed = kv < lens[:, None]
+        if window > 0:
+            allowed &= kv >= lens[:, None] - window
+        scores = xp.where(xp.asarray(allowed), scores, q.dtype.type(-np.inf))
+        p = xp.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o[rows] = (p @ vals.transpose(1, 0, 2)[:, None]).transpose(2, 0, 1, 3).reshape(len(rows), nh, hd)
+    return o
+
+
+# ---- routing and experts ---------------------------------------------------------------------------------------
+def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk", normalize: bool = False,
+           scale: float = 1.0, out_ids=None, out_weights=None):
+    """Router logits -> (expert ids [T, k] int32, weights [T, k]); ties go to the lower expert index."""
+    logits = x @ widen(w, x.dtype).T
+    if order == "topk_softmax":                          # Granite: top-k on the logits, softmax over the k
+        ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        weights = softmax(np.take_along_axis(logits, ids, -1))
+    else:
+        scores = softmax(logits) if scoring == "softmax" else 1.0 / (1.0 + np.exp(-logits))
+        key = scores if bias is None else scores + widen(bias, x.dtype)  # a router bias steers selection only
+        ids = np.argsort(-key, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(scores, ids, -1)
+        if normalize:
+            weights = weights / weights.sum(-1, keepdims=True)
+    return _store(out_ids, ids.astype(np.int32)), _store(out_weights, weights * x.dtype.type(scale))
+
+
+def expert_ffn(x, gate_up, down):
+    """down(silu(gate x) * up x) with gate_up [2I, H]: rows [:I] gate, [I:] up."""
+    h = x @ gate_up.T
+    inter = gate_up.shape[0] // 2
+    return (silu(h[:, :inter]) * h[:, inter:]) @ down.T
+
+
+def moe(x, ids, weights, experts, *, residual, alpha: float = 1.0):
+    """residual += alpha * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), slots summed in order j = 0..k-1.
+
+    `experts(e)` gives (gate_up, down) in x's dtype, or None for an expert outside this pass (contributes zero).
+    """
+    T, k = ids.shape
+    ypair = np.zeros((T, k, x.shape[1]), x.dtype)
+    for e in np.unique(ids):
+        arrays = experts(int(e))
+        if arrays is None:
+            continue
+        rows, slot = np.nonzero(ids == e)          # a token picks an expert at most once: rows are unique
+        ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays)
+    residual += residual.dtype.type(alpha) * ypair.sum(1)
+    return residual
+
+
+def dequantize(q, scale, dtype=np.float64) -> np.ndarray:
+    """q [R, C] int8, scale [R, C / g] -> q[r, c] * scale[r, c // g]."""
+    rows, cols = q.shape
+    groups = scale.shape[1]
+    return (q.astype(dtype).reshape(rows, groups, cols // groups) * scale.astype(dtype)[:, :, None]).reshape(rows, cols)
+
+
+def blob_arrays(address: int, layout, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(gate_up [2I, H], down [H, I]) in `dtype` from the expert blob at a host address, read through `layout`."""
+    views = {}
+    for a in layout.arrays:
+        storage = NUMPY_STORAGE[a.dtype]
+        raw = (ctypes.c_uint8 * a.nbytes).from_address(address + a.offset)
+        views[a.name] = np.frombuffer(raw, storage, a.shape[0] * a.shape[1]).reshape(a.shape)
+    if layout.expert_format in QUANTIZED_FORMATS:
+        return (dequantize(views["gate_up"], views["gate_up_scale"], dtype),
+                dequantize(views["down"], views["down_scale"], dtype))
+    return widen(views["gate_up"], dtype), widen(views["down"], dtype)
+
+
+class ExpertTable:
+    """Where one MoE layer's experts are for one pass: blob addresses (host memory here), `zero` for none."""
+
+    def __init__(self, blob_ptrs: np.ndarray, layout, zero_ptr: int) -> None:
+        self.blob_ptrs, self.layout, self.zero_ptr = blob_ptrs, layout, zero_ptr
+
+    def experts(self, dtype):
+        def arrays(e: int):
+            ptr = int(self.blob_ptrs[e])
+            return None if ptr == self.zero_ptr else blob_arrays(ptr, self.layout, dtype)
+        return arrays
+
+
+# ---- the backend -----------------------------------------------------------------------------------------------
+class NumpyDense:
+    """The file's dense tensors widened once to the compute dtype; `{p}.gate_up` and `{p}.qkv` fused."""
+
+    def __init__(self, reader, dtype) -> None:
+        self.arrays = {name: widen(a, dtype) for name, a in fused_dense_tensors(reader)}
+        self.nbytes = sum(a.nbytes for a in self.arrays.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.arrays
+
+    def __getitem__(self, name: str):
+        return self.arrays[name]
+
+    f32 = __getitem__
+
+    def linear(self, x, name: str, bias: str | None, out):
+        return linear(x, self.arrays[name], bias=self.arrays[bias] if bias is not None else None, out=out)
+
+
+class NumpyBackend:
+    """Runs the decoder on the CPU; device memory is host memory (see the module docstring)."""
+
+    name = "numpy"
+    graphs = False
+    host_is_device = True
+
+    def __init__(self, dtype=np.float32) -> None:
+        self.xp = np
+        self.dtype = np.dtype(dtype)
+
+    # --- what the engine asks of a backend ------------------------------------------------------------------
+    def check_support(self, model: dict, blob_layout) -> None:
+        """Every model the spec describes runs here (ModelArgs has refused unknown semantics already)."""
+
+    def graph_blocker(self, args, batch: int) -> str | None:
+        return "the NumPy backend has no graphs"
+
+    # --- weights and ops the decoder calls -------------------------------------------------------------------
+    def dense(self, reader) -> NumpyDense:
+        return NumpyDense(reader, self.dtype)
+
+    def expert_table(self, blob_ptrs, layout, zero_ptr: int) -> ExpertTable:
+        return ExpertTable(np.asarray(blob_ptrs, np.uint64), layout, zero_ptr)
+
+    def embedding(self, ids, table, *, mult: float, out):
+        return embedding(ids, table, mult=mult, out=out, dtype=self.dtype.type)
+
+    rmsnorm = staticmethod(rmsnorm)
+    add_rmsnorm = staticmethod(add_rmsnorm)
+    residual_add = staticmethod(residual_add)
+    silu_mul = staticmethod(silu_mul)
+    qkv_rope_kv = staticmethod(qkv_rope_kv)
+
+    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int):
+        return attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, out=out)
+
+    def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
+        return router(x, w, k, out_ids=out_ids, out_weights=out_weights, **how)
+
+    def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws):
+        return moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha)
+
+    # --- memory ------------------------------------------------------------------------------------------------
+    def empty(self, shape, dtype=None):
+        return np.empty(shape, dtype if dtype is not None else self.dtype)
+
+    def zeros(self, shape, dtype=None):
+        return np.zeros(shape, dtype if dtype is not None else self.dtype)
+
+    def ptr(self, a) -> int:
+        return int(a.ctypes.data)
+
+    def to_device(self, a: np.ndarray) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+    def set_from_host(self, dst, src, stream) -> None:
+        dst[...] = np.asarray(src, dtype=dst.dtype).reshape(dst.shape)
+
+    def free_memory(self) -> int:
+        return 1 << 62      # host memory is the operating system's business: never refuse a pool here
+
+    def copy_htod(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+    def register_host(self, addr: int, nbytes: int) -> None:
+        pass
+
+    def unregister_host(self, addr: int) -> None:
+        pass
+
+    def pinned_empty(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    # --- streams, events, graphs: nothing runs asynchronously here -----------------------------------------------
+    def new_stream(self) -> Any:
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, stream) -> None:
+        return None
+
+    timing_event = record
+
+    def elapsed_ms(self, start, end) -> float:
+        return 0.0
+
+    def wait(self, stream, event) -> None:
+        pass
+
+    def sync_event(self, event) -> None:
+        pass
+
+    def capture(self, stream, fn):
+        raise NotImplementedError("the NumPy backend has no graphs")
+
+    def launch(self, graph, stream) -> None:
+        raise NotImplementedError("the NumPy backend has no graphs")

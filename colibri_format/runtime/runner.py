@@ -1,0 +1,64 @@
+"""Step runners: a decode step for B sequences over their own KV buffers, eager once, then (on a backend with
+graphs, when nothing in the step needs the host) captured as a CUDA graph and replayed with static buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, rope_rows
+
+MIN_CAPACITY = 64     # KV positions of the smallest runner
+
+
+def capacity_for(length: int, max_seq_len: int) -> int:
+    """KV capacity: the next power of two (at least MIN_CAPACITY) so that repeated calls reuse one runner."""
+    cap = MIN_CAPACITY
+    while cap < length:
+        cap *= 2
+    return min(cap, max_seq_len)
+
+
+class DecodeRunner:
+    """One decode step for `batch` sequences, `capacity` positions each."""
+
+    def __init__(self, eng, batch: int, capacity: int) -> None:
+        a, be = eng.args, eng.be
+        self.eng, self.batch, self.capacity = eng, batch, capacity
+        self.kv = KVBuffers(be, a.num_layers, batch, capacity, a.n_kv_heads, a.head_dim)
+        self.ws = Workspace(be)
+        self.inp = StepInputs(be, batch, eng.half)
+        self.graph = None
+        self.eager_steps = 0
+        self.reason = eng.graph_blocker(batch)
+
+    def step(self, ids: np.ndarray, pos: np.ndarray):
+        """Logits [B, V] (a device buffer overwritten by the next step) after one token per sequence."""
+        eng, B = self.eng, self.batch
+        cos, sin = rope_rows(eng.args, [np.array([p]) for p in pos])
+        rows = np.arange(B, dtype=np.int32)
+        host = HostStep(np.asarray(ids, np.int32), np.asarray(pos, np.int32), rows, cos, sin, rows)
+        with eng.stream:
+            self.inp.fill(host, eng.stream)
+            eng.experts.begin_token(B)
+            if self.graph is not None:
+                eng.be.launch(self.graph, eng.stream)
+                return self.ws.buf("logits", (B, eng.args.vocab_size))
+            logits = self._run()
+            self.eager_steps += 1
+            if self.reason is None and eng.decoder.route_hook is None:
+                self._capture()
+            return logits
+
+    def _run(self):
+        return self.eng.decoder.run(self.inp, self.kv, self.ws, self.batch, None, max_len=self.capacity)
+
+    def _capture(self) -> None:
+        eng = self.eng
+        self.ws.frozen = True
+        try:
+            self.graph = eng.be.capture(eng.stream, self._run)
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
+            self.graph = None
+            self.reason = f"capture failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.ws.frozen = False
