@@ -134,7 +134,7 @@ def score_colibri(path: Path, wins: list[np.ndarray], batch: int) -> Scores:
             for logits, ids in zip(eng.logits([w[:-1].tolist() for w in chunk]), chunk):
                 out.add(logits, ids[1:])
         out.seconds = time.perf_counter() - t0
-        quant = eng.weights.metadata.get("quantization") or {}
+        quant = eng.metadata.get("quantization") or {}
     out.quant = quant  # type: ignore[attr-defined]
     return out
 
