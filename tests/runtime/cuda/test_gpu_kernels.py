@@ -11,7 +11,7 @@ import pytest
 
 from colibri_format.runtime.cuda.kernels import ops
 from colibri_format.runtime.cuda.kernels import reference as ref
-from colibri_format.runtime.cuda.kernels.synthetic import host_experts, upload
+from tests.runtime.cuda.synthetic_experts import host_experts, upload
 
 F32_TOL = 2e-5    # fp32 accumulation vs float64
 BF16_TOL = 1e-2   # one bf16 rounding of the output
@@ -262,7 +262,7 @@ def test_kv_append_and_attention(cp, rng, cdt, hd, window):
     scale = 1.0 / np.sqrt(hd)
     exp = ref.attention_reference(q, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), q_seq, q_len, scale,
                                   window)
-    for variant in (dict(), dict(nsplit=1), dict(nsplit=3), dict(nsplit=40), dict(simple=True)):
+    for variant in (dict(), dict(nsplit=1), dict(nsplit=3), dict(nsplit=40)):
         out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), scale, window=window,
                             out=nan_like(cp, q.shape), **variant)
         assert rel(out.get(), exp) < F32_TOL, variant
@@ -278,7 +278,7 @@ def test_attention_long_context(cp, rng):
     q = (rng.standard_normal((3, nh, hd)) * 2).astype(np.float32)
     exp = ref.attention_reference(q, ref.as_f64(kc.get(), "bf16"), ref.as_f64(vc.get(), "bf16"), q_seq, q_len,
                                   0.1)
-    for variant in (dict(), dict(nsplit=1), dict(nsplit=7), dict(simple=True)):
+    for variant in (dict(), dict(nsplit=1), dict(nsplit=7)):
         out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1,
                             out=nan_like(cp, q.shape), **variant)
         assert rel(out.get(), exp) < F32_TOL, variant

@@ -14,9 +14,14 @@
 // Expert ids outside [0, E) are counted in meta[2] and left out (their inv entry is -1).
 #include "common.cuh"
 
-#define DISPATCH_THREADS 512
+#ifndef DISPATCH_THREADS
+#error "DISPATCH_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DISPATCH_MAX_E
+#error "DISPATCH_MAX_E undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 #define DISPATCH_WARPS (DISPATCH_THREADS / 32)
-#define DISPATCH_MAX_E 512
+static_assert(DISPATCH_THREADS % 32 == 0 && DISPATCH_THREADS >= 128, "warps 0, 1 and 2 run the three scans");
 
 // Exclusive scan of n <= 32 * 16 values held in shared memory, by warp 0; returns the total to every lane of it.
 __device__ int warp0_exclusive_scan(int* vals, int n) {

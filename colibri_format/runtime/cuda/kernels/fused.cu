@@ -8,8 +8,14 @@
 // kv_append) up to fp32 summation order.
 #include "common.cuh"
 
-#define FUSED_THREADS 256
-#define QKV_THREADS 128                      // qkv_rope_kv: 4 warps, one head each
+#ifndef FUSED_THREADS
+#error "FUSED_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef QKV_THREADS
+#error "QKV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+// FUSED_THREADS: add_rmsnorm blocks (block_sum: at most 32 warps); QKV_THREADS: qkv_rope_kv, one warp a head
+static_assert(FUSED_THREADS % 32 == 0 && FUSED_THREADS <= 1024 && QKV_THREADS % 32 == 0, "whole warps");
 
 // Sum of v over the block (every thread gets it); s_red holds 32 floats; ends with a barrier.
 __device__ __forceinline__ float block_sum(float v, float* s_red) {

@@ -104,115 +104,21 @@ KV_APPEND_KERNEL(bf16, TBF16)
 // One query row per (sequence, position): q [NQ, nh, hd] fp32; query row n reads cache sequence q_seq[n] and the
 // keys [max(0, q_len[n] - window), q_len[n]) (window <= 0: all). Decode: one row per sequence, q_len = its length.
 // Causal prefill: one row per new token, q_len = its position + 1. GQA: head h reads kv head h / (nh / nkv).
-// Grid (NQ, nkv, ceil(G / ATT_GMAX)), ATT_THREADS threads; each warp runs an online softmax over a strided
-// subset of the keys for up to ATT_GMAX query heads of the group; the warps' states are merged at the end.
-#define ATT_THREADS 128
+#ifndef ATT_THREADS
+#error "ATT_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ATT_GMAX
+#error "ATT_GMAX undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 #define ATT_WARPS (ATT_THREADS / 32)
-#define ATT_GMAX 8
-
-template <typename TC, int HPL>
-__device__ __forceinline__ void attention_impl(const float* __restrict__ q, const typename TC::storage* __restrict__ kc,
-                                               const typename TC::storage* __restrict__ vc,
-                                               const int* __restrict__ q_seq, const int* __restrict__ q_len,
-                                               float* __restrict__ out, int nh, int nkv, int capacity, int window,
-                                               float scale) {
-    constexpr int HD = HPL * 32;
-    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
-    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
-    const float NEG_INF = __int_as_float(0xff800000);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = blockIdx.x, kvh = blockIdx.y;
-    const int G = nh / nkv;
-    const int g0 = blockIdx.z * ATT_GMAX;
-    const int ng = min(ATT_GMAX, G - g0);
-    const int len = q_len[n];
-    const int first = window > 0 ? max(0, len - window) : 0;
-    const int sq = q_seq[n];
-
-    float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
-#pragma unroll
-    for (int g = 0; g < ATT_GMAX; ++g) {
-        const int head = kvh * G + g0 + min(g, ng - 1);
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) {
-            qv[g][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
-            acc[g][u] = 0.0f;
-        }
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-    }
-    const size_t row = (size_t)nkv * HD;
-    const typename TC::storage* kb = kc + (size_t)sq * capacity * row + (size_t)kvh * HD + lane * HPL;
-    const typename TC::storage* vb = vc + (size_t)sq * capacity * row + (size_t)kvh * HD + lane * HPL;
-    for (int p = first + warp; p < len; p += ATT_WARPS) {
-        float kf[HPL], vf[HPL];
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) {
-            kf[u] = TC::to_f32(kb[(size_t)p * row + u]);
-            vf[u] = TC::to_f32(vb[(size_t)p * row + u]);
-        }
-#pragma unroll
-        for (int g = 0; g < ATT_GMAX; ++g) {
-            if (g < ng) {
-                float s = 0.0f;
-#pragma unroll
-                for (int u = 0; u < HPL; ++u) s = fmaf(qv[g][u], kf[u], s);
-                s = warp_sum(s);
-                const float mn = fmaxf(m[g], s);
-                const float c = expf(m[g] - mn), e = expf(s - mn);
-                l[g] = l[g] * c + e;
-#pragma unroll
-                for (int u = 0; u < HPL; ++u) acc[g][u] = fmaf(acc[g][u], c, e * vf[u]);
-                m[g] = mn;
-            }
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < ATT_GMAX; ++g) {
-        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
-        const int g = i / HD, d = i - g * HD;
-        float mx = NEG_INF;
-        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
-        float num = 0.0f, den = 0.0f;
-        for (int w = 0; w < ATT_WARPS; ++w) {
-            if (s_m[w][g] != NEG_INF) {
-                const float c = expf(s_m[w][g] - mx);
-                num = fmaf(s_acc[w][g][d], c, num);
-                den = fmaf(s_l[w][g], c, den);
-            }
-        }
-        const int head = kvh * G + g0 + g;
-        out[((size_t)n * nh + head) * HD + d] = den > 0.0f ? num / den : 0.0f;
-    }
-}
-
-#define ATTENTION_KERNEL(SUF, TC, HPL)                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
-        attention_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,         \
-                        const int* q_len, float* out, int nh, int nkv, int capacity, int window, float scale) { \
-        attention_impl<TC, HPL>(q, kc, vc, q_seq, q_len, out, nh, nkv, capacity, window, scale);              \
-    }
-// suffix: <cache dtype>_hd<head_dim>
-ATTENTION_KERNEL(f32_hd64, TF32, 2)
-ATTENTION_KERNEL(f32_hd128, TF32, 4)
-ATTENTION_KERNEL(f32_hd256, TF32, 8)
-ATTENTION_KERNEL(f16_hd64, TF16, 2)
-ATTENTION_KERNEL(f16_hd128, TF16, 4)
-ATTENTION_KERNEL(f16_hd256, TF16, 8)
-ATTENTION_KERNEL(bf16_hd64, TBF16, 2)
-ATTENTION_KERNEL(bf16_hd128, TBF16, 4)
-ATTENTION_KERNEL(bf16_hd256, TBF16, 8)
+static_assert(ATT_THREADS % 32 == 0, "whole warps");
 
 // Split-context attention (flash-decoding): the keys of a query row are cut into nsplit contiguous chunks, one
-// block per (row, kv head, query-head chunk, split). Inside a block each warp takes tiles of 32 keys, one key per
-// lane for the scores (q in shared memory), then accumulates p * V with each lane owning HPL dims. The block
-// writes its (max, sum, unnormalized output) per head to the workspace; attention_merge combines the splits.
-// With nsplit == 1 the block writes the final output directly.
+// block of ATT_THREADS threads per (row, kv head, chunk of up to ATT_GMAX query heads, split), so the grid is
+// (NQ, nkv, ceil(G / ATT_GMAX) * nsplit). Inside a block each warp takes tiles of 32 keys, one key per lane for the
+// scores (q in shared memory), then accumulates p * V with each lane owning HPL dims. The block writes its (max,
+// sum, unnormalized output) per head to the workspace; attention_merge combines the splits. With nsplit == 1 the
+// block writes the final output directly.
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q,
                                                      const typename TC::storage* __restrict__ kc,
@@ -420,8 +326,16 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ gu, float* __r
 // y[t, n] = x[t, :] . W[n, :] (+ bias[n]) for small T: x [T, K] fp32, W [N, K] (f32/f16/bf16), y [T, N] fp32.
 // One warp per group of DG_ROWS output rows, tokens in passes of DG_TOK, 16-byte weight loads (K % 8 == 0 for
 // 16-bit weights, K % 4 == 0 for fp32). Grid-stride over warps.
-#define DG_ROWS 4
-#define DG_TOK 4
+#ifndef DG_THREADS
+#error "DG_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_ROWS
+#error "DG_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_TOK
+#error "DG_TOK undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+static_assert(DG_THREADS % 32 == 0, "whole warps");
 
 template <typename TW>
 __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
@@ -474,7 +388,7 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
     }
 }
 #define DENSE_GEMV_KERNEL(SUF, TW)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256)                                                         \
+    extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                  \
         dense_gemv_##SUF(const float* x, const TW::storage* w, const float* bias, float* y, int T, int N, int K) { \
         dense_gemv_impl<TW>(x, w, bias, y, T, N, K);                                                          \
     }

@@ -8,11 +8,27 @@
 //   moe_gemm_down_*:    y[perm[pos], h] = w[perm[pos]] * (act[pos] . down[h])
 #include "common.cuh"
 
-#define GEMM_THREADS 256
-#define GEMM_BM 64
-#define GEMM_BN 64
-#define GEMM_BK 32
-#define GEMM_PAD 4
+#ifndef GEMM_THREADS
+#error "GEMM_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef GEMM_BM
+#error "GEMM_BM undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef GEMM_BN
+#error "GEMM_BN undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef GEMM_BK
+#error "GEMM_BK undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef GEMM_PAD
+#error "GEMM_PAD undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef TC_THREADS
+#error "TC_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+static_assert(GEMM_THREADS == 256 && GEMM_BM == 64 && GEMM_BN == 64,
+              "16 x 16 threads, each owning a 4 x 4 block of the 64 x 64 output tile");
+static_assert(GEMM_BK % 16 == 0 && (GEMM_BM * GEMM_BK / 4) % GEMM_THREADS == 0, "A and B tile loads");
 
 template <bool GROUPED, bool GATEUP>
 __device__ __forceinline__ void moe_gemm(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
@@ -142,7 +158,7 @@ GEMM_DOWN_KERNEL(moe_gemm_down_g, true)
 // accumulation. int8 weights are exact in bf16; each activation is split into hi = bf16(x) and lo = bf16(x - hi),
 // two products per weight, so inputs keep about 16 significant bits (relative error near 1e-5 instead of bf16's
 // 4e-3). The per-row scale is applied in the epilogue. 4 warps, each owning a 32 x 32 block of the 64 x 64 tile.
-#define TC_THREADS 128
+static_assert(TC_THREADS == 128, "4 warps, each owning a 32 x 32 block of the 64 x 64 tile");
 #define TC_LD (GEMM_BK + 8)  // shared row stride in bf16 elements: conflict-free fragment loads
 
 __device__ __forceinline__ unsigned int pack_bf16x2(float lo_col, float hi_col) {

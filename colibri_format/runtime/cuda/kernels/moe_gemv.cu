@@ -15,7 +15,9 @@
 //                  written by exactly one warp, so the later combine is deterministic.
 #include "common.cuh"
 
-#define GEMV_THREADS 128
+#ifndef GEMV_THREADS
+#error "GEMV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 
 template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP>
 __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,

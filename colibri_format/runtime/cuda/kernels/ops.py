@@ -3,8 +3,9 @@
 CuPy validates nothing it passes to a raw kernel, so every wrapper here checks dtype, C-contiguity, shape and
 device of each array, casts each scalar explicitly (np.int32 / np.int64 / np.float32), and computes its launch
 shape in one place. Modules are compiled once per device from the `.cu` sources (with `common.cuh` inlined, so
-CuPy's on-disk cache sees every source change) and memoized. CuPy is imported only inside functions: the package
-imports without it.
+CuPy's on-disk cache sees every source change), with their tile and thread constants passed as `-DNAME=value`
+from `runtime/cuda/limits.py` (the one place they are declared), and memoized. CuPy is imported only inside
+functions: the package imports without it.
 
 bf16 arrays travel as uint16 arrays of raw bits (or as a `bfloat16` dtype where CuPy has one); float16 and
 float32 are themselves. Every output can be passed in through `out=` (preallocated, e.g. for CUDA-graph capture).
@@ -19,16 +20,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
+    ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT, DG_ROWS, DG_THREADS, DIM_MULTIPLE,
+    DISPATCH_MAX_E, DISPATCH_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
+    GEMV_WIDE, GROUP_MULTIPLE, QK_NORM_MODES, QKV_THREADS, ROUTER_EPB, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_THREADS,
+    ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, scale_groups)
+
+SCORING, ORDER = limits.ROUTER_SCORING, limits.ROUTER_ORDER   # router.cu codes
+
 KERNEL_DIR = Path(__file__).resolve().parent
-MODULES = ("router", "dispatch", "moe_gemv", "moe_gemm", "layers", "fused")
+MODULES = tuple(limits.KERNEL_DEFINES)  # router, dispatch, moe_gemv, moe_gemm, layers, fused
 NVRTC_OPTIONS = ("-std=c++17",)  # no fast-math: expf/rsqrtf/division stay IEEE-accurate in fp32
 
-ROUTER_TPB, ROUTER_EPB, ROUTER_MAX_E = 4, 8, 512         # router.cu
-DISPATCH_THREADS, DISPATCH_MAX_E = 512, 512               # dispatch.cu
-GEMV_THREADS = 128                                        # moe_gemv.cu
-GEMM_THREADS, GEMM_BM, GEMM_BN = 256, 64, 64              # moe_gemm.cu
-ATT_THREADS, ATT_GMAX = 128, 8                            # layers.cu
-GEMV_TOKC = (1, 2, 4, 8)                                  # tokens per pass variants of moe_gemv.cu
+
+def compile_options(name: str) -> tuple[str, ...]:
+    """NVRTC options of module `name`: the common ones, then its -D tile and thread constants."""
+    return NVRTC_OPTIONS + limits.define_options(name)
 
 
 def _cupy():
@@ -54,7 +62,7 @@ def module(name: str):
     if key not in _MODULES:
         if name not in MODULES:
             raise ValueError(f"unknown kernel module {name!r}")
-        _MODULES[key] = cp.RawModule(code=kernel_source(name), options=NVRTC_OPTIONS)
+        _MODULES[key] = cp.RawModule(code=kernel_source(name), options=compile_options(name))
     return _MODULES[key]
 
 
@@ -136,10 +144,6 @@ def _ptr(a) -> Any:
 
 
 # ---- router -------------------------------------------------------------------------------------------------------
-SCORING = {"softmax": 0, "sigmoid": 1}
-ORDER = {"softmax_topk": 0, "topk_softmax": 1}
-
-
 class RouterWorkspace:
     """Scratch of the fused router: logits [T, E] and per-token-group tickets (zero between launches)."""
 
@@ -163,8 +167,9 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
         raise ValueError(f"router weight is {tuple(w.shape)}, expected [E, {H}]")
     if H % 8:
         raise ValueError(f"hidden size {H} must be a multiple of 8 (16-byte loads)")
-    if not (1 <= E <= ROUTER_MAX_E) or not (1 <= k <= min(E, 32)):
-        raise ValueError(f"router needs 1 <= E <= {ROUTER_MAX_E} and 1 <= k <= min(E, 32), got E={E}, k={k}")
+    if not (1 <= E <= ROUTER_MAX_E) or not (1 <= k <= min(E, ROUTER_MAX_K)):
+        raise ValueError(f"router needs 1 <= E <= {ROUTER_MAX_E} and 1 <= k <= min(E, {ROUTER_MAX_K}), got E={E}, "
+                         f"k={k}")
     if scoring not in SCORING or order not in ORDER:
         raise ValueError(f"scoring {scoring!r} / order {order!r} not supported")
     if bias is not None:
@@ -177,9 +182,9 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
     if T == 0:
         return ids, weights
     grid = (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB))
-    width = next(c for c in (32, 64, 128, 256, 512) if c >= E)
+    width = next(c for c in ROUTER_WIDTHS if c >= E)
     kernel("router", f"moe_router_{dtype_code(w)}_e{width}")(
-        grid, (256,),
+        grid, (ROUTER_THREADS,),
         (x, w, _ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
          np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale)))
     return ids, weights
@@ -255,22 +260,21 @@ class ExpertTable:
     def groups(self) -> tuple[int, int, str]:
         """(group over H, group over I, kernel suffix 'r' per-row | 'g' grouped)."""
         H, I, g = self.hidden_size, self.intermediate_size, self.group_size
-        if g in (0, H) and g in (0, I):
-            return H, I, "r"
-        if g % 16 or H % g or I % g:
-            raise ValueError(f"group size {g} must be a multiple of 16 dividing H={H} and I={I}")
-        return g, g, "g"
+        groups = scale_groups(H, I, g)
+        if groups is None:
+            raise ValueError(f"group size {g} must be a multiple of {GROUP_MULTIPLE} dividing H={H} and I={I}")
+        return groups
 
     def check(self) -> None:
         _check("blob_ptrs", self.blob_ptrs, dtype=np.uint64, ndim=1)
         H, I = self.hidden_size, self.intermediate_size
-        if H % 16 or I % 16:
-            raise ValueError(f"H={H} and I={I} must be multiples of 16 (16-byte int8 loads)")
+        if H % DIM_MULTIPLE or I % DIM_MULTIPLE:
+            raise ValueError(f"H={H} and I={I} must be multiples of {DIM_MULTIPLE} (16-byte int8 loads)")
         if H < 8 or I < 8:
             raise ValueError("H and I must be at least 8")
         for name in ("off_gate_up", "off_gate_up_scale", "off_down", "off_down_scale"):
-            if getattr(self, name) % 256:
-                raise ValueError(f"{name}={getattr(self, name)} is not 256-byte aligned")
+            if getattr(self, name) % BLOB_ARRAY_ALIGNMENT:
+                raise ValueError(f"{name}={getattr(self, name)} is not {BLOB_ARRAY_ALIGNMENT}-byte aligned")
         self.groups()
 
 
@@ -302,9 +306,6 @@ def _check_moe_inputs(x_or_act, table: ExpertTable, disp: Dispatch, cols: int, r
     _check("input", x_or_act, dtype=np.float32, shape=(rows, cols))
     if disp.num_experts != table.num_experts:
         raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
-
-
-GEMV_WIDE = ("w2", "w4")  # one token per pass, loads of 2 / 4 chunks per lane issued at once (moe_gemv.cu)
 
 
 def wide_variant(ncols: int) -> str | None:
@@ -369,9 +370,6 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
         (act, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm, disp.offsets,
          disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)))
     return y
-
-
-TC_THREADS = 128  # moe_gemm.cu tensor-core variant
 
 
 def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
@@ -530,13 +528,12 @@ class AttentionWorkspace:
 
 
 def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, out=None,
-              nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None,
-              simple: bool = False):
+              nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None):
     """q [NQ, nh, hd] f32 against caches [S, cap, nkv, hd]: decode (q_len = length) or causal prefill rows.
 
     Row n attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n] (window <= 0: all).
-    The split kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults
-    to the cache capacity) and merges them; `simple=True` runs the one-block-per-head kernel instead.
+    The kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults to the
+    cache capacity) and merges them.
     """
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
@@ -546,8 +543,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     nkv = k_cache.shape[2]
     if k_cache.shape[3] != hd or nh % nkv:
         raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
-    if hd not in (64, 128, 256):
-        raise ValueError(f"head_dim {hd} not supported (64, 128, 256)")
+    if hd not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"head_dim {hd} not supported {ATTENTION_HEAD_DIMS}")
     _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
     _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
     o = _out("out", out, q.shape, cp.float32)
@@ -557,10 +554,6 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     gchunks = -(-group // ATT_GMAX)
     cap = k_cache.shape[1]
     args_tail = (np.int32(nh), np.int32(nkv), np.int32(cap), np.int32(window), np.float32(scale))
-    if simple:
-        kernel("layers", f"attention_{dtype_code(k_cache)}_hd{hd}")(
-            (NQ, nkv, gchunks), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, o) + args_tail)
-        return o
     ns = nsplit or attention_splits(NQ, nkv, group, max_len or cap)
     if ns > 1:
         ws = workspace or AttentionWorkspace(NQ, nh, hd, ns)
@@ -629,23 +622,19 @@ def dense_gemv(x, w, *, bias=None, out=None):
     N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"w is {tuple(w.shape)}, expected [N, {K}]")
-    if K % 8 or N < 4:
-        raise ValueError(f"dense_gemv needs K % 8 == 0 and N >= 4 (K={K}, N={N})")
+    if K % 8 or N < DG_ROWS:
+        raise ValueError(f"dense_gemv needs K % 8 == 0 and N >= {DG_ROWS} (K={K}, N={N})")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
     y = _out("out", out, (T, N), cp.float32)
     if T:
-        blocks = max(1, min(-(-N // 4 // 8), _sm_count() * 8))
+        blocks = max(1, min(-(-N // DG_ROWS // (DG_THREADS // 32)), _sm_count() * 8))  # a warp per DG_ROWS rows
         kernel("layers", f"dense_gemv_{dtype_code(w)}")(
-            (blocks,), (256,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
+            (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
     return y
 
 
 # ---- fused decode-layer kernels (fused.cu) -------------------------------------------------------------------------
-FUSED_THREADS, QKV_THREADS = 256, 128                     # fused.cu
-QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}
-
-
 def add_rmsnorm(h, b, w, eps: float, *, alpha: float = 1.0, out=None):
     """h += alpha * b (in place, h [R, D] f32), then out [R, D] f32 = rmsnorm(h) * w (w f32/f16/bf16); returns out.
 

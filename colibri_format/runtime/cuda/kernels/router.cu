@@ -15,10 +15,27 @@
 //   order 1 (topk_softmax): key = logits; weight = softmax over the k selected logits; times scale.
 #include "common.cuh"
 
-#define ROUTER_THREADS 256
+#ifndef ROUTER_THREADS
+#error "ROUTER_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ROUTER_TPB
+#error "ROUTER_TPB undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ROUTER_EPB
+#error "ROUTER_EPB undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ROUTER_MAX_E
+#error "ROUTER_MAX_E undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ROUTER_MAX_K
+#error "ROUTER_MAX_K undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+// ROUTER_TPB: tokens per block; ROUTER_EPB: experts per block
 #define ROUTER_WARPS (ROUTER_THREADS / 32)
-#define ROUTER_TPB 4   // tokens per block
-#define ROUTER_EPB 8   // experts per block
+static_assert(ROUTER_THREADS % 32 == 0 && ROUTER_TPB <= ROUTER_WARPS && ROUTER_TPB * ROUTER_EPB <= ROUTER_THREADS,
+              "one selecting warp per token of a block; one thread per logit of the block in the final sum");
+static_assert(ROUTER_MAX_K <= 32, "router_select keeps one selected expert per lane of a warp");
+static_assert(ROUTER_MAX_E == 32 * 16, "the widest router kernel below (_e512) holds 16 experts a lane");
 
 // All ROUTER_THREADS threads split the hidden dimension (16-byte weight loads, every load of a thread issued
 // before its first use), then the per-thread partial dot products are summed across the block.

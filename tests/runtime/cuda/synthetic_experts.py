@@ -1,4 +1,4 @@
-"""Random int8 experts packed as `.colibri` expert blobs, for kernel tests and benchmarks.
+"""Random int8 experts packed as `.colibri` expert blobs, for the kernel tests and benchmarks/gpu_kernels.py.
 
 Blob offsets come from `colibri_format.spec.blob_layout` only. `host_experts` builds small experts on the host
 (returning the arrays for the NumPy references too); `device_experts` fills large ones directly on the GPU.
@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri_format.runtime.cuda.kernels.ops import ExpertTable
 from colibri_format.spec import ExpertFormat, blob_layout
-
-from .ops import ExpertTable
 
 
 def layout_for(hidden: int, inter: int, group: int = 0):
