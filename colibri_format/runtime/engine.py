@@ -37,6 +37,7 @@ RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, 
 class EngineConfig:
     device: str = "cpu"                       # "cpu" (NumPy backend) or "cuda" (CuPy kernels)
     device_id: int = 0
+    precision: str = "float32"                # device="cpu": float32, or float64 (the oracle kernels are tested by)
     max_batch_size: int = 32
     max_seq_len: int = 2048
     max_cached_experts: int | None = None     # None: keep every expert once loaded
@@ -61,6 +62,9 @@ class EngineConfig:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
         if self.device not in ("cpu", "cuda"):
             raise InvalidInput("device must be 'cpu' or 'cuda'", field="device", value=self.device)
+        if self.precision not in ("float32", "float64") or (self.device == "cuda" and self.precision != "float32"):
+            raise InvalidInput("precision must be 'float32', or 'float64' on device='cpu'", field="precision",
+                               value=self.precision)
 
 
 @dataclass
@@ -121,7 +125,7 @@ def make_backend(config: EngineConfig):
     if config.device == "cpu":
         from colibri_format.runtime.numpy_backend import NumpyBackend
 
-        return NumpyBackend(np.float32)
+        return NumpyBackend(np.dtype(config.precision))
     try:
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:
@@ -281,18 +285,33 @@ class Engine:
         if need > self.config.max_seq_len:
             raise InvalidInput(f"prompt + max_new_tokens = {need} exceeds max_seq_len={self.config.max_seq_len}",
                                field="max_new_tokens", value=max_new_tokens)
-        runner = self._runner(len(chunks), capacity_for(need, self.config.max_seq_len))
-        logits = self._prefill(chunks, runner.kv, list(range(len(chunks))), [0] * len(chunks))
-        outs = [[t] for t in self._argmax(logits)]
+        runner = self.decode_runner(len(chunks), need)
+        outs = [[t] for t in self.argmax(self.prefill_into(runner, chunks))]
         pos = np.array([len(c) for c in chunks])
         for _ in range(max_new_tokens - 1):
-            logits = runner.step(np.array([o[-1] for o in outs]), pos)
-            for o, t in zip(outs, self._argmax(logits)):
+            for o, t in zip(outs, self.argmax(runner.step(np.array([o[-1] for o in outs]), pos))):
                 o.append(t)
             pos = pos + 1
         return outs
 
-    def _argmax(self, logits) -> list[int]:
+    # --- step-level access (generate_batch, benchmarks) ----------------------------------------------------------
+    def decode_runner(self, batch: int, length: int) -> DecodeRunner:
+        """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph)."""
+        capacity = capacity_for(length, self.config.max_seq_len)
+        key = (batch, capacity)
+        if key not in self._runners:
+            while len(self._runners) >= MAX_RUNNERS:
+                self._runners.pop(next(iter(self._runners)))
+            with self.stream:
+                self._runners[key] = DecodeRunner(self, batch, capacity)
+        return self._runners[key]
+
+    def prefill_into(self, runner: DecodeRunner, chunks: list[np.ndarray]):
+        """Prefill sequence s of the runner with chunks[s] from position 0; device logits [S, V] of their last rows."""
+        return self._prefill(chunks, runner.kv, list(range(len(chunks))), [0] * len(chunks))
+
+    def argmax(self, logits) -> list[int]:
+        """Greedy token of each row of device logits."""
         with self.stream:
             return [int(t) for t in self.be.to_host(self.be.xp.argmax(logits, axis=1))]
 
@@ -329,22 +348,13 @@ class Engine:
             self.decoder.route_hook = lambda layer, ids: self.routes.record(layer,
                                                                             self.be.to_host(ids).astype(np.int64))
 
-    def _runner(self, batch: int, capacity: int) -> DecodeRunner:
-        key = (batch, capacity)
-        if key not in self._runners:
-            while len(self._runners) >= MAX_RUNNERS:
-                self._runners.pop(next(iter(self._runners)))
-            with self.stream:
-                self._runners[key] = DecodeRunner(self, batch, capacity)
-        return self._runners[key]
-
     def _decode(self, prompt, max_new_tokens, temperature, top_p, seed, stop, callback, stats) -> list[int]:
         rng, out = np.random.default_rng(seed), []
         budget = min(max_new_tokens, self.config.max_seq_len - len(prompt))
         stats.finish_reason = "length" if budget == max_new_tokens else "max_seq_len"
         if budget <= 0:
             return out
-        runner = self._runner(1, capacity_for(len(prompt) + budget, self.config.max_seq_len))
+        runner = self.decode_runner(1, len(prompt) + budget)
         t0 = time.perf_counter()
         row = self.be.to_host(self._prefill([prompt], runner.kv, [0], [0]))[0]
         t1 = time.perf_counter()

@@ -171,7 +171,7 @@ class ExpertPool:
         self._copy_times: list = []
         self.cache = None
         if in_place:
-            self._map_all(config.verify)
+            self._map_all()
         elif self.resident:
             self._load_all(config.verify)
         else:
@@ -215,14 +215,13 @@ class ExpertPool:
         self.load_seconds = time.perf_counter() - t0
         self.counters.bytes_paged += len(self.layers) * self.E * self.blob_size
 
-    def _map_all(self, verify: str) -> None:
-        """Tables that point straight at the blobs in the file mapping (a backend whose device is host memory)."""
+    def _map_all(self) -> None:
+        """Tables that point straight at the blobs in the file mapping (a backend whose device is host memory);
+        each blob is checked by the reader's policy when first read, so an expert never routed is never read."""
         for layer in self.layers:
-            if verify != "never":
-                for e in range(self.E):
-                    self.reader.verify_expert(layer, e)
             ptrs = np.array([self.source.base + self.reader.blob_offset(layer, e) for e in range(self.E)], np.uint64)
-            self.resident_tables[layer] = self.table(ptrs)
+            self.resident_tables[layer] = self.be.expert_table(
+                ptrs, self.layout, self.zero_ptr, check=lambda e, layer=layer: self.reader.expert_blob(layer, e))
         self.load_seconds = 0.0
 
     # --- residency ------------------------------------------------------------------------------------------

@@ -171,12 +171,16 @@ class Decoder:
             self.be.set_from_host(ids, self.forced_routes(i, x.shape[0]), None)
         if self.route_hook is not None:
             self.route_hook(i, ids)
+        self.routed(i, x, ids, weights, h, ws)
+        if a.shared_expert is not None:
+            self.be.residual_add(h, self.shared(i, x, ws), alpha=float(a.residual_mult), out=h)
+
+    def routed(self, i: int, x, ids, weights, h, ws) -> None:
+        """h += residual_mult * the routed experts' weighted sum: one pass per table the expert pool gives."""
         nxt = self.experts.prefetch_layer(i)
         predicted = self.route(nxt, x, ws, "pf")[0] if nxt is not None else None
         for table in self.experts.tables(i, ids, ws, predicted):
-            self.be.moe(x, ids, weights, table, residual=h, alpha=float(a.residual_mult), ws=ws)
-        if a.shared_expert is not None:
-            self.be.residual_add(h, self.shared(i, x, ws), alpha=float(a.residual_mult), out=h)
+            self.be.moe(x, ids, weights, table, residual=h, alpha=float(self.a.residual_mult), ws=ws)
 
     def route(self, layer: int, x, ws, tag: str):
         """(expert ids [T, k] int32, weights [T, k]) of `layer`'s router applied to x."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri_format.dtypes import NUMPY_STORAGE, bf16_bits_to_float32
+from colibri_format.dtypes import NUMPY_STORAGE
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -29,7 +29,7 @@ def widen(a, dtype=np.float64) -> np.ndarray:
     """Any kernel input (float32, float16 or bf16 bits as uint16) as `dtype`."""
     a = np.asarray(a)
     if a.dtype == np.uint16:
-        return bf16_bits_to_float32(a).astype(dtype, copy=False)
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)   # bf16 bits: exact
     return a.astype(dtype, copy=False)
 
 
@@ -204,15 +204,20 @@ def blob_arrays(address: int, layout, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ExpertTable:
-    """Where one MoE layer's experts are for one pass: blob addresses (host memory here), `zero` for none."""
+    """Where one MoE layer's experts are for one pass: blob addresses (host memory here), `zero_ptr` for none.
+    `check(e)`, when given, runs before an expert is read (the reader's checksum policy for blobs read in place)."""
 
-    def __init__(self, blob_ptrs: np.ndarray, layout, zero_ptr: int) -> None:
-        self.blob_ptrs, self.layout, self.zero_ptr = blob_ptrs, layout, zero_ptr
+    def __init__(self, blob_ptrs: np.ndarray, layout, zero_ptr: int, check=None) -> None:
+        self.blob_ptrs, self.layout, self.zero_ptr, self.check = blob_ptrs, layout, zero_ptr, check
 
     def experts(self, dtype):
         def arrays(e: int):
             ptr = int(self.blob_ptrs[e])
-            return None if ptr == self.zero_ptr else blob_arrays(ptr, self.layout, dtype)
+            if ptr == self.zero_ptr:
+                return None
+            if self.check is not None:
+                self.check(e)
+            return blob_arrays(ptr, self.layout, dtype)
         return arrays
 
 
@@ -258,8 +263,8 @@ class NumpyBackend:
     def dense(self, reader) -> NumpyDense:
         return NumpyDense(reader, self.dtype)
 
-    def expert_table(self, blob_ptrs, layout, zero_ptr: int) -> ExpertTable:
-        return ExpertTable(np.asarray(blob_ptrs, np.uint64), layout, zero_ptr)
+    def expert_table(self, blob_ptrs, layout, zero_ptr: int, check=None) -> ExpertTable:
+        return ExpertTable(np.asarray(blob_ptrs, np.uint64), layout, zero_ptr, check)
 
     def embedding(self, ids, table, *, mult: float, out):
         return embedding(ids, table, mult=mult, out=out, dtype=self.dtype.type)

@@ -43,20 +43,21 @@ class DecodeRunner:
             if self.graph is not None:
                 eng.be.launch(self.graph, eng.stream)
                 return self.ws.buf("logits", (B, eng.args.vocab_size))
-            logits = self._run()
+            logits = self.run_eager()
             self.eager_steps += 1
             if self.reason is None and eng.decoder.route_hook is None:
                 self._capture()
             return logits
 
-    def _run(self):
+    def run_eager(self):
+        """The step's pass without the graph (the inputs of the last `step`)."""
         return self.eng.decoder.run(self.inp, self.kv, self.ws, self.batch, None, max_len=self.capacity)
 
     def _capture(self) -> None:
         eng = self.eng
         self.ws.frozen = True
         try:
-            self.graph = eng.be.capture(eng.stream, self._run)
+            self.graph = eng.be.capture(eng.stream, self.run_eager)
         except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
             self.graph = None
             self.reason = f"capture failed: {type(exc).__name__}: {exc}"

@@ -7,6 +7,7 @@ run on either. CuPy is imported only here and in `kernels/ops.py`, and only when
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -129,7 +130,7 @@ class CupyBackend:
 
         return DeviceDense(reader, self)
 
-    def expert_table(self, blob_ptrs, layout, zero_ptr: int):
+    def expert_table(self, blob_ptrs, layout, zero_ptr: int, check=None):
         return self.ops.ExpertTable.from_layout(blob_ptrs, layout)
 
     # --- the decoder's ops ------------------------------------------------------------------------------------
@@ -191,6 +192,18 @@ class CupyBackend:
             ops.moe_down(act, table, disp, weights, out=ypair)
         return ops.moe_combine(ypair, k, residual=residual, alpha=alpha, out=residual)
 
+    # --- profiling --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def profiled(self, record):
+        """Within the block every kernel wrapper call is bracketed by timing events on the compute stream and
+        reported as record(name, start_event, end_event, args, kwargs) (the benchmark library's hook)."""
+        real = self.ops
+        self.ops = _TimedOps(real, self, record)
+        try:
+            yield
+        finally:
+            self.ops = real
+
     # --- streams, events ------------------------------------------------------------------------------------
     def new_stream(self):
         return self.xp.cuda.Stream(non_blocking=True)
@@ -247,6 +260,25 @@ class CupyBackend:
 
     def launch(self, graph, stream) -> None:
         graph.launch(stream)
+
+
+class _TimedOps:
+    """The kernel wrappers, each call bracketed by timing events (see CupyBackend.profiled)."""
+
+    def __init__(self, ops, be, record) -> None:
+        self._ops, self._be, self._record = ops, be, record
+
+    def __getattr__(self, name: str):
+        value = getattr(self._ops, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def timed(*args, **kwargs):
+            start = self._be.timing_event(self._be.host_stream)
+            result = value(*args, **kwargs)
+            self._record(name, start, self._be.timing_event(self._be.host_stream), args, kwargs)
+            return result
+        return timed
 
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True) -> CupyBackend:

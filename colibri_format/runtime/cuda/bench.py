@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Annotated, Any, Optional
+from typing import Any
 
 import numpy as np
-import typer
-
-from colibri_format.cli import FileArg, JsonOpt, _print_json, app, out
 
 SPIN_SOURCE = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -32,8 +29,9 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) { }
 }
 """
-PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "rope", "kv_append", "attention", "residual_add", "router",
-            "dispatch", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "silu_mul")
+PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention",
+            "residual_add", "router", "dispatch", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down",
+            "moe_combine", "silu_mul", "split_bf16")
 
 
 # --- ceilings -----------------------------------------------------------------------------------------------
@@ -83,29 +81,16 @@ def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
 def profile_step(eng, runner) -> dict:
     """GPU time and bytes per kernel kind over one eager decode step (the runner's last inputs)."""
     be, stream = eng.be, eng.stream
-    ops = be.ops
     records: list = []
-    saved = {n: getattr(ops, n) for n in PROFILED}
 
-    def wrap(name, fn):
-        def timed(*args, **kw):
-            start = be.timing_event(stream)
-            result = fn(*args, **kw)
-            records.append((name, start, be.timing_event(stream), _bytes_of(name, args, kw, be)))
-            return result
-        return timed
+    def record(name, start, end, args, kw):
+        if name in PROFILED:
+            records.append((name, start, end, _bytes_of(name, args, kw, be)))
 
-    raw_kernel = getattr(be.xp, "RawKernel", None)           # absent in the CPU stand-in of the tests
-    with stream:
-        if raw_kernel is not None:     # ~0.1 s of spinning: the host queues the whole step meanwhile
-            raw_kernel(SPIN_SOURCE, "spin")((1,), (1,), (np.int64(200_000_000),))
-        for n, fn in saved.items():
-            setattr(ops, n, wrap(n, fn))
-        try:
-            eng.fwd.run(runner.inp, runner.kv, runner.ws, runner.batch, None, max_len=runner.capacity)
-        finally:
-            for n, fn in saved.items():
-                setattr(ops, n, fn)
+    with stream:     # ~0.1 s of spinning first: the host queues the whole step meanwhile
+        be.xp.RawKernel(SPIN_SOURCE, "spin")((1,), (1,), (np.int64(200_000_000),))
+        with be.profiled(record):
+            runner.run_eager()
         be.sync_event(be.record(stream))
     kinds: dict[str, dict] = {}
     for name, a, b, nbytes in records:
@@ -132,14 +117,12 @@ def _prefill_bench(eng, seq_len: int, rng) -> dict:
 
 
 def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
-    from colibri_format.runtime.cuda.engine_cuda import _capacity_for
-
     chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
-    runner = eng._runner(batch, _capacity_for(prompt_len + warmup + num_iters + 1, eng.config.max_seq_len))
-    tok = eng._argmax(eng._prefill(chunks, runner.kv, list(range(batch)), [0] * batch))
+    runner = eng.decode_runner(batch, prompt_len + warmup + num_iters + 1)
+    tok = eng.argmax(eng.prefill_into(runner, chunks))
     pos = np.full(batch, prompt_len)
     for _ in range(warmup):
-        tok = eng._argmax(runner.step(np.array(tok), pos))
+        tok = eng.argmax(runner.step(np.array(tok), pos))
         pos = pos + 1
     c0 = eng.experts.counters.as_dict()
     eng.experts.time_copies = True
@@ -149,7 +132,7 @@ def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len:
         h0 = time.perf_counter()
         logits = runner.step(np.array(tok), pos)
         host += time.perf_counter() - h0
-        tok = eng._argmax(logits)
+        tok = eng.argmax(logits)
         pos = pos + 1
     wall = time.perf_counter() - t0
     eng.experts.time_copies = False
@@ -203,8 +186,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
               ceiling_bytes: int = 1 << 30, verify: str = "first-use") -> dict:
     """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
     from colibri_format.errors import InvalidInput
-    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
-    from colibri_format.runtime.engine import EngineConfig
+    from colibri_format.runtime.engine import Engine, EngineConfig
 
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("num_iters", num_iters)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -214,10 +196,11 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
     rng = np.random.default_rng(seed)
     cfg = EngineConfig(device="cuda", device_id=device_id, max_batch_size=max(batch_size, 1),
                        max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify=verify,
-                       max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope)
-    eng = engine or CudaEngine(path, cfg, use_graphs=use_graphs, prefetch=prefetch)
+                       max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
+                       use_graphs=use_graphs, prefetch=prefetch)
+    eng = engine or Engine(path, cfg)
     try:
-        eng.experts.forced_routes = forced_routes
+        eng.decoder.forced_routes = forced_routes
         result: dict = {"file": str(path), "config": {"batch_size": batch_size, "seq_len": seq_len,
                                                       "num_iters": num_iters, "warmup_iters": warmup_iters,
                                                       "max_cached_experts": max_cached_experts,
@@ -265,24 +248,3 @@ def render(result: dict) -> str:
             gbps = f"{k['gbps']:.0f}" if k["gbps"] else "-"
             lines.append(f"{name:<18}{k['calls']:>6}{k['us']:>10.1f}{gbps:>9}")
     return "\n".join(lines)
-
-
-@app.command()
-def bench(path: FileArg,
-          batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences decoded at once.")] = 1,
-          seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Prefill length.")] = 512,
-          num_iters: Annotated[int, typer.Option("--num-iters", min=1, help="Timed decode steps.")] = 32,
-          warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
-          max_cached_experts: Annotated[Optional[int], typer.Option("--max-cached-experts", min=1,
-                                                                    help="Expert cache size (default: all).")] = None,
-          cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
-          prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
-          as_json: JsonOpt = False) -> None:
-    """Benchmark the CUDA engine: prefill/decode tokens/s, per-kernel GPU time and GB/s, share of roofline."""
-    result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
-                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, cache_policy=cache_policy,
-                       prefetch=prefetch)
-    if as_json:
-        _print_json(result)
-    else:
-        out.print(render(result), markup=False)

@@ -1,4 +1,4 @@
-"""`ExpertParallelEngine`: the NumPy `Engine`'s API, one instance per rank, all ranks in lockstep.
+"""`ExpertParallelEngine`: the `Engine`'s API (NumPy backend), one instance per rank, all ranks in lockstep.
 
 Every rank opens the same file, keeps the dense tensors (replicated) and only its own experts, and must be
 given the same calls with the same arguments (the launcher runs the same command line on every rank). Routing
@@ -17,16 +17,12 @@ import torch.distributed as dist
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.engine import Engine, EngineConfig, GenerationResult
-from colibri_format.runtime.expert_source import CachedExperts
-from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelModel, ResidentExperts
+from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelDecoder, ResidentExperts
 from colibri_format.runtime.parallel.placement import Placement, plan_placement
 
 
 class ExpertParallelEngine(Engine):
     """One rank of an expert-parallel group (torch.distributed must already be initialized)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        return object.__new__(cls)       # never hand over to the CUDA engine: the dense path is NumPy here
 
     def __init__(self, source: str | os.PathLike, config: EngineConfig | None = None, *,
                  device: str = "cpu", placement: Placement | None = None, trace=None, group=None,
@@ -46,14 +42,15 @@ class ExpertParallelEngine(Engine):
                                          trace_path=config.trace_path if self.rank == 0 else None))
         self.group = group
         self.placement = placement or self._plan(trace)
-        self.cache = ResidentExperts(self.placement.owned(self.rank), device)
-        self.experts = CachedExperts(self.weights, self.cache)
-        self.exchange = ExpertExchange(self.placement, self.rank, self.experts, device, group, check_routing)
-        self.model = ExpertParallelModel(self.weights.model, self.weights.dense, self.experts, self.weights.has,
-                                         self.routes.record, self.exchange)
+        self.owned_store = ResidentExperts(self.placement.owned(self.rank), device)
+        self.exchange = ExpertExchange(self.placement, self.rank, self._owned_expert, device, group, check_routing)
+        self.decoder = ExpertParallelDecoder(self.args, self.dense, self.experts, self.be, self.exchange)
+
+    def _owned_expert(self, layer: int, expert: int):
+        return self.owned_store.get(layer, expert, lambda: self.reader.expert_f32(layer, expert))
 
     def _plan(self, trace) -> Placement:
-        m = self.weights.model
+        m = self.reader.model
         if not m.get("moe_layers"):
             raise InvalidInput("this file has no MoE layer to spread across ranks", field="devices")
         if isinstance(trace, (str, os.PathLike)):
@@ -65,8 +62,8 @@ class ExpertParallelEngine(Engine):
     def preload(self) -> int:
         """Load every owned expert now (instead of on first use); returns how many this rank holds."""
         for layer, expert in sorted(self.placement.owned(self.rank)):
-            self.experts(layer, expert)
-        return len(self.cache)
+            self._owned_expert(layer, expert)
+        return len(self.owned_store)
 
     # --- lockstep ----------------------------------------------------------------------------------------
 
@@ -96,5 +93,5 @@ class ExpertParallelEngine(Engine):
     @property
     def touched_experts(self) -> set[tuple[int, int]]:
         """Experts this rank has loaded from the file so far (always a subset of `owned_experts`)."""
-        return set(self.experts.stats.touched)
+        return set(self.owned_store.loaded)
 

@@ -11,7 +11,8 @@ The token rows are split into contiguous "home" shares, one per rank; for one Mo
    them with the router weights in top-k slot order, a fixed order whatever the placement;
 4. `all_gather` re-replicates the [T, H] result for the next (replicated) dense layer.
 
-The same code runs with gloo on CPU tensors and NCCL on `cuda:rank` tensors; arithmetic is float32.
+The same code runs with gloo on CPU tensors and NCCL on `cuda:rank` tensors; arithmetic is float32. The dense
+layers run on the NumPy backend (replicated on every rank).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colibri_format.runtime.model import MoEModel
+from colibri_format.runtime.forward import Decoder
 from colibri_format.runtime.parallel.placement import Placement, quotas
 
 
@@ -32,7 +33,7 @@ class NotOwned(RuntimeError):
 
 
 class ResidentExperts:
-    """A cache for CachedExperts that keeps every owned expert on this rank's device and refuses the others.
+    """Every owned expert kept on this rank's device once loaded; the others refused.
 
     Expert parallelism exists so that each share fits: owned experts stay resident (no eviction), stored as
     float32 torch tensors where the expert kernels run.
@@ -60,6 +61,10 @@ class ResidentExperts:
 
     def __len__(self) -> int:
         return len(self._store)
+
+    @property
+    def loaded(self) -> set[tuple[int, int]]:
+        return set(self._store)
 
 
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -171,12 +176,13 @@ class ExpertExchange:
             raise RuntimeError("ranks disagree on the routing: hidden states diverged")
 
 
-class ExpertParallelModel(MoEModel):
-    """The NumPy decoder with its routed-expert sum replaced by the cross-rank exchange."""
+class ExpertParallelDecoder(Decoder):
+    """The decoder with its routed-expert sum replaced by the cross-rank exchange (NumPy backend)."""
 
-    def __init__(self, model: dict, dense, get_expert, has, on_route, exchange: ExpertExchange) -> None:
-        super().__init__(model, dense, get_expert, has, on_route)
+    def __init__(self, args, dense, experts, be, exchange: ExpertExchange) -> None:
+        super().__init__(args, dense, experts, be)
         self.exchange = exchange
 
-    def routed(self, i: int, x: np.ndarray, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        return self.exchange.routed(i, x, weights, idx)
+    def routed(self, i: int, x, ids, weights, h, ws) -> None:
+        y = self.exchange.routed(i, x, weights, ids.astype(np.int64))
+        h += h.dtype.type(self.a.residual_mult) * y

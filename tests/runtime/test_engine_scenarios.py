@@ -1,0 +1,218 @@
+"""The engine's scenarios on every backend: device="cpu" (NumPy, float32) everywhere, device="cuda" on a GPU
+(skipped with a visible reason elsewhere). The reference is the NumPy backend in float64 on the same file.
+
+Tiny transformers checkpoints of every supported architecture (head_dim 64 so the CUDA attention kernel runs;
+one model with head_dim 8 for the array-operation fallback) are converted with int8 experts by the real
+pipeline, so every engine reads the same int8 blobs. Scenarios: logits and greedy tokens on every architecture,
+graphs, bf16 dense weights, batched decoding, paging (outputs, hits, misses, evictions, several passes a
+layer), prefetch, the staging fallback, checksums on page-in, the memory budget error, long prefills and a closed
+engine. Fidelity against transformers itself is tests/runtime/test_fidelity.py and test_file_engine.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import colibri_format
+from colibri_format.convert.pipeline import convert
+from colibri_format.errors import CorruptExpert, InvalidInput
+from colibri_format.runtime import Engine, EngineConfig
+from colibri_format.runtime.expert_pool import MEMORY_RESERVE
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head_dim 64
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [40, 41, 42]]
+TOLERANCE = {"cpu": 1e-5, "cuda": 2e-3}        # relative logit error against the float64 reference
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 -- any import or driver failure means "no GPU here"
+        return False
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    if request.param == "cuda" and not _gpu():
+        pytest.skip("no CUDA GPU / CuPy available")
+    return request.param
+
+
+def make_file(tmp_path_factory, arch: str, dtype: str = "float32", **overrides):
+    from tests.hf_models import make_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp(f"{arch}-{dtype}")
+    if arch == "qwen3_moe" and "hidden_size" in overrides:
+        overrides = {**overrides, "head_dim": overrides["hidden_size"] // overrides["num_attention_heads"]}
+    make_tiny_checkpoint(arch, out / "hf", **overrides)
+    path = out / "model.colibri"
+    convert(out / "hf", path, dtype=dtype, quantize="expert", workers=1, verify=False)
+    return path
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_file(request, tmp_path_factory):
+    return make_file(tmp_path_factory, request.param, **WIDE)
+
+
+@pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory):
+    return make_file(tmp_path_factory, "mixtral", num_hidden_layers=3, **WIDE)
+
+
+def reference(path, **cfg) -> Engine:
+    return Engine(path, EngineConfig(precision="float64", **cfg))
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def assert_same_as_reference(eng: Engine, ref: Engine, prompts, new_tokens: int) -> None:
+    tol = TOLERANCE[eng.config.device]
+    for got, exp in zip(eng.logits(prompts), ref.logits(prompts)):
+        assert got.shape == exp.shape and got.dtype == np.float32 and rel(got, exp) < tol
+    assert eng.infer(prompts) == ref.infer(prompts)
+    for prompt in prompts[:2]:
+        assert eng.generate(prompt, max_new_tokens=new_tokens, stop_ids=[]).output_ids == \
+            ref.generate(prompt, max_new_tokens=new_tokens, stop_ids=[]).output_ids
+
+
+def test_every_architecture(arch_file, device):
+    with Engine(arch_file, EngineConfig(device=device, max_seq_len=64)) as eng, reference(arch_file) as ref:
+        assert_same_as_reference(eng, ref, PROMPTS, 10)
+        graphs = eng.stats()["graphs"]
+        assert graphs == ({"1x64": "captured"} if device == "cuda" else {"1x64": "the numpy backend has no graphs"})
+
+
+def test_bf16_dense_weights(tmp_path_factory, device):
+    path = make_file(tmp_path_factory, "qwen3_moe", dtype="bfloat16", **WIDE)
+    with Engine(path, EngineConfig(device=device)) as eng, reference(path) as ref:
+        assert_same_as_reference(eng, ref, PROMPTS, 6)
+
+
+def test_small_heads_use_the_fallback_attention(tmp_path_factory, device):
+    path = make_file(tmp_path_factory, "mixtral")                                  # head_dim 8
+    with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng, reference(path) as ref:
+        assert_same_as_reference(eng, ref, PROMPTS, 5)
+        if device == "cuda":
+            assert "fallback" in eng.stats()["graphs"]["1x64"]
+
+
+def test_graph_replay_equals_eager(mixtral_file, device):
+    with Engine(mixtral_file, EngineConfig(device=device)) as g, \
+            Engine(mixtral_file, EngineConfig(device=device, use_graphs=False)) as e:
+        prompts = [[1, 2, 3], [9, 8], [4], [7, 7, 7, 7]]
+        assert g.generate_batch(prompts, 12) == e.generate_batch(prompts, 12)
+        assert e.stats()["graphs"]["4x64"] in ("graphs disabled", "the numpy backend has no graphs")
+        assert g.stats()["graphs"]["4x64"] == ("captured" if device == "cuda" else "the numpy backend has no graphs")
+        ra, rb = g.decode_runner(4, 64), e.decode_runner(4, 64)
+        la = g.be.to_host(ra.step(np.array([1, 2, 3, 4]), np.array([20, 21, 22, 23]))).copy()
+        lb = e.be.to_host(rb.step(np.array([1, 2, 3, 4]), np.array([20, 21, 22, 23])))
+        assert np.array_equal(la, lb)                   # same kernels, same order: bit-identical
+
+
+def test_batch_generation_matches_single_sequences(mixtral_file, device):
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng, reference(mixtral_file) as ref:
+        for prompt, got in zip(PROMPTS, eng.generate_batch(PROMPTS, 6)):
+            assert got == ref.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids
+
+
+@pytest.mark.parametrize("policy,scope,capacity", [("lru", "global", 3), ("lrfu", "global", 5),
+                                                   ("lru", "per_layer", 2), ("lfu", "per_layer", 1)])
+def test_paging(mixtral_file, device, policy, scope, capacity):
+    """Paged outputs equal the resident reference; the cache decides alike on every backend (equal counters)."""
+    cfg = dict(max_cached_experts=capacity, cache_policy=policy, cache_scope=scope)
+    with Engine(mixtral_file, EngineConfig(device=device, **cfg)) as eng, \
+            Engine(mixtral_file, EngineConfig(**cfg)) as cpu, reference(mixtral_file) as ref:
+        assert not eng.experts.resident and eng.stats()["host_source"] == "registered"
+        for got, same, exp in zip(eng.logits(PROMPTS), cpu.logits(PROMPTS), ref.logits(PROMPTS)):
+            assert rel(got, exp) < TOLERANCE[device] and rel(same, exp) < TOLERANCE["cpu"]
+        a = eng.generate([3, 4, 5], max_new_tokens=8, stop_ids=[])
+        b = cpu.generate([3, 4, 5], max_new_tokens=8, stop_ids=[])
+        assert a.output_ids == b.output_ids == ref.generate([3, 4, 5], max_new_tokens=8, stop_ids=[]).output_ids
+        assert (a.stats.cache_hits, a.stats.cache_misses, a.stats.bytes_paged) == \
+            (b.stats.cache_hits, b.stats.cache_misses, b.stats.bytes_paged)
+        assert a.stats.cache_misses > 0 and a.stats.bytes_paged == a.stats.expert_loads * eng.experts.blob_size
+        assert eng.cache.stats().evictions == cpu.cache.stats().evictions > 0
+        assert "paged" in eng.stats()["graphs"]["1x64"] or device == "cpu"
+        if capacity == 1:                   # top-2 routing with one slot a layer: every layer runs two passes
+            paging = eng.stats()["paging"]
+            assert paging["passes"] > len(eng.experts.layers) * paging["tokens"] // 3
+
+
+def test_prefetch_keeps_outputs(mixtral_file, device):
+    cfg = dict(max_cached_experts=8, cache_policy="lrfu")
+    with Engine(mixtral_file, EngineConfig(device=device, prefetch=True, **cfg)) as eng, \
+            reference(mixtral_file) as ref:
+        assert eng.generate([3, 4, 5], max_new_tokens=8, stop_ids=[]).output_ids == \
+            ref.generate([3, 4, 5], max_new_tokens=8, stop_ids=[]).output_ids
+        paging = eng.stats()["paging"]
+        assert paging["prefetch_loads"] > 0 and paging["predicted"] > 0 and 0.0 <= paging["prefetch_recall"] <= 1.0
+
+
+def test_staging_ring_when_registration_fails(mixtral_file, device, monkeypatch):
+    def refuse(self, addr, nbytes):
+        raise RuntimeError("refused (test)")
+
+    with Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=3)) as probe:
+        monkeypatch.setattr(type(probe.be), "register_host", refuse)
+    with Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=3)) as eng, \
+            reference(mixtral_file) as ref:
+        assert eng.stats()["host_source"] == "staging"
+        assert eng.infer(PROMPTS) == ref.infer(PROMPTS)
+
+
+def test_corrupt_expert_is_caught_before_use(tmp_path_factory, device):
+    path = make_file(tmp_path_factory, "mixtral", **WIDE)
+    with colibri_format.open(path, verify="never") as f:
+        offset = f.blob_offset(1, 2)
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 7)
+        b = fh.read(1)
+        fh.seek(offset + 7)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    prompts = [[start % 128, (start + 1) % 128, (start + 2) % 128] for start in range(0, 60, 3)]
+    with pytest.raises(CorruptExpert):      # resident: CUDA checks every blob before its upload, NumPy on first read
+        with Engine(path, EngineConfig(device=device)) as eng:
+            for prompt in prompts:
+                eng.infer([prompt])
+    with Engine(path, EngineConfig(device=device, max_cached_experts=2)) as eng, pytest.raises(CorruptExpert):
+        for prompt in prompts:              # paged: caught when (and only when) the expert is paged in
+            eng.infer([prompt])
+    with Engine(path, EngineConfig(device=device, verify="never")) as eng:
+        eng.infer(prompts[:3])              # the user asked not to check
+
+
+def test_over_budget_names_the_largest_that_fits(mixtral_file, device, monkeypatch):
+    with colibri_format.open(mixtral_file) as f:
+        blob = len(f.expert_blob(0, 0))
+    with Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=3)) as probe:
+        monkeypatch.setattr(type(probe.be), "free_memory", lambda self: MEMORY_RESERVE + 5 * blob)
+    with pytest.raises(InvalidInput, match="largest max_cached_experts that fits is 3"):
+        Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=4))
+    with Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=3)) as eng:
+        eng.infer([[1, 2, 3]])
+
+
+def test_long_prefill(mixtral_file, device):
+    """48 rows: the grouped GEMM experts and cuBLAS dense products on CUDA."""
+    prompt = [(7 * i + 3) % 128 for i in range(48)]
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng, reference(mixtral_file) as ref:
+        assert_same_as_reference(eng, ref, [prompt, prompt[:5]], 4)
+
+
+def test_closed_engine_refuses(mixtral_file, device):
+    eng = Engine(mixtral_file, EngineConfig(device=device))
+    eng.close()
+    eng.close()
+    for call in (lambda: eng.infer([[1]]), lambda: eng.generate([1]), lambda: eng.logits([[1]])):
+        with pytest.raises(InvalidInput, match="closed"):
+            call()
