@@ -107,8 +107,20 @@ def check_cuda_support(model: dict, blob_layout) -> None:
     """Raise `UnsupportedModel` naming the field for anything in the file that the CUDA kernels cannot run.
 
     model: the metadata's `model` object (already spec-checked); blob_layout: the reader's `blob_layout`
-    (`colibri_format.spec.BlobLayout`). Meant for the moment a file is opened, before any device work.
+    (`colibri_format.spec.BlobLayout`), or None for a model without routed experts (then only the dense side is
+    checked). Meant for the moment a file is opened, before any device work.
     """
+    act = model.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise _refuse(f"activation {act!r}; the kernels compute {sorted(ACTIVATIONS)}", "model.hidden_act", act)
+    norm = model.get("qk_norm", "none")
+    if norm not in QK_NORM_MODES:
+        raise _refuse(f"qk_norm {norm!r}; the kernels implement {sorted(QK_NORM_MODES)}", "model.qk_norm", norm)
+    if blob_layout is not None:
+        _check_experts(model, blob_layout)
+
+
+def _check_experts(model: dict, blob_layout) -> None:
     fmt = ExpertFormat(blob_layout.expert_format)
     if fmt not in EXPERT_FORMATS:
         raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read int8 experts only "
@@ -133,15 +145,9 @@ def check_cuda_support(model: dict, blob_layout) -> None:
         if arr.offset % BLOB_ARRAY_ALIGNMENT:
             raise _refuse(f"expert blob array {arr.name} at offset {arr.offset} is not {BLOB_ARRAY_ALIGNMENT}-byte "
                           "aligned", "blob_layout", arr.name)
-    act = model.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        raise _refuse(f"activation {act!r}; the kernels compute {sorted(ACTIVATIONS)}", "model.hidden_act", act)
     router = model.get("router") or {}
     for key, known in (("scoring", ROUTER_SCORING), ("order", ROUTER_ORDER)):
         value = router.get(key, next(iter(known)))
         if value not in known:
             raise _refuse(f"router {key} {value!r}; the router kernel implements {sorted(known)}",
                           f"model.router.{key}", value)
-    norm = model.get("qk_norm", "none")
-    if norm not in QK_NORM_MODES:
-        raise _refuse(f"qk_norm {norm!r}; the kernels implement {sorted(QK_NORM_MODES)}", "model.qk_norm", norm)

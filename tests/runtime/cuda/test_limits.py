@@ -1,0 +1,166 @@
+"""`check_cuda_support` on the CPU: spec-valid models the kernels cannot run are refused at open, naming the field;
+models they can run pass. Also: the kernel capabilities stay in step with the format and with ops.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri_format import errors as E
+from colibri_format import reader as colibri_reader
+from colibri_format import spec as S
+from colibri_format.runtime.cuda import limits as L
+from colibri_format.runtime.cuda.kernels import ops
+from colibri_format.synthetic import synthetic_model, write_synthetic
+
+ROW, GROUP = S.ExpertFormat.INT8_ROW, S.ExpertFormat.INT8_GROUP
+
+
+def model(**kw) -> dict:
+    """A spec-valid `model` object (check_model accepts it)."""
+    m = synthetic_model(**kw)
+    S.check_model(m)
+    return m
+
+
+def layout(m: dict, fmt=ROW, group: int = 0) -> S.BlobLayout:
+    return S.blob_layout(m["hidden_size"], m["expert_intermediate_size"], fmt, group)
+
+
+def refused(m: dict, blob) -> E.UnsupportedModel:
+    with pytest.raises(E.UnsupportedModel) as info:
+        L.check_cuda_support(m, blob)
+    return info.value
+
+
+# ---- models the kernels run -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,fmt,group", [
+    (dict(), ROW, 0),
+    (dict(hidden=64, expert_inter=32, heads=1, kv_heads=1), GROUP, 16),
+    (dict(hidden=128, expert_inter=64), GROUP, 64),
+    (dict(hidden=64, expert_inter=64), GROUP, 64),                 # one group a row: the per-row kernels
+    (dict(experts=L.MAX_EXPERTS, top_k=L.MAX_TOP_K), ROW, 0),       # at both caps
+    (dict(experts=1, top_k=1), ROW, 0),
+    (dict(hidden=48, heads=2, kv_heads=2), ROW, 0),                 # head_dim 24: the engine's array attention
+    (dict(qk_norm="per_head"), ROW, 0),
+    (dict(qk_norm="full"), ROW, 0),
+])
+def test_supported(kw, fmt, group):
+    m = model(**kw)
+    L.check_cuda_support(m, layout(m, fmt, group))
+
+
+def test_sigmoid_router_and_topk_softmax_are_supported():
+    m = model()
+    m["router"].update(scoring="sigmoid", order="topk_softmax")
+    S.check_model(m)
+    L.check_cuda_support(m, layout(m))
+
+
+def test_no_routed_experts_checks_the_dense_side_only():
+    m = model(experts=4096, top_k=64)
+    L.check_cuda_support(m, None)
+    m["qk_norm"] = "rms_everything"
+    assert refused(m, None).field == "model.qk_norm"
+
+
+def test_head_dims_outside_the_kernel_set_are_not_refused():
+    assert 24 not in L.ATTENTION_HEAD_DIMS
+    m = model(hidden=48, heads=2, kv_heads=1)
+    assert m["head_dim"] == 24
+    L.check_cuda_support(m, layout(m))
+
+
+# ---- spec-valid models the kernels cannot run --------------------------------------------------------------------
+@pytest.mark.parametrize("kw,field,value", [
+    (dict(experts=64, top_k=48), "model.top_k", 48),                         # spec: top_k <= 64
+    (dict(experts=64, top_k=S.MAX_TOP_K), "model.top_k", S.MAX_TOP_K),
+    (dict(experts=1024, top_k=8), "model.num_experts", 1024),                # spec: up to 4096 experts
+    (dict(experts=S.MAX_EXPERTS, top_k=2), "model.num_experts", S.MAX_EXPERTS),
+    (dict(experts=L.MAX_EXPERTS + 1, top_k=2), "model.num_experts", L.MAX_EXPERTS + 1),
+    (dict(experts=L.MAX_TOP_K + 1, top_k=L.MAX_TOP_K + 1), "model.top_k", L.MAX_TOP_K + 1),
+    (dict(hidden=40, heads=2, kv_heads=1), "model.hidden_size", 40),
+    (dict(expert_inter=24), "model.expert_intermediate_size", 24),
+])
+def test_refused(kw, field, value):
+    m = model(**kw)
+    err = refused(m, layout(m))
+    assert isinstance(err, ValueError)       # still a ValueError for callers that catch that
+    assert (err.field, err.value) == (field, value)
+    assert f"field={field}" in str(err) and "CUDA" in str(err)
+
+
+@pytest.mark.parametrize("fmt", [S.ExpertFormat.F32, S.ExpertFormat.F16, S.ExpertFormat.BF16])
+def test_unquantized_experts_refused(fmt):
+    m = model()
+    err = refused(m, layout(m, fmt))
+    assert (err.field, err.value) == ("expert_format", int(fmt))
+    assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quantize expert" in str(err)
+
+
+def test_group_size_the_kernels_cannot_split():
+    m = model(hidden=64, expert_inter=48)
+    blob = S.BlobLayout(64, 48, GROUP, 24, layout(m).arrays, layout(m).size)   # 24: not a multiple of 16
+    assert refused(m, blob).field == "quantization.group_size"
+
+
+def test_misaligned_blob_array_refused():
+    m = model()
+    good = layout(m)
+    arrays = (good.arrays[0], S.BlobArray("gate_up_scale", good.arrays[1].offset + 4, good.arrays[1].shape,
+                                          good.arrays[1].dtype)) + good.arrays[2:]
+    blob = S.BlobLayout(good.hidden_size, good.intermediate_size, ROW, 0, arrays, good.size)
+    assert refused(m, blob).field == "blob_layout"
+
+
+@pytest.mark.parametrize("where,key,value,field", [
+    ("router", "scoring", "sparsemax", "model.router.scoring"),
+    ("router", "order", "topk_then_bias", "model.router.order"),
+    (None, "hidden_act", "gelu", "model.hidden_act"),
+    (None, "qk_norm", "layer", "model.qk_norm"),
+])
+def test_features_the_kernels_lack(where, key, value, field):
+    m = model()
+    (m[where] if where else m)[key] = value
+    err = refused(m, layout(m))
+    assert (err.field, err.value) == (field, value)
+
+
+@pytest.mark.parametrize("experts,top_k,field,value", [(64, 48, "model.top_k", 48),
+                                                        (1024, 8, "model.num_experts", 1024)])
+def test_spec_valid_files_refused_when_opened(tmp_path, experts, top_k, field, value):
+    """Through a real file: the reader accepts it, check_cuda_support refuses it before any token."""
+    path = write_synthetic(tmp_path / "m.colibri", synthetic_model(hidden=16, heads=2, kv_heads=1, layers=1,
+                                                                   experts=experts, top_k=top_k, expert_inter=16),
+                           reuse_expert=True)
+    with colibri_reader.open(path) as f:
+        err = refused(f.model, f.blob_layout)
+    assert (err.field, err.value) == (field, value)
+
+
+# ---- consistency ---------------------------------------------------------------------------------------------------
+def test_kernel_caps_are_inside_the_format_limits():
+    assert 1 <= L.MAX_TOP_K <= L.MAX_EXPERTS <= S.MAX_EXPERTS
+    assert L.MAX_TOP_K <= S.MAX_TOP_K
+    assert L.MAX_EXPERTS == min(L.ROUTER_MAX_E, L.DISPATCH_MAX_E)
+    assert L.ROUTER_WIDTHS == tuple(sorted(L.ROUTER_WIDTHS)) and L.ROUTER_MAX_E == L.ROUTER_WIDTHS[-1]
+    assert all(w % L.WARP == 0 for w in L.ROUTER_WIDTHS)
+
+
+def test_spec_layout_meets_the_kernels_alignment():
+    assert S.ARRAY_ALIGNMENT % L.BLOB_ARRAY_ALIGNMENT == 0
+    assert S.DIM_MULTIPLE % L.DIM_MULTIPLE == 0 and S.MIN_GROUP_SIZE % L.GROUP_MULTIPLE == 0
+
+
+def test_ops_uses_the_declared_constants():
+    for name in ("GEMM_BM", "GEMM_BN", "GEMM_THREADS", "GEMV_THREADS", "ROUTER_TPB", "ROUTER_EPB", "ATT_GMAX",
+                 "ATT_THREADS", "DISPATCH_MAX_E", "ROUTER_MAX_E", "FUSED_THREADS", "QKV_THREADS", "TC_THREADS"):
+        assert getattr(ops, name) is getattr(L, name), name
+    assert ops.SCORING is L.ROUTER_SCORING and ops.ORDER is L.ROUTER_ORDER and ops.QK_NORM_MODES is L.QK_NORM_MODES
+    assert ops.MODULES == tuple(L.KERNEL_DEFINES)
+
+
+@pytest.mark.parametrize("hidden,inter,group,expected", [
+    (64, 32, 0, (64, 32, "r")), (64, 64, 64, (64, 64, "r")), (64, 32, 16, (16, 16, "g")),
+    (64, 32, 32, (32, 32, "g")), (64, 48, 24, None), (64, 48, 32, None), (64, 32, -16, None)])
+def test_scale_groups(hidden, inter, group, expected):
+    assert L.scale_groups(hidden, inter, group) == expected
