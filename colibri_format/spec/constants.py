@@ -21,9 +21,11 @@ DENSE_NAME_SIZE = 128                     # name field, NUL-padded
 NUM_SECTIONS = 3
 
 # --- limits a reader enforces before allocating or reading anything -------------------------------
+# The format's limits, defined here only (the header checks, the metadata checks and the docs read them).
+# An engine may run less: the CUDA kernels' own caps are in runtime/cuda/limits.py (check_cuda_support).
 MAX_LAYERS = 1024
-MAX_EXPERTS = 4096
-MAX_TOP_K = 64
+MAX_EXPERTS = 4096                        # routed experts per MoE layer
+MAX_TOP_K = 64                            # experts per token; also at most num_experts
 MAX_WSIT_ENTRIES = 1 << 20                # 32 MiB of WSIT
 MAX_DENSE_TENSORS = 1 << 16               # 12 MiB of directory
 MAX_RANK = 4
