@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import transformers as tf
 
-from colibri_format.runtime.weights import DictWeights
+from tests.runtime.tiny_weights import TinyWeights
 
 SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -178,7 +178,7 @@ def _layer_tensor(i: int, rest: str, t: np.ndarray, dense: dict, experts: dict) 
         raise KeyError(rest)
 
 
-def to_canonical(arch: str, model) -> DictWeights:
+def to_canonical(arch: str, model) -> TinyWeights:
     dense, experts = {}, {}
     for name, tensor in model.state_dict().items():
         t = tensor.detach().float().numpy().copy()
@@ -192,51 +192,17 @@ def to_canonical(arch: str, model) -> DictWeights:
         elif name == "lm_head.weight" and not model.config.tie_word_embeddings:
             dense["lm_head"] = t
     experts = {k: (v[0], v[1]) for k, v in experts.items()}
-    return DictWeights(model_dict(arch, model.config), dense, experts)
+    return TinyWeights(model_dict(arch, model.config), dense, experts, {"architecture": arch})
 
 
-# --- the converter's path: save_pretrained -> convert.source + convert.arch adapters -------------------------
+# --- the converter's path: save_pretrained -> convert.pipeline.convert (what `colibri convert` runs) ------------
 
-def checkpoint_weights(model, out_dir, fused: bool = False) -> DictWeights:
-    """Canonical tensors as the real converter reads them from a saved checkpoint (legacy or v5 fused form)."""
-    from colibri_format.convert.checkpoint import open_hf_checkpoint
+def converted_file(model, out_dir, fused: bool = False, **options):
+    """`model` saved as a checkpoint (legacy per-expert form, or the v5 fused form) in `out_dir`/hf and converted
+    by the real pipeline to `out_dir`/model.colibri (float32, no quantization unless `options` say otherwise)."""
+    from colibri_format.convert.pipeline import convert
 
-    model.save_pretrained(out_dir, save_original_format=not fused)
-    with open_hf_checkpoint(out_dir) as cp:
-        dense = {t.name: cp.read_dense(t) for t in cp.dense_tensors()}
-        experts = {}
-        for layer, e in cp.expert_keys():
-            gate, up, down = cp.expert(layer, e)
-            experts[(layer, e)] = (np.concatenate([gate, up]), np.array(down))
-        meta = {"architecture": cp.architecture, "model": cp.model, "tokenizer": cp.tokenizer()}
-    return DictWeights(cp.model, dense, experts, meta)
-
-
-# --- a `.colibri` file from canonical tensors, through the real writer --------------------------------------
-
-def write_colibri(weights: DictWeights, path, experts: str = "float32", dense: str = "float32",
-                  group_size: int | None = None):
-    """Write `weights` with colibri_format.writer (experts: float32 | float16 | bfloat16 | int8_row | int8_group)."""
-    from colibri_format import spec as S
-    from colibri_format.convert.quantize import quantize_int8
-    from colibri_format.writer import ColibriWriter
-
-    fmt = {v: k for k, v in S.EXPERT_FORMAT_NAMES.items()}[experts]
-    model = weights.model
-    with ColibriWriter(path, model, dense_dtype=S.DTYPE_NAMES[dense], expert_format=fmt,
-                       group_size=group_size or 0) as w:
-        for name, _ in S.canonical_dense_tensors(model):
-            w.write_dense(name, weights.dense(name))
-        for (layer, e), (gate_up, down) in weights._experts.items():
-            if fmt in S.QUANTIZED_FORMATS:
-                gu, dn = quantize_int8(gate_up, group_size), quantize_int8(down, group_size)
-                arrays = {"gate_up": gu.q, "gate_up_scale": gu.scale, "down": dn.q, "down_scale": dn.scale}
-            else:
-                arrays = {"gate_up": gate_up, "down": down}
-            w.write_expert(layer, e, arrays)
-        quant = {"experts": experts, "bits": 8 if fmt in S.QUANTIZED_FORMATS else None, "group_size": group_size,
-                 "dense_dtype": dense, "error": {"max_rel": 0.0, "mean_rel": 0.0, "per_expert": []}}
-        meta = {"format": "colibri", "spec_version": "1.0",
-                "architecture": weights.metadata.get("architecture", "unknown"), "model": model,
-                "quantization": quant, "provenance": {}, "tokenizer": weights.metadata.get("tokenizer")}
-        return w.finalize(meta)
+    src, dest = out_dir / "hf", out_dir / "model.colibri"
+    model.save_pretrained(src, save_original_format=not fused)
+    convert(src, dest, workers=1, **{"dtype": "float32", "quantize": "none", **options})
+    return dest

@@ -1,10 +1,14 @@
-"""A random tiny model built with NumPy alone (no transformers): for engine behaviour tests."""
+"""A random tiny model built with NumPy alone (no transformers): for engine behaviour tests.
+
+`random_weights` gives the canonical tensors in memory (`TinyWeights`); `tiny_file` writes them to a `.colibri`
+file, which is what an `Engine` opens.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.weights import DictWeights
+from tests.runtime.tiny_weights import TinyWeights, write_colibri
 
 MODEL = {
     "vocab_size": 50, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -30,7 +34,7 @@ def dense_shapes(m: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(seed: int = 0, **overrides) -> DictWeights:
+def random_weights(seed: int = 0, **overrides) -> TinyWeights:
     model = {**MODEL, **overrides}
     rng = np.random.default_rng(seed)
     dense = {n: (1.0 + 0.1 * rng.standard_normal(s) if len(s) == 1 else 0.3 * rng.standard_normal(s))
@@ -39,19 +43,12 @@ def random_weights(seed: int = 0, **overrides) -> DictWeights:
     experts = {(layer, e): ((0.3 * rng.standard_normal((2 * i, h))).astype(np.float32),
                             (0.3 * rng.standard_normal((h, i))).astype(np.float32))
                for layer in model["moe_layers"] for e in range(model["num_experts"])}
-    return DictWeights(model, dense, experts)
+    return TinyWeights(model, dense, experts)
 
 
-class CountingWeights(DictWeights):
-    """Records every expert read, to prove that unrouted experts are never touched."""
-
-    def __init__(self, inner: DictWeights) -> None:
-        super().__init__(inner.model, inner._dense, inner._experts, inner.metadata)
-        self.reads: list[tuple[int, int]] = []
-
-    def expert(self, layer: int, expert: int):
-        self.reads.append((layer, expert))
-        return super().expert(layer, expert)
+def tiny_file(path, seed: int = 0, **overrides):
+    """`random_weights(seed, **overrides)` written to `path` (float32 dense and experts); returns the path."""
+    return write_colibri(random_weights(seed, **overrides), path)
 
 
 # --- a word-level tokenizer over a 10-word vocabulary, with a chat template -----------------------------

@@ -1,19 +1,33 @@
-"""Engine behaviour: input errors, generation controls, lazy expert paging, the cache, traces, C-style API."""
+"""Engine behaviour: input errors, generation controls, lazy expert paging, the cache, traces, C-style API.
+
+Experts are resident (read in place from the file mapping, no cache, paging counters at zero) unless
+max_cached_experts is below the model's 16 experts; then they are paged through the expert cache.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from colibri_format.errors import (BatchTooLarge, ColibriFormatError, EmptyInput, InvalidInput, SequenceTooLong,
-                                   TokenIdOutOfRange, UnsupportedModel)
-from colibri_format.runtime import Engine, EngineConfig, colibri_free, colibri_infer, colibri_init
+from colibri_format.errors import (BatchTooLarge, ColibriFormatError, EmptyInput, InvalidInput, InvalidMetadata,
+                                   SequenceTooLong, TokenIdOutOfRange, UnsupportedModel)
+from colibri_format.reader import ColibriFile
+from colibri_format.runtime import Engine, EngineConfig, colibri_free, colibri_infer, colibri_init, numpy_backend
 from colibri_format.runtime.cache.trace import access_sequence, read_trace
-from tests.runtime.numpy_tiny import CountingWeights, random_weights
+from colibri_format.runtime.numpy_backend import NumpyBackend
+from tests.runtime.numpy_tiny import tiny_file
+
+ALL_EXPERTS = 16          # 2 MoE layers x 8 experts
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny_file(tmp_path_factory.mktemp("tiny") / "tiny.colibri")
 
 
 @pytest.fixture
-def engine():
-    with Engine(random_weights(), EngineConfig(max_batch_size=3, max_seq_len=12)) as eng:
+def engine(path):
+    with Engine(path, EngineConfig(max_batch_size=3, max_seq_len=12)) as eng:
         yield eng
 
 
@@ -55,9 +69,20 @@ def test_bad_config_is_refused(field, value):
         EngineConfig(**{field: value})
 
 
-def test_unsupported_model_features_are_refused():
+def test_unsupported_model_features_are_refused(path, tmp_path, monkeypatch):
+    # the spec admits no activation but silu, so such a file cannot be written ...
+    with pytest.raises(InvalidMetadata, match="hidden_act"):
+        tiny_file(tmp_path / "gelu.colibri", hidden_act="gelu_pytorch_tanh")
+    # ... and the engine refuses one anyway (a reader that accepted it, e.g. of a later spec version)
+    monkeypatch.setattr(ColibriFile, "model",
+                        property(lambda self: {**self.metadata["model"], "hidden_act": "gelu_pytorch_tanh"}))
     with pytest.raises(UnsupportedModel, match="hidden_act"):
-        Engine(random_weights(hidden_act="gelu_pytorch_tanh"))
+        Engine(path)
+
+
+def test_an_engine_reads_a_file_path_only():
+    with pytest.raises(InvalidInput, match="file path"):
+        Engine({"model": {}})
 
 
 # --- results ----------------------------------------------------------------------------------------
@@ -102,26 +127,71 @@ def test_stats_are_reported(engine):
     stats = engine.generate([1, 2, 3, 4], max_new_tokens=4, stop_ids=[]).stats
     assert stats.prompt_tokens == 4 and stats.generated_tokens == 4
     assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
-    assert 2 <= stats.experts_touched <= 16
-    assert stats.cache_misses == stats.expert_loads == stats.experts_touched   # unbounded cache: one load each
-    assert stats.cache_hits > 0 and stats.bytes_paged == stats.expert_loads * (2 * 16 * 16 + 16 * 16) * 4
+    # all experts resident (max_cached_experts=None): no cache, nothing paged, the paging counters stay at zero
+    assert engine.cache is None and engine.stats()["resident"] and engine.stats()["expert_bytes_on_device"] == 0
+    assert (stats.experts_touched, stats.cache_hits, stats.cache_misses, stats.expert_loads, stats.bytes_paged) \
+        == (0, 0, 0, 0, 0)
+
+
+def test_paged_stats_count_every_access_and_whole_blobs(path):
+    # one demand access per routed expert per MoE layer per pass; a pool of 15 slots never evicts here (the
+    # run touches fewer experts), so each touched expert is loaded once and every later access hits
+    passes = []
+    with Engine(path, EngineConfig(max_cached_experts=ALL_EXPERTS - 1)) as eng:
+        eng.routes.observers.append(lambda step, seq, layer, ids, pos: passes.append((step, layer, ids.copy())))
+        stats = eng.generate([1, 2, 3, 4], max_new_tokens=4, stop_ids=[]).stats
+        blob = eng.experts.blob_size
+        assert not eng.stats()["resident"] and eng.cache is not None
+    touched = {(layer, int(e)) for _, layer, ids in passes for e in ids.ravel()}
+    accesses = sum(len(np.unique(ids)) for _, _, ids in passes)
+    assert {step for step, _, _ in passes} == set(range(4)) and 2 <= len(touched) < ALL_EXPERTS
+    assert stats.experts_touched == len(touched)
+    assert stats.cache_misses == stats.expert_loads == stats.experts_touched   # one load each
+    assert stats.cache_hits == accesses - stats.cache_misses > 0
+    assert blob % 4096 == 0 and blob >= (2 * 16 * 16 + 16 * 16) * 4             # a whole, aligned f32 blob
+    assert stats.bytes_paged == stats.expert_loads * blob
 
 
 # --- lazy experts, cache, trace ------------------------------------------------------------------------
 
-def test_only_routed_experts_are_ever_read(tmp_path):
-    weights = CountingWeights(random_weights())
+@pytest.mark.parametrize("max_cached", [None, 12, 3])     # resident, paged, paged with evictions
+def test_only_routed_experts_are_ever_read(path, tmp_path, monkeypatch, max_cached):
+    # every way the engine reaches an expert's bytes is recorded: the reader's blob view (its checksum check,
+    # and the source of every copy), the expert arrays the NumPy MoE computes with, and every host-to-device copy
+    opened, computed, copied = [], [], []
+    blob_view = ColibriFile.expert_blob
+    monkeypatch.setattr(ColibriFile, "expert_blob",
+                        lambda self, layer, e: opened.append((layer, e)) or blob_view(self, layer, e))
+    arrays = numpy_backend.blob_arrays
+    monkeypatch.setattr(numpy_backend, "blob_arrays", lambda ptr, *a: computed.append(ptr) or arrays(ptr, *a))
+    copy = NumpyBackend.copy_htod
+    monkeypatch.setattr(NumpyBackend, "copy_htod",
+                        lambda self, dst, src, n, stream: copied.append((src, n)) or copy(self, dst, src, n, stream))
     trace = tmp_path / "trace.jsonl"
-    with Engine(weights, EngineConfig(trace_path=str(trace))) as eng:
+    with Engine(path, EngineConfig(trace_path=str(trace), max_cached_experts=max_cached)) as eng:
+        ex = eng.experts
+        blobs = {ex.source.base + eng.reader.blob_offset(layer, e): (layer, e) for layer in (0, 1) for e in range(8)}
+        slots = (ex.base, ex.base + (ex.slots + 1) * ex.blob_size)
         eng.infer([[1, 2], [3]])
-    routed = {(layer, e) for layer, e in access_sequence(read_trace(trace)).pairs()}
-    assert set(weights.reads) == routed and len(weights.reads) == len(routed)
-    assert len(routed) < 16  # some expert was never routed, and never read
+        eng.generate([4, 5], max_new_tokens=3, stop_ids=[])
+        counters = ex.counters
+    routed = set(access_sequence(read_trace(trace)).pairs())
+    assert len(routed) < ALL_EXPERTS      # some expert was never routed, and is never read
+    assert set(opened) == routed
+    assert {blobs[src] for src, _ in copied} <= routed and all(n == ex.blob_size for _, n in copied)
+    if max_cached is None:                # in place: the MoE reads the file's blobs, nothing is copied
+        assert not copied and {blobs[p] for p in computed} == routed
+        assert counters.loads == counters.misses == counters.hits == 0 and not counters.touched
+    else:                                 # paged: the MoE reads pool slots, filled by copies of routed blobs only
+        assert all(slots[0] <= p < slots[1] for p in computed)
+        assert {blobs[src] for src, _ in copied} == routed == counters.touched
+        assert counters.loads == len(copied) == counters.misses
+        assert (counters.loads == len(routed)) == (max_cached == 12)   # 3 slots: evicted experts come back
 
 
-def test_trace_has_one_record_per_token_and_layer(tmp_path):
+def test_trace_has_one_record_per_token_and_layer(path, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    with Engine(random_weights(), EngineConfig(trace_path=str(trace))) as eng:
+    with Engine(path, EngineConfig(trace_path=str(trace))) as eng:
         eng.infer([[1, 2, 3], [4]])
         eng.generate([5, 6], max_new_tokens=3, stop_ids=[])
     t = read_trace(trace)
@@ -132,25 +202,27 @@ def test_trace_has_one_record_per_token_and_layer(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
-def test_a_small_cache_changes_paging_not_results(policy):
-    weights = random_weights()
-    with Engine(weights) as big, Engine(weights, EngineConfig(max_cached_experts=2, cache_policy=policy)) as small:
-        a = big.generate([1, 2, 3], max_new_tokens=6, stop_ids=[])
-        b = small.generate([1, 2, 3], max_new_tokens=6, stop_ids=[])
-    assert a.output_ids == b.output_ids
-    assert b.stats.cache_misses > a.stats.cache_misses and b.stats.bytes_paged > a.stats.bytes_paged
+def test_a_small_cache_changes_paging_not_results(path, policy):
+    with Engine(path) as resident, \
+            Engine(path, EngineConfig(max_cached_experts=ALL_EXPERTS - 1, cache_policy=policy)) as big, \
+            Engine(path, EngineConfig(max_cached_experts=2, cache_policy=policy)) as small:
+        a, b, c = (e.generate([1, 2, 3], max_new_tokens=6, stop_ids=[]) for e in (resident, big, small))
+    assert a.output_ids == b.output_ids == c.output_ids
+    assert a.stats.cache_misses == a.stats.bytes_paged == 0                     # resident: nothing paged
+    assert c.stats.cache_misses > b.stats.cache_misses > 0 and c.stats.bytes_paged > b.stats.bytes_paged
+    assert b.stats.experts_touched == c.stats.experts_touched
 
 
-def test_static_cache_pins_experts():
+def test_static_cache_pins_experts(path):
     pinned = ((0, 0), (1, 0))
-    with Engine(random_weights(), EngineConfig(max_cached_experts=2, cache_policy="static",
-                                               pinned_experts=pinned)) as eng:
+    with Engine(path, EngineConfig(max_cached_experts=2, cache_policy="static", pinned_experts=pinned)) as eng:
         eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[])
-        assert all(eng.cache.contains(*p) for p in pinned if p in eng.experts.stats.touched)
+        touched = eng.experts.counters.touched
+        assert touched and all(eng.cache.contains(*p) for p in pinned if p in touched)
 
 
-def test_c_style_aliases_and_close():
-    eng = colibri_init(random_weights(), max_batch_size=2, max_seq_len=16, verbose=False)
+def test_c_style_aliases_and_close(path):
+    eng = colibri_init(path, max_batch_size=2, max_seq_len=16, verbose=False)
     assert eng.config.max_batch_size == 2
     assert colibri_infer(eng, [[1, 2]]) == eng.infer([[1, 2]])
     colibri_free(eng)

@@ -18,9 +18,10 @@ import pytest
 from colibri_format.convert.pipeline import convert
 from colibri_format.errors import CorruptExpert, InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
-from colibri_format.runtime.infer_cli import run_infer
-from tests.runtime.hf_tiny import ARCHS, build_hf, hf_logits, prompts, rel_err, write_colibri
+from colibri_format.runtime.infer import run_infer
+from tests.runtime.hf_tiny import ARCHS, build_hf, hf_logits, prompts, rel_err
 from tests.runtime.numpy_tiny import random_weights, tokenizer_entry
+from tests.runtime.tiny_weights import write_colibri
 
 INT8_LOGIT_TOL = 2e-2
 INT8_BF16_LOGIT_TOL = 3e-2
@@ -80,9 +81,9 @@ def test_int8_file_stays_within_the_documented_bound(converted, name):
 @pytest.fixture
 def small_file(tmp_path):
     weights = random_weights()
-    weights.metadata = {"architecture": "mixtral", "model": weights.model, "tokenizer": tokenizer_entry()}
-    weights._dense["embed_tokens"] = weights._dense["embed_tokens"][:10]     # vocab of the test tokenizer
-    weights._dense["lm_head"] = weights._dense["lm_head"][:10]
+    weights.metadata = {"architecture": "mixtral", "tokenizer": tokenizer_entry()}
+    weights.dense["embed_tokens"] = weights.dense["embed_tokens"][:10]     # vocab of the test tokenizer
+    weights.dense["lm_head"] = weights.dense["lm_head"][:10]
     weights.model["vocab_size"] = 10
     return write_colibri(weights, tmp_path / "small.colibri")
 
@@ -99,18 +100,27 @@ def _corrupt_expert(path, layer: int, expert: int) -> None:
         fh.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_a_corrupt_expert_fails_only_when_routed(small_file):
-    with Engine(small_file) as engine:
-        engine.infer([[1, 2, 3]])
-        routed = set(engine.experts.stats.touched)
+def _routed(engine, batch) -> set:
+    """(layer, expert) pairs the router picks for `batch`, through the engine's route observers."""
+    seen: set = set()
+    engine.routes.observers.append(lambda step, seq, layer, ids, pos: seen.update((layer, int(e)) for e in ids.ravel()))
+    engine.infer(batch)
+    return seen
+
+
+@pytest.mark.parametrize("max_cached", [None, 4])      # resident (read in place) and paged
+def test_a_corrupt_expert_fails_only_when_routed(small_file, max_cached):
+    config = EngineConfig(max_cached_experts=max_cached)
+    with Engine(small_file, config) as engine:
+        routed = _routed(engine, [[1, 2, 3]])
     unrouted = next((0, e) for e in range(8) if (0, e) not in routed)
     _corrupt_expert(small_file, *unrouted)
-    with Engine(small_file) as engine:
+    with Engine(small_file, config) as engine:
         engine.infer([[1, 2, 3]])                        # the damaged expert is never read, so never checked
     _corrupt_expert(small_file, *sorted(routed)[0])
-    with Engine(small_file) as engine, pytest.raises(CorruptExpert):
+    with Engine(small_file, config) as engine, pytest.raises(CorruptExpert):
         engine.infer([[1, 2, 3]])
-    with Engine(small_file, EngineConfig(verify="never")) as engine:
+    with Engine(small_file, EngineConfig(verify="never", max_cached_experts=max_cached)) as engine:
         engine.infer([[1, 2, 3]])
 
 
@@ -119,10 +129,15 @@ def test_bytes_paged_counts_whole_blobs(small_file):
 
     with colibri_format.open(small_file) as f:
         blob = len(f.expert_blob(0, 0))
-    with Engine(small_file) as engine:
+    with Engine(small_file, EngineConfig(max_cached_experts=4)) as engine:      # paged: 4 of 16 experts
         stats = engine.generate([1, 2], max_new_tokens=3, stop_ids=[]).stats
+        assert stats.expert_loads > 0
         assert stats.bytes_paged == stats.expert_loads * blob and blob % 4096 == 0
         assert engine.cache.stats().bytes_paged == stats.bytes_paged
+        assert engine.stats()["paging"]["bytes_paged"] == stats.bytes_paged
+    with Engine(small_file) as engine:                  # resident, read in place: nothing is paged
+        stats = engine.generate([1, 2], max_new_tokens=3, stop_ids=[]).stats
+        assert engine.cache is None and stats.expert_loads == stats.bytes_paged == 0
 
 
 def test_run_infer_with_ids_text_chat_and_streaming(small_file, tmp_path):

@@ -9,8 +9,8 @@ import pytest
 from colibri_format.errors import InvalidInput, InvalidMetadata
 from colibri_format.runtime import Engine
 from colibri_format.runtime.tokenizer import Tokenizer
-from colibri_format.runtime.weights import DictWeights
 from tests.runtime.numpy_tiny import WORDS, random_weights, tokenizer_entry
+from tests.runtime.tiny_weights import write_colibri
 
 
 def test_round_trip_and_stop_ids():
@@ -47,11 +47,10 @@ def test_chat_needs_a_template_and_jinja2(monkeypatch):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_engine_text_prompt_and_default_stop():
-    base = random_weights(vocab_size=len(WORDS))
-    weights = DictWeights(base.model, base._dense, base._experts,
-                          {"model": base.model, "tokenizer": tokenizer_entry()})
-    with Engine(weights) as eng:
+def test_engine_text_prompt_and_default_stop(tmp_path):
+    weights = random_weights(vocab_size=len(WORDS))
+    weights.metadata = {"tokenizer": tokenizer_entry()}
+    with Engine(write_colibri(weights, tmp_path / "words.colibri")) as eng:
         out = eng.generate("hello world", max_new_tokens=6)
         assert out.output_ids == eng.generate([3, 4], max_new_tokens=6).output_ids
         assert out.text == eng.tokenizer.decode(out.output_ids)
