@@ -15,8 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from colibri_format.convert.pipeline import convert
-    from colibri_format.runtime.cuda.engine_cuda import CudaEngine
-    from colibri_format.runtime.engine import EngineConfig
+    from colibri_format.runtime.engine import Engine, EngineConfig
     from tests.hf_models import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -24,12 +23,11 @@ def main() -> int:
                              num_key_value_heads=1, head_dim=64)
         path = Path(tmp) / "m.colibri"
         convert(Path(tmp) / "hf", path, dtype="bfloat16", quantize="expert", workers=1, verify=False)
-        with CudaEngine(path, EngineConfig(device="cuda", max_seq_len=64)) as eng:
+        with Engine(path, EngineConfig(device="cuda", max_seq_len=64)) as eng:
             print("logits", [x.shape for x in eng.logits([[1, 2, 3, 4], [5, 6]])])
             print("generate", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids)
             print("batch", eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3), eng.stats()["graphs"])
-        with CudaEngine(path, EngineConfig(device="cuda", max_seq_len=64, max_cached_experts=2),
-                        prefetch=True) as eng:
+        with Engine(path, EngineConfig(device="cuda", max_seq_len=64, max_cached_experts=2, prefetch=True)) as eng:
             print("paged", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
                   eng.stats()["paging"]["passes"])
     print("sanitize workload done")
