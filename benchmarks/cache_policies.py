@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from rich.console import Console  # noqa: E402
 
-from colibri_format.runtime.cache.cachesim import (parse_policies, render_table, run_cache_sim, simulate,  # noqa: E402
+from colibri_format.cli.render import cache_sim_table  # noqa: E402
+from colibri_format.runtime.cache.cachesim import (parse_policies, run_cache_sim, simulate,  # noqa: E402
                                              synthetic_trace)
 from colibri_format.runtime.cache.trace import access_sequence, read_trace  # noqa: E402
 
@@ -53,7 +54,7 @@ def run_one(console: Console, trace, label: str, args: argparse.Namespace) -> li
         result["rows"] = rows
         result["label"] = label
         result["seconds_per_policy"] = seconds
-        console.print(render_table(result))
+        console.print(cache_sim_table(result))
         console.print(f"[dim]{label}, scope={scope}: replay time per policy (all capacities) "
                       + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()) + "[/dim]\n")
         results.append(result)

@@ -6,12 +6,12 @@ clock values: the access clock is the position in the global access sequence (on
 partitions), the token clock the forward-pass index + 1 (an engine calls ``begin_token()`` at the start
 of every forward pass). Replaying a trace through an ``ExpertCache`` that way gives identical misses.
 
-CLI (wired by the CLI owner)::
+CLI::
 
     colibri cache-sim TRACE --capacity 10%,25%,40%,60% [--policy all] [--scope global|per_layer] [--json]
 
-maps to ``run_cache_sim(TRACE, "10%,25%,40%,60%", policy="all", scope="global")`` and
-``render_table(result)`` (or ``json.dumps(result)`` with ``--json``).
+maps to ``run_cache_sim(TRACE, "10%,25%,40%,60%", policy="all", scope="global")``; the CLI draws the
+result as a table (``colibri_format.cli.render.cache_sim_table``) or prints it as JSON.
 """
 
 from __future__ import annotations
@@ -273,38 +273,6 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
                   "distinct_experts": distinct,
                   "cold_miss_rate": distinct / len(acc) if len(acc) else 0.0},
         "scope": scope, "dedup": dedup, "rows": rows}
-
-
-def render_table(result: dict[str, Any]) -> Any:
-    """A rich ``Table``: one row per policy, one column per capacity, cells = miss rate."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = result["trace"]
-    unit = "per layer" if result["scope"] == "per_layer" else "total"
-    table = Table(title=f"expert-cache miss rate, scope={result['scope']}",
-                  caption=(f"{escape(str(t['model']))}: {t['moe_layers']} MoE layers x {t['num_experts']} experts, "
-                           f"top-{t['top_k']}, {t['accesses']} accesses, cold misses "
-                           f"{100 * t['cold_miss_rate']:.2f}%"))
-    table.add_column("policy")
-    caps: list[tuple[str, int]] = []
-    for row in result["rows"]:
-        if (row["capacity_spec"], row["capacity"]) not in caps:
-            caps.append((row["capacity_spec"], row["capacity"]))
-    for spec, cap in caps:
-        table.add_column(f"{spec} ({cap} {unit})", justify="right")
-    labels: list[str] = []
-    cells: dict[tuple[str, int], str] = {}
-    for row in result["rows"]:
-        if row["label"] not in labels:
-            labels.append(row["label"])
-        cell = f"{100 * row['miss_rate']:.2f}%"
-        if "bytes_paged" in row:
-            cell += f" {row['bytes_paged'] / 2**30:.2f} GiB"
-        cells[(row["label"], row["capacity"])] = cell
-    for label in labels:
-        table.add_row(label, *(cells.get((label, cap), "") for _, cap in caps))
-    return table
 
 
 # --- synthetic traces -----------------------------------------------------------------------------

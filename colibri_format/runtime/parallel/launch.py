@@ -1,36 +1,46 @@
-"""Start one process per device and run the same `colibri` command line in each, as one expert-parallel group.
+"""Start one process per device, each running the same worker command, as one expert-parallel group.
 
+    colibri infer model.colibri --ids 1,2,3 --devices 0,1            # the CLI builds the worker command
     python -m colibri_format.runtime.parallel.launch --nproc 2 -- infer model.colibri --ids 1,2,3
-    colibri infer model.colibri --ids 1,2,3 --devices 0,1            # the same, from the CLI
 
-Each child is `python -m colibri_format <args> --devices ...` with its rank in the environment (dist.py); the
-CLI sees the worker flag and runs `run_infer_parallel` instead of spawning again. Only rank 0's standard output
-is kept. When a rank fails the others are stopped (they would otherwise wait for it until the timeout).
+`launch(command, devices, device)` runs `command` once per device with the rank's identity in the environment
+(dist.py) and returns the group's exit status; it never ends the calling process, the caller decides what the
+status means. A process the launcher started is a worker (`dist.is_worker()`): `infer_runner` then hands it its
+share of the run instead of launching again. Only rank 0's standard output is kept. When a rank fails the
+others are stopped (they would otherwise wait for it until the timeout).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.parallel import dist as pdist
 
 POLL_S = 0.05
+EXIT_OK = 0
+EXIT_USAGE = 2
 
 
-def spawn(cli_args: list[str], devices: list[int], device: str) -> int:
-    """Run `colibri <cli_args>` once per device; returns the first non-zero exit status, else 0."""
+def launch(command: Sequence[str], devices: Sequence[int], device: str) -> int:
+    """Run `command` (a program and its arguments) once per device, as ranks 0..len(devices)-1 of one group.
+
+    Returns 0 when every rank succeeded, else the first non-zero exit status seen (the other ranks are then
+    stopped). Raises InvalidInput for a bad device kind or fewer than two devices, before starting anything.
+    """
     pdist.backend_for(device)
+    devices = list(devices)
     if len(devices) < 2:
         raise InvalidInput("expert parallelism needs at least two devices", field="devices", value=devices)
     port = pdist.free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "colibri_format", *cli_args],
-                              env=pdist.worker_env(rank, devices, device, port),
+    procs = [subprocess.Popen(list(command), env=pdist.worker_env(rank, devices, device, port),
                               stdout=None if rank == 0 else subprocess.DEVNULL)
              for rank in range(len(devices))]
     return _wait_all(procs)
@@ -44,7 +54,7 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
             _stop(procs)
             return failed[0]
         if all(c == 0 for c in codes):
-            return 0
+            return EXIT_OK
         time.sleep(POLL_S)
 
 
@@ -60,22 +70,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _cli_args_with_devices(args: list[str], devices: list[int]) -> list[str]:
-    if "--devices" in args:
-        return args
-    return [*args, "--devices", ",".join(map(str, devices))]
-
-
-def _device_of(args: list[str]) -> str:
-    for i, a in enumerate(args):
-        if a == "--device" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--device="):
-            return a.split("=", 1)[1]
-    return "cpu"
-
-
-# --- `colibri infer --devices` ------------------------------------------------------------------------
+# --- `infer` over several devices -------------------------------------------------------------------------
 
 def check_world_fits(path: str | os.PathLike, world_size: int) -> None:
     """Refuse a device count the file cannot be split over, once, before any rank starts."""
@@ -89,52 +84,75 @@ def check_world_fits(path: str | os.PathLike, world_size: int) -> None:
         plan_placement(m["num_experts"], m["moe_layers"], world_size)
 
 
-def infer_runner(devices_text: str, device: str, path: str | os.PathLike) -> Callable[..., dict[str, Any] | None]:
-    """What `colibri infer` calls instead of run_infer when --devices is given.
+def infer_runner(devices: Sequence[int], device: str) -> Callable[..., dict[str, Any] | None] | None:
+    """The `run_infer`-shaped call this process makes for an inference over `devices`.
 
-    One device: the ordinary engine on that device. Several, in the parent: start the ranks and exit with
-    their status. Several, in a rank: this rank's share of the run (returns None on ranks other than 0).
+    One device: the ordinary engine on that device. Several, in a rank the launcher started: this rank's share
+    of the run (`run_infer_parallel`, which returns None on ranks other than 0). Several, in any other process:
+    None, meaning that the ranks are still to be started: check_world_fits, then launch(...) the worker command.
     """
-    from colibri_format.runtime.infer_cli import run_infer
-
-    devices = pdist.parse_devices(devices_text)
     pdist.backend_for(device)
+    devices = list(devices)
     if len(devices) == 1:
-        return lambda *a, **kw: run_infer(*a, device_id=devices[0], **kw)
+        from colibri_format.runtime.infer import run_infer
+        return functools.partial(run_infer, device_id=devices[0])
     if not pdist.is_worker():
-        args = sys.argv[1:]
-        if not args or args[0] != "infer":
-            raise InvalidInput("--devices with several devices needs the `colibri infer` command line",
-                               field="devices", value=devices_text)
-        check_world_fits(path, len(devices))
-        raise SystemExit(spawn(args, devices, device))
+        return None
     from colibri_format.runtime.parallel.run import run_infer_parallel
     return run_infer_parallel
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+# --- `python -m colibri_format.runtime.parallel.launch` -------------------------------------------------------
+
+USAGE = "usage: python -m colibri_format.runtime.parallel.launch --nproc N [--devices 0,1] -- infer FILE [options]"
+
+
+def colibri_command(cli_args: Sequence[str]) -> list[str]:
+    """The worker command that runs `colibri <cli_args>` in a fresh interpreter."""
+    return [sys.executable, "-m", "colibri_format", *cli_args]
+
+
+def _cli_args_with_devices(args: list[str], devices: list[int]) -> list[str]:
+    if "--devices" in args or any(a.startswith("--devices=") for a in args):
+        return args
+    return [*args, "--devices", ",".join(map(str, devices))]
+
+
+def _device_of(args: list[str]) -> str:
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return "cpu"
+
+
+def main(argv: Sequence[str]) -> int:
+    """Launch `colibri <args after -->` over --nproc devices; returns the exit status (2: bad usage)."""
+    argv = list(argv)
     if "--" not in argv:
-        print("usage: python -m colibri_format.runtime.parallel.launch --nproc N -- infer FILE [options]",
-              file=sys.stderr)
-        return 2
+        print(USAGE, file=sys.stderr)
+        return EXIT_USAGE
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="colibri_format.runtime.parallel.launch")
     parser.add_argument("--nproc", type=int, required=True, help="processes (one per device)")
     parser.add_argument("--devices", default=None, help="device indices, default 0..nproc-1")
-    opts = parser.parse_args(argv[:split])
-    tail = argv[split + 1:]
-    devices = pdist.parse_devices(opts.devices) if opts.devices else list(range(opts.nproc))
-    if len(devices) != opts.nproc:
-        raise InvalidInput("--devices must list --nproc devices", field="devices", value=opts.devices)
-    if len(tail) > 1 and tail[0] == "infer" and os.path.isfile(tail[1]):
-        check_world_fits(tail[1], len(devices))
-    return spawn(_cli_args_with_devices(tail, devices), devices, _device_of(tail))
-
-
-if __name__ == "__main__":
     try:
-        sys.exit(main())
+        opts = parser.parse_args(argv[:split])
+    except SystemExit as exc:                      # argparse printed the usage error (or --help)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    tail = argv[split + 1:]
+    try:
+        devices = pdist.parse_devices(opts.devices) if opts.devices else list(range(opts.nproc))
+        if len(devices) != opts.nproc:
+            raise InvalidInput("--devices must list --nproc devices", field="devices", value=opts.devices)
+        if len(tail) > 1 and tail[0] == "infer" and os.path.isfile(tail[1]):
+            check_world_fits(tail[1], len(devices))
+        return launch(colibri_command(_cli_args_with_devices(tail, devices)), devices, _device_of(tail))
     except InvalidInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":                         # the process boundary: argv in, exit status out
+    sys.exit(main(sys.argv[1:]))

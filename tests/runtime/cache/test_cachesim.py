@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cache.expert_cache import ExpertCache
 from colibri_format.runtime.cache.cachesim import (DEFAULT_POLICIES, PolicySpec, parse_capacities, parse_policies,
-                                             render_table, run_cache_sim, simulate, synthetic_trace,
-                                             top_experts)
+                                             run_cache_sim, simulate, synthetic_trace, top_experts)
 from colibri_format.runtime.cache.trace import (Trace, TraceRecord, TraceWriter, access_sequence, make_header,
                                           read_trace, write_trace)
 
@@ -254,17 +253,6 @@ def test_run_cache_sim_from_file(tmp_path):
     # full capacity: only cold misses
     full = run_cache_sim(tr, "100%", "all", "global")
     assert {r["misses"] for r in full["rows"]} == {full["trace"]["distinct_experts"]}
-
-
-def test_render_table():
-    from rich.console import Console
-
-    res = run_cache_sim(synthetic_trace(2, 8, 2, 20, seed=0), "25%,50%", "lru,belady", "global",
-                        blob_bytes=1 << 20)
-    console = Console(record=True, width=120)
-    console.print(render_table(res))
-    text = console.export_text()
-    assert "lru" in text and "belady" in text and "25% (4 total)" in text and "%" in text
 
 
 @pytest.mark.parametrize("spec", ["", "0", "-5", "0%", "150%", "ten", "10%%", "1.5"])

@@ -1,0 +1,57 @@
+"""`colibri`: a thin typer layer over the library.
+
+One module per command (`command` is its typer function), registered here and only here; what they share is in
+`common` (consoles, option types, JSON), the human views in `render`, and the one error-to-exit-code map in
+`errors`. Command modules import typer and rich only: the library modules they call (the converter, the
+engines, torch, CuPy) are imported inside the command, so `colibri inspect` starts fast on any machine.
+The library never imports this package.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import bench, cache_sim, convert, infer, inspect, validate
+from .common import out
+from .errors import report
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="Convert, inspect, validate and run Mixture-of-Experts models in the .colibri format.")
+
+# --- every command, in `colibri --help` order --------------------------------------------------------------
+app.command("convert")(convert.command)
+app.command("inspect")(inspect.command)
+app.command("validate")(validate.command)
+app.command("infer")(infer.command)
+app.command("cache-sim")(cache_sim.command)
+app.command("bench")(bench.command)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from .. import __version__
+        out.print(f"colibri-format {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback,
+                                                           is_eager=True, help="Show the version.")] = None) -> None:
+    """colibri: the .colibri toolkit."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the app on `argv` (default: the process's arguments); returns the exit
+    code, known errors turned into one clear line (errors.py)."""
+    try:
+        rc = app(args=argv, standalone_mode=False, prog_name="colibri")
+    except BaseException as exc:  # noqa: BLE001 - errors.report re-raises what it does not map
+        return report(exc)
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

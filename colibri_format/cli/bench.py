@@ -1,0 +1,31 @@
+"""`colibri bench FILE`: the CUDA engine's speed on one file (the measuring is `runtime.cuda.bench.run_bench`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .common import FileArg, JsonOpt, out, print_json
+
+
+def command(path: FileArg,
+            batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences decoded at once.")] = 1,
+            seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Prefill length.")] = 512,
+            num_iters: Annotated[int, typer.Option("--num-iters", min=1, help="Timed decode steps.")] = 32,
+            warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
+            max_cached_experts: Annotated[Optional[int], typer.Option(
+                "--max-cached-experts", min=1, help="Expert cache size (default: all).")] = None,
+            cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
+            prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
+            as_json: JsonOpt = False) -> None:
+    """Benchmark the CUDA engine: prefill/decode tokens/s, per-kernel GPU time and GB/s, share of roofline."""
+    from ..runtime.cuda.bench import render, run_bench
+
+    result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
+                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, cache_policy=cache_policy,
+                       prefetch=prefetch)
+    if as_json:
+        print_json(result)
+    else:
+        out.print(render(result), markup=False)

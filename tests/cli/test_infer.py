@@ -1,0 +1,124 @@
+"""`colibri infer` end to end on a synthetic file (ids in, ids out), and how `--devices` is handed to the
+launcher: the parent builds the worker command from the parsed options and exits with the ranks' status."""
+
+import json
+import sys
+
+import pytest
+
+from colibri_format.cli import main
+from colibri_format.runtime.cache.cachesim import pins_from_trace
+from colibri_format.runtime.parallel import launch
+
+
+def _infer_json(capsys, *args):
+    assert main(["infer", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_infer_json_stats_and_trace(model_file, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    result = _infer_json(capsys, model_file, "--ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
+    assert len(result["output_ids"]) == 6 and result["prompt_ids"] == [1, 2, 3]
+    stats = result["stats"]
+    assert stats["experts_touched"] > 0 and stats["cache_misses"] > 0
+    assert stats["hit_rate"] == stats["cache_hits"] / (stats["cache_hits"] + stats["cache_misses"])
+    assert stats["misses_per_token"] == stats["cache_misses"] / 9          # 3 prompt + 6 generated tokens
+    assert stats["paged_gb_per_s"] > 0 and stats["bytes_paged"] == stats["expert_loads"] * 8192
+    assert trace.read_text().count("\n") >= 9
+
+
+def test_infer_human_view_prints_ids_and_stats(model_file, capsys):
+    greedy = _infer_json(capsys, model_file, "--ids", "4,5", "--max-new-tokens", "3")
+    assert main(["infer", model_file, "--ids", "4,5", "--max-new-tokens", "3", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.split() == [str(t) for t in greedy["output_ids"]]   # no tokenizer: the ids
+    assert "finish_reason" in captured.err and "experts_touched" in captured.err
+
+
+def test_static_policy_pins_from_trace(model_file, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    greedy = _infer_json(capsys, model_file, "--ids", "5,6,7", "--max-new-tokens", "5", "--trace", str(trace))
+    pins = pins_from_trace(trace, 4)
+    assert len(pins) == 4 and len(set(pins)) == 4
+    static = _infer_json(capsys, model_file, "--ids", "5,6,7", "--max-new-tokens", "5", "--cache-policy", "static",
+                         "--pin-from-trace", str(trace), "--max-cached-experts", "4")
+    assert static["output_ids"] == greedy["output_ids"]   # the cache policy never changes the answer
+
+
+def test_static_without_pins_is_a_clear_error(model_file, tmp_path, capsys):
+    assert main(["infer", model_file, "--ids", "1", "--cache-policy", "static"]) == 1
+    assert "--pin-from-trace" in capsys.readouterr().err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+    assert main(["infer", model_file, "--ids", "1", "--pin-from-trace", str(trace)]) == 1
+    assert "only applies to --cache-policy static" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids, needle", [("1,2,x", "comma-separated"), ("1,2,100000", "outside")])
+def test_bad_ids_exit_1(model_file, capsys, ids, needle):
+    assert main(["infer", model_file, "--ids", ids]) == 1
+    assert needle in capsys.readouterr().err
+
+
+def test_prompt_and_ids_together_exit_1(model_file, capsys):
+    assert main(["infer", model_file, "--ids", "1", "--prompt", "hi", "--json"]) == 1
+    assert "exactly one" in capsys.readouterr().err
+
+
+# --- --devices ------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def launched(monkeypatch):
+    """Stand in for the launcher: record what the CLI asks for, answer with a chosen exit status."""
+    monkeypatch.delenv("COLIBRI_EP_WORKER", raising=False)
+    calls = []
+
+    def fake_launch(command, devices, device):
+        calls.append((list(command), list(devices), device))
+        return fake_launch.status
+
+    fake_launch.status = 0
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    return calls, fake_launch
+
+
+def test_devices_parent_launches_the_same_command_and_exits_with_its_status(model_file, launched, capsys):
+    calls, fake = launched
+    fake.status = 3
+    args = ["infer", model_file, "--ids", "1,2", "--max-new-tokens", "4", "--temperature", "0.5", "--seed", "7",
+            "--devices", "0,1", "--stats"]
+    assert main(args) == 3
+    assert capsys.readouterr().out == ""                # the parent prints nothing: rank 0 does
+    (command, devices, device), = calls
+    assert command[:3] == [sys.executable, "-m", "colibri_format"]
+    assert devices == [0, 1] and device == "cpu"
+    worker = command[3:]
+    assert worker[:2] == ["infer", model_file]
+    for flag, value in (("--ids", "1,2"), ("--max-new-tokens", "4"), ("--temperature", "0.5"), ("--seed", "7"),
+                        ("--devices", "0,1")):
+        assert worker[worker.index(flag) + 1] == value
+    assert "--stats" in worker and "--json" not in worker and "--chat" not in worker
+    assert "--prompt" not in worker                      # unset options keep their defaults in the worker
+    fake.status = 0
+    assert main(worker) == 0                            # the worker line parses back to the same command line
+    assert calls[1][0] == command
+
+
+def test_devices_parent_checks_the_split_before_launching(model_file, launched, capsys):
+    calls, _ = launched
+    assert main(["infer", model_file, "--ids", "1", "--devices", "0,1,2,3,4,5,6,7,8"]) == 1
+    assert "exceeds the 8 experts" in capsys.readouterr().err
+    assert calls == []
+
+
+def test_one_device_runs_in_process(model_file, launched, capsys):
+    calls, _ = launched
+    assert _infer_json(capsys, model_file, "--ids", "1,2", "--max-new-tokens", "2", "--devices", "0")["output_ids"]
+    assert calls == []
+
+
+@pytest.mark.parametrize("devices, needle", [("0,x", "comma-separated"), ("1,1", "distinct")])
+def test_bad_devices_exit_1(model_file, launched, capsys, devices, needle):
+    assert main(["infer", model_file, "--ids", "1", "--devices", devices]) == 1
+    assert needle in capsys.readouterr().err
