@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from colibri_format.convert.quantize import quantize_int8  # noqa: E402
-from colibri_format.convert.rows import to_float32  # noqa: E402
 from colibri_format.convert.source import open_checkpoint  # noqa: E402
+from colibri_format.dtypes import to_float32  # noqa: E402
 from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint  # noqa: E402
 
 SECTION = "## colibri convert"
@@ -112,7 +112,7 @@ def time_quantizers(tensors: list[tuple[str, np.ndarray]], seconds: float) -> di
                       ("colibri_int8_row", lambda w: quantize_int8(w))):
         values, spent = 0, 0.0
         for _, bits in tensors:
-            w = to_float32(bits, "bfloat16")
+            w = to_float32(bits)
             start = time.perf_counter()
             fn(w)
             spent += time.perf_counter() - start
@@ -139,7 +139,7 @@ def stage_costs(tensors: list[tuple[str, np.ndarray]], tmp: Path) -> dict:
             for r in range(0, bits.shape[0], step):
                 chunk = bits[r:r + step]
                 a = time.perf_counter()
-                w = to_float32(chunk, "bfloat16")
+                w = to_float32(chunk)
                 b = time.perf_counter()
                 q = quantize_int8(w)
                 c = time.perf_counter()

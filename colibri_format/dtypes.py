@@ -1,16 +1,20 @@
-"""Conversions between NumPy arrays and the storage dtypes of the format (bf16 has no NumPy dtype).
+"""The one table of element types, and the conversions between NumPy arrays and stored values.
 
-bfloat16 values travel as `np.uint16` bit patterns; float32 -> bf16 rounds to nearest even.
+NumPy has no bfloat16, so bf16 values travel as `np.uint16` bit patterns everywhere: in checkpoint views,
+in `.colibri` views and in arrays handed to the writer. float32 -> bf16 rounds to nearest even.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .spec.constants import DType
+from .spec.constants import DTYPE_NAMES, DType
 
-NUMPY_STORAGE = {DType.F32: np.dtype("<f4"), DType.F16: np.dtype("<f2"), DType.BF16: np.dtype("<u2"),
-                 DType.I8: np.dtype("i1")}
+# Every element type a checkpoint tensor or a `.colibri` tensor may have, by name, with its NumPy storage.
+STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+           "float64": np.dtype("<f8"), "int8": np.dtype("i1")}
+# The same storage keyed by the format's dtype numbers (float64 cannot be stored in a `.colibri` file).
+NUMPY_STORAGE = {**{dtype: STORAGE[name] for name, dtype in DTYPE_NAMES.items()}, DType.I8: STORAGE["int8"]}
 
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -21,10 +25,6 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded[nan] = np.uint16(0x7FC0)
     return rounded
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def to_storage(array: np.ndarray, dtype: DType) -> np.ndarray:
@@ -38,8 +38,20 @@ def to_storage(array: np.ndarray, dtype: DType) -> np.ndarray:
     return np.ascontiguousarray(out)
 
 
-def to_float32(stored: np.ndarray, dtype: DType) -> np.ndarray:
-    """Upcast a stored array (a view into the file) to a new float32 array."""
-    if DType(dtype) == DType.BF16:
-        return bf16_bits_to_float32(stored)
-    return np.asarray(stored, dtype=np.float32).copy() if stored.dtype == np.float32 else stored.astype(np.float32)
+def to_float32(stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored float values (bf16 as uint16 bits) as float32, in a new array or in `out` (same shape).
+
+    The stored array is never aliased, so a view into a mapped file may be released afterwards.
+    """
+    if out is None:
+        out = np.empty(stored.shape, np.float32)
+    if stored.dtype == np.uint16:
+        # widen into the output, then shift in place: about 2x faster than one mixed-type left_shift
+        bits = out.view(np.uint32)
+        bits[...] = stored
+        np.left_shift(bits, 16, out=bits)
+    elif stored.dtype.kind == "f":
+        np.copyto(out, stored, casting="unsafe")  # float64 narrows; float16/32 are exact
+    else:
+        raise TypeError(f"{stored.dtype} values are not stored floats")
+    return out

@@ -160,7 +160,7 @@ class ColibriFile:
         return np.frombuffer(self._mm, NUMPY_STORAGE[S.DType(e.dtype)], count, e.offset).reshape(e.shape)
 
     def dense_f32(self, name: str) -> np.ndarray:
-        return to_float32(self.dense(name), S.DType(self._entry(name).dtype))
+        return to_float32(self.dense(name))
 
     def verify_dense(self, name: str) -> None:
         e = self._entry(name)
@@ -207,8 +207,7 @@ class ColibriFile:
         v = self.expert(layer, expert)
         fmt = S.ExpertFormat(self.header.expert_format)
         if fmt not in S.QUANTIZED_FORMATS:
-            dt = S.EXPERT_FORMAT_DTYPE[fmt]
-            return to_float32(v.gate_up, dt), to_float32(v.down, dt)
+            return to_float32(v.gate_up), to_float32(v.down)
         return dequantize(v.gate_up, v.gate_up_scale), dequantize(v.down, v.down_scale)
 
     def _maybe_verify(self, key, check) -> None:

@@ -1,18 +1,27 @@
-"""The `.colibri` writer: planned, positional and crash-safe.
+"""The `.colibri` writer: planned, positional, crash-safe, and the only code that writes a `.colibri` file.
 
-Every offset is planned from the model's shapes before the first byte is written, so tensors and expert
-blobs can be written in any order (by several workers, or after a resume) with positional writes into a
-`.part` file beside the destination. `finalize()` writes the metadata, the directory, the WSIT and, last,
-the header; then fsync, rename over the destination and fsync the folder. An interrupted job therefore
-never leaves anything at the destination, and a reader rejects a `.part` file (its header is zero).
+Every offset is planned from the model's shapes before the first byte is written, so the file's pieces
+(dense tensors and expert blobs) can be written in any order (by several threads, or after a resume)
+with positional writes into a `.part` file beside the destination. Each piece goes through a
+`PieceStream`, which hashes the bytes as it writes them: the writer knows every checksum its tables will
+carry without reading anything back. On resume, a piece written by an earlier run is taken over only once
+its bytes re-hash to the checksum the caller's journal recorded (`keep_if_intact`).
+
+`finalize()` writes the metadata, the directory, the WSIT and, last, the header; then fsync, rename over
+the destination and fsync the folder. An interrupted job therefore never leaves anything at the
+destination, and a reader rejects a `.part` file (its header is zero).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_storage
@@ -20,9 +29,57 @@ from .errors import InvalidInput, WriteError
 from .fsutil import atomic_replace, fsync_fd, pwrite_all
 from .spec.checksum import dense_seed, digest, expert_seed, section_seed
 
+PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
+READ_BACK_CHUNK = 8 << 20
+_ZEROS = bytes(S.BLOB_ALIGNMENT)
+
 
 def part_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.part")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one piece lives: `size` bytes at `offset`, checksummed with the spec's `seed`."""
+
+    key: PieceKey
+    offset: int
+    size: int
+    seed: int
+
+
+class PieceStream:
+    """Forward-only writes of one piece from the start of its slot, hashed on the way.
+
+    The checksum therefore equals the one-shot XXH3 of the finished piece, without the piece ever being
+    in memory. Streams of different pieces may be used from different threads at once.
+    """
+
+    def __init__(self, writer: ColibriWriter, slot: Slot) -> None:
+        self.slot = slot
+        self.pos = 0
+        self._writer = writer
+        self._hash = xxhash.xxh3_64(seed=slot.seed)
+
+    def put(self, data) -> None:
+        view = memoryview(data).cast("B")
+        if self.pos + len(view) > self.slot.size:
+            raise WriteError("piece overflows its planned slot", field="offset", value=self.slot.offset + self.pos)
+        self._writer._write_at(view, self.slot.offset + self.pos)
+        self._hash.update(view)
+        self.pos += len(view)
+
+    def pad_to(self, pos: int) -> None:
+        """Zeros up to `pos`, written rather than assumed: a resumed run may be overwriting older bytes."""
+        while self.pos < pos:
+            self.put(_ZEROS[:min(len(_ZEROS), pos - self.pos)])
+
+    def finish(self) -> int:
+        """Zero-fill the rest of the slot, record the piece's checksum with the writer, and return it."""
+        self.pad_to(self.slot.size)
+        checksum = self._hash.intdigest()
+        self._writer.checksums[self.slot.key] = checksum
+        return checksum
 
 
 class ColibriWriter:
@@ -33,13 +90,14 @@ class ColibriWriter:
         model: normalized model description (docs/design.md); decides the dense tensors and blob shape.
         dense_dtype: storage dtype of every dense tensor.
         expert_format: storage of expert matrices; `group_size` for INT8_GROUP.
-        resume: reopen an existing `.part` file instead of starting a new one (the caller re-verifies
-            what it wrote before, and passes the checksums back with `restore_checksums`).
+        resume: reopen an existing `.part` file instead of starting a new one; pieces already in it count
+            only once `keep_if_intact` has re-hashed them.
+        before_piece_write: called before every write of piece bytes (the converter's crash-test hook).
     """
 
     def __init__(self, path: str | os.PathLike, model: dict, *, dense_dtype: S.DType,
                  expert_format: S.ExpertFormat, group_size: int = 0, resume: bool = False,
-                 part_path: Path | None = None) -> None:
+                 before_piece_write: Callable[[], None] = lambda: None) -> None:
         S.check_model(model)
         self.path = Path(path)
         self.model = model
@@ -52,9 +110,10 @@ class ColibriWriter:
         dense = [(name, self.dense_dtype, shape) for name, shape in S.canonical_dense_tensors(model)]
         self.plan = S.plan_file(dense, tuple(model["moe_layers"]), model["num_experts"], blob)
         self._dense_index = {t.name: t for t in self.plan.dense}
-        self.dense_checksums: dict[str, int] = {}
-        self.expert_checksums: dict[tuple[int, int], int] = {}
-        self.part_path = part_path or part_path_for(self.path)
+        self.checksums: dict[PieceKey, int] = {}  # every piece written (or kept) so far
+        self._before_piece_write = before_piece_write
+        self._read_buffers = threading.local()
+        self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
 
     # --- setup ------------------------------------------------------------------------------------
@@ -85,23 +144,42 @@ class ColibriWriter:
             raise WriteError(f"cannot size {self.part_path}: {exc.strerror}") from None
         return fd
 
-    @property
-    def total_bytes(self) -> int:
-        return self.plan.metadata_offset
+    # --- pieces -----------------------------------------------------------------------------------
+    def piece_keys(self) -> list[PieceKey]:
+        """Every piece of the plan: dense tensors in directory order, then blobs in WSIT order."""
+        return [t.name for t in self.plan.dense] + self.plan.blob_keys()
 
-    # --- data -------------------------------------------------------------------------------------
+    def slot(self, key: PieceKey) -> Slot:
+        """Where the plan puts a piece; InvalidInput when it has no such piece."""
+        if isinstance(key, str):
+            t = self._dense_index.get(key)
+            if t is None:
+                raise InvalidInput("tensor is not part of this model's dense directory", field="name", value=key)
+            return Slot(key, t.offset, t.size, dense_seed(key, t.offset))
+        layer, expert = key
+        if layer not in self.plan.moe_layers or not 0 <= expert < self.plan.num_experts:
+            raise InvalidInput("no such (layer, expert) in this model", field="expert", value=key)
+        offset = self.plan.blob_offset(layer, expert)
+        return Slot((layer, expert), offset, self.plan.blob.size, expert_seed(layer, expert, offset))
+
+    def stream(self, key: PieceKey) -> PieceStream:
+        """A stream that writes the piece `key` chunk by chunk; its `finish()` records the checksum."""
+        return PieceStream(self, self.slot(key))
+
+    def _write_at(self, data: memoryview, offset: int) -> None:
+        self._before_piece_write()
+        pwrite_all(self._fd, data, offset)
+
     def write_dense(self, name: str, array: np.ndarray) -> int:
-        """Write one dense tensor (converted to the file's dense dtype); returns its checksum."""
-        t = self._dense_index.get(name)
-        if t is None:
-            raise InvalidInput("tensor is not part of this model's dense directory", field="name", value=name)
+        """Write one whole dense tensor (converted to the file's dense dtype); returns its checksum."""
+        stream = self.stream(name)
+        t = self._dense_index[name]
         data = to_storage(array, t.dtype)
         if tuple(data.shape) != t.shape:
             raise InvalidInput(f"tensor {name} has shape {data.shape}, expected {t.shape}", field="shape",
                                value=tuple(data.shape))
-        pwrite_all(self._fd, data, t.offset)
-        self.dense_checksums[name] = digest(data, dense_seed(name, t.offset))
-        return self.dense_checksums[name]
+        stream.put(data)
+        return stream.finish()
 
     def build_blob(self, arrays: dict[str, np.ndarray]) -> bytearray:
         """Pack an expert's arrays (gate_up, [gate_up_scale], down, [down_scale]) into blob bytes."""
@@ -123,36 +201,50 @@ class ColibriWriter:
 
     def write_expert_blob(self, layer: int, expert: int, blob: bytes | bytearray) -> int:
         """Write a packed blob at its planned slot; returns its (seeded) checksum."""
-        if layer not in self.plan.moe_layers or not 0 <= expert < self.plan.num_experts:
-            raise InvalidInput("no such (layer, expert) in this model", field="expert", value=(layer, expert))
+        stream = self.stream((layer, expert))
         if len(blob) != self.plan.blob.size:
             raise InvalidInput("blob has the wrong size", field="blob", value=len(blob))
-        offset = self.plan.blob_offset(layer, expert)
-        pwrite_all(self._fd, blob, offset)
-        self.expert_checksums[(layer, expert)] = digest(blob, expert_seed(layer, expert, offset))
-        return self.expert_checksums[(layer, expert)]
+        stream.put(blob)
+        return stream.finish()
 
-    def restore_checksums(self, dense: dict[str, int], experts: dict[tuple[int, int], int]) -> None:
-        """On resume: checksums of pieces already written (and re-verified by the caller)."""
-        self.dense_checksums.update(dense)
-        self.expert_checksums.update(experts)
+    # --- reading back -----------------------------------------------------------------------------
+    def checksum_on_disk(self, slot: Slot) -> int:
+        """XXH3-64 of the slot's bytes as the `.part` file holds them now (a short file cannot match)."""
+        buf = getattr(self._read_buffers, "buf", None)
+        if buf is None:  # one buffer per thread, allocated once: fresh pages are costly on some VMs
+            buf = self._read_buffers.buf = memoryview(bytearray(READ_BACK_CHUNK))
+        h = xxhash.xxh3_64(seed=slot.seed)
+        done = 0
+        while done < slot.size:
+            n = os.preadv(self._fd, [buf[:min(len(buf), slot.size - done)]], slot.offset + done)
+            if n <= 0:
+                break
+            h.update(buf[:n])
+            done += n
+        return h.intdigest()
+
+    def keep_if_intact(self, key: PieceKey, checksum: int) -> bool:
+        """Resume: take over a piece an earlier run wrote, if its bytes still hash to `checksum`."""
+        intact = self.checksum_on_disk(self.slot(key)) == checksum
+        if intact:
+            self.checksums[key] = checksum
+        return intact
 
     def sync(self) -> None:
         fsync_fd(self._fd)
 
     # --- commit -----------------------------------------------------------------------------------
-    def missing(self) -> tuple[list[str], list[tuple[int, int]]]:
-        dense = [t.name for t in self.plan.dense if t.name not in self.dense_checksums]
-        experts = [k for k in self.plan.blob_keys() if k not in self.expert_checksums]
-        return dense, experts
+    def missing(self) -> list[PieceKey]:
+        return [k for k in self.piece_keys() if k not in self.checksums]
 
     def finalize(self, metadata: dict) -> Path:
         """Write sections and header, fsync, rename over the destination, fsync the folder."""
-        dense_missing, experts_missing = self.missing()
-        if dense_missing or experts_missing:
-            raise WriteError(f"cannot finalize: {len(dense_missing)} dense tensors and "
-                             f"{len(experts_missing)} experts not written", field="missing",
-                             value=(dense_missing[:3], experts_missing[:3]))
+        missing = self.missing()
+        if missing:
+            dense = [k for k in missing if isinstance(k, str)]
+            experts = [k for k in missing if not isinstance(k, str)]
+            raise WriteError(f"cannot finalize: {len(dense)} dense tensors and {len(experts)} experts not written",
+                             field="missing", value=(dense[:3], experts[:3]))
         S.check_metadata(metadata)
         if metadata["model"] != self.model:
             raise InvalidInput("metadata model differs from the model the file was planned for", field="model")
@@ -175,9 +267,9 @@ class ColibriWriter:
         dir_off, wsit_off, wsit_size, file_size = plan.sections(len(meta_raw), len(plan.dense))
         directory = b"".join(
             S.DenseEntry(t.name, int(t.dtype), len(t.shape), 0, t.shape, t.offset, t.size,
-                         self.dense_checksums[t.name]).pack() for t in plan.dense)
+                         self.checksums[t.name]).pack() for t in plan.dense)
         wsit = b"".join(
-            S.WsitEntry(layer, e, plan.blob_offset(layer, e), plan.blob.size, self.expert_checksums[(layer, e)]).pack()
+            S.WsitEntry(layer, e, plan.blob_offset(layer, e), plan.blob.size, self.checksums[(layer, e)]).pack()
             for layer, e in plan.blob_keys())
         os.ftruncate(self._fd, file_size)
         pwrite_all(self._fd, meta_raw, plan.metadata_offset)

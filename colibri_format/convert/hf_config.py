@@ -3,9 +3,10 @@
 `load_config(dir)` parses the file strictly (size cap, one JSON object, no
 duplicate keys, no NaN/Infinity). `Fields` gives typed, range-checked access to
 it. `common_model(...)` builds the design-doc `model` dict for a plain
-Mixtral-like decoder; each adapter in `convert/arch/` overrides the fields its
-architecture changes and hands the result to `finish_model`, which checks the
-cross-field invariants. Both transformers v4 and v5 spellings are accepted.
+Mixtral-like decoder; each architecture record in `convert/adapters.py` sets the
+fields its architecture changes and hands the result to `finish_model`, which
+checks the cross-field invariants. Both transformers v4 and v5 spellings are accepted.
+This module knows no architecture, so the adapters depend on it and not the other way round.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", 
               "shared_expert", "multipliers")
 
 _REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class ConfigDefaults:
+    """What an architecture assumes for fields its config.json may leave out, and where its expert width is."""
+
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    expert_width_key: str  # the config.json key of the routed experts' intermediate size
 
 
 @dataclass(frozen=True)
@@ -277,8 +288,7 @@ def hidden_act(f: Fields) -> str:
     return act
 
 
-def common_model(f: Fields, *, default_theta: float, default_eps: float, default_max_pos: int,
-                 expert_intermediate_key: str) -> dict[str, Any]:
+def common_model(f: Fields, defaults: ConfigDefaults) -> dict[str, Any]:
     """Every design-doc field for a plain Mixtral-like MoE decoder (all layers MoE, no biases)."""
     reject_unsupported_features(f.raw)  # here, so calling an adapter directly cannot skip it
     hidden = f.integer("hidden_size")
@@ -291,9 +301,10 @@ def common_model(f: Fields, *, default_theta: float, default_eps: float, default
         "num_attention_heads": heads,
         "num_key_value_heads": f.integer("num_key_value_heads", heads, hi=MAX_HEADS),
         "head_dim": head_dim(f, hidden, heads),
-        "rms_norm_eps": f.number("rms_norm_eps", default_eps, lo=0.0, hi=1.0, lo_open=True),
-        "max_position_embeddings": f.integer("max_position_embeddings", default_max_pos, hi=MAX_POSITIONS),
-        "rope": rope(f, default_theta),
+        "rms_norm_eps": f.number("rms_norm_eps", defaults.rms_norm_eps, lo=0.0, hi=1.0, lo_open=True),
+        "max_position_embeddings": f.integer("max_position_embeddings", defaults.max_position_embeddings,
+                                             hi=MAX_POSITIONS),
+        "rope": rope(f, defaults.rope_theta),
         "qkv_bias": False, "o_bias": False, "qk_norm": "none", "clip_qkv": None,
         "sliding_window": None,
         "tie_word_embeddings": f.flag("tie_word_embeddings", False),
@@ -302,7 +313,7 @@ def common_model(f: Fields, *, default_theta: float, default_eps: float, default
         "dense_intermediate_size": None,
         "num_experts": expert_count(f),
         "top_k": f.integer("num_experts_per_tok", hi=MAX_EXPERTS),
-        "expert_intermediate_size": f.integer(expert_intermediate_key),
+        "expert_intermediate_size": f.integer(defaults.expert_width_key),
         "router": {"scoring": "softmax", "order": "softmax_topk", "normalize_topk": True, "bias": False,
                    "scale": 1.0},
         "shared_expert": None,
@@ -341,11 +352,3 @@ def moe_layer_indices(f: Fields, num_layers: int) -> list[int]:
     dense_only = set(f.int_list("mlp_only_layers", [], lo=0, hi=MAX_LAYERS))
     step = f.integer("decoder_sparse_step", 1, hi=MAX_LAYERS)
     return [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
-
-
-def normalize_config(raw: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(architecture, model dict) for any supported config; dispatches on `model_type`."""
-    from colibri_format.convert.arch import get_adapter  # the adapters import this module
-
-    adapter = get_adapter(model_type_of(raw))
-    return adapter.model_type, adapter.normalize_config(raw)

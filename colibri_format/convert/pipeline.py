@@ -1,11 +1,12 @@
 """`convert()`: a Hugging Face MoE checkpoint to one `.colibri` file, streaming, resumable and crash-safe.
 
 Flow: open and normalize the checkpoint, plan every offset (ColibriWriter), take the writer lock, read the
-journal and re-verify what it lists, then convert the remaining pieces (dense tensors, then expert blobs)
-on `workers` threads. Each piece is streamed in row chunks (read -> quantize -> positional write), so
-memory stays at a few chunks per worker whatever the model size. Completed pieces are made durable in
-batches: fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against
-the checksums, write the sections and header, fsync, rename over the destination, fsync the folder.
+journal and let the writer take over the pieces whose bytes still match it, then convert the remaining
+pieces (dense tensors, then expert blobs) on `workers` threads. Each piece is streamed in row chunks
+(read -> convert or quantize -> the writer, which writes at the planned offset and hashes), so memory
+stays at a few chunks per worker whatever the model size. Completed pieces are made durable in batches:
+fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against the
+checksums, write the sections and header, fsync, rename over the destination, fsync the folder.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from colibri_format import spec as S
-from colibri_format.convert import crashpoint, describe, schedule
-from colibri_format.convert.arch import get_adapter
-from colibri_format.convert.emit import ErrorStats, write_dense, write_expert
+from colibri_format.convert import crashpoint, describe, layout, schedule
+from colibri_format.convert.adapters import get_adapter
+from colibri_format.convert.emit import ErrorStats, fill_dense, fill_expert
 from colibri_format.convert.journal import (Journal, JournalState, WriterLock, journal_path_for, lock_path_for,
                                             read_journal)
-from colibri_format.convert.rows import dense_spans, expert_spans, names_table, span_bytes
+from colibri_format.convert.layout import RowSpan
+from colibri_format.convert.rows import span_bytes
 from colibri_format.convert.source import open_checkpoint
-from colibri_format.convert.verify import verified_records, verify_all
+from colibri_format.convert.verify import keep_journaled_pieces, verify_all
 from colibri_format.errors import InvalidInput, ResumeError, WriteError
-from colibri_format.writer import ColibriWriter
+from colibri_format.writer import ColibriWriter, PieceKey
 
 DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZE_MODES = ("expert", "none")
@@ -85,12 +87,19 @@ class Options:
 
 @dataclass(frozen=True)
 class Piece:
-    """One unit of work: a dense tensor (`key` = name) or an expert blob (`key` = (layer, expert))."""
+    """One unit of work: a dense tensor (`key` = name) or an expert blob (`key` = (layer, expert)).
 
-    kind: str
-    key: Any
+    `rows` maps each matrix the piece is made of ("dense", or the blob's "gate_up" and "down") to its
+    source rows.
+    """
+
+    key: PieceKey
     source_bytes: int
-    spans: Any
+    rows: dict[str, tuple[RowSpan, ...]]
+
+    @property
+    def is_dense(self) -> bool:
+        return isinstance(self.key, str)
 
 
 @dataclass
@@ -104,7 +113,6 @@ class Job:
     pieces: list[Piece]
     tokenizer: dict[str, Any] | None
     header: dict[str, Any]
-    dense_index: dict[str, int] = field(default_factory=dict)  # name -> position in the plan
 
 
 @dataclass
@@ -144,15 +152,13 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
     adapter = get_adapter(src.config.model_type)
     model = adapter.normalize_config(src.config.raw)
     check_expert_counts(model, num_experts, top_k)
-    names = names_table(adapter.model_type)
     pieces = []
-    for t in adapter.dense_tensors(src, model):
-        spans = dense_spans(src, t)
-        pieces.append(Piece("dense", t.name, span_bytes(src, spans), spans))
+    for t in layout.dense_tensors(src, model, adapter.names):
+        pieces.append(Piece(t.name, span_bytes(src, (t.span,)), {"dense": (t.span,)}))
     for layer in model["moe_layers"]:
         for e in range(model["num_experts"]):
-            spans = expert_spans(src, model, names, layer, e)
-            pieces.append(Piece("expert", (layer, e), span_bytes(src, spans.gate_up) + span_bytes(src, spans.down),
+            spans = layout.expert_spans(src, model, adapter.names, layer, e)
+            pieces.append(Piece((layer, e), span_bytes(src, spans.gate_up) + span_bytes(src, spans.down),
                                 {"gate_up": spans.gate_up, "down": spans.down}))
     tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root))
     header = describe.journal_header(describe.input_fingerprint(src, tok_hashes), options.journal_options())
@@ -196,32 +202,25 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
     resuming = state.header is not None
     writer = ColibriWriter(dest, job.model, dense_dtype=S.DTYPE_NAMES[job.options.dtype],
                            expert_format=job.options.expert_format, group_size=job.options.group_size or 0,
-                           resume=resuming)
-    job.dense_index = {t.name: i for i, t in enumerate(writer.plan.dense)}
-    fd = -1
+                           resume=resuming, before_piece_write=lambda: crashpoint.hit("data-write"))
     journal = None
     try:
         _check_free_space(writer, job)
-        fd = _open_rw(writer.part_path)
-        verified = verified_records(fd, writer, state.pieces, job.options.workers) if resuming else []
-        journal = Journal(journal_file, job.header, verified)
+        kept = keep_journaled_pieces(writer, state.pieces, job.options.workers) if resuming else []
+        journal = Journal(journal_file, job.header, kept)
         run = Progressive()
-        _restore(writer, run, verified)
-        todo = _remaining(job.pieces, writer)
-        _convert_pieces(job, writer, fd, journal, run, todo, progress)
+        _restore_stats(run, kept)
+        todo = [p for p in job.pieces if p.key not in writer.checksums]
+        _convert_pieces(job, writer, journal, run, todo, progress)
         if verify:
-            verify_all(fd, writer, job.options.workers)
+            verify_all(writer, job.options.workers)
         metadata = _metadata(job, run)
-        os.close(fd)
-        fd = -1
         crashpoint.hit("finalize")
         _finalize(writer, metadata)
         crashpoint.hit("journal-remove")
         journal.remove()
-        return _summary(job, dest, writer, run, len(verified), time.perf_counter() - start)
+        return _summary(job, dest, writer, run, len(kept), time.perf_counter() - start)
     finally:
-        if fd >= 0:
-            os.close(fd)
         if journal is not None:
             journal.close()
         writer.abort(remove_part=False)
@@ -233,13 +232,6 @@ def _finalize(writer: ColibriWriter, metadata: dict[str, Any]) -> None:
     except OSError as exc:  # e.g. EFBIG when sizing the file for its tables under a file size limit
         raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}; the journal "
                          "is kept, run again to finish", field="finalize") from None
-
-
-def _open_rw(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise WriteError(f"cannot open {path.name}: {exc.strerror}") from None
 
 
 # --- disk space -------------------------------------------------------------------------------------
@@ -261,53 +253,39 @@ def _check_free_space(writer: ColibriWriter, job: Job) -> None:
                          value=needed - already)
 
 
-def _restore(writer: ColibriWriter, run: Progressive, records: list[dict[str, Any]]) -> None:
+def _restore_stats(run: Progressive, records: list[dict[str, Any]]) -> None:
+    """The quantization error of experts an earlier run wrote, as its journal recorded it."""
     for r in records:
-        if r["kind"] == "dense":
-            writer.restore_checksums({r["name"]: r["checksum"]}, {})
-        else:
-            key = (r["layer"], r["expert"])
-            writer.restore_checksums({}, {key: r["checksum"]})
-            if r.get("error") is not None:
-                run.stats[key] = ErrorStats(float(r["error"][0]), float(r["error"][1]), 1)
-
-
-def _remaining(pieces: list[Piece], writer: ColibriWriter) -> list[Piece]:
-    return [p for p in pieces
-            if (p.kind == "dense" and p.key not in writer.dense_checksums)
-            or (p.kind == "expert" and p.key not in writer.expert_checksums)]
+        if r["kind"] == "expert" and r.get("error") is not None:
+            run.stats[(r["layer"], r["expert"])] = ErrorStats(float(r["error"][0]), float(r["error"][1]), 1)
 
 
 # --- the work ---------------------------------------------------------------------------------------
-def _do_piece(job: Job, writer: ColibriWriter, fd: int, piece: Piece) -> tuple[Piece, int, ErrorStats | None]:
-    plan = writer.plan
-    if piece.kind == "dense":
-        t = plan.dense[job.dense_index[piece.key]]
-        return piece, write_dense(fd, t, job.src, piece.spans), None
-    checksum, stats = write_expert(fd, plan.blob, plan.blob_offset(*piece.key), piece.key, job.src, piece.spans)
-    return piece, checksum, stats if plan.blob.expert_format in S.QUANTIZED_FORMATS else None
+def _do_piece(job: Job, writer: ColibriWriter, piece: Piece) -> tuple[Piece, int, ErrorStats | None]:
+    stream = writer.stream(piece.key)
+    if piece.is_dense:
+        return piece, fill_dense(stream, writer.dense_dtype, job.src, piece.rows["dense"]), None
+    blob = writer.plan.blob
+    checksum, stats = fill_expert(stream, blob, job.src, piece.rows)
+    return piece, checksum, stats if blob.expert_format in S.QUANTIZED_FORMATS else None
 
 
 def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, Any]:
-    if piece.kind == "dense":
+    if piece.is_dense:
         return {"kind": "dense", "name": piece.key, "checksum": checksum}
     error = None if stats is None else [stats.max_rel, stats.mean_rel]
     return {"kind": "expert", "layer": piece.key[0], "expert": piece.key[1], "checksum": checksum, "error": error}
 
 
-def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, run: Progressive,
+def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Progressive,
                     todo: list[Piece], progress: Progress | None) -> None:
-    batch = schedule.Batch(fd, journal)
+    batch = schedule.Batch(writer.sync, journal)
     total_bytes = sum(p.source_bytes for p in todo)
 
     def done(result: tuple[Piece, int, ErrorStats | None]) -> None:
         piece, checksum, stats = result
-        if piece.kind == "dense":
-            writer.restore_checksums({piece.key: checksum}, {})
-        else:
-            writer.restore_checksums({}, {piece.key: checksum})
-            if stats is not None:
-                run.stats[piece.key] = stats
+        if stats is not None:
+            run.stats[piece.key] = stats
         run.bytes_in += piece.source_bytes
         run.done += 1
         batch.add(_record(piece, checksum, stats), piece.source_bytes)
@@ -317,7 +295,7 @@ def _convert_pieces(job: Job, writer: ColibriWriter, fd: int, journal: Journal, 
     if progress:
         progress(0, len(todo), 0, total_bytes)
     try:
-        schedule.run_bounded(todo, lambda p: _do_piece(job, writer, fd, p), job.options.workers, done)
+        schedule.run_bounded(todo, lambda p: _do_piece(job, writer, p), job.options.workers, done)
     except BaseException:
         # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it; the
         # original error is the one reported. A failed fsync journals nothing (fsync errors are not retried).

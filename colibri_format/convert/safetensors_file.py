@@ -4,7 +4,7 @@ We parse the header ourselves rather than use `safetensors.safe_open`: NumPy
 has no bfloat16, and going through torch would pull it into every conversion.
 The data section is memory-mapped read-only, so reading one expert out of a
 fused `[E, 2I, H]` tensor touches only that expert's pages; nothing ever
-loads a whole shard. bf16 is viewed as uint16 and widened to float32 by a shift.
+loads a whole shard. bf16 is viewed as uint16 (see colibri_format/dtypes.py).
 
 The header is checked the way the reference implementation checks it: a size
 cap, known dtypes, byte lengths equal to the shape product, and tensor ranges
@@ -21,19 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from colibri_format.convert.hf_config import parse_json_object
 from colibri_format.convert.safe_paths import short_repr
+from colibri_format.dtypes import STORAGE
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
 HEADER_MAX_BYTES = 100 << 20
 MAX_NDIM = 8
 
-# safetensors dtype tag -> (our dtype name, numpy storage dtype, bytes per element)
-FLOAT_DTYPES = {
-    "F32": ("float32", np.dtype("<f4")),
-    "F16": ("float16", np.dtype("<f2")),
-    "BF16": ("bfloat16", np.dtype("<u2")),
-    "F64": ("float64", np.dtype("<f8")),
-}
+# safetensors dtype tag -> the name of a float dtype we convert (colibri_format.dtypes.STORAGE)
+FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 # Legal in the format but not a weight we can convert (FP8 block scales, int weights, ...).
 OTHER_DTYPES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4,
                 "I64": 8, "U64": 8, "BOOL": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
@@ -52,7 +49,7 @@ class TensorEntry:
 
 def _itemsize(tag: str) -> int:
     if tag in FLOAT_DTYPES:
-        return FLOAT_DTYPES[tag][1].itemsize
+        return STORAGE[FLOAT_DTYPES[tag]].itemsize
     return OTHER_DTYPES[tag]
 
 
@@ -98,8 +95,6 @@ class SafetensorsFile:
     """One `.safetensors` file: parsed header, lazily memory-mapped data."""
 
     def __init__(self, path: Path, display_name: str) -> None:
-        from colibri_format.convert.hf_config import parse_json_object
-
         self.path = path
         self.name = display_name
         with open(path, "rb") as fh:
@@ -126,14 +121,13 @@ class SafetensorsFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
         return self._map
 
-    def view(self, name: str) -> np.ndarray:
+    def native_view(self, name: str) -> np.ndarray:
         """Zero-copy read-only view in the storage dtype (bf16 as uint16)."""
         e = self.entries[name]
         if e.dtype not in FLOAT_DTYPES:
             raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}; only F32/F16/BF16/F64 "
                                    "weights can be converted", field=name, value=e.dtype)
-        storage = FLOAT_DTYPES[e.dtype][1]
-        return self._data()[e.begin:e.end].view(storage).reshape(e.shape)
+        return self._data()[e.begin:e.end].view(STORAGE[FLOAT_DTYPES[e.dtype]]).reshape(e.shape)
 
     # The same small interface as TorchBinFile, so SourceCheckpoint does not care which it holds.
     def __contains__(self, name: str) -> bool:
@@ -149,26 +143,9 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return dtype_name(self.entries[name].dtype)
 
-    def read(self, name: str, index: int | None = None) -> np.ndarray:
-        """float32 copy of the tensor, or of `tensor[index]` only."""
-        storage = self.view(name)
-        return to_float32(storage if index is None else storage[index], self.entries[name].dtype)
-
-    def read_native(self, name: str) -> np.ndarray:
-        return np.array(self.view(name), copy=True)
-
     def close(self) -> None:
         self._map = None  # the mapping closes when the last view is gone
 
 
-def to_float32(storage: np.ndarray, tag: str) -> np.ndarray:
-    """A fresh float32 copy of a storage-dtype array (widening bf16 by a 16-bit shift)."""
-    if tag == "BF16":
-        out = np.empty(storage.shape, np.float32)
-        np.left_shift(storage, 16, out=out.view(np.uint32), dtype=np.uint32)
-        return out
-    return np.array(storage, dtype=np.float32, copy=True)
-
-
 def dtype_name(tag: str) -> str:
-    return FLOAT_DTYPES[tag][0] if tag in FLOAT_DTYPES else tag.lower()
+    return FLOAT_DTYPES.get(tag, tag.lower())

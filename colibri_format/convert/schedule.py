@@ -14,7 +14,6 @@ from typing import Any
 
 from colibri_format.convert import crashpoint
 from colibri_format.convert.journal import Journal
-from colibri_format.fsutil import fsync_fd
 
 BATCH_PIECES = 64                 # fsync + journal at least every 64 pieces...
 BATCH_BYTES = 256 << 20           # ...or every 256 MB written...
@@ -24,8 +23,8 @@ BATCH_SECONDS = 1.0               # ...or every second: bounds the work a crash 
 class Batch:
     """Pieces written but not yet durable; `flush` = fsync(.part), then journal records, then fsync(journal)."""
 
-    def __init__(self, fd: int, journal: Journal) -> None:
-        self.fd, self.journal = fd, journal
+    def __init__(self, sync_part: Callable[[], None], journal: Journal) -> None:
+        self.sync_part, self.journal = sync_part, journal
         self.records: list[dict[str, Any]] = []
         self.bytes = 0
         self.since = time.monotonic()
@@ -41,7 +40,7 @@ class Batch:
         if not self.records:
             return
         crashpoint.hit("data-fsync")
-        fsync_fd(self.fd)
+        self.sync_part()
         self.journal.append(self.records)
         self.records, self.bytes, self.since = [], 0, time.monotonic()
 

@@ -5,15 +5,15 @@ Layouts, in order of preference:
 2. a single `model.safetensors`,
 3. only with `allow_pickle=True`: `pytorch_model.bin.index.json` + shards, or `pytorch_model.bin`.
 
-Every read returns a fresh float32 array of just that tensor (or one expert
-of a fused 3-D tensor), so memory stays bounded by the largest single tensor.
-Reads touch no shared mutable state beyond a lazily created read-only mapping,
-so several threads may read from one SourceCheckpoint at once.
+A tensor is read as `native_view(name)`: its stored values (bf16 as uint16), a
+zero-copy read-only view of the safetensors mapping, so slicing it reads only
+those rows (pickled files hand over a copy). Reads touch no shared mutable state
+beyond a lazily created read-only mapping, so several threads may read from one
+SourceCheckpoint at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,11 +24,11 @@ import xxhash
 from colibri_format.convert.hf_config import HFConfig, load_config, parse_json_object
 from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member, short_repr
 from colibri_format.convert.safetensors_file import SafetensorsFile
+from colibri_format.dtypes import to_float32
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
 INDEX_MAX_BYTES = 64 << 20
 MAX_SHARDS = 100_000
-HASH_CHUNK = 16 << 20
 ST_INDEX, ST_SINGLE = "model.safetensors.index.json", "model.safetensors"
 PT_INDEX, PT_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 
@@ -51,14 +51,7 @@ class _File(Protocol):
     def __contains__(self, name: str) -> bool: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> str: ...
-    def read(self, name: str, index: int | None = None) -> np.ndarray: ...
-    def native_view(self, name: str) -> np.ndarray:
-        """The tensor in its stored dtype (bf16 as uint16) without copying: a read-only view of the
-        safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
-        f = self._file(name)
-        return f.view(name) if isinstance(f, SafetensorsFile) else f.read_native(name)
-
-    def read_native(self, name: str) -> np.ndarray: ...
+    def native_view(self, name: str) -> np.ndarray: ...
     def close(self) -> None: ...
 
 
@@ -71,15 +64,6 @@ def _weight_map(raw: dict[str, Any], what: str) -> dict[str, str]:
     if len(set(wm.values())) > MAX_SHARDS:
         raise InvalidInput(f"{what}: more than {MAX_SHARDS} shards", field="weight_map")
     return wm
-
-
-def file_xxh3(path: Path) -> str:
-    """XXH3-64 of a file, streamed in 16 MiB chunks."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class SourceCheckpoint:
@@ -130,50 +114,14 @@ class SourceCheckpoint:
         return self._file(name).dtype(name)
 
     # --- reading -------------------------------------------------------------------------------
-    def read(self, name: str) -> np.ndarray:
-        """The whole tensor as a fresh float32 array."""
-        return self._file(name).read(name)
-
     def native_view(self, name: str) -> np.ndarray:
         """The tensor in its stored dtype (bf16 as uint16) without copying: a read-only view of the
         safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
-        f = self._file(name)
-        return f.view(name) if isinstance(f, SafetensorsFile) else f.read_native(name)
+        return self._file(name).native_view(name)
 
-    def read_native(self, name: str) -> np.ndarray:
-        """The whole tensor in its stored dtype (bfloat16 as uint16 bit patterns), as a fresh array.
-
-        Lets dense tensors go to a bf16/fp16 file without a float32 copy twice their size.
-        """
-        return self._file(name).read_native(name)
-
-    def read_slice(self, name: str, index: int) -> np.ndarray:
-        """`tensor[index]` as float32, copying only that slice (one expert of a fused tensor)."""
-        shape = self.shape(name)
-        if not shape or isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < shape[0]:
-            raise InvalidInput(f"index {index!r} is out of range for {name!r} of shape {shape}", field=name,
-                               value=index)
-        return self._file(name).read(name, index)
-
-    def provenance(self, *, hash_files: bool = False) -> dict[str, Any]:
-        """The design-doc `provenance` fields this side knows (no tool name/version)."""
-        files = []
-        for sf in self.files:
-            digest = file_xxh3(self.root / sf.name) if hash_files else None
-            files.append({"name": sf.name, "size": sf.size, "xxh3": digest})
-        return {"source_format": self.source_format, "source_files": files,
-                "config_xxh3": self.config.xxh3, "index_xxh3": self.index_xxh3}
-
-    def fingerprint(self) -> str:
-        """XXH3-64 over config, index and every weight file's name and size: cheap, for the resume journal.
-
-        It changes when any of those change; a same-size in-place edit needs provenance(hash_files=True).
-        """
-        h = xxhash.xxh3_64()
-        h.update(f"{self.source_format}\0{self.config.xxh3}\0{self.index_xxh3}\0".encode())
-        for sf in self.files:
-            h.update(f"{sf.name}\0{sf.size}\0".encode())
-        return h.hexdigest()
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor as a fresh float32 array."""
+        return to_float32(self.native_view(name))
 
     def close(self) -> None:
         for f in self._files.values():
@@ -184,9 +132,6 @@ class SourceCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensor_names())
 
 
 def _read_index(root: Path, index_name: str) -> tuple[dict[str, str], str]:

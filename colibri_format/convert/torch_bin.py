@@ -60,8 +60,8 @@ class TorchBinFile:
     def dtype(self, name: str) -> str:
         return _FLOAT_NAMES.get(str(self._state[name].dtype), str(self._state[name].dtype))
 
-    def read_native(self, name: str) -> np.ndarray:
-        """A copy in the stored dtype; bfloat16 comes back as uint16 bit patterns."""
+    def native_view(self, name: str) -> np.ndarray:
+        """A copy in the stored dtype (bfloat16 as uint16 bit patterns): pickles have no view to share."""
         torch = _torch()
         tensor = self._state[name]
         if tensor.dtype == torch.bfloat16:
@@ -69,15 +69,6 @@ class TorchBinFile:
         if str(tensor.dtype) not in _FLOAT_NAMES:
             raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}", field=name)
         return tensor.numpy().copy()
-
-    def read(self, name: str, index: int | None = None) -> np.ndarray:
-        tensor = self._state[name]
-        if str(tensor.dtype) not in _FLOAT_NAMES:
-            raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}", field=name)
-        if index is not None:
-            tensor = tensor[index]
-        # copy=True: the result must not alias the mapping, and only this slice is read.
-        return tensor.to(dtype=_torch().float32, copy=True).numpy()
 
     def close(self) -> None:
         self._state = {}

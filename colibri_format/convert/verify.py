@@ -7,80 +7,29 @@ directory will carry, which catches a planning or offset bug that per-piece chec
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import xxhash
-
-from colibri_format.errors import WriteError
-from colibri_format.spec.checksum import dense_seed, expert_seed
-from colibri_format.writer import ColibriWriter
-
-VERIFY_CHUNK = 8 << 20
+from colibri_format.errors import InvalidInput, WriteError
+from colibri_format.writer import ColibriWriter, PieceKey
 
 
-def record_slot(writer: ColibriWriter, record: dict[str, Any]) -> tuple[Any, int, int, int] | None:
-    """(key, offset, size, seed) of a journal record, or None when the record names nothing in the plan."""
-    plan = writer.plan
+def record_piece(writer: ColibriWriter, record: dict[str, Any]) -> PieceKey | None:
+    """The piece a journal record names, or None when it names nothing in the plan (a forged record)."""
     if record.get("kind") == "dense":
-        t = next((t for t in plan.dense if t.name == record.get("name")), None)
-        return None if t is None else (t.name, t.offset, t.size, dense_seed(t.name, t.offset))
-    layer, expert = record.get("layer"), record.get("expert")
-    if type(layer) is not int or type(expert) is not int or layer not in plan.moe_layers \
-            or not 0 <= expert < plan.num_experts:
+        key = record.get("name")
+        if not isinstance(key, str):
+            return None
+    else:
+        layer, expert = record.get("layer"), record.get("expert")
+        if type(layer) is not int or type(expert) is not int:  # bool is an int subclass: refuse it too
+            return None
+        key = (layer, expert)
+    try:
+        writer.slot(key)
+    except InvalidInput:
         return None
-    offset = plan.blob_offset(layer, expert)
-    return (layer, expert), offset, plan.blob.size, expert_seed(layer, expert, offset)
-
-
-_local = threading.local()
-
-
-def _thread_buffer() -> memoryview:
-    """One read buffer per thread, allocated once (fresh pages are costly on some VMs)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(VERIFY_CHUNK))
-    return buf
-
-
-def hash_range(fd: int, offset: int, size: int, seed: int) -> int:
-    """XXH3-64 of `size` bytes at `offset`, read through one reused buffer (no fresh pages per chunk)."""
-    h = xxhash.xxh3_64(seed=seed)
-    buf = _thread_buffer()
-    done = 0
-    while done < size:
-        want = min(len(buf), size - done)
-        n = os.preadv(fd, [buf[:want]], offset + done)
-        if n <= 0:
-            break  # short file: the digest will not match
-        h.update(buf[:n])
-        done += n
-    return h.intdigest()
-
-
-def _record_matches(fd: int, writer: ColibriWriter, record: dict[str, Any]) -> bool:
-    slot = record_slot(writer, record)
-    checksum = record.get("checksum")
-    if slot is None or type(checksum) is not int:
-        return False
-    _, offset, size, seed = slot
-    return hash_range(fd, offset, size, seed) == checksum
-
-
-def verified_records(fd: int, writer: ColibriWriter, records: list[dict[str, Any]], workers: int
-                    ) -> list[dict[str, Any]]:
-    """The journal records whose bytes in the .part still hash to the recorded checksum (last one wins)."""
-    latest: dict[Any, dict[str, Any]] = {}
-    for r in records:
-        slot = record_slot(writer, r)
-        if slot is not None and _valid_stats(r):
-            latest[slot[0]] = r
-    with ThreadPoolExecutor(workers) as ex:
-        ok = list(ex.map(lambda r: _record_matches(fd, writer, r), latest.values()))
-    return [r for r, good in zip(latest.values(), ok) if good]
+    return key
 
 
 def _valid_stats(record: dict[str, Any]) -> bool:
@@ -91,18 +40,31 @@ def _valid_stats(record: dict[str, Any]) -> bool:
                            and all(type(x) in (int, float) and 0 <= x < 1e30 for x in err))
 
 
-def verify_all(fd: int, writer: ColibriWriter, workers: int) -> None:
-    """Re-hash every piece in the .part against its checksum before the rename (catches planning bugs)."""
-    plan = writer.plan
-    slots = [(t.offset, t.size, dense_seed(t.name, t.offset), writer.dense_checksums[t.name], t.name)
-             for t in plan.dense]
-    for layer, e in plan.blob_keys():
-        off = plan.blob_offset(layer, e)
-        slots.append((off, plan.blob.size, expert_seed(layer, e, off), writer.expert_checksums[(layer, e)],
-                      f"expert ({layer}, {e})"))
+def keep_journaled_pieces(writer: ColibriWriter, records: list[dict[str, Any]], workers: int
+                          ) -> list[dict[str, Any]]:
+    """The journal records whose bytes in the .part still hash to the recorded checksum (last one wins);
+    the writer takes those pieces over."""
+    latest: dict[PieceKey, dict[str, Any]] = {}
+    for r in records:
+        key = record_piece(writer, r)
+        if key is not None and _valid_stats(r):
+            latest[key] = r  # a later record with a mistyped checksum still replaces an earlier one
+
+    def keep(item: tuple[PieceKey, dict[str, Any]]) -> bool:
+        key, record = item
+        return type(record.get("checksum")) is int and writer.keep_if_intact(key, record["checksum"])
+
     with ThreadPoolExecutor(workers) as ex:
-        results = list(ex.map(lambda s: hash_range(fd, s[0], s[1], s[2]) == s[3], slots))
-    bad = [s[4] for s, ok in zip(slots, results) if not ok]
+        kept = list(ex.map(keep, latest.items()))
+    return [r for r, ok in zip(latest.values(), kept) if ok]
+
+
+def verify_all(writer: ColibriWriter, workers: int) -> None:
+    """Re-hash every piece in the .part against its checksum before the rename (catches planning bugs)."""
+    keys = writer.piece_keys()
+    with ThreadPoolExecutor(workers) as ex:
+        ok = list(ex.map(lambda k: writer.checksum_on_disk(writer.slot(k)) == writer.checksums[k], keys))
+    bad = [k if isinstance(k, str) else f"expert {k}" for k, good in zip(keys, ok) if not good]
     if bad:
         raise WriteError(f"the .part file does not read back as written ({len(bad)} pieces, first {bad[0]}); "
                          "run again with --restart", field="verify", value=bad[:3])

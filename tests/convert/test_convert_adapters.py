@@ -1,4 +1,4 @@
-"""Adapters: canonical dense tensors and per-expert tensors equal the transformers module's weights.
+"""Adapters and layout: canonical dense tensors and per-expert tensors equal the transformers module's weights.
 
 The reference is the in-memory model's own `state_dict` (the v5 runtime layout: fused
 `experts.gate_up_proj [E, 2I, H]`), so both disk layouts are checked against one truth.
@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from colibri_format.convert.arch import get_adapter
-from colibri_format.convert.arch.common import dense_shape, read_dense
-from colibri_format.convert.hf_config import normalize_config
+from colibri_format.convert.adapters import get_adapter, normalize_config
+from colibri_format.convert.layout import dense_tensors
 from colibri_format.convert.source import open_checkpoint
 from colibri_format.errors import InvalidInput
 from colibri_format.spec import canonical_dense_tensors
+from tests.convert.hf_checkpoint import expert_tensors, read_dense
 from tests.hf_models import ARCHS
 
 GRANITE = ("granitemoe", "granitemoeshared")
@@ -73,9 +73,8 @@ def test_dense_tensors_match_the_module(tiny_checkpoint: Any, tiny_reference: An
     ref = tiny_reference(arch)
     src, adapter, model = open_and_normalize(tiny_checkpoint(arch, fused=fused, sharded=sharded))
     with src:
-        dense = adapter.dense_tensors(src, model)
-        expected = canonical_dense_tensors(model)
-        assert [(t.name, dense_shape(src, t)) for t in dense] == expected
+        dense = dense_tensors(src, model, adapter.names)
+        assert [(t.name, read_dense(src, t).shape) for t in dense] == canonical_dense_tensors(model)
         for t in dense:
             np.testing.assert_array_equal(read_dense(src, t), reference_dense(arch, t.name, model, ref),
                                           err_msg=t.name)
@@ -89,7 +88,7 @@ def test_expert_tensors_match_the_module(tiny_checkpoint: Any, tiny_reference: A
     i_size, h = model["expert_intermediate_size"], model["hidden_size"]
     with src:
         for layer, expert in itertools.product(model["moe_layers"], range(model["num_experts"])):
-            gate, up, down = adapter.expert_tensors(src, model, layer, expert)
+            gate, up, down = expert_tensors(src, model, adapter, layer, expert)
             gate_up = ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][expert]
             assert gate.shape == up.shape == (i_size, h) and down.shape == (h, i_size)
             assert all(a.dtype == np.float32 for a in (gate, up, down))
@@ -103,9 +102,9 @@ def test_tied_checkpoint_has_no_lm_head(tiny_checkpoint: Any, tiny_reference: An
     src, adapter, model = open_and_normalize(tiny_checkpoint(arch, tie=True))
     with src:
         assert not src.has("lm_head.weight")
-        names = [t.name for t in adapter.dense_tensors(src, model)]
+        names = [t.name for t in dense_tensors(src, model, adapter.names)]
         assert "lm_head" not in names and names[0] == "embed_tokens"
-        embed = next(t for t in adapter.dense_tensors(src, model) if t.name == "embed_tokens")
+        embed = next(t for t in dense_tensors(src, model, adapter.names) if t.name == "embed_tokens")
         np.testing.assert_array_equal(read_dense(src, embed), tiny_reference(arch, tie=True)["lm_head.weight"])
 
 
@@ -113,7 +112,7 @@ def test_bf16_experts_upcast_exactly(tiny_checkpoint: Any, tiny_reference: Any) 
     ref = tiny_reference("qwen3_moe", dtype="bfloat16")
     src, adapter, model = open_and_normalize(tiny_checkpoint("qwen3_moe", dtype="bfloat16"))
     with src:
-        gate, up, down = adapter.expert_tensors(src, model, 1, 3)
+        gate, up, down = expert_tensors(src, model, adapter, 1, 3)
         np.testing.assert_array_equal(down, ref["model.layers.1.mlp.experts.down_proj"][3])
 
 
@@ -129,11 +128,11 @@ def test_config_weights_disagreement_is_a_clear_error(tiny_checkpoint: Any, tmp_
     edit_config(folder, intermediate_size=8)
     src, adapter, model = open_and_normalize(folder)
     with src, pytest.raises(InvalidInput, match=r"gate_up_proj.*expected \(4, 16, 32\)"):
-        adapter.expert_tensors(src, model, 0, 0)
+        expert_tensors(src, model, adapter, 0, 0)
     edit_config(folder, intermediate_size=16, vocab_size=64)
     src, adapter, model = open_and_normalize(folder)
     with src, pytest.raises(InvalidInput, match="embed_tokens.*disagree"):
-        adapter.dense_tensors(src, model)
+        dense_tensors(src, model, adapter.names)
 
 
 def test_untied_config_with_missing_lm_head_is_rejected(tiny_checkpoint: Any, tmp_path: Path) -> None:
@@ -141,7 +140,7 @@ def test_untied_config_with_missing_lm_head_is_rejected(tiny_checkpoint: Any, tm
     edit_config(folder, tie_word_embeddings=False)
     src, adapter, model = open_and_normalize(folder)
     with src, pytest.raises(InvalidInput, match="lm_head"):
-        adapter.dense_tensors(src, model)
+        dense_tensors(src, model, adapter.names)
 
 
 def test_expert_index_out_of_range_and_dense_layer(tiny_checkpoint: Any) -> None:
@@ -149,7 +148,7 @@ def test_expert_index_out_of_range_and_dense_layer(tiny_checkpoint: Any) -> None
     with src:
         for layer, expert in [(0, 0), (1, 4), (1, -1), (9, 0)]:  # layer 0 is dense in the fixture
             with pytest.raises(InvalidInput):
-                adapter.expert_tensors(src, model, layer, expert)
+                expert_tensors(src, model, adapter, layer, expert)
 
 
 def test_missing_expert_tensors_name_the_layer(tiny_checkpoint: Any, tmp_path: Path) -> None:
@@ -157,22 +156,7 @@ def test_missing_expert_tensors_name_the_layer(tiny_checkpoint: Any, tmp_path: P
     edit_config(folder, num_hidden_layers=3)  # layer 2 does not exist on disk
     src, adapter, model = open_and_normalize(folder)
     with src, pytest.raises(InvalidInput, match="model.layers.2"):
-        adapter.expert_tensors(src, model, 2, 0)
-
-
-def test_gate_up_rows_reuses_the_fused_buffer_and_concatenates_otherwise(tiny_checkpoint: Any) -> None:
-    from colibri_format.convert.arch.common import gate_up_rows
-
-    for fused in (True, False):
-        src, adapter, model = open_and_normalize(tiny_checkpoint("mixtral", fused=fused, sharded=fused))
-        with src:
-            gate, up, _ = adapter.expert_tensors(src, model, 1, 2)
-            stacked = gate_up_rows(gate, up)
-            assert stacked.shape == (32, 32) and stacked.flags.c_contiguous
-            np.testing.assert_array_equal(stacked, np.concatenate([gate, up]))
-            assert (stacked is gate.base) == fused
-    a = np.arange(12, dtype=np.float32).reshape(4, 3)
-    assert gate_up_rows(a[2:], a[:2]) is not a  # swapped halves must not be mistaken for gate-first
+        expert_tensors(src, model, adapter, 2, 0)
 
 
 def test_converter_imports_neither_torch_nor_transformers() -> None:
@@ -180,7 +164,7 @@ def test_converter_imports_neither_torch_nor_transformers() -> None:
     import sys
 
     code = ("import sys, colibri_format.convert.source, colibri_format.convert.quantize, "
-            "colibri_format.convert.arch as a\n"
+            "colibri_format.convert.pipeline, colibri_format.convert.adapters as a\n"
             "[a.get_adapter(t) for t in a.SUPPORTED_MODEL_TYPES]\n"
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -190,13 +174,13 @@ def test_converter_imports_neither_torch_nor_transformers() -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoeshared"])
 def test_open_hf_checkpoint_facade(tiny_checkpoint: Any, tiny_reference: Any, arch: str) -> None:
-    from colibri_format.convert.checkpoint import open_hf_checkpoint
+    from tests.convert.hf_checkpoint import open_hf_checkpoint
 
     ref = tiny_reference(arch)
     with open_hf_checkpoint(tiny_checkpoint(arch, fused=True, sharded=True)) as ckpt:
         assert ckpt.architecture == arch and ckpt.model["num_experts"] == 4
         dense = ckpt.dense_tensors()
-        assert [(t.name, ckpt.dense_shape(t)) for t in dense] == canonical_dense_tensors(ckpt.model)
+        assert [(t.name, ckpt.read_dense(t).shape) for t in dense] == canonical_dense_tensors(ckpt.model)
         assert np.array_equal(ckpt.read_dense(dense[0]), ref["model.embed_tokens.weight"])
         keys = list(ckpt.expert_keys())
         assert keys == [(layer, e) for layer in ckpt.model["moe_layers"] for e in range(4)]
@@ -204,13 +188,6 @@ def test_open_hf_checkpoint_facade(tiny_checkpoint: Any, tiny_reference: Any, ar
         layer, e = keys[-1]
         np.testing.assert_array_equal(gate, ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][e][:16])
         assert ckpt.tokenizer() is None  # the tiny fixtures ship no tokenizer
-
-
-def test_weights_dtype_reports_the_stored_dtype(tiny_checkpoint: Any) -> None:
-    from colibri_format.convert.checkpoint import open_hf_checkpoint
-
-    with open_hf_checkpoint(tiny_checkpoint("olmoe", dtype="bfloat16")) as ckpt:
-        assert ckpt.weights_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "granitemoe"])
@@ -222,7 +199,7 @@ def test_attention_bias_gives_qkv_and_o_biases(tmp_path: Path, arch: str) -> Non
     src, adapter, model = open_and_normalize(folder)
     assert model["qkv_bias"] and model["o_bias"]
     with src:
-        dense = {t.name: t for t in adapter.dense_tensors(src, model)}
+        dense = {t.name: t for t in dense_tensors(src, model, adapter.names)}
         for x in "qkvo":
             np.testing.assert_array_equal(read_dense(src, dense[f"layers.1.attn.{x}_bias"]),
                                           ref[f"model.layers.1.self_attn.{x}_proj.bias"])

@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 from colibri_format.convert import hf_config
-from colibri_format.convert.arch import SUPPORTED_MODEL_TYPES, get_adapter
-from colibri_format.convert.hf_config import load_config, normalize_config
+from colibri_format.convert.adapters import SUPPORTED_MODEL_TYPES, get_adapter, normalize_config
+from colibri_format.convert.hf_config import load_config
 from colibri_format.errors import ColibriFormatError, InvalidInput, UnsupportedModel
 from tests.convert.hand_configs import MIXTRAL, QWEN2, QWEN3
 from tests.hf_models import ARCHS

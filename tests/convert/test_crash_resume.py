@@ -218,7 +218,7 @@ def _limited(limit: int):
 def _planned_sizes(ckpt: Path) -> tuple[int, int]:
     """(end of the expert blobs, final file size) of the default conversion."""
     from colibri_format import spec as S
-    from colibri_format.convert.arch import get_adapter
+    from colibri_format.convert.adapters import get_adapter
     from colibri_format.convert.source import open_checkpoint
     from colibri_format.writer import ColibriWriter
 
@@ -363,7 +363,7 @@ def test_damaged_part_and_torn_journal_are_redone(small_ckpt, small_clean, tmp_p
     experts = [r for r in state.pieces if r["kind"] == "expert"]
     assert experts
     from colibri_format import spec as S
-    from colibri_format.convert.arch import get_adapter
+    from colibri_format.convert.adapters import get_adapter
     from colibri_format.convert.source import open_checkpoint
     from colibri_format.writer import ColibriWriter
 
@@ -451,7 +451,7 @@ def _role(fd: int) -> str | None:
 def _record_io(monkeypatch) -> list[tuple]:
     import threading
 
-    from colibri_format.convert import emit, schedule
+    from colibri_format import writer
 
     events: list[tuple] = []
     lock = threading.Lock()
@@ -460,7 +460,7 @@ def _record_io(monkeypatch) -> list[tuple]:
         with lock:
             events.append(event)
 
-    real_pwrite, real_append, real_fsync = emit.pwrite_all, journal._write_all, journal.fsync_fd
+    real_pwrite, real_append, real_fsync = writer.pwrite_all, journal._write_all, journal.fsync_fd
     real_replace = os.replace
 
     def pwrite(fd, data, offset):
@@ -480,10 +480,10 @@ def _record_io(monkeypatch) -> list[tuple]:
             next((r for r in _ROLES if str(dst).endswith(r)), "final"))
         real_replace(src, dst)
 
-    monkeypatch.setattr(emit, "pwrite_all", pwrite)
+    monkeypatch.setattr(writer, "pwrite_all", pwrite)  # every byte of the .part, finalize's included
     monkeypatch.setattr(journal, "_write_all", append)
     monkeypatch.setattr(journal, "fsync_fd", fsync)
-    monkeypatch.setattr(schedule, "fsync_fd", fsync)
+    monkeypatch.setattr(writer, "fsync_fd", fsync)
     monkeypatch.setattr(os, "replace", replace)
     return events
 
@@ -519,7 +519,7 @@ def _disk_after_cut(events: list[tuple], k: int, part_size: int, rng: random.Ran
 
 def test_simulated_power_cuts(small_ckpt, small_clean, tmp_path, monkeypatch):
     from colibri_format import spec as S
-    from colibri_format.convert.verify import record_slot
+    from colibri_format.convert.verify import record_piece
     from colibri_format.writer import ColibriWriter
 
     clean_out = tmp_path / "clean" / "m.colibri"
@@ -541,8 +541,9 @@ def test_simulated_power_cuts(small_ckpt, small_clean, tmp_path, monkeypatch):
         records, _ = parse_records(bytes(disk.get(".journal", b"")))
         part = bytes(disk[".part"])
         for r in records[1:]:  # the invariant: a record never describes bytes the disk lost
-            _, offset, size, seed = record_slot(probe, r)
-            assert xxhash.xxh3_64_intdigest(part[offset:offset + size], seed=seed) == r["checksum"], (k, r)
+            slot = probe.slot(record_piece(probe, r))
+            piece = part[slot.offset:slot.offset + slot.size]
+            assert xxhash.xxh3_64_intdigest(piece, seed=slot.seed) == r["checksum"], (k, r)
         out = tmp_path / f"cut{k}" / "m.colibri"
         out.parent.mkdir()
         for role, image in disk.items():
@@ -555,7 +556,7 @@ def test_simulated_power_cuts(small_ckpt, small_clean, tmp_path, monkeypatch):
 
 
 def _small_model(ckpt: Path) -> dict:
-    from colibri_format.convert.arch import get_adapter
+    from colibri_format.convert.adapters import get_adapter
     from colibri_format.convert.source import open_checkpoint
 
     with open_checkpoint(ckpt) as src:

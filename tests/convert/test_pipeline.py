@@ -1,7 +1,7 @@
 """`colibri convert` end to end on tiny checkpoints of every supported architecture.
 
-Each converted file is read back with the reader and compared with what the architecture adapter returns
-for the same checkpoint: exactly for `--dtype float32 --quantize none`, within the int8 bound
+Each converted file is read back with the reader and compared with the canonical tensors of the same
+checkpoint (read through the layout's spans, which test_convert_adapters checks against transformers): exactly for `--dtype float32 --quantize none`, within the int8 bound
 `|w - q*scale| <= scale/2` (and fp16 rounding for dense tensors) otherwise; and `validate_file` passes.
 """
 
@@ -19,13 +19,14 @@ import pytest
 
 import colibri_format
 from colibri_format.cli import main as cli_main
-from colibri_format.convert.arch import get_adapter
-from colibri_format.convert.arch.common import read_dense
+from colibri_format.convert import layout
+from colibri_format.convert.adapters import get_adapter
 from colibri_format.convert.journal import journal_path_for, lock_path_for
 from colibri_format.convert.pipeline import convert
 from colibri_format.convert.source import open_checkpoint
 from colibri_format.errors import InvalidInput, WriteError
 from colibri_format.inspect import validate_file
+from tests.convert.hf_checkpoint import expert_tensors, read_dense
 
 # (arch, fused, sharded, tied, source dtype): every arch, each layout flag both ways across the set.
 CASES = [
@@ -51,12 +52,12 @@ def _ids(case):
 
 
 def _source_tensors(ckpt: Path):
-    """Canonical dense tensors and experts as the adapter reads them (float32)."""
+    """Canonical dense tensors and experts as the layout's spans read them (float32)."""
     with open_checkpoint(ckpt) as src:
         adapter = get_adapter(src.config.model_type)
         model = adapter.normalize_config(src.config.raw)
-        dense = {t.name: read_dense(src, t) for t in adapter.dense_tensors(src, model)}
-        experts = {(layer, e): adapter.expert_tensors(src, model, layer, e)
+        dense = {t.name: read_dense(src, t) for t in layout.dense_tensors(src, model, adapter.names)}
+        experts = {(layer, e): expert_tensors(src, model, adapter, layer, e)
                    for layer in model["moe_layers"] for e in range(model["num_experts"])}
     return model, dense, experts
 

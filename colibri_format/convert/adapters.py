@@ -1,0 +1,195 @@
+"""The supported architectures: one declarative record each, in one registry.
+
+A record says where the architecture keeps its tensors (`names`, read by convert/layout.py only) and how
+its config.json maps onto the design-doc `model` dict: `hf_config.common_model` with the architecture's
+`defaults`, then `fields` sets what the architecture changes, then `hf_config.finish_model` checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from colibri_format.convert.hf_config import (ConfigDefaults, Fields, common_model, finish_model, model_type_of,
+                                              moe_layer_indices, sliding_window)
+from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
+from colibri_format.convert.safe_paths import short_repr
+from colibri_format.errors import UnsupportedModel
+
+Model = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One architecture: its Hugging Face tensor names and its config.json fields."""
+
+    model_type: str
+    names: HFNames
+    defaults: ConfigDefaults
+    fields: Callable[[Fields, Model], None]  # sets the model fields this architecture changes
+
+    def normalize_config(self, raw: Mapping[str, Any]) -> Model:
+        """The design-doc `model` dict for a config.json of this architecture."""
+        f = Fields(raw)
+        model = common_model(f, self.defaults)
+        self.fields(f, model)
+        return finish_model(model)
+
+
+# --- per-architecture config fields ---------------------------------------------------------------
+
+def _mixtral(f: Fields, model: Model) -> None:
+    model["sliding_window"] = sliding_window(f)
+
+
+def _qwen2_moe(f: Fields, model: Model) -> None:
+    # Qwen2-MoE windows only some layers (odd ones below max_window_layers); the file has one window.
+    layer_types = f.raw.get("layer_types")
+    if f.flag("use_sliding_window", False) or (
+            isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types)):
+        raise UnsupportedModel("qwen2_moe with per-layer sliding windows is not supported",
+                               field="use_sliding_window", value=True)
+    model["qkv_bias"] = f.flag("qkv_bias", True)  # v5 field; v4 always had q/k/v bias
+    model["moe_layers"] = moe_layer_indices(f, model["num_layers"])
+    model["dense_intermediate_size"] = f.integer("intermediate_size", None)
+    # top-k weights are not renormalised unless asked (false in published models)
+    model["router"]["normalize_topk"] = f.flag("norm_topk_prob", False)
+    model["shared_expert"] = {"intermediate_size": f.integer("shared_expert_intermediate_size"), "gate": "sigmoid"}
+
+
+def _qwen3_moe(f: Fields, model: Model) -> None:
+    bias = f.flag("attention_bias", False)  # one flag for q, k, v and o
+    model.update(qkv_bias=bias, o_bias=bias, qk_norm="per_head", sliding_window=sliding_window(f))
+    model["moe_layers"] = moe_layer_indices(f, model["num_layers"])
+    model["dense_intermediate_size"] = f.integer("intermediate_size", None)
+    model["router"]["normalize_topk"] = f.flag("norm_topk_prob", False)
+
+
+def _olmoe(f: Fields, model: Model) -> None:
+    bias = f.flag("attention_bias", False)
+    clip = f.number("clip_qkv", None, lo=0.0, lo_open=True)
+    # q/k RMSNorm over the full width (before the head split); never a sliding window, whatever the config says
+    model.update(qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=clip)
+    model["router"]["normalize_topk"] = f.flag("norm_topk_prob", False)
+
+
+def _granitemoe(f: Fields, model: Model) -> None:
+    bias = f.flag("attention_bias", False)
+    model.update(qkv_bias=bias, o_bias=bias)
+    # softmax over the k selected logits already sums to one: no extra renormalisation
+    model["router"].update(order="topk_softmax", normalize_topk=False)
+    # attention_multiplier replaces 1/sqrt(head_dim) outright (default 1.0, not null); logits are divided
+    # by logits_scaling
+    model["multipliers"] = {
+        key: f.number(hf_key, 1.0, lo=0.0, lo_open=True)
+        for key, hf_key in (("embedding", "embedding_multiplier"), ("residual", "residual_multiplier"),
+                            ("attention", "attention_multiplier"), ("logits", "logits_scaling"))
+    }
+
+
+def _granitemoeshared(f: Fields, model: Model) -> None:
+    _granitemoe(f, model)
+    # y = moe(x) + shared_mlp(x), no shared gate; size 0 means there is none
+    size = f.integer("shared_intermediate_size", 0, lo=0)
+    model["shared_expert"] = {"intermediate_size": size, "gate": "none"} if size else None
+
+
+# --- the records ----------------------------------------------------------------------------------
+
+_QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
+                           "{p}.mlp.experts.{e}.down_proj.weight"),
+                 FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))
+
+MIXTRAL = Adapter(
+    model_type="mixtral",
+    names=HFNames(
+        # legacy checkpoints keep the MoE under block_sparse_moe; v5 fused ones under mlp
+        routers=("{p}.block_sparse_moe.gate.weight", "{p}.mlp.gate.weight"),
+        experts=(PerExpert("{p}.block_sparse_moe.experts.{e}.w1.weight",
+                           "{p}.block_sparse_moe.experts.{e}.w3.weight",
+                           "{p}.block_sparse_moe.experts.{e}.w2.weight"),
+                 FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))),
+    defaults=ConfigDefaults(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                            expert_width_key="intermediate_size"),
+    fields=_mixtral,
+)
+QWEN2_MOE = Adapter(
+    model_type="qwen2_moe",
+    names=HFNames(
+        routers=("{p}.mlp.gate.weight",),
+        experts=_QWEN_EXPERTS,
+        shared=("{p}.mlp.shared_expert.gate_proj.weight", "{p}.mlp.shared_expert.up_proj.weight",
+                "{p}.mlp.shared_expert.down_proj.weight"),
+        shared_gate="{p}.mlp.shared_expert_gate.weight"),
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                            expert_width_key="moe_intermediate_size"),
+    fields=_qwen2_moe,
+)
+QWEN3_MOE = Adapter(
+    model_type="qwen3_moe",
+    names=HFNames(routers=("{p}.mlp.gate.weight",), experts=_QWEN_EXPERTS),
+    defaults=QWEN2_MOE.defaults,
+    fields=_qwen3_moe,
+)
+OLMOE = Adapter(
+    model_type="olmoe",
+    names=QWEN3_MOE.names,
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                            expert_width_key="intermediate_size"),
+    fields=_olmoe,
+)
+GRANITEMOE = Adapter(
+    model_type="granitemoe",
+    names=HFNames(
+        routers=("{p}.block_sparse_moe.router.layer.weight", "{p}.block_sparse_moe.router.weight"),
+        # both spellings are nn.Linear-oriented [E, 2I, H] with the gate rows first
+        experts=(FusedLinear("{p}.block_sparse_moe.input_linear.weight",
+                             "{p}.block_sparse_moe.output_linear.weight"),
+                 FusedLinear("{p}.block_sparse_moe.experts.gate_up_proj", "{p}.block_sparse_moe.experts.down_proj"))),
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                            expert_width_key="intermediate_size"),
+    fields=_granitemoe,
+)
+GRANITEMOESHARED = Adapter(
+    model_type="granitemoeshared",
+    names=replace(GRANITEMOE.names, shared_fused=("{p}.shared_mlp.input_linear.weight",
+                                                  "{p}.shared_mlp.output_linear.weight")),
+    defaults=GRANITEMOE.defaults,
+    fields=_granitemoeshared,
+)
+
+ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED)}
+SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
+
+# Families users will try, with the feature that keeps them out of v1.
+NOT_YET = {
+    "gpt_oss": "MXFP4 experts, interleaved clamped SwiGLU and attention sinks",
+    "deepseek_v2": "multi-head latent attention and grouped routing",
+    "deepseek_v3": "multi-head latent attention, sigmoid+bias routing and FP8 block scales",
+    "kimi_k2": "the DeepSeek-V3 architecture",
+    "phimoe": "sparsemixer routing and LayerNorm",
+    "llama4": "input-scaled routing and chunked attention",
+    "llama4_text": "input-scaled routing and chunked attention",
+    "glm4_moe": "sigmoid+bias grouped routing and partial RoPE",
+    "granitemoehybrid": "Mamba layers",
+    "qwen3_next": "linear-attention layers",
+    "jamba": "Mamba layers",
+    "dbrx": "its fused attention and expert layout",
+}
+
+
+def get_adapter(model_type: str) -> Adapter:
+    """The record for `model_type`, or UnsupportedModel naming it and listing what is supported."""
+    adapter = ADAPTERS.get(model_type)
+    if adapter is None:
+        why = f" ({NOT_YET[model_type]} not implemented)" if model_type in NOT_YET else ""
+        raise UnsupportedModel(f"model_type {short_repr(model_type)} is not supported{why}; supported: "
+                               f"{', '.join(SUPPORTED_MODEL_TYPES)}", field="model_type", value=model_type)
+    return adapter
+
+
+def normalize_config(raw: Mapping[str, Any]) -> tuple[str, Model]:
+    """(architecture, model dict) for any supported config.json; dispatches on `model_type`."""
+    adapter = get_adapter(model_type_of(raw))
+    return adapter.model_type, adapter.normalize_config(raw)
