@@ -273,7 +273,8 @@ class ColibriWriter:
             for layer, e in plan.blob_keys())
         os.ftruncate(self._fd, file_size)
         pwrite_all(self._fd, meta_raw, plan.metadata_offset)
-        pwrite_all(self._fd, bytes(dir_off - plan.metadata_offset - len(meta_raw)), plan.metadata_offset + len(meta_raw))
+        meta_end = plan.metadata_offset + len(meta_raw)
+        pwrite_all(self._fd, bytes(dir_off - meta_end), meta_end)
         pwrite_all(self._fd, directory, dir_off)
         pwrite_all(self._fd, wsit, wsit_off)
         m = self.model
@@ -285,7 +286,8 @@ class ColibriWriter:
             expert_intermediate_size=m["expert_intermediate_size"], expert_format=int(self.expert_format),
             reserved0=0, group_size=self.group_size, expert_blob_size=plan.blob.size, data_offset=S.DATA_OFFSET,
             experts_offset=plan.experts_offset, metadata_offset=plan.metadata_offset,
-            metadata_size=len(meta_raw), metadata_checksum=digest(meta_raw, section_seed(S.Section.METADATA, plan.metadata_offset)),
+            metadata_size=len(meta_raw),
+            metadata_checksum=digest(meta_raw, section_seed(S.Section.METADATA, plan.metadata_offset)),
             dense_dir_offset=dir_off, dense_dir_size=len(directory),
             dense_dir_checksum=digest(directory, section_seed(S.Section.DENSE_DIRECTORY, dir_off)),
             wsit_offset=wsit_off, wsit_size=wsit_size,

@@ -27,7 +27,6 @@ from colibri_format.convert import crashpoint
 from colibri_format.errors import ResumeError, WriteError
 from colibri_format.fsutil import fsync_dir, fsync_fd
 
-JOURNAL_VERSION = 1
 MAX_RECORD_BYTES = 16 << 20     # a record describes one piece; anything bigger is garbage
 _LEN = struct.Struct("<QQ")     # len, xxh3(len)
 _SUM = struct.Struct("<Q")

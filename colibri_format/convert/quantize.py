@@ -108,19 +108,6 @@ def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray) -> np.ndarray:
     return acc
 
 
-def dequantize_int8(q: np.ndarray, scale: np.ndarray, group_size: int | None = None) -> np.ndarray:
-    """float32 `q[r, c] * scale[r, c // g]`."""
-    if q.ndim != 2 or scale.ndim != 2 or scale.shape[0] != q.shape[0]:
-        raise InvalidInput(f"q {q.shape} and scale {scale.shape} do not match", field="scale")
-    n_out, n_in = q.shape
-    g = n_in if group_size is None else group_size
-    if g <= 0 or n_in % g or scale.shape[1] != n_in // g:
-        raise InvalidInput(f"scale {scale.shape} does not fit q {q.shape} with group_size {group_size}",
-                           field="group_size", value=group_size)
-    out = np.multiply(q.reshape(n_out, n_in // g, g), scale[:, :, None].astype(np.float32), dtype=np.float32)
-    return out.reshape(n_out, n_in)
-
-
 def benchmark_quantize(n_out: int = 4096, n_in: int = 4096, group_size: int | None = None,
                        repeats: int = 3, seed: int = 0) -> dict[str, float]:
     """Best-of-`repeats` throughput of quantize_int8 on random float32 weights (for benchmarks/convert.py)."""

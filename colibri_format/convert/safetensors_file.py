@@ -141,11 +141,8 @@ class SafetensorsFile:
         return self.entries[name].shape
 
     def dtype(self, name: str) -> str:
-        return dtype_name(self.entries[name].dtype)
+        tag = self.entries[name].dtype
+        return FLOAT_DTYPES.get(tag, tag.lower())
 
     def close(self) -> None:
         self._map = None  # the mapping closes when the last view is gone
-
-
-def dtype_name(tag: str) -> str:
-    return FLOAT_DTYPES.get(tag, tag.lower())

@@ -1,8 +1,9 @@
 """`colibri convert` end to end on tiny checkpoints of every supported architecture.
 
 Each converted file is read back with the reader and compared with the canonical tensors of the same
-checkpoint (read through the layout's spans, which test_convert_adapters checks against transformers): exactly for `--dtype float32 --quantize none`, within the int8 bound
-`|w - q*scale| <= scale/2` (and fp16 rounding for dense tensors) otherwise; and `validate_file` passes.
+checkpoint, read through the layout's spans (test_convert_adapters checks those against transformers):
+exactly for `--dtype float32 --quantize none`, within the int8 bound `|w - q*scale| <= scale/2` (and fp16
+rounding for dense tensors) otherwise; and `validate_file` passes.
 """
 
 from __future__ import annotations
