@@ -36,7 +36,8 @@ def command_line(ctx: typer.Context) -> list[str]:
     """The arguments that reproduce this command's invocation: its name, then every parameter spelled out.
 
     Arguments in order, then options by their first name (flags as themselves, or their negative form when
-    off and they have one); options left unset (None) are omitted so they keep their defaults.
+    off and they have one); options left unset (None) are omitted so they keep their defaults. Options take one
+    value each (no `multiple`, `count` or `nargs`), as in every colibri command.
     """
     args = [ctx.info_name or ctx.command.name or ""]
     for param in ctx.command.params:

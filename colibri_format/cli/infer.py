@@ -16,7 +16,8 @@ from .common import FileArg, JsonOpt, command_line, err, out, print_json, write_
 
 
 def command(ctx: typer.Context, path: FileArg,
-            prompt: Annotated[Optional[str], typer.Option("--prompt", help="Text prompt (uses the embedded tokenizer).")] = None,
+            prompt: Annotated[Optional[str], typer.Option(
+                "--prompt", help="Text prompt (uses the embedded tokenizer).")] = None,
             ids: Annotated[Optional[str], typer.Option("--ids", help="Prompt as token ids: 1,2,3.")] = None,
             chat: Annotated[bool, typer.Option("--chat", help="Apply the embedded chat template.")] = False,
             max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=1)] = 32,
