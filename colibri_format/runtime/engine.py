@@ -75,7 +75,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
-    experts_touched: int = 0                  # distinct (layer, expert) pairs the router picked
+    experts_touched: int = 0                  # distinct (layer, expert) pairs the router picked (when the routing
+                                              # reaches the host anyway: paged experts, or the NumPy backend)
     cache_hits: int = 0
     cache_misses: int = 0
     expert_loads: int = 0
@@ -107,6 +108,11 @@ class GenerationResult:
     output_ids: list[int]
     text: str | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _check_new_tokens(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InvalidInput("max_new_tokens must be an integer >= 0", field="max_new_tokens", value=max_new_tokens)
 
 
 def make_cache(config: EngineConfig, on_evict=None):
@@ -266,8 +272,7 @@ class Engine:
         """Prefill the prompt, then decode one token per step; `callback(token_id)` returning False stops."""
         prompt = self._prompt(prompt_ids)
         check_sampling(temperature, top_p)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidInput("max_new_tokens must be an integer >= 0", field="max_new_tokens", value=max_new_tokens)
+        _check_new_tokens(max_new_tokens)
         stop = set(self._stop_ids() if stop_ids is None else stop_ids)
         c0 = self._counts()
         stats = GenerationStats(prompt_tokens=len(prompt))
@@ -281,6 +286,9 @@ class Engine:
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts at once (one decode runner for the batch); token ids per prompt."""
         chunks = self._check(prompts)
+        _check_new_tokens(max_new_tokens)
+        if max_new_tokens == 0:
+            return [[] for _ in chunks]
         need = max(len(c) for c in chunks) + max_new_tokens
         if need > self.config.max_seq_len:
             raise InvalidInput(f"prompt + max_new_tokens = {need} exceeds max_seq_len={self.config.max_seq_len}",
@@ -288,8 +296,15 @@ class Engine:
         runner = self.decode_runner(len(chunks), need)
         outs = [[t] for t in self.argmax(self.prefill_into(runner, chunks))]
         pos = np.array([len(c) for c in chunks])
+        seqs = list(range(len(chunks)))
         for _ in range(max_new_tokens - 1):
-            for o, t in zip(outs, self.argmax(runner.step(np.array([o[-1] for o in outs]), pos))):
+            last = np.array([o[-1] for o in outs])
+            self._begin(seqs, [last[s:s + 1] for s in seqs], [int(p) for p in pos], rows=0)
+            try:
+                tokens = self.argmax(runner.step(last, pos))
+            finally:
+                self.decoder.route_hook = None
+            for o, t in zip(outs, tokens):
                 o.append(t)
             pos = pos + 1
         return outs

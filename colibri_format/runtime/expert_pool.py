@@ -32,7 +32,6 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
-GEMM_MIN_ROWS = 33            # MoE rows from which the grouped GEMM replaces the GEMV kernels
 STAGING_BUFFERS = 2
 
 
@@ -233,6 +232,8 @@ class ExpertPool:
         """Yields the expert tables of `layer` for the routed `ids` [T, k]: one when resident; when paged, one per
         pass, each after the copies it needs (the caller runs the pass before asking for the next table)."""
         if self.resident:
+            if self.be.host_is_device:        # the routing is on the host already: counting it costs no sync
+                self.counters.touched.update((layer, int(e)) for e in np.unique(ids))
             yield self.resident_tables[layer]
             return
         ids_h = self.be.to_host(ids)                                  # the one sync of a paged layer

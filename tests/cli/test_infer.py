@@ -18,7 +18,8 @@ def _infer_json(capsys, *args):
 
 def test_infer_json_stats_and_trace(model_file, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
-    result = _infer_json(capsys, model_file, "--ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace))
+    result = _infer_json(capsys, model_file, "--ids", "1,2,3", "--max-new-tokens", "6", "--trace", str(trace),
+                         "--max-cached-experts", "6")          # paged: 6 slots for 3 layers x 8 experts
     assert len(result["output_ids"]) == 6 and result["prompt_ids"] == [1, 2, 3]
     stats = result["stats"]
     assert stats["experts_touched"] > 0 and stats["cache_misses"] > 0

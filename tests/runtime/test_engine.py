@@ -122,8 +122,6 @@ def test_generate_batch_is_greedy_generation_of_each_prompt(engine):
         engine.generate_batch(prompts, 9)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: generate_batch(prompts, 0) returns one token per prompt, and "
-                                       "a negative max_new_tokens is not refused (generate does both)")
 def test_generate_batch_max_new_tokens_like_generate(engine):
     assert engine.generate_batch([[1, 2], [3]], 0) == [[], []]
     with pytest.raises(InvalidInput, match="max_new_tokens"):
@@ -139,14 +137,18 @@ def test_sampling_is_seeded_and_top_p_small_is_greedy(engine):
                            stop_ids=[]).output_ids == greedy
 
 
-def test_stats_are_reported(engine):
-    stats = engine.generate([1, 2, 3, 4], max_new_tokens=4, stop_ids=[]).stats
-    assert stats.prompt_tokens == 4 and stats.generated_tokens == 4
-    assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
-    # all experts resident (max_cached_experts=None): no cache, nothing paged, the paging counters stay at zero
-    assert engine.cache is None and engine.stats()["resident"] and engine.stats()["expert_bytes_on_device"] == 0
-    assert (stats.experts_touched, stats.cache_hits, stats.cache_misses, stats.expert_loads, stats.bytes_paged) \
-        == (0, 0, 0, 0, 0)
+def test_stats_are_reported(path):
+    passes = []
+    with Engine(path) as engine:
+        engine.routes.observers.append(lambda step, seq, layer, ids, pos: passes.append((layer, ids.copy())))
+        stats = engine.generate([1, 2, 3, 4], max_new_tokens=4, stop_ids=[]).stats
+        assert stats.prompt_tokens == 4 and stats.generated_tokens == 4
+        assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+        # all experts resident (max_cached_experts=None): no cache, nothing paged, the paging counters stay at zero;
+        # the NumPy backend's routing is on the host, so the experts it touched are counted all the same
+        assert engine.cache is None and engine.stats()["resident"] and engine.stats()["expert_bytes_on_device"] == 0
+        assert (stats.cache_hits, stats.cache_misses, stats.expert_loads, stats.bytes_paged) == (0, 0, 0, 0)
+    assert stats.experts_touched == len({(layer, int(e)) for layer, ids in passes for e in ids.ravel()}) > 0
 
 
 def test_paged_stats_count_every_access_and_whole_blobs(path):
@@ -197,7 +199,7 @@ def test_only_routed_experts_are_ever_read(path, tmp_path, monkeypatch, max_cach
     assert {blobs[src] for src, _ in copied} <= routed and all(n == ex.blob_size for _, n in copied)
     if max_cached is None:                # in place: the MoE reads the file's blobs, nothing is copied
         assert not copied and {blobs[p] for p in computed} == routed
-        assert counters.loads == counters.misses == counters.hits == 0 and not counters.touched
+        assert counters.loads == counters.misses == counters.hits == 0 and counters.touched == routed
     else:                                 # paged: the MoE reads pool slots, filled by copies of routed blobs only
         assert all(slots[0] <= p < slots[1] for p in computed)
         assert {blobs[src] for src, _ in copied} == routed == counters.touched
@@ -217,8 +219,6 @@ def test_trace_has_one_record_per_token_and_layer(path, tmp_path):
     assert all(len(r.experts) == 2 and all(len(es) == 2 for _, es in r.experts) for r in t.records)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: generate_batch's decode steps skip Engine._begin, so route "
-                                       "observers and the trace see only its prefill pass")
 def test_generate_batch_decode_steps_reach_the_trace(path, tmp_path):
     trace = tmp_path / "trace.jsonl"
     with Engine(path, EngineConfig(trace_path=str(trace))) as eng:

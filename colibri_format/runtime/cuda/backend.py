@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.errors import InvalidInput
+from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_support
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
@@ -23,12 +24,16 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_POINTER_MODE_HOST = 0
 
 
+
 class CupyBackend:
-    """The real thing: CuPy arrays on one device, the kernels of `runtime/cuda/kernels/ops.py`."""
+    """CuPy arrays on one device, the kernels of `cuda/kernels/ops.py`."""
 
-    name = "cupy"
+    name = "cuda"
+    graphs = True
+    host_is_device = False
+    dtype = np.dtype(np.float32)
 
-    def __init__(self, device_id: int = 0) -> None:
+    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -107,13 +112,6 @@ class CupyBackend:
     # --- what the engine asks of a backend ---------------------------------------------------------------------
     def check_support(self, model: dict, blob_layout) -> None:
         """Refuse at open, naming the field, what the kernels cannot run."""
-        from colibri_format.runtime.cuda.limits import check_cuda_support  # noqa: PLC0415
-        from colibri_format.spec.constants import QUANTIZED_FORMATS  # noqa: PLC0415
-
-        if blob_layout is not None and blob_layout.expert_format not in QUANTIZED_FORMATS:
-            raise UnsupportedModel("the CUDA engine runs int8 experts only (convert with --quantize expert); this "
-                                   f"file stores experts as format {int(blob_layout.expert_format)}",
-                                   field="expert_format", value=int(blob_layout.expert_format))
         check_cuda_support(model, blob_layout)
 
     def graph_blocker(self, args, batch: int) -> str | None:
@@ -177,20 +175,16 @@ class CupyBackend:
         return self.ops.router(x, w, k, workspace=ws.extra[key], out_ids=out_ids, out_weights=out_weights, **how)
 
     def moe(self, x, ids, weights, table, *, residual, alpha: float, ws):
-        """Routed experts of one pass added to the residual: dispatch, gate/up + SiLU, down, weighted combine."""
+        """Routed experts of one pass added to the residual (buffers from the workspace: capturable)."""
         ops, (T, k) = self.ops, ids.shape
         P, E = T * k, table.num_experts
         key = ("dispatch", P, E)
-        ws.extra[key] = disp = ops.dispatch(ids, E, tile_m=ops.GEMM_BM, out=ws.extra.get(key))
-        act = ws.buf("moe_act", (P, table.intermediate_size))
-        ypair = ws.buf("moe_ypair", (P, table.hidden_size))
-        if T >= GEMM_MIN_ROWS:
-            ops.moe_gemm_gate_up(x, table, disp, k, out=act)
-            ops.moe_gemm_down(act, table, disp, weights, out=ypair)
-        else:
-            ops.moe_gate_up(x, table, disp, k, out=act)
-            ops.moe_down(act, table, disp, weights, out=ypair)
-        return ops.moe_combine(ypair, k, residual=residual, alpha=alpha, out=residual)
+        if key not in ws.extra:
+            ws.extra[key] = ops.dispatch_buffers(P, E)
+        return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
+                               out=residual,
+                               act=ws.buf("moe_act", (P, table.intermediate_size)),
+                               ypair=ws.buf("moe_ypair", (P, table.hidden_size)))
 
     # --- profiling --------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -52,7 +52,7 @@ def rank_main(rank: int, world: int, port: int, job_path: str) -> None:
             with ExpertParallelEngine(path, EngineConfig(max_seq_len=64), trace=trace, check_routing=True) as eng:
                 for i, x in enumerate(eng.logits(job["batch"])):
                     arrays[f"{name}/{i}"] = x
-                for layer, (x, w, idx) in moe_inputs(eng.weights.model).items():
+                for layer, (x, w, idx) in moe_inputs(eng.reader.model).items():
                     arrays[f"{name}/moe{layer}"] = eng.exchange.routed(layer, x, w, idx)
                 report[name] = {
                     "infer": eng.infer(job["batch"]),
@@ -66,6 +66,16 @@ def rank_main(rank: int, world: int, port: int, job_path: str) -> None:
     out = Path(job["out"])
     np.savez(out / f"rank{rank}.npz", **arrays)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def routed_sum(eng, layer: int, x: np.ndarray, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The one-process decoder's routed-expert sum of one layer (its residual multiplier divided out)."""
+    from colibri_format.runtime.forward import Workspace
+
+    h = np.zeros(x.shape, np.float32)
+    eng.decoder.routed(layer, x.astype(np.float32), idx.astype(np.int32), weights.astype(np.float32), h,
+                       Workspace(eng.be))
+    return h / np.float32(eng.args.residual_mult)
 
 
 def moe_inputs(model: dict, rows: int = 15) -> dict:
@@ -125,7 +135,7 @@ def reference(files, tmp_path_factory) -> dict:
         trace = str(traces / f"{name}.jsonl")
         with Engine(path, EngineConfig(max_seq_len=64, trace_path=trace)) as eng:
             logits = eng.logits(BATCH)
-            moe = {layer: eng.model.routed(layer, *args) for layer, args in moe_inputs(eng.weights.model).items()}
+            moe = {layer: routed_sum(eng, layer, *args) for layer, args in moe_inputs(eng.reader.model).items()}
             ref[name] = {"logits": logits, "moe": moe, "infer": eng.infer(BATCH),
                          "greedy": eng.generate(PROMPT, max_new_tokens=NEW_TOKENS).output_ids,
                          "sampled": eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.8,

@@ -209,6 +209,15 @@ def max_tiles(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) -> int:
     return num_pairs // tile_m + min(num_experts, num_pairs) + 1
 
 
+def dispatch_buffers(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) -> Dispatch:
+    """Empty buffers for `dispatch(..., out=)` (made once, e.g. before a graph capture)."""
+    cp = _cupy()
+    P, E, nt = num_pairs, num_experts, max_tiles(num_pairs, num_experts, tile_m)
+    return Dispatch(cp.empty(E, cp.int32), cp.empty(E + 1, cp.int32), cp.empty(P, cp.int32), cp.empty(P, cp.int32),
+                    cp.empty(E, cp.int32), cp.empty(4, cp.int32), cp.empty(nt, cp.int32), cp.empty(nt, cp.int32),
+                    P, E, tile_m)
+
+
 def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | None = None) -> Dispatch:
     """Groups the pairs of ids [T, k] (or [P]) int32 by expert on the device (see dispatch.cu)."""
     cp = _cupy()
@@ -220,9 +229,7 @@ def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | No
         raise ValueError("tile_m must be positive")
     nt = max_tiles(P, E, tile_m)
     if out is None:
-        out = Dispatch(cp.empty(E, cp.int32), cp.empty(E + 1, cp.int32), cp.empty(P, cp.int32),
-                       cp.empty(P, cp.int32), cp.empty(E, cp.int32), cp.empty(4, cp.int32),
-                       cp.empty(nt, cp.int32), cp.empty(nt, cp.int32), P, E, tile_m)
+        out = dispatch_buffers(P, E, tile_m)
     elif out.num_pairs != P or out.num_experts != E or out.tile_m != tile_m:
         raise ValueError("dispatch buffers were made for another shape")
     kernel("dispatch", "moe_dispatch")(
@@ -442,19 +449,24 @@ def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
 
 
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
-                gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None):
-    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual)."""
+                gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
+                act=None, ypair=None, out=None):
+    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual).
+
+    disp, act [P, I], ypair [P, H] and out [T, H] may be passed in (preallocated for graph capture; out may be
+    residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
+    (measured on an H200, docs/benchmarks.md).
+    """
     T, k = ids.shape
-    # measured on an H200 (docs/benchmarks.md): the tensor-core GEMM wins from about 8 pairs per expert
     use_gemm = gemm if gemm is not None else (T > 32 or T * k >= 8 * table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     if use_gemm:
-        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores)
-        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores)
+        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, out=act)
+        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, out=ypair)
     else:
-        act = moe_gate_up(x, table, disp, k)
-        ypair = moe_down(act, table, disp, weights)
-    return moe_combine(ypair, k, residual=residual, alpha=alpha)
+        act = moe_gate_up(x, table, disp, k, out=act)
+        ypair = moe_down(act, table, disp, weights, out=ypair)
+    return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
 # ---- dense layers ---------------------------------------------------------------------------------------------
