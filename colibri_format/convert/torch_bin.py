@@ -61,7 +61,7 @@ class TorchBinFile:
         return _FLOAT_NAMES.get(str(self._state[name].dtype), str(self._state[name].dtype))
 
     def native_view(self, name: str) -> np.ndarray:
-        """A copy in the stored dtype (bfloat16 as uint16 bit patterns): pickles have no view to share."""
+        """A copy in the stored dtype (bfloat16 as uint16 bit patterns), never aliasing torch's mapping."""
         torch = _torch()
         tensor = self._state[name]
         if tensor.dtype == torch.bfloat16:
