@@ -185,9 +185,12 @@ class Engine:
 
         self.closed = True
         self.reader = colibri_format.open(os.fspath(source), verify=self.config.verify)
+        self.experts = None
         try:
             self._setup()
         except BaseException:
+            if self.experts is not None:
+                self.experts.close()
             self.reader.close()
             raise
         self.closed = False

@@ -169,12 +169,16 @@ class ExpertPool:
         self.time_copies = False          # bracket each copy with timing events (paging GB/s)
         self._copy_times: list = []
         self.cache = None
-        if in_place:
-            self._map_all()
-        elif self.resident:
-            self._load_all(config.verify)
-        else:
-            self.cache = cache_factory(on_evict=self._on_evict)
+        try:
+            if in_place:
+                self._map_all()
+            elif self.resident:
+                self._load_all(config.verify)
+            else:
+                self.cache = cache_factory(on_evict=self._on_evict)
+        except BaseException:      # e.g. a corrupt blob: never leave the file mapping registered behind us
+            self.close()
+            raise
         self.bytes_on_device = 0 if in_place else (self.slots + 2) * self.blob_size
 
     @staticmethod

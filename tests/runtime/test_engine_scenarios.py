@@ -191,6 +191,27 @@ def test_corrupt_expert_is_caught_before_use(tmp_path_factory, device):
         eng.infer(prompts[:3])              # the user asked not to check
 
 
+def test_a_failed_open_unregisters_the_file_mapping(tmp_path_factory, device, monkeypatch):
+    """A corrupt blob found while loading resident experts: the registration of the mapping is undone (a mapping
+    left registered pins pages of a file that is gone, and the next file mapped there is refused)."""
+    path = make_file(tmp_path_factory, "mixtral", **WIDE)
+    with colibri_format.open(path, verify="never") as f:
+        offset = f.blob_offset(0, 1)
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 3)
+        fh.write(b"\x7f")
+    with Engine(path, EngineConfig(device=device, verify="never")) as probe:
+        backend = type(probe.be)
+    live = []
+    register, unregister = backend.register_host, backend.unregister_host
+    monkeypatch.setattr(backend, "register_host", lambda self, a, n: (register(self, a, n), live.append(a)))
+    monkeypatch.setattr(backend, "unregister_host", lambda self, a: (unregister(self, a), live.remove(a)))
+    monkeypatch.setattr(backend, "host_is_device", False)      # the NumPy backend copies into a pool too
+    with pytest.raises(CorruptExpert):
+        Engine(path, EngineConfig(device=device))
+    assert live == []
+
+
 def test_over_budget_names_the_largest_that_fits(mixtral_file, device, monkeypatch):
     with colibri_format.open(mixtral_file) as f:
         blob = len(f.expert_blob(0, 0))
