@@ -11,14 +11,13 @@ import struct
 import xxhash
 
 from . import constants as C
-from .structs import HEADER_CHECKED_SIZE
 
 _SECTION_TAGS = {C.Section.METADATA: b"META", C.Section.DENSE_DIRECTORY: b"DDIR", C.Section.WSIT: b"WSIT"}
 
 
 def header_checksum(header_bytes: bytes) -> int:
     """XXH3-64 with seed 0 over bytes 0..503 of the header."""
-    return xxhash.xxh3_64_intdigest(memoryview(header_bytes)[:HEADER_CHECKED_SIZE])
+    return xxhash.xxh3_64_intdigest(memoryview(header_bytes)[:C.HEADER_CHECKED_SIZE])
 
 
 def section_seed(section: C.Section, offset: int) -> int:

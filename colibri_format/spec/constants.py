@@ -10,6 +10,7 @@ VERSION_MAJOR = 1
 VERSION_MINOR = 0
 
 HEADER_SIZE = 512
+HEADER_CHECKED_SIZE = HEADER_SIZE - 8      # header bytes the header checksum covers (all but itself)
 BLOB_ALIGNMENT = 4096                     # expert blobs and the start of tensor data
 ARRAY_ALIGNMENT = 256                     # dense tensors and arrays inside a blob
 SECTION_ALIGNMENT = 64                    # metadata, dense directory, WSIT

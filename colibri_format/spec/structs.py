@@ -12,6 +12,7 @@ from dataclasses import astuple, dataclass, fields
 from typing import ClassVar
 
 from . import constants as C
+from .checksum import header_checksum
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ WSIT_ENTRY_FIELDS: tuple[Field, ...] = (
 HEADER_FMT = _fmt(HEADER_FIELDS)
 DENSE_ENTRY_FMT = _fmt(DENSE_ENTRY_FIELDS)
 WSIT_ENTRY_FMT = _fmt(WSIT_ENTRY_FIELDS)
-HEADER_CHECKED_SIZE = C.HEADER_SIZE - 8
+HEADER_CHECKED_SIZE = C.HEADER_CHECKED_SIZE
 
 # Import-time size checks: a mistake in a field table must fail loudly, not silently move bytes.
 if struct.calcsize(HEADER_FMT) != C.HEADER_SIZE:
@@ -142,7 +143,6 @@ class Header:
     STRUCT: ClassVar[struct.Struct] = struct.Struct(HEADER_FMT)
 
     def pack(self) -> bytes:
-        from .checksum import header_checksum
         raw = self.STRUCT.pack(*astuple(self))
         digest = header_checksum(raw)
         return raw[:HEADER_CHECKED_SIZE] + struct.pack("<Q", digest)
