@@ -8,7 +8,6 @@ run on either. CuPy is imported only here and in `kernels/ops.py`, and only when
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import numpy as np
 
