@@ -1,17 +1,24 @@
-"""Benchmark `colibri convert` on a synthetic multi-GB bf16 Mixtral-layout checkpoint, beside gguf-py's Q8_0.
+"""Benchmark the converter on a synthetic multi-GB bf16 Mixtral-layout checkpoint, beside gguf-py's Q8_0.
 
-    .venv/bin/python benchmarks/convert.py --dir /tmp/colibri-bench --gb 8 --workers 2 --doc
+Run from the repository root (the benchmark imports the library, nothing else):
 
-1. Writes the checkpoint once into --dir (reused by later runs; --clean deletes it at the end).
-2. Reads every shard once (warm page cache), then converts in a child process (`python -m colibri_format
-   convert ... --json`) and takes wall time, GB/s of source bytes and the child's peak RSS
-   (`getrusage(RUSAGE_CHILDREN).ru_maxrss`).
+    PYTHONPATH=. .venv/bin/python benchmarks/convert.py --dir /tmp/colibri-bench --gb 8 --workers 2 --doc
+    PYTHONPATH=. .venv/bin/python benchmarks/convert.py --dry-run     # tiny dimensions, a few seconds
+
+1. Writes the checkpoint once into --dir (`colibri_format.synthetic.write_mixtral_checkpoint`; reused by later
+   runs; --clean deletes it at the end).
+2. Reads every shard once (warm page cache), then converts in a child process (the library call
+   `colibri_format.convert.pipeline.convert(ckpt, out, workers=N, resume=False)`, which is what
+   `colibri convert --workers N --restart` runs) and takes wall time, GB/s of source bytes and the child's peak
+   RSS (`getrusage(RUSAGE_CHILDREN).ru_maxrss`).
 3. Quantizes the same expert tensors with gguf-py (`gguf.quants.quantize(x, Q8_0)`, one thread, on float32
    as the llama.cpp converter hands it) and with colibri's per-row int8 (`quantize_int8`, one thread, same
    float32), within a value and time budget, and reports values/s, GB/s of bf16 source and the ratios.
 4. Per-stage single-thread costs of colibri's streaming path (bf16 upcast, quantize, write+hash), which
    explain the end-to-end figure.
 With --doc it appends (or replaces) the `## colibri convert` section of docs/benchmarks.md.
+--dry-run checks the script: tiny dimensions (hidden 256, expert intermediate 512, vocab 1,000), a few MB, a
+temporary --dir, short quantizer budgets; it never writes the docs.
 """
 
 from __future__ import annotations
@@ -25,28 +32,29 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from colibri_format.convert.quantize import quantize_int8
+from colibri_format.convert.source import open_checkpoint
+from colibri_format.dtypes import to_float32
+from colibri_format.synthetic import mixtral_checkpoint_config, write_mixtral_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from colibri_format.convert.quantize import quantize_int8  # noqa: E402
-from colibri_format.convert.source import open_checkpoint  # noqa: E402
-from colibri_format.dtypes import to_float32  # noqa: E402
-from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint  # noqa: E402
-
 SECTION = "## colibri convert"
-HIDDEN, INTER, EXPERTS, VOCAB = 4096, 14336, 8, 32000
-EXPERT_BYTES = 3 * HIDDEN * INTER * 2
+FULL = dict(hidden=4096, inter=14336, experts=8, vocab=32000, heads=32, kv_heads=8)   # Mixtral-8x7B's layer
+TINY = dict(hidden=256, inter=512, experts=8, vocab=1000, heads=4, kv_heads=2)        # --dry-run
 
 
-def bench_config(gb: float) -> dict:
-    layers = max(1, round(gb * 1e9 / (EXPERTS * EXPERT_BYTES)))
-    return mixtral_config(vocab=VOCAB, hidden=HIDDEN, layers=layers, experts=EXPERTS, inter=INTER, heads=32,
-                          kv_heads=8)
+def bench_config(gb: float, dims: dict) -> dict:
+    expert_bytes = 3 * dims["hidden"] * dims["inter"] * 2
+    layers = max(1, round(gb * 1e9 / (dims["experts"] * expert_bytes)))
+    return mixtral_checkpoint_config(vocab=dims["vocab"], hidden=dims["hidden"], layers=layers,
+                                     experts=dims["experts"], inter=dims["inter"], heads=dims["heads"],
+                                     kv_heads=dims["kv_heads"])
 
 
 def ensure_checkpoint(path: Path, cfg: dict) -> int:
@@ -55,7 +63,7 @@ def ensure_checkpoint(path: Path, cfg: dict) -> int:
         return json.loads(stamp.read_text())["bytes"]
     shutil.rmtree(path, ignore_errors=True)
     start = time.perf_counter()
-    total = write_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=3 << 30)
+    total = write_mixtral_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=3 << 30)
     stamp.write_text(json.dumps({"config": cfg, "bytes": total}))
     print(f"wrote {total / 1e9:.2f} GB checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
     return total
@@ -70,16 +78,21 @@ def warm(path: Path) -> float:
     return n / (time.perf_counter() - start) / 1e9
 
 
+# The child: the converter with `colibri convert`'s defaults (float16 dense, int8 experts, final verify pass),
+# its summary as JSON on stdout, its own VmHWM on stderr (after fork+exec, ru_maxrss also counts this parent).
+CHILD = ("import json, sys\n"
+         "from colibri_format.convert.pipeline import convert\n"
+         "summary = convert(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), resume=False)\n"
+         "print(json.dumps(summary.to_dict()))\n"
+         "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
+
+
 def run_convert(ckpt: Path, out: Path, workers: int) -> dict:
-    args = ["convert", "--model-path", str(ckpt), "--output-path", str(out), "--workers", str(workers),
-            "--restart", "--json"]
-    # The CLI itself, plus its own VmHWM on stderr: after fork+exec, ru_maxrss also counts this parent.
-    wrapper = ("import sys; from colibri_format.cli import main; rc = main(sys.argv[1:]); "
-               "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); sys.exit(rc)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [str(ckpt), str(out), str(workers)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", wrapper, *args], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = {"user_s": after.ru_utime - before.ru_utime, "sys_s": after.ru_stime - before.ru_stime}
@@ -88,7 +101,7 @@ def run_convert(ckpt: Path, out: Path, workers: int) -> dict:
     summary = json.loads(done.stdout)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     hwm = int(done.stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024
-    return {"command": "colibri " + " ".join(args), "wall_s": wall, "summary": summary, "peak_rss": rss,
+    return {"command": f"convert({str(ckpt)!r}, {str(out)!r}, workers={workers}, resume=False)", "wall_s": wall, "summary": summary, "peak_rss": rss,
             "vm_hwm": hwm, "cpu": cpu}
 
 
@@ -246,8 +259,9 @@ def markdown(r: dict) -> str:
         f"sessions' tests and benchmarks ran at the same time). Disk write speed (dd, fdatasync): "
         f"{r['disk_write_mb_s']:.0f} MB/s.", "",
         f"Command: `{r['bench_command']}`; each conversion: `{best['command']}` in a child process.", "",
-        f"Checkpoint: synthetic bf16 Mixtral layout, hidden {HIDDEN}, expert intermediate {INTER}, "
-        f"{r['config']['num_local_experts']} experts x {r['config']['num_hidden_layers']} layers, vocab {VOCAB}: "
+        f"Checkpoint: synthetic bf16 Mixtral layout, hidden {r['config']['hidden_size']}, expert intermediate "
+        f"{r['config']['intermediate_size']}, {r['config']['num_local_experts']} experts x "
+        f"{r['config']['num_hidden_layers']} layers, vocab {r['config']['vocab_size']}: "
         f"{r['source_bytes'] / 1e9:.2f} GB in {r['shards']} shards, read once before converting "
         f"({r['warm_gb_per_s']:.1f} GB/s).", "",
         *_run_rows(r),
@@ -316,14 +330,16 @@ def memory_speed() -> tuple[float, float]:
     return first, a.nbytes / (time.perf_counter() - start) / 1e9
 
 
-_SPIN = ("import time, numpy as np; a = np.random.default_rng(0).standard_normal(1 << 22, dtype=np.float32); "
-         "t = time.perf_counter(); [np.rint(a * 1.5) for _ in range(150)]; print(time.perf_counter() - t)")
+_SPIN = ("import sys, time, numpy as np; a = np.random.default_rng(0).standard_normal(1 << 22, dtype=np.float32); "
+         "t = time.perf_counter(); [np.rint(a * 1.5) for _ in range(int(sys.argv[1]))]; "
+         "print(time.perf_counter() - t)")
 
 
-def cores_available(n: int) -> float:
+def cores_available(n: int, loops: int = 150) -> float:
     """How many of n cores this benchmark really gets: the same CPU loop alone, then n copies at once."""
     def run(k: int) -> float:
-        procs = [subprocess.Popen([sys.executable, "-c", _SPIN], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(loops)], stdout=subprocess.PIPE, text=True)
+                 for _ in range(k)]
         return max(float(p.communicate()[0]) for p in procs)
     alone = min(run(1) for _ in range(3))
     together = min(run(n) for _ in range(3))
@@ -375,19 +391,31 @@ def main() -> None:
     ap.add_argument("--doc", action="store_true", help="write the section of docs/benchmarks.md")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoint and output at the end")
     ap.add_argument("--rewrite-doc", type=Path, help="only regenerate the docs section from this result.json")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the script: tiny dimensions in a temporary --dir, short budgets, no docs")
     args = ap.parse_args()
     if args.rewrite_doc:
         rewrite_doc(args.rewrite_doc)
         return
+    if args.dry_run:
+        if args.doc:
+            raise SystemExit("--dry-run measures nothing worth documenting: drop --doc")
+        with tempfile.TemporaryDirectory(prefix="colibri-convert-dry-") as tmp:
+            args.dir, args.gb, args.quant_gb, args.quant_seconds = Path(tmp), 0.05, 0.01, 1.0
+            run(args, TINY, spin_loops=5)
+        return
+    run(args, FULL)
 
-    cfg = bench_config(args.gb)
+
+def run(args, dims: dict, spin_loops: int = 150) -> None:
+    cfg = bench_config(args.gb, dims)
     ckpt = args.dir / "ckpt"
     args.dir.mkdir(parents=True, exist_ok=True)
     r = {"date": dt.date.today().isoformat(), "machine": machine(), "config": cfg, "workers": args.workers,
-         "bench_command": "python benchmarks/convert.py " + " ".join(sys.argv[1:])}
+         "bench_command": "PYTHONPATH=. python benchmarks/convert.py " + " ".join(sys.argv[1:])}
     r["source_bytes"] = ensure_checkpoint(ckpt, cfg)
     r["shards"] = len(list(ckpt.glob("*.safetensors")))
-    r["largest_tensor_bytes"] = max(VOCAB * HIDDEN, HIDDEN * INTER) * 2
+    r["largest_tensor_bytes"] = max(cfg["vocab_size"], cfg["intermediate_size"]) * cfg["hidden_size"] * 2
     r["disk_write_mb_s"] = disk_write_speed(args.dir)
     r["runs"] = []
     for label, out_dir in [("disk (" + str(args.dir) + ")", args.dir)] + [(f"tmpfs ({d})", d) for d in args.tmpfs]:
@@ -398,7 +426,7 @@ def main() -> None:
         r["runs"].append(run)
         out.unlink(missing_ok=True)
     r["first_touch_gb_s"], r["memcpy_gb_s"] = memory_speed()  # after the children: keeps ru_maxrss theirs
-    r["cores_available"] = cores_available(args.workers)
+    r["cores_available"] = cores_available(args.workers, spin_loops)
     subset = expert_subset(ckpt, int(args.quant_gb * 1e9 / 2))
     r["quantizers"] = time_quantizers(subset, args.quant_seconds)
     r["stages"] = stage_costs(subset, args.dir / "stage.tmp")
