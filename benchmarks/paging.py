@@ -13,22 +13,34 @@ Beside each run: the PCIe bound implied by its measured misses, tokens/s <= 1 / 
 measured pinned host-to-device bandwidth). Also: the Mixtral-8x7B shape (2 of 32 layers, vocab 32,000) with
 max_cached_experts=5 of 8 per layer.
 
-    python benchmarks/paging.py --out paging.json [--dry-run]
+Each run opens one `Engine(path, EngineConfig(device="cuda", max_cached_experts=..., cache_policy=...,
+prefetch=...))` and drives it through the public step API: `eng.decode_runner`, `eng.prefill_into`,
+`runner.step`, `eng.argmax`; replayed routes go to `eng.decoder.forced_routes`; paging figures are the
+difference of `eng.experts.counters` over the timed steps, copy-stream time from `eng.experts.copy_bandwidth()`.
+The pinned host-to-device ceiling is `runtime.cuda.bench.copy_ceilings`.
+
+Run from the repository root (the benchmark imports the library, nothing else):
+
+    PYTHONPATH=. python benchmarks/paging.py --out paging.json [--dry-run]
+
+`--dry-run` runs the same flow on the CPU (`EngineConfig(device="cpu")`, the NumPy backend) with tiny
+dimensions and a few steps: it checks the script, not speed (the copy ceiling is then a host memcpy, and the
+copy time is the host time of the copies, which are synchronous there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from colibri_format.runtime.engine import Engine, EngineConfig
+
+PROMPT = 16      # prompt tokens per sequence before the decode steps
 
 QWEN3 = dict(vocab=32000, hidden=2048, layers=4, heads=32, kv_heads=4, experts=128, top_k=8, expert_inter=768,
              qk_norm="per_head", head_dim=128)
@@ -80,25 +92,79 @@ class TraceRoutes:
         return flat[np.arange(rows) % len(flat)]
 
 
-def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, dry):
-    from colibri_format.runtime.cuda.bench import run_bench
+def copy_ceiling(device: str, nbytes: int) -> dict:
+    """Pinned host-to-device copy GB/s (and device-to-device), the bound paging works against."""
+    from colibri_format.runtime.engine import make_backend
 
-    routes = TraceRoutes(layers, E, k, batch, n + warmup + 64) if routing == "trace" else None
-    small = dict(ceiling_bytes=1 << 20) if dry else {}
-    r = run_bench(path, batch_size=batch, seq_len=16, num_iters=n, warmup_iters=warmup,
-                  max_cached_experts=capacity, cache_policy=policy, cache_scope=scope, prefetch=prefetch,
-                  profile=False, prefill=False, forced_routes=routes, verify="never", **small)
-    d = r["decode"]
+    be = make_backend(EngineConfig(device=device))
+    if be.name != "numpy":
+        from colibri_format.runtime.cuda.bench import copy_ceilings
+
+        return copy_ceilings(be, be.new_stream(), nbytes)
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)   # NumPy backend: device memory is host
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    gbps = nbytes / (time.perf_counter() - t0) / 1e9
+    return {"d2d_copy_gbps": 2 * gbps, "h2d_pinned_gbps": gbps, "note": "host memcpy (NumPy backend)"}
+
+
+_DELTA = ("hits", "misses", "loads", "prefetch_loads", "prefetch_hits", "bytes_paged", "stall_seconds",
+          "copy_seconds", "predicted_correct", "actual_next")
+
+
+def decode_steps(eng: Engine, batch: int, n: int, warmup: int, seed: int = 0) -> dict:
+    """Prefill `batch` random prompts, `warmup` steps, then `n` timed greedy steps: tokens/s and paging."""
+    rng = np.random.default_rng(seed)
+    chunks = [rng.integers(0, eng.vocab_size, PROMPT) for _ in range(batch)]
+    runner = eng.decode_runner(batch, PROMPT + warmup + n + 1)
+    tok = eng.argmax(eng.prefill_into(runner, chunks))
+    pos = np.full(batch, PROMPT)
+    for _ in range(warmup):
+        tok = eng.argmax(runner.step(np.array(tok), pos))
+        pos = pos + 1
+    ex = eng.experts
+    c0 = ex.counters.as_dict()
+    ex.time_copies = True
+    ex.copy_bandwidth()                           # forget the copies before the timed steps
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = eng.argmax(runner.step(np.array(tok), pos))
+        pos = pos + 1
+    wall = time.perf_counter() - t0
+    ex.time_copies = False
+    copy_s, copies = ex.copy_bandwidth()
+    c1 = ex.counters.as_dict()
+    out = {"tokens_per_s": batch * n / wall, "ms_per_step": 1e3 * wall / n,
+           "graph": "captured" if runner.graph is not None else runner.reason}
+    if not ex.resident:
+        d = {k: c1[k] - c0[k] for k in _DELTA}
+        tokens, acc = batch * n, d["hits"] + d["misses"]
+        copy_s = copy_s or d["copy_seconds"]      # no copy-stream timing (NumPy backend): the copies' host time
+        out.update({"hit_rate": d["hits"] / acc if acc else 0.0, "misses_per_token": d["misses"] / tokens,
+                    "loads_per_token": d["loads"] / tokens, "prefetch_loads": d["prefetch_loads"],
+                    "prefetch_hits": d["prefetch_hits"],
+                    "prefetch_recall": d["predicted_correct"] / d["actual_next"] if d["actual_next"] else None,
+                    "gb_paged": d["bytes_paged"] / 1e9, "copies": copies,
+                    "paging_gbps": d["bytes_paged"] / copy_s / 1e9 if copy_s else None,
+                    "stall_ms_per_token": 1e3 * d["stall_seconds"] / tokens})
+    return out
+
+
+def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, device):
+    cfg = EngineConfig(device=device, max_batch_size=batch, max_seq_len=max(64, PROMPT + warmup + n + 1),
+                       verify="never", max_cached_experts=capacity, cache_policy=policy, cache_scope=scope,
+                       prefetch=prefetch)
+    with Engine(path, cfg) as eng:
+        if routing == "trace":
+            eng.decoder.forced_routes = TraceRoutes(layers, E, k, batch, n + warmup + 64)
+        d = decode_steps(eng, batch, n, warmup)
+        blob = eng.experts.blob_size
     row = {"batch": batch, "capacity": capacity, "policy": policy + ("+prefetch" if prefetch else ""),
-           "routing": routing, "tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"],
-           "graph": d["graph"]}
-    if "paging" in d:
-        p = d["paging"]
-        row.update(p)
-        blob = r["engine"]["blob_bytes"]
+           "routing": routing, **d}
+    if "misses_per_token" in d:
         bw = ceilings["h2d_pinned_gbps"] * 1e9
-        row["pcie_bound_tokens_per_s"] = bw / (p["misses_per_token"] * blob) if p["misses_per_token"] else None
-    return row, r
+        row["pcie_bound_tokens_per_s"] = bw / (d["misses_per_token"] * blob) if d["misses_per_token"] else None
+    return row
 
 
 def verify_cost(path: Path) -> dict:
@@ -123,9 +189,9 @@ def qwen3_sweep(path: Path, args, ceilings: dict) -> list[dict]:
     rows = []
     for routing in ("random", "trace"):
         for batch in (1, 8):
-            base, _ = one_run(path, layers, E, k, batch=batch, capacity=None, policy="lrfu", prefetch=False,
+            base = one_run(path, layers, E, k, batch=batch, capacity=None, policy="lrfu", prefetch=False,
                               routing=routing, n=args.steps, warmup=args.warmup, ceilings=ceilings,
-                              scope="global", dry=args.dry_run)
+                              scope="global", device=args.device)
             base["fraction"] = 1.0
             rows.append(base)
             log(f"resident {routing} b{batch}: {base['tokens_per_s']:.1f} tok/s")
@@ -134,9 +200,9 @@ def qwen3_sweep(path: Path, args, ceilings: dict) -> list[dict]:
                 for policy, prefetch in (("lru", False), ("lrfu", False), ("lrfu", True)):
                     if prefetch and routing == "trace":
                         continue
-                    row, _ = one_run(path, layers, E, k, batch=batch, capacity=cap, policy=policy,
+                    row = one_run(path, layers, E, k, batch=batch, capacity=cap, policy=policy,
                                      prefetch=prefetch, routing=routing, n=args.steps, warmup=args.warmup,
-                                     ceilings=ceilings, scope="global", dry=args.dry_run)
+                                     ceilings=ceilings, scope="global", device=args.device)
                     row["fraction"] = frac
                     row["vs_resident"] = row["tokens_per_s"] / base["tokens_per_s"]
                     rows.append(row)
@@ -154,9 +220,9 @@ def mixtral_runs(path: Path, args, ceilings: dict) -> list[dict]:
     rows = []
     for capacity, policy, prefetch in ((None, "lrfu", False), (5, "lru", False), (5, "lrfu", False),
                                        (5, "lrfu", True)):
-        row, _ = one_run(path, layers, E, k, batch=1, capacity=capacity, policy=policy, prefetch=prefetch,
+        row = one_run(path, layers, E, k, batch=1, capacity=capacity, policy=policy, prefetch=prefetch,
                          routing="random", n=max(4, args.steps // 2), warmup=2, ceilings=ceilings,
-                         scope="per_layer", dry=args.dry_run)
+                         scope="per_layer", device=args.device)
         row["fraction"] = 1.0 if capacity is None else capacity / E
         rows.append(row)
         log(f"mixtral cap {capacity} {row['policy']}: {row['tokens_per_s']:.2f} tok/s")
@@ -187,21 +253,13 @@ def main() -> int:
     ap.add_argument("--work-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
+    args.device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
-        sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-        from fake_cuda import FakeBackend
-
-        from colibri_format.runtime import cuda_backend
-
-        cuda_backend.set_backend_factory(FakeBackend)
         args.steps, args.warmup = 3, 1
-    from colibri_format.runtime.cuda.bench import copy_ceilings
-    from colibri_format.runtime.cuda.backend import make_backend
-
-    be = make_backend(0)
-    ceilings = copy_ceilings(be, be.new_stream(), 1 << 20 if args.dry_run else 1 << 30)
+    ceilings = copy_ceiling(args.device, 1 << 20 if args.dry_run else 1 << 30)
     log(f"ceilings {ceilings}")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "ceilings": ceilings, "qwen3": [], "mixtral": []}
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "ceilings": ceilings, "qwen3": [],
+              "mixtral": []}
 
     def save():
         if args.out:
