@@ -2,11 +2,12 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_kernels.py --out OUT_DIR [--quick]
 
-(a) correctness: the whole routed-expert block (GEMV and grouped-GEMM paths) at each shape against a float64
-    reference computed on the device from the same int8 blobs; (b) timing: each kernel captured in a CUDA graph
-    of many launches (inputs rotated over several expert sets and routings so the weights do not sit in L2),
-    median over replays, reported in µs and in GB/s of weight bytes, beside a device-to-device copy measured in
-    the same run as the bandwidth ceiling; (c) writes gpu_kernels.json and gpu_kernels.md to OUT_DIR.
+(a) correctness: the whole routed-expert block (GEMV and grouped-GEMM paths) at each shape against the NumPy
+    backend's `moe` in float64 on the host, reading the same int8 blobs (copied back) with its blob reader;
+    (b) timing: each kernel captured in a CUDA graph of many launches (inputs rotated over several expert sets and
+    routings so the weights do not sit in L2), median over replays, reported in µs and in GB/s of weight bytes,
+    beside a device-to-device copy measured in the same run as the bandwidth ceiling; (c) writes gpu_kernels.json
+    and gpu_kernels.md to OUT_DIR.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from colibri_format.runtime import numpy_backend as nb  # noqa: E402
 from colibri_format.runtime.cuda.kernels import ops  # noqa: E402
-from tests.runtime.cuda.synthetic_experts import device_experts  # noqa: E402
+from tests.runtime.cuda.synthetic_experts import device_experts, layout_for, numpy_experts  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, k, heads, kv_heads, head_dim)
     "Mixtral-8x7B": (4096, 14336, 8, 2, 32, 8, 128),
@@ -100,37 +102,15 @@ def copy_bandwidth(cp) -> float:
     return 2 * n / statistics.median(times) / 1e9
 
 
-# ---- reference on the device --------------------------------------------------------------------------------------
-def dequant_device(cp, buf, table, e, which):
-    H, I = table.hidden_size, table.intermediate_size
-    base = int(table.blob_ptrs[e].get()) - buf.data.ptr
-    if which == "gate_up":
-        rows, cols, off, soff = 2 * I, H, table.off_gate_up, table.off_gate_up_scale
-    else:
-        rows, cols, off, soff = H, I, table.off_down, table.off_down_scale
-    q = buf[base + off: base + off + rows * cols].view(cp.int8).reshape(rows, cols).astype(cp.float64)
-    g = table.group_size or cols
-    s = buf[base + soff: base + soff + rows * (cols // g) * 4].view(cp.float32).reshape(rows, cols // g)
-    return q * cp.repeat(s.astype(cp.float64), g, axis=1)
+# ---- the NumPy oracle --------------------------------------------------------------------------------------------
+def moe_oracle(experts, x, ids, w) -> np.ndarray:
+    """numpy_backend.moe in float64 (no residual) for device x, ids, w; experts from `numpy_experts`."""
+    x64 = nb.widen(x.get(), np.float64)
+    return nb.moe(x64, ids.get(), nb.widen(w.get(), np.float64), experts, residual=np.zeros(x64.shape))
 
 
-def moe_reference_device(cp, buf, table, x, ids, w):
-    x64 = x.astype(cp.float64)
-    ids_h, w_h = ids.get(), w.get()
-    I = table.intermediate_size
-    y = cp.zeros((x.shape[0], table.hidden_size), cp.float64)
-    for e in np.unique(ids_h):
-        rows, slots = np.nonzero(ids_h == e)
-        gu = dequant_device(cp, buf, table, int(e), "gate_up") @ x64[rows].T      # [2I, n]
-        act = gu[:I] / (1 + cp.exp(-gu[:I])) * gu[I:]
-        dn = dequant_device(cp, buf, table, int(e), "down") @ act                # [H, n]
-        y[rows] += (dn * cp.asarray(w_h[rows, slots], dtype=cp.float64)[None, :]).T
-        del gu, dn
-    return y
-
-
-def rel(cp, a, b) -> float:
-    return float(cp.linalg.norm(a.astype(cp.float64) - b) / cp.linalg.norm(b))
+def rel(a, b) -> float:
+    return float(np.linalg.norm(nb.widen(a, np.float64) - b) / np.linalg.norm(b))
 
 
 # ---- one shape ----------------------------------------------------------------------------------------------------
@@ -153,6 +133,7 @@ def bench_shape(cp, name, shape, quick, rows, checks):
     gu_bytes = 2 * I * H + 2 * I * 4
     dn_bytes = H * I + H * 4
     router_w = cp.asarray((rng.standard_normal((E, H)) / math.sqrt(H)).astype(np.float32)).astype(cp.float16)
+    experts0 = numpy_experts(buf0.get(), layout_for(H, I))   # the first table's blobs, for the NumPy oracle
 
     for T in BATCHES:
         n_rot = 8
@@ -161,11 +142,11 @@ def bench_shape(cp, name, shape, quick, rows, checks):
         wts = cp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
         ids_dev = [cp.asarray(i) for i in ids_sets]
         # (a) correctness of the whole block, both paths, first table and routing
-        buf, table = tables[0]
-        ref = moe_reference_device(cp, buf, table, x, ids_dev[0], wts)
+        table = tables[0][1]
+        ref = moe_oracle(experts0, x, ids_dev[0], wts)
         for path, gemm, tc in (("gemv", False, None), ("gemm TC", True, True), ("gemm SIMT", True, False)):
             y = ops.moe_experts(x, ids_dev[0], wts, table, gemm=gemm, tensor_cores=tc)
-            err = rel(cp, y, ref)
+            err = rel(y.get(), ref)
             checks.append({"shape": name, "batch": T, "path": path, "rel_err": err, "ok": err < 1e-4})
             log(f"  check {name} T={T} {path}: rel err {err:.2e}")
         del ref
@@ -289,7 +270,7 @@ def bench_shape(cp, name, shape, quick, rows, checks):
                 rows.append({"shape": name, "batch": T, "kernel": kern, "us": us, "weight_bytes": None, "GBps": None,
                              "note": f"prefill {fl / us / 1e6:.1f} TFLOP/s"})
                 log(f"  {name:14s} T={T} {kern:22s} {us:9.2f} us  {fl / us / 1e6:.1f} TFLOP/s")
-    del tables
+    del tables, experts0
 
 
 def markdown(meta, rows, checks) -> str:

@@ -1,13 +1,15 @@
 """Random int8 experts packed as `.colibri` expert blobs, for the kernel tests and benchmarks/gpu_kernels.py.
 
-Blob offsets come from `colibri_format.spec.blob_layout` only. `host_experts` builds small experts on the host
-(returning the arrays for the NumPy references too); `device_experts` fills large ones directly on the GPU.
+Blob offsets come from `colibri_format.spec.blob_layout` only. `host_experts` builds small experts on the host;
+`device_experts` fills large ones directly on the GPU. `numpy_experts` reads packed blobs back the way the NumPy
+backend does (`numpy_backend.blob_arrays`), as the `experts(e)` callable that `numpy_backend.moe` takes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from colibri_format.runtime import numpy_backend
 from colibri_format.runtime.cuda.kernels.ops import ExpertTable
 from colibri_format.spec import ExpertFormat, blob_layout
 
@@ -24,10 +26,9 @@ def _scales(rng: np.random.Generator, rows: int, cols: int, group: int) -> np.nd
 
 
 def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter: int, group: int = 0):
-    """(layout, experts [(gate_up, gate_up_scale, down, down_scale)], blobs uint8 [E * layout.size])."""
+    """(layout, experts(e) -> (gate_up, down) float64 via `numpy_experts`, blobs uint8 [E * layout.size])."""
     layout = layout_for(hidden, inter, group)
     blobs = np.zeros(num_experts * layout.size, np.uint8)
-    experts = []
     for e in range(num_experts):
         gu = rng.integers(-127, 128, (2 * inter, hidden), dtype=np.int8)
         gus = _scales(rng, 2 * inter, hidden, group)
@@ -37,8 +38,18 @@ def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter:
             off = e * layout.size + layout.array(name).offset
             raw = arr.reshape(-1).view(np.uint8)
             blobs[off:off + raw.size] = raw
-        experts.append((gu, gus, dn, dns))
-    return layout, experts, blobs
+    return layout, numpy_experts(blobs, layout), blobs
+
+
+def numpy_experts(blobs: np.ndarray, layout):
+    """experts(e) -> (gate_up [2I, H], down [H, I]) float64: expert e of host blobs (uint8 [E * layout.size]),
+    dequantized by the NumPy backend's blob reader. The callable keeps `blobs` alive."""
+    blobs = np.ascontiguousarray(blobs, np.uint8)
+
+    def experts(e: int):
+        return numpy_backend.blob_arrays(blobs.ctypes.data + int(e) * layout.size, layout, np.float64)
+
+    return experts
 
 
 def upload(blobs: np.ndarray, num_experts: int, layout):

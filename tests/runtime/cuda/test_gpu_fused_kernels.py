@@ -1,4 +1,4 @@
-"""The fused decode-layer kernels (fused.cu) against their float64 NumPy references (GPU only).
+"""The fused decode-layer kernels (fused.cu) against the NumPy backend's ops in float64 (GPU only).
 
 Fresh random inputs every run (seed printed); outputs poisoned with NaN before each launch; relative errors.
 """
@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from colibri_format.dtypes import float32_to_bf16_bits
+from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
-from colibri_format.runtime.cuda.kernels import reference as ref
+from tests.runtime.cuda import kernel_expectations as expect
 
 F32_TOL = 2e-5
 BF16_TOL = 1e-2
@@ -41,7 +43,12 @@ def on_device(cp, a: np.ndarray, code: str):
         return cp.asarray(a.astype(np.float32))
     if code == "f16":
         return cp.asarray(a.astype(np.float16))
-    return cp.asarray(ref.f32_to_bf16(a.astype(np.float32)))
+    return cp.asarray(float32_to_bf16_bits(a.astype(np.float32)))
+
+
+def f64(a) -> np.ndarray:
+    """A kernel input or output (float32, float16 or bf16 bits) as float64: the NumPy oracle's inputs."""
+    return nb.widen(a, np.float64)
 
 
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
@@ -55,7 +62,8 @@ def test_add_rmsnorm(cp, rng, wdt, shape, alpha):
     out = cp.full(shape, np.nan, cp.float32)
     got = ops.add_rmsnorm(hd, bd, wd, 1e-5, alpha=alpha, out=out)
     assert got is out
-    exp_h, exp_x = ref.add_rmsnorm_reference(h, b, ref.as_f64(wd.get(), wdt), 1e-5, alpha)
+    exp_h = f64(h)                                          # a new array: add_rmsnorm updates it in place
+    exp_x = nb.add_rmsnorm(exp_h, f64(b), f64(wd.get()), 1e-5, alpha=alpha)
     assert rel(hd.get(), exp_h) < 1e-6
     assert rel(out.get(), exp_x) < F32_TOL
     # same result as the unfused pair
@@ -97,20 +105,20 @@ def test_qkv_rope_kv(cp, rng, case, cdt, wdt):
         sizes = (nh * hd, nkv * hd) if norm == "full" else (hd, hd)
         norms = dict(q_norm=on_device(cp, rng.uniform(0.5, 1.5, sizes[0]).astype(np.float32), wdt),
                      k_norm=on_device(cp, rng.uniform(0.5, 1.5, sizes[1]).astype(np.float32), wdt))
-    exp_q, exp_k, exp_v = ref.qkv_rope_kv_reference(
-        qkv, nh, nkv, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), seq, pos, rpos, cos, sin, norm=norm,
-        eps=1e-6, clip=clip, **{k: ref.as_f64(v.get(), wdt) for k, v in norms.items()})
+    exp_k, exp_v = f64(kc.get()), f64(vc.get())             # new arrays: qkv_rope_kv writes the caches
+    exp_q = nb.qkv_rope_kv(f64(qkv), nh, nkv, exp_k, exp_v, seq, pos, rpos, cos, sin, norm=norm, eps=1e-6,
+                           clip=clip, **{k: f64(v.get()) for k, v in norms.items()})
     q_out = cp.full((N, nh, hd), np.nan, cp.float32)
     got = ops.qkv_rope_kv(cp.asarray(qkv), nh, nkv, kc, vc, cp.asarray(seq), cp.asarray(pos), cp.asarray(rpos),
                           cp.asarray(cos), cp.asarray(sin), norm=norm, eps=1e-6, clip=clip, q_out=q_out, **norms)
     assert got is q_out
     assert rel(q_out.get(), exp_q) < F32_TOL
     tol = F32_TOL if cdt == "f32" else BF16_TOL
-    assert rel(ref.as_f64(kc.get(), cdt), exp_k) < tol
-    assert rel(ref.as_f64(vc.get(), cdt), exp_v) < tol
+    assert rel(f64(kc.get()), exp_k) < tol
+    assert rel(f64(vc.get()), exp_v) < tol
     # the rows written, checked alone (the untouched rest of the cache dominates the norms above)
-    assert rel(ref.as_f64(kc.get(), cdt)[seq, pos], exp_k[seq, pos]) < tol
-    assert rel(ref.as_f64(vc.get(), cdt)[seq, pos], exp_v[seq, pos]) < tol
+    assert rel(f64(kc.get())[seq, pos], exp_k[seq, pos]) < tol
+    assert rel(f64(vc.get())[seq, pos], exp_v[seq, pos]) < tol
 
 
 def test_qkv_rope_kv_rejects_bad_shapes(cp):
@@ -128,9 +136,9 @@ def test_qkv_rope_kv_rejects_bad_shapes(cp):
 def test_split_bf16(cp, rng, shape):
     x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape)).astype(np.float32)
     hi, lo = ops.split_bf16(cp.asarray(x), hi=cp.full(shape, 0xFFFF, cp.uint16), lo=cp.full(shape, 0xFFFF, cp.uint16))
-    exp_hi, exp_lo = ref.split_bf16_reference(x)
+    exp_hi, exp_lo = expect.split_bf16(x)
     assert (hi.get() == exp_hi).all() and (lo.get() == exp_lo).all()
-    assert rel(ref.bf16_to_f32(hi.get()).astype(np.float64) + ref.bf16_to_f32(lo.get()), x) < 1e-5
+    assert rel(f64(hi.get()) + f64(lo.get()), x) < 1e-5
 
 
 @pytest.mark.parametrize("T,N,K", [(9, 64, 128), (512, 6144, 2048), (33, 1000, 96), (512, 2048, 4096)])
@@ -140,11 +148,11 @@ def test_gemm_bf16_split(cp, rng, T, N, K):
 
     be = CupyBackend(cp.cuda.Device().id)
     x = rng.standard_normal((T, K)).astype(np.float32)
-    w = ref.f32_to_bf16((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32))
+    w = float32_to_bf16_bits((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32))
     out = cp.full((T, N), np.nan, cp.float32)
     be.gemm_bf16_split(cp.asarray(x), cp.asarray(w), out)
     cp.cuda.get_current_stream().synchronize()
-    exp = x.astype(np.float64) @ ref.bf16_to_f32(w).astype(np.float64).T
+    exp = nb.linear(f64(x), w)
     err = rel(out.get(), exp)
     print(f"T={T} N={N} K={K} rel={err:.2e}")
     assert err < 1e-4       # plain bf16 activations would give ~3e-3

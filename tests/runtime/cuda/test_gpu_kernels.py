@@ -1,4 +1,7 @@
-"""Every CUDA kernel against its float64 NumPy reference, on fresh random inputs (GPU only).
+"""Every CUDA kernel against the NumPy backend's op (`numpy_backend`, in float64), on fresh random inputs (GPU only).
+
+Kernels that are stages inside one decoder op (dispatch, gate/up, down, combine, KV append) are checked against
+their contracts in kernel_expectations.py, which are built from the same `numpy_backend` functions.
 
 Outputs are poisoned with NaN before each launch and must come back finite (every element written). Errors are
 relative: ||out - ref|| / ||ref||.
@@ -9,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from colibri_format.dtypes import float32_to_bf16_bits
+from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
-from colibri_format.runtime.cuda.kernels import reference as ref
+from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.synthetic_experts import host_experts, upload
 
 F32_TOL = 2e-5    # fp32 accumulation vs float64
@@ -49,7 +54,12 @@ def to_device_dtype(cp, a: np.ndarray, code: str):
         return cp.asarray(a.astype(np.float32))
     if code == "f16":
         return cp.asarray(a.astype(np.float16))
-    return cp.asarray(ref.f32_to_bf16(a.astype(np.float32)))
+    return cp.asarray(float32_to_bf16_bits(a.astype(np.float32)))
+
+
+def f64(a) -> np.ndarray:
+    """A kernel input or output (float32, float16 or bf16 bits) as float64: the NumPy oracle's inputs."""
+    return nb.widen(a, np.float64)
 
 
 # ---- router -------------------------------------------------------------------------------------------------------
@@ -80,9 +90,8 @@ def test_router(cp, rng, case, mode, wdt):
                                   scale=mode["scale"], workspace=ws,
                                   out_ids=cp.full((T, k), -7, cp.int32), out_weights=nan_like(cp, (T, k)))
         assert int(ws.tickets.sum()) == 0
-    w64 = ref.as_f64(w.get(), wdt)
     logits_gpu = ws.logits[:T].get()
-    assert rel(logits_gpu, ref.as_f64(x) @ w64.T) < F32_TOL
+    assert rel(logits_gpu, nb.linear(f64(x), w.get())) < F32_TOL   # the router's logits x @ w.T
     # selection is checked exactly on the kernel's own logits (float64 logits could reorder near-ties)
     exp_ids, exp_w = _route_from_logits(logits_gpu.astype(np.float64), k, bias, mode)
     np.testing.assert_array_equal(ids.get(), exp_ids)
@@ -90,11 +99,10 @@ def test_router(cp, rng, case, mode, wdt):
 
 
 def _route_from_logits(logits, k, bias, mode):
-    """router_reference with the logits given (x = identity, w = logits^T)."""
+    """numpy_backend.router with the logits given (x = identity, w = logits^T): (ids, weights)."""
     T, E = logits.shape
-    ids, w, _ = ref.router_reference(np.eye(T), logits.T.copy(), k, bias=bias, scoring=mode["scoring"],
-                                     order=mode["order"], normalize=mode["normalize"], scale=mode["scale"])
-    return ids, w
+    return nb.router(np.eye(T), logits.T.copy(), k, bias=bias, scoring=mode["scoring"], order=mode["order"],
+                     normalize=mode["normalize"], scale=mode["scale"])
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------
@@ -105,7 +113,7 @@ def test_dispatch(cp, rng, P, E, tile_m):
     ids = np.minimum(rng.zipf(1.5, P) - 1, E - 1).astype(np.int32)
     rng.shuffle(ids)
     d = ops.dispatch(cp.asarray(ids), E, tile_m=tile_m)
-    r = ref.dispatch_reference(ids, E, tile_m)
+    r = expect.dispatch_grouping(ids, E, tile_m)
     for name in ("counts", "offsets", "perm", "inv"):
         np.testing.assert_array_equal(getattr(d, name).get(), r[name], err_msg=name)
     meta = d.meta.get()
@@ -140,6 +148,12 @@ def _moe_case(cp, rng, T, E, k, H, I, group, skew=False):
     return buf, table, experts, x, ids, w
 
 
+def _moe(x, ids, w, experts, residual=None, alpha=1.0):
+    """numpy_backend.moe in float64: residual (zero when None) + alpha * the routed experts' weighted sum."""
+    resid = np.zeros(x.shape) if residual is None else f64(residual).copy()
+    return nb.moe(f64(x), ids, f64(w), experts, residual=resid, alpha=alpha)
+
+
 MOE_CASES = [  # T, E, k, H, I, group, skew
     (1, 8, 2, 256, 128, 0, False), (2, 8, 2, 512, 256, 0, False), (3, 16, 4, 256, 96, 0, False),
     (5, 64, 8, 256, 128, 32, False), (32, 64, 8, 256, 128, 0, True), (32, 8, 2, 128, 64, 16, True),
@@ -155,17 +169,17 @@ def test_moe_gemv(cp, rng, case, tokc, variant):
     d = ops.dispatch(cp.asarray(ids), E)
     act = ops.moe_gate_up(cp.asarray(x), table, d, k, tokens_per_pass_=tokc, variant=variant,
                           out=nan_like(cp, (T * k, I)))
-    exp_act = ref.moe_act_reference(x, ids, experts, group)
+    exp_act = expect.pair_act(f64(x), ids, experts)
     act_pairs = act.get()[d.inv.get()]  # sorted order -> pair order
     assert rel(act_pairs, exp_act) < F32_TOL
     ypair = ops.moe_down(act, table, d, cp.asarray(w), tokens_per_pass_=tokc, variant=variant,
                          out=nan_like(cp, (T * k, H)))
-    exp_y = ref.moe_down_reference(act_pairs.astype(np.float64), ids, w, experts, group)
+    exp_y = expect.pair_down(f64(act_pairs), ids, f64(w), experts)
     assert rel(ypair.get(), exp_y) < F32_TOL
     resid = rng.standard_normal((T, H)).astype(np.float32)
     y = ops.moe_combine(ypair, k, residual=cp.asarray(resid), alpha=0.75, out=nan_like(cp, (T, H)))
-    assert rel(y.get(), ref.moe_combine_reference(ypair.get(), k, resid, 0.75)) < 1e-6
-    full = ref.moe_reference(x, ids, w, experts, group, group)
+    assert rel(y.get(), expect.combine(f64(ypair.get()), k, f64(resid), 0.75)) < 1e-6
+    full = _moe(x, ids, w, experts)
     assert rel(ops.moe_combine(ypair, k).get(), full) < F32_TOL
 
 
@@ -181,11 +195,11 @@ def test_moe_gemm(cp, rng, case, tc):
     buf, table, experts, x, ids, w = _moe_case(cp, rng, T, E, k, H, I, group, skew)
     d = ops.dispatch(cp.asarray(ids), E, tile_m=ops.GEMM_BM)
     act = ops.moe_gemm_gate_up(cp.asarray(x), table, d, k, tensor_cores=tc, out=nan_like(cp, (T * k, I)))
-    exp_act = ref.moe_act_reference(x, ids, experts, group)
+    exp_act = expect.pair_act(f64(x), ids, experts)
     act_pairs = act.get()[d.inv.get()]
     assert rel(act_pairs, exp_act) < tol
     ypair = ops.moe_gemm_down(act, table, d, cp.asarray(w), tensor_cores=tc, out=nan_like(cp, (T * k, H)))
-    assert rel(ypair.get(), ref.moe_down_reference(act_pairs.astype(np.float64), ids, w, experts, group)) < tol
+    assert rel(ypair.get(), expect.pair_down(f64(act_pairs), ids, f64(w), experts)) < tol
 
 
 @pytest.mark.parametrize("gemm", [False, True])
@@ -195,7 +209,7 @@ def test_moe_experts_end_to_end(cp, rng, gemm):  # gemm: the tensor-core path (p
     resid = rng.standard_normal((T, H)).astype(np.float32)
     y = ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, residual=cp.asarray(resid),
                         alpha=1.0, gemm=gemm)
-    assert rel(y.get(), ref.moe_reference(x, ids, w, experts, residual=resid)) < (1e-4 if gemm else F32_TOL)
+    assert rel(y.get(), _moe(x, ids, w, experts, residual=resid)) < (1e-4 if gemm else F32_TOL)
 
 
 def test_moe_wrappers_reject_bad_inputs(cp, rng):
@@ -219,8 +233,8 @@ def test_rmsnorm(cp, rng, xdt, odt, wdt, shape):
     xd, wd = to_device_dtype(cp, x, xdt), to_device_dtype(cp, w, wdt)
     out_dtype = np.float32 if odt == "f32" else np.uint16
     out = ops.rmsnorm(xd, wd, 1e-5, out_dtype=out_dtype, w_offset=0.25)
-    got = ref.as_f64(out.get(), odt)
-    exp = ref.rmsnorm_reference(ref.as_f64(xd.get(), xdt), ref.as_f64(wd.get(), wdt), 1e-5, 0.25)
+    got = f64(out.get())
+    exp = nb.rmsnorm(f64(xd.get()), f64(wd.get()) + 0.25, 1e-5)   # w_offset: the weight is w + 0.25
     assert rel(got, exp) < (F32_TOL if odt == "f32" else BF16_TOL)
 
 
@@ -233,7 +247,7 @@ def test_rope(cp, rng, hd, rot):
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     xd = cp.asarray(x)
     ops.rope(xd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin))
-    assert rel(xd.get(), ref.rope_reference(x, pos, cos, sin)) < 1e-6
+    assert rel(xd.get(), nb.rope(f64(x), pos, cos, sin)) < 1e-6   # f64(x) is a new array: rope is in place
 
 
 @pytest.mark.parametrize("cdt", ["f32", "f16", "bf16"])
@@ -251,17 +265,17 @@ def test_kv_append_and_attention(cp, rng, cdt, hd, window):
     v_new = rng.standard_normal((N, nkv, hd)).astype(np.float32)
     seq = np.array([1, 0, 1, 2], np.int32)
     pos = np.array([10, 3, 11, 0], np.int32)
-    exp_k, exp_v = ref.kv_append_reference(k_new, v_new, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), seq, pos)
+    exp_k, exp_v = f64(kc.get()), f64(vc.get())
+    expect.kv_append(f64(k_new), f64(v_new), exp_k, exp_v, seq, pos)
     ops.kv_append(cp.asarray(k_new), cp.asarray(v_new), kc, vc, cp.asarray(seq), cp.asarray(pos))
     tol = 1e-6 if cdt == "f32" else BF16_TOL
-    assert rel(ref.as_f64(kc.get(), cdt), exp_k) < tol and rel(ref.as_f64(vc.get(), cdt), exp_v) < tol
+    assert rel(f64(kc.get()), exp_k) < tol and rel(f64(vc.get()), exp_v) < tol
     # decode: one query per sequence; plus causal-prefill rows of sequence 1 at positions 0..11
     q_seq = np.array([0, 1, 2] + [1] * 12, np.int32)
     q_len = np.array([4, 12, 1] + list(range(1, 13)), np.int32)
     q = rng.standard_normal((len(q_seq), nh, hd)).astype(np.float32)
     scale = 1.0 / np.sqrt(hd)
-    exp = ref.attention_reference(q, ref.as_f64(kc.get(), cdt), ref.as_f64(vc.get(), cdt), q_seq, q_len, scale,
-                                  window)
+    exp = nb.attention(f64(q), f64(kc.get()), f64(vc.get()), q_seq, q_len, scale, window=window)
     for variant in (dict(), dict(nsplit=1), dict(nsplit=3), dict(nsplit=40)):
         out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), scale, window=window,
                             out=nan_like(cp, q.shape), **variant)
@@ -271,13 +285,12 @@ def test_kv_append_and_attention(cp, rng, cdt, hd, window):
 def test_attention_long_context(cp, rng):
     """Many key tiles per warp and per split (the short test above never fills a tile)."""
     S, cap, nkv, nh, hd = 2, 1000, 2, 8, 128
-    kc = cp.asarray(ref.f32_to_bf16(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
-    vc = cp.asarray(ref.f32_to_bf16(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    kc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    vc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
     q_seq = np.array([0, 1, 1], np.int32)
     q_len = np.array([1000, 777, 129], np.int32)
     q = (rng.standard_normal((3, nh, hd)) * 2).astype(np.float32)
-    exp = ref.attention_reference(q, ref.as_f64(kc.get(), "bf16"), ref.as_f64(vc.get(), "bf16"), q_seq, q_len,
-                                  0.1)
+    exp = nb.attention(f64(q), f64(kc.get()), f64(vc.get()), q_seq, q_len, 0.1)
     for variant in (dict(), dict(nsplit=1), dict(nsplit=7)):
         out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1,
                             out=nan_like(cp, q.shape), **variant)
@@ -290,7 +303,7 @@ def test_embedding(cp, rng, wdt):
     table = to_device_dtype(cp, rng.standard_normal((V, H)).astype(np.float32), wdt)
     ids = rng.integers(0, V, 9).astype(np.int32)
     out = ops.embedding(cp.asarray(ids), table, mult=1.5, out=nan_like(cp, (9, H)))
-    assert rel(out.get(), ref.embedding_reference(ids, ref.as_f64(table.get(), wdt), 1.5)) < 1e-7
+    assert rel(out.get(), nb.embedding(ids, table.get(), mult=1.5, dtype=np.float64)) < 1e-7
     bad = ops.embedding(cp.asarray(np.array([V], np.int32)), table)
     assert np.isnan(bad.get()).all()
 
@@ -300,9 +313,9 @@ def test_residual_add_and_silu_mul(cp, rng):
     b = rng.standard_normal((5, 300)).astype(np.float32)
     ad = cp.asarray(a)
     ops.residual_add(ad, cp.asarray(b), alpha=0.5, out=ad)  # in place
-    assert rel(ad.get(), ref.residual_add_reference(a, b, 0.5)) < 1e-7
+    assert rel(ad.get(), nb.residual_add(f64(a), f64(b), alpha=0.5)) < 1e-7
     gu = rng.standard_normal((4, 2 * 96)).astype(np.float32)
-    assert rel(ops.silu_mul(cp.asarray(gu)).get(), ref.silu_mul_reference(gu)) < 1e-6
+    assert rel(ops.silu_mul(cp.asarray(gu)).get(), nb.silu_mul(f64(gu))) < 1e-6
 
 
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
@@ -313,4 +326,4 @@ def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
     w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
     bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
     y = ops.dense_gemv(cp.asarray(x), w, bias=None if bias is None else cp.asarray(bias), out=nan_like(cp, (T, N)))
-    assert rel(y.get(), ref.dense_gemv_reference(x, ref.as_f64(w.get(), wdt), bias)) < F32_TOL
+    assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < F32_TOL

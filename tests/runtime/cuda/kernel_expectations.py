@@ -1,0 +1,75 @@
+"""What the CUDA kernels' internal stages must produce, built from `numpy_backend` (the one NumPy op set).
+
+The decoder's ops (`numpy_backend.router`, `.moe`, `.rmsnorm`, ...) are tested against directly. A few kernels
+are stages inside one of those ops: the dispatch kernel's grouping of (token, slot) pairs, the gate/up and down
+GEMV/GEMM per pair, the combine, the KV append and the bf16 split for tensor cores. Their contracts are written
+here from `numpy_backend` primitives, in float64. `experts(e) -> (gate_up [2I, H], down [H, I])` is the
+dequantized-expert callable that `numpy_backend.moe` takes. Pair p = t * k + j is slot j of token t.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_format.dtypes import float32_to_bf16_bits, to_float32
+from colibri_format.runtime import numpy_backend as nb
+
+
+def dispatch_grouping(ids, num_experts: int, tile_m: int = 64) -> dict:
+    """ids [P] (flattened [T, k]) -> the grouping the dispatch kernel produces (stable by pair index)."""
+    ids = np.asarray(ids).reshape(-1)
+    counts = np.bincount(ids, minlength=num_experts).astype(np.int32)
+    offsets = np.zeros(num_experts + 1, np.int32)
+    offsets[1:] = np.cumsum(counts)
+    perm = np.argsort(ids, kind="stable").astype(np.int32)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm), dtype=np.int32)
+    active = np.flatnonzero(counts).astype(np.int32)
+    tiles = [(e, offsets[e] + j * tile_m) for e in active for j in range(-(-counts[e] // tile_m))]
+    return {"counts": counts, "offsets": offsets, "perm": perm, "inv": inv, "active": active,
+            "tile_expert": np.array([t[0] for t in tiles], np.int32),
+            "tile_start": np.array([t[1] for t in tiles], np.int32)}
+
+
+def _per_pair(ids, pair_rows) -> np.ndarray:
+    """[T * k, n] in pair order from pair_rows(e, t, j) -> the rows of the pairs (t, j) routed to expert e."""
+    T, k = ids.shape
+    out = None
+    for e in np.unique(ids):
+        t, j = np.nonzero(ids == e)
+        rows = pair_rows(int(e), t, j)
+        if out is None:
+            out = np.full((T * k, rows.shape[1]), np.nan)
+        out[t * k + j] = rows
+    return out
+
+
+def pair_act(x, ids, experts) -> np.ndarray:
+    """act [T * k, I]: silu(gate x[t]) * (up x[t]) with expert ids[t, j] (the gate/up kernels' output)."""
+    return _per_pair(ids, lambda e, t, j: nb.silu_mul(nb.linear(x[t], experts(e)[0])))
+
+
+def pair_down(act, ids, weights, experts) -> np.ndarray:
+    """ypair [T * k, H]: weights[t, j] * (down act[p]) with expert ids[t, j] (the down kernels' output)."""
+    k = ids.shape[1]
+    return _per_pair(ids, lambda e, t, j: weights[t, j, None] * nb.linear(act[t * k + j], experts(e)[1]))
+
+
+def combine(ypair, k: int, residual, alpha: float = 1.0) -> np.ndarray:
+    """y [T, H] = residual + alpha * sum_j ypair[t * k + j] (the combine kernel)."""
+    return nb.residual_add(residual, ypair.reshape(-1, k, ypair.shape[-1]).sum(1), alpha=alpha)
+
+
+def kv_append(k, v, k_cache, v_cache, seq, pos) -> None:
+    """In place on the caches: the KV write of `numpy_backend.qkv_rope_kv` (no query heads, no rotary dims)."""
+    N, kv_heads, hd = k.shape
+    qkv = np.concatenate([k.reshape(N, -1), v.reshape(N, -1)], axis=1)
+    no_rotary = np.zeros((1, 0))
+    nb.qkv_rope_kv(qkv, 0, kv_heads, k_cache, v_cache, seq, pos, np.zeros(N, np.int32), no_rotary, no_rotary)
+
+
+def split_bf16(x) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) as bf16 bits: hi = bf16(x) round-to-nearest-even, lo = bf16(x - hi) (tensor-core activations)."""
+    x = np.asarray(x, np.float32)
+    hi = float32_to_bf16_bits(x)
+    return hi, float32_to_bf16_bits(x - to_float32(hi))
