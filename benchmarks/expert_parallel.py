@@ -18,8 +18,11 @@ Caveat: the EP engine's dense layers (attention, norms, router, head) are the Nu
 replicated on every rank; only the expert FFNs and the exchange run on the GPUs. End-to-end tokens/s therefore
 compares expert placement strategies under a host-bound dense path; the exchange rows isolate the GPU part.
 
-    python benchmarks/expert_parallel.py --worlds 1,2,4 --out ep.json        # the multi-GPU machine
-    python benchmarks/expert_parallel.py --dry-run                           # CPU, gloo, tiny shapes
+Run from the repository root (the benchmark imports the library, nothing else; the rank processes inherit
+PYTHONPATH):
+
+    PYTHONPATH=. python benchmarks/expert_parallel.py --worlds 1,2,4 --out ep.json     # the multi-GPU machine
+    PYTHONPATH=. python benchmarks/expert_parallel.py --dry-run                        # CPU, gloo, tiny shapes
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")    # NVLink multicast stays off on the lent machines
 
@@ -89,7 +89,7 @@ def measure_exchange(eng, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    m, out = eng.weights.model, {}
+    m, out = eng.reader.model, {}
     rng = np.random.default_rng(1)
     for rows in opts["exchange_rows"]:
         x = rng.standard_normal((rows, m["hidden_size"])).astype(np.float32)
