@@ -60,14 +60,6 @@ def combine(ypair, k: int, residual, alpha: float = 1.0) -> np.ndarray:
     return nb.residual_add(residual, ypair.reshape(-1, k, ypair.shape[-1]).sum(1), alpha=alpha)
 
 
-def kv_append(k, v, k_cache, v_cache, seq, pos) -> None:
-    """In place on the caches: the KV write of `numpy_backend.qkv_rope_kv` (no query heads, no rotary dims)."""
-    N, kv_heads, hd = k.shape
-    qkv = np.concatenate([k.reshape(N, -1), v.reshape(N, -1)], axis=1)
-    no_rotary = np.zeros((1, 0))
-    nb.qkv_rope_kv(qkv, 0, kv_heads, k_cache, v_cache, seq, pos, np.zeros(N, np.int32), no_rotary, no_rotary)
-
-
 def split_bf16(x) -> tuple[np.ndarray, np.ndarray]:
     """(hi, lo) as bf16 bits: hi = bf16(x) round-to-nearest-even, lo = bf16(x - hi) (tensor-core activations)."""
     x = np.asarray(x, np.float32)

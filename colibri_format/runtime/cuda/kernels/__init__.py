@@ -1,2 +1,2 @@
-"""CUDA kernels of the colibri-format runtime (`*.cu`), their checked CuPy wrappers (`ops`) and NumPy references
-(`reference`). Importing this package does not import CuPy."""
+"""CUDA kernels of the colibri-format runtime (`*.cu`) and their checked CuPy wrappers (`ops`). Their oracle is
+`runtime.numpy_backend` on float64 inputs. Importing this package does not import CuPy."""

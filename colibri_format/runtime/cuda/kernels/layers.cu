@@ -52,53 +52,6 @@ RMSNORM_KERNEL(bf16_bf16_f32, TBF16, TBF16, TF32)
 RMSNORM_KERNEL(bf16_bf16_f16, TBF16, TBF16, TF16)
 RMSNORM_KERNEL(bf16_bf16_bf16, TBF16, TBF16, TBF16)
 
-// ------------------------------------------------------------------------------------------------ RoPE
-// In place on x [N, nh, hd] fp32, rotate_half convention on the first rot dims:
-//   x1 = x[i], x2 = x[i + rot/2] (i < rot/2), c = cos[pos[n], i], s = sin[pos[n], i]
-//   x[i] = x1 c - x2 s; x[i + rot/2] = x2 c + x1 s.     cos/sin: [npos, rot/2] fp32.
-extern "C" __global__ void rope_f32(float* __restrict__ x, const int* __restrict__ pos, const float* __restrict__ cos_t,
-                                    const float* __restrict__ sin_t, int N, int nh, int hd, int rot) {
-    const int half = rot >> 1;
-    const long long total = (long long)N * nh * half;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(idx % half);
-        const long long nhh = idx / half;  // n * nh + head
-        const int n = (int)(nhh / nh);
-        const int p = pos[n];
-        const float c = cos_t[(size_t)p * half + i], s = sin_t[(size_t)p * half + i];
-        float* v = x + nhh * hd;
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c - x2 * s;
-        v[i + half] = x2 * c + x1 * s;
-    }
-}
-
-// ------------------------------------------------------------------------------------------------ KV cache
-// Cache layout [num_seqs, capacity, nkv, hd]; row n of k/v [N, nkv, hd] fp32 goes to (seq[n], pos[n]).
-template <typename TC>
-__device__ __forceinline__ void kv_append_impl(const float* __restrict__ k, const float* __restrict__ v,
-                                               typename TC::storage* __restrict__ kc,
-                                               typename TC::storage* __restrict__ vc, const int* __restrict__ seq,
-                                               const int* __restrict__ pos, int N, int row, int capacity) {
-    const long long total = (long long)N * row;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const int n = (int)(idx / row), r = (int)(idx - (long long)n * row);
-        const size_t dst = ((size_t)seq[n] * capacity + pos[n]) * row + r;
-        kc[dst] = TC::from_f32(k[idx]);
-        vc[dst] = TC::from_f32(v[idx]);
-    }
-}
-
-#define KV_APPEND_KERNEL(SUF, TC)                                                                              \
-    extern "C" __global__ void kv_append_##SUF(const float* k, const float* v, TC::storage* kc, TC::storage* vc, \
-                                               const int* seq, const int* pos, int N, int row, int capacity) {  \
-        kv_append_impl<TC>(k, v, kc, vc, seq, pos, N, row, capacity);                                          \
-    }
-KV_APPEND_KERNEL(f32, TF32)
-KV_APPEND_KERNEL(f16, TF16)
-KV_APPEND_KERNEL(bf16, TBF16)
 
 // ------------------------------------------------------------------------------------------------ attention
 // One query row per (sequence, position): q [NQ, nh, hd] fp32; query row n reads cache sequence q_seq[n] and the

@@ -487,42 +487,6 @@ def rmsnorm(x, w, eps: float, *, out_dtype=None, w_offset: float = 0.0, out=None
     return o
 
 
-def rope(x, pos, cos, sin):
-    """In place on x [N, nh, hd] f32: rotate_half RoPE of the first 2*cos.shape[1] dims at positions pos [N]."""
-    _check("x", x, dtype=np.float32, ndim=3)
-    N, nh, hd = x.shape
-    _check("pos", pos, dtype=np.int32, shape=(N,))
-    _check("cos", cos, dtype=np.float32, ndim=2)
-    _check("sin", sin, dtype=np.float32, shape=cos.shape)
-    half = cos.shape[1]
-    if 2 * half > hd:
-        raise ValueError(f"rotary dim {2 * half} exceeds head_dim {hd}")
-    total = N * nh * half
-    if total:
-        kernel("layers", "rope_f32")(
-            (_grid_stride_blocks(total),), (256,),
-            (x, pos, cos, sin, np.int32(N), np.int32(nh), np.int32(hd), np.int32(2 * half)))
-    return x
-
-
-def kv_append(k, v, k_cache, v_cache, seq, pos):
-    """Writes k, v [N, nkv, hd] f32 to caches [S, capacity, nkv, hd] (f32/f16/bf16) at (seq[n], pos[n])."""
-    _check("k", k, dtype=np.float32, ndim=3)
-    N, nkv, hd = k.shape
-    _check("v", v, dtype=np.float32, shape=k.shape)
-    _check("k_cache", k_cache, ndim=4, codes=("f32", "f16", "bf16"))
-    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
-    if k_cache.shape[2:] != (nkv, hd):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold rows of [{nkv}, {hd}]")
-    _check("seq", seq, dtype=np.int32, shape=(N,))
-    _check("pos", pos, dtype=np.int32, shape=(N,))
-    row = nkv * hd
-    if N:
-        kernel("layers", f"kv_append_{dtype_code(k_cache)}")(
-            (_grid_stride_blocks(N * row),), (256,),
-            (k, v, k_cache, v_cache, seq, pos, np.int32(N), np.int32(row), np.int32(k_cache.shape[1])))
-
-
 def attention_splits(num_rows: int, kv_heads: int, group: int, max_len: int) -> int:
     """Context splits for the split attention kernel: enough blocks for two waves, at least 64 keys a split."""
     blocks = num_rows * kv_heads * -(-group // ATT_GMAX)
