@@ -1,6 +1,9 @@
 """Real routing traces of the bundled demo model on held-out text, and the expert-cache simulator on them.
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/real_traces.py --out-dir docs/traces
+Run from the repository root (the benchmark imports the library, nothing else):
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python benchmarks/real_traces.py --out-dir docs/traces
+    PYTHONPATH=. python benchmarks/real_traces.py --dry-run     # a few tokens per trace, into a temporary folder
 
 Converts ``models/colibri-demo-moe`` with the default options (float16 dense, int8 per-row experts) into a
 temporary folder, then records three traces with the NumPy engine (``EngineConfig(trace_path=...)``), all on
@@ -12,8 +15,9 @@ each tokenized on its own, so each starts with ``<|bos|>``):
   seed = module index, no stop token), one forward pass per new token. The four requests run back to back
   on one engine, so the trace is one stream of 4 x 256 = 1,024 forward passes.
 * ``teacher_forced.jsonl`` - decode-style teacher forcing: the first 512 tokens of each module fed one token
-  per forward pass through a KV cache (the per-step call ``Engine.generate`` makes, ``Engine._forward``),
-  so the routing is that of a decoder that produced exactly the held-out text: 4 x 512 = 2,048 passes.
+  per forward pass through a KV cache (the engine's decode step, ``eng.decode_runner(...).step``, as
+  ``Engine.generate`` runs it; the routing reaches the trace writer through ``eng.decoder.route_hook``), so the
+  routing is that of a decoder that produced exactly the held-out text: 4 x 512 = 2,048 passes.
 * ``teacher_forced_batch4.jsonl`` - the same four passages decoded in lock-step as a batch of 4 sequences:
   512 forward passes of 4 tokens each. The cache simulator counts an expert once per pass and layer however
   many of the 4 tokens chose it, as the engines load it once for the whole batch.
@@ -21,6 +25,8 @@ each tokenized on its own, so each starts with ``<|bos|>``):
 Then it runs ``run_cache_sim(trace, "10%,25%,40%,60%", "all", scope)`` for scope ``global`` (capacity = a share
 of all 6 x 8 = 48 experts) and ``per_layer`` (a share of each layer's 8 experts), prints markdown tables and
 the matching ``colibri cache-sim`` commands, and writes ``cache_sim.json`` next to the traces.
+``--dry-run`` records 8 + 8 generated and 16 teacher-forced tokens per module into a temporary folder: it
+checks the script, not the traces.
 """
 
 from __future__ import annotations
@@ -33,11 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-import numpy as np  # noqa: E402
-
 MODEL_DIR = ROOT / "models" / "colibri-demo-moe"
 MODULES = ("fractions.py", "json/decoder.py", "statistics.py", "textwrap.py")
 CAPACITIES = "10%,25%,40%,60%"
@@ -54,30 +58,46 @@ def module_ids(names=MODULES) -> list[list[int]]:
     return [tok.encode(modules[n]).ids for n in names]
 
 
-def trace_generate(model: Path, out: Path, passages: list[list[int]]) -> dict:
+def trace_generate(model: Path, out: Path, passages: list[list[int]], prompt_tokens: int = PROMPT_TOKENS,
+                   new_tokens: int = NEW_TOKENS) -> dict:
     from colibri_format.runtime.engine import Engine, EngineConfig
 
     t0, gen = time.perf_counter(), 0
     with Engine(model, EngineConfig(trace_path=str(out))) as eng:
         for i, ids in enumerate(passages):
-            res = eng.generate(ids[:PROMPT_TOKENS], max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95,
+            res = eng.generate(ids[:prompt_tokens], max_new_tokens=new_tokens, temperature=0.8, top_p=0.95,
                                seed=i, stop_ids=[])
             gen += len(res.output_ids)
-    return {"passes": len(passages) * NEW_TOKENS, "generated": gen, "seconds": time.perf_counter() - t0}
+    return {"passes": len(passages) * new_tokens, "generated": gen, "seconds": time.perf_counter() - t0}
 
 
-def trace_teacher_forced(model: Path, out: Path, passages: list[list[int]], batch: bool) -> dict:
+def trace_teacher_forced(model: Path, out: Path, passages: list[list[int]], batch: bool,
+                         tokens: int = TF_TOKENS) -> dict:
+    """Feed the passages one token per sequence per pass through a decode runner's KV cache; every pass's
+    routing goes to a TraceWriter through the decoder's route hook (pass t, sequence = row of the batch)."""
+    from colibri_format.runtime.cache.trace import TraceWriter
     from colibri_format.runtime.engine import Engine, EngineConfig
 
-    seqs = [np.asarray(p[:TF_TOKENS]) for p in passages]
+    seqs = [np.asarray(p[:tokens]) for p in passages]
     t0, passes = time.perf_counter(), 0
-    with Engine(model, EngineConfig(trace_path=str(out))) as eng:
-        groups = [seqs] if batch else [[s] for s in seqs]
-        for group in groups:
-            caches = [eng.model.new_cache() for _ in group]
-            for pos in range(min(len(s) for s in group)):
-                eng._forward([s[pos:pos + 1] for s in group], caches)   # one token per sequence per pass
-                passes += 1
+    with Engine(model, EngineConfig()) as eng:
+        m = eng.reader.model
+        with TraceWriter(out, num_layers=m["num_layers"], moe_layers=m["moe_layers"], num_experts=m["num_experts"],
+                         top_k=m["top_k"], model=str(eng.metadata.get("architecture", "unknown"))) as writer:
+            groups = [seqs] if batch else [[s] for s in seqs]
+            try:
+                for group in groups:
+                    n = min(len(s) for s in group)
+                    runner = eng.decode_runner(len(group), n)
+                    for pos in range(n):
+                        def record(layer, ids, t=passes, pos=pos):
+                            for row, chosen in enumerate(eng.be.to_host(ids).astype(np.int64)):
+                                writer.record(t, row, layer, chosen, pos=pos)
+                        eng.decoder.route_hook = record
+                        runner.step(np.array([s[pos] for s in group]), np.full(len(group), pos))
+                        passes += 1
+            finally:
+                eng.decoder.route_hook = None
     return {"passes": passes, "seconds": time.perf_counter() - t0}
 
 
@@ -156,22 +176,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", default="docs/traces")
     p.add_argument("--skip-record", action="store_true", help="reuse the traces already in --out-dir")
+    p.add_argument("--dry-run", action="store_true", help="a few tokens per trace, into a temporary folder")
     args = p.parse_args(argv)
-    out_dir = Path(args.out_dir)
+    if args.dry_run:
+        with tempfile.TemporaryDirectory(prefix="colibri-traces-dry-") as tmp:
+            return record_and_replay(Path(tmp), False, dict(prompt_tokens=8, new_tokens=8, tf_tokens=16))
+    return record_and_replay(Path(args.out_dir), args.skip_record,
+                             dict(prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS, tf_tokens=TF_TOKENS))
+
+
+def record_and_replay(out_dir: Path, skip_record: bool, sizes: dict) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     names = ["generate", "teacher_forced", "teacher_forced_batch4"]
     runs: dict[str, dict] = {}
-    if not args.skip_record:
+    if not skip_record:
         from colibri_format.convert.pipeline import convert
 
         passages = module_ids()
         with tempfile.TemporaryDirectory(prefix="colibri-traces-") as tmp:
             model = Path(tmp) / "demo-int8-row.colibri"
             convert(MODEL_DIR, model, dtype="float16", quantize="expert", resume=False)
-            runs["generate"] = trace_generate(model, out_dir / "generate.jsonl", passages)
-            runs["teacher_forced"] = trace_teacher_forced(model, out_dir / "teacher_forced.jsonl", passages, False)
+            runs["generate"] = trace_generate(model, out_dir / "generate.jsonl", passages, sizes["prompt_tokens"],
+                                              sizes["new_tokens"])
+            runs["teacher_forced"] = trace_teacher_forced(model, out_dir / "teacher_forced.jsonl", passages, False,
+                                                          sizes["tf_tokens"])
             runs["teacher_forced_batch4"] = trace_teacher_forced(model, out_dir / "teacher_forced_batch4.jsonl",
-                                                                 passages, True)
+                                                                 passages, True, sizes["tf_tokens"])
         for n, r in runs.items():
             print(f"{n}: {r}", file=sys.stderr)
 
