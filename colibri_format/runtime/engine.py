@@ -28,7 +28,7 @@ from colibri_format.runtime.forward import Decoder, KVBuffers, StepInputs, Works
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
 from colibri_format.runtime.runner import DecodeRunner, capacity_for
-from colibri_format.runtime.sampling import check_sampling, sample
+from colibri_format.runtime.sampling import Sampler, StopStrings
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
 
@@ -271,17 +271,28 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int] | str, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
-                 callback: Callable[[int], Any] | None = None) -> GenerationResult:
-        """Prefill the prompt, then decode one token per step; `callback(token_id)` returning False stops."""
+                 callback: Callable[[int], Any] | None = None, *, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, stop_strings: Sequence[str] | None = None) -> GenerationResult:
+        """Prefill the prompt, then decode one token per step; `callback(token_id)` returning False stops.
+
+        Sampling (runtime/sampling.py): repetition_penalty over the prompt and the output (1 = off), then greedy
+        at temperature 0, else temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off). Generation stops
+        at a token of `stop_ids` (default: the tokenizer's end tokens) or once the decoded text holds one of
+        `stop_strings` (needs the file's tokenizer); `text` then ends before that string.
+        """
         prompt = self._prompt(prompt_ids)
-        check_sampling(temperature, top_p)
+        pick = Sampler(temperature, top_p, seed, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                       context=prompt.tolist())
         _check_new_tokens(max_new_tokens)
         stop = set(self._stop_ids() if stop_ids is None else stop_ids)
+        stop_text = StopStrings(stop_strings, self.tokenizer) if stop_strings else None
         c0 = self._counts()
         stats = GenerationStats(prompt_tokens=len(prompt))
-        out = self._decode(prompt, max_new_tokens, temperature, top_p, seed, stop, callback, stats)
+        out = self._decode(prompt, max_new_tokens, pick, stop, stop_text, callback, stats)
         self._finish_stats(stats, c0)
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        if stop_text is not None and text is not None:
+            text = stop_text.cut(text)
         if self.config.verbose:
             print(f"colibri({self.be.name}): {stats.as_dict()}", file=sys.stderr)
         return GenerationResult(out, text, stats)
@@ -366,8 +377,9 @@ class Engine:
             self.decoder.route_hook = lambda layer, ids: self.routes.record(layer,
                                                                             self.be.to_host(ids).astype(np.int64))
 
-    def _decode(self, prompt, max_new_tokens, temperature, top_p, seed, stop, callback, stats) -> list[int]:
-        rng, out = np.random.default_rng(seed), []
+    def _decode(self, prompt, max_new_tokens, pick: Sampler, stop, stop_text: StopStrings | None, callback,
+                stats) -> list[int]:
+        out: list[int] = []
         budget = min(max_new_tokens, self.config.max_seq_len - len(prompt))
         stats.finish_reason = "length" if budget == max_new_tokens else "max_seq_len"
         if budget <= 0:
@@ -379,9 +391,12 @@ class Engine:
         for step in range(budget):
             if step:
                 row = self._decode_step(runner, out[-1], len(prompt) + step - 1)
-            out.append(sample(row, temperature, top_p, rng))
-            if out[-1] in stop or (callback is not None and callback(out[-1]) is False):
-                stats.finish_reason = "stop" if out[-1] in stop else "callback"
+            out.append(pick(row))
+            if out[-1] in stop or (stop_text is not None and stop_text.reached(out)):
+                stats.finish_reason = "stop"
+                break
+            if callback is not None and callback(out[-1]) is False:
+                stats.finish_reason = "callback"
                 break
         stats.prefill_seconds, stats.decode_seconds = t1 - t0, time.perf_counter() - t1
         stats.generated_tokens = len(out)

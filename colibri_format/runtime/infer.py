@@ -1,61 +1,205 @@
-"""One generation from a `.colibri` file, as a library call: a prompt (text, chat or token ids) in, a dict out.
+"""Generation from a `.colibri` file as library calls: one prompt in, a dict out (`run_infer`), or a conversation
+kept through the file's chat template (`ChatSession`).
 
-`run_infer` is what `colibri infer` runs; `prompt_token_ids` and `text_streamer` are shared with the
-expert-parallel ranks (runtime/parallel/run.py), so both give the same prompt handling and the same stream.
+`prompt_token_ids` and `text_streamer` are shared with the expert-parallel ranks (runtime/parallel/run.py), so
+both give the same prompt handling and the same stream. A `StopRequest` (set from a Ctrl-C handler) ends a
+generation cleanly at the next token: the result, its stats and the routing trace are complete up to there.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, SequenceTooLong
 from colibri_format.runtime import Engine, EngineConfig
+from colibri_format.runtime.inputs import check_ids, utf8_text
+from colibri_format.runtime.sampling import StopStrings, check_sampling, find_stop, partial_stop
+
+# Special tokens that end a turn in the chat templates in use; stops for chat prompts when the vocabulary has them.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
 
 
-def prompt_token_ids(engine: Engine, prompt: str | None, ids: list[int] | None, chat: bool) -> list[int]:
-    """The prompt as token ids: `ids` as given, or `prompt` encoded (through the chat template with `chat`)."""
+def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+
+
+def prompt_token_ids(engine: Engine, prompt: str | None, ids: list[int] | None, chat: bool,
+                     system: str | None = None) -> list[int]:
+    """The prompt as token ids: `ids` as given, or `prompt` encoded (through the chat template with `chat`, after
+    the `system` message if any)."""
     if (prompt is None) == (ids is None):
         raise InvalidInput("give exactly one of a text prompt or token ids", field="prompt")
     if ids is not None:
+        if system is not None:
+            raise InvalidInput("a system prompt needs a text prompt, not token ids", field="system")
         return list(ids)
     if engine.tokenizer is None:
         raise InvalidInput("this file embeds no tokenizer: pass token ids instead of text", field="prompt")
-    if chat:
-        return engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    prompt = utf8_text(prompt, "prompt")
+    if chat or system is not None:
+        return engine.tokenizer.encode_chat(chat_messages(prompt, None if system is None
+                                                          else utf8_text(system, "system")))
     return engine.tokenizer.encode(prompt)
 
 
-def text_streamer(engine: Engine, stream: Callable[[str], Any] | None) -> Callable[[int], None] | None:
-    """A generate() callback that hands `stream` each newly decoded piece of text (None: nothing to stream)."""
+def chat_stop_ids(tokenizer) -> list[int]:
+    """The tokenizer's end tokens plus the end-of-turn special tokens its vocabulary holds."""
+    ids = list(tokenizer.stop_ids)
+    for text in TURN_END_TOKENS:
+        found = tokenizer.encode(text, add_special_tokens=False)
+        if len(found) == 1 and tokenizer.decode(found, skip_special_tokens=False) == text and found[0] not in ids:
+            ids.append(found[0])
+    return ids
+
+
+class TextStream:
+    """A generate() callback that hands `stream` each newly decoded piece of text: never a partial UTF-8
+    character, never a stop string or what could be its start. `finish(text)` writes what is still held back."""
+
+    def __init__(self, tokenizer, stream: Callable[[str], Any], stop_strings: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stream, self.stop = tokenizer, stream, tuple(stop_strings)
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")    # a partial character decodes as U+FFFD
+        if self.stop:
+            at = find_stop(text, self.stop)
+            text = text[:at] if at >= 0 else text[:len(text) - partial_stop(text, self.stop)]
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.stream(text[len(self.shown):])
+            self.shown = text
+
+    def finish(self, text: str | None) -> None:
+        if text is not None:
+            self._show(text)
+
+
+def text_streamer(engine: Engine, stream: Callable[[str], Any] | None,
+                  stop_strings: Sequence[str] = ()) -> TextStream | None:
+    """A TextStream over the engine's tokenizer (None: nothing to stream, or no tokenizer to decode with)."""
     if stream is None or engine.tokenizer is None:
         return None
-    out: list[int] = []
-    shown = [""]
+    return TextStream(engine.tokenizer, stream, stop_strings)
 
-    def on_token(token: int) -> None:
-        out.append(token)
-        text = engine.tokenizer.decode(out)
-        if text.startswith(shown[0]) and len(text) > len(shown[0]):   # wait while a multi-byte char is partial
-            stream(text[len(shown[0]):])
-            shown[0] = text
 
-    return on_token
+class StopRequest:
+    """`requested` ends the running generation at its next token (set it from a signal handler); `armed` is True
+    while a generation runs, so a handler can tell a generation from the set-up before it."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.requested = False
+
+
+def _generate(engine: Engine, prompt_ids: list[int], streamer: TextStream | None, stop_request: StopRequest | None,
+              **kwargs: Any):
+    def on_token(token: int) -> bool:
+        if streamer is not None:
+            streamer(token)
+        return not (stop_request is not None and stop_request.requested)
+
+    if stop_request is not None:
+        stop_request.armed = True
+    try:
+        result = engine.generate(prompt_ids, callback=on_token, **kwargs)
+    finally:
+        if stop_request is not None:
+            stop_request.armed = False
+    if streamer is not None:
+        streamer.finish(result.text)
+    return result
+
+
+def _as_dict(prompt_ids: list[int], result, stop_request: StopRequest | None) -> dict[str, Any]:
+    stats = result.stats.as_dict()
+    reason = stats.pop("finish_reason")
+    if stop_request is not None and stop_request.requested and reason == "callback":
+        reason = "interrupted"
+    return {"prompt_ids": prompt_ids, "output_ids": result.output_ids, "text": result.text,
+            "finish_reason": reason, "stats": stats}
 
 
 def run_infer(path: str | os.PathLike, prompt: str | None = None, *, ids: list[int] | None = None,
-              chat: bool = False, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int | None = None, stream: Callable[[str], Any] | None = None,
-              **config: Any) -> dict[str, Any]:
+              chat: bool = False, system: str | None = None, max_new_tokens: int = 32, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+              stop_strings: Sequence[str] | None = None, seed: int | None = None,
+              stream: Callable[[str], Any] | None = None, echo: bool = False,
+              stop_request: StopRequest | None = None, **config: Any) -> dict[str, Any]:
     """Generate from a `.colibri` file. `config` takes EngineConfig fields (device, max_cached_experts, ...).
 
-    Returns {"prompt_ids", "output_ids", "text", "finish_reason", "stats"}; raises ColibriFormatError
-    subclasses for a bad file or bad arguments.
+    `system` implies `chat`. With `echo`, a plain text prompt goes to `stream` first, once every input is
+    checked. Returns {"prompt_ids", "output_ids", "text", "finish_reason", "stats"} (finish_reason
+    "interrupted" when `stop_request` ended it); raises ColibriFormatError subclasses for a bad file or bad
+    arguments, before anything is streamed.
     """
+    chat = chat or system is not None
     with Engine(path, EngineConfig(**config)) as engine:
-        prompt_ids = prompt_token_ids(engine, prompt, ids, chat)
-        result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed, callback=text_streamer(engine, stream))
-    stats = result.stats.as_dict()
-    return {"prompt_ids": prompt_ids, "output_ids": result.output_ids, "text": result.text,
-            "finish_reason": stats.pop("finish_reason"), "stats": stats}
+        prompt_ids = prompt_token_ids(engine, prompt, ids, chat, system)
+        check_ids(prompt_ids, engine.vocab_size, engine.config.max_seq_len)
+        check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+        stops = StopStrings(stop_strings or (), engine.tokenizer).strings
+        streamer = text_streamer(engine, stream, stops)
+        if echo and stream is not None and prompt is not None and not chat:
+            stream(prompt)
+        result = _generate(engine, prompt_ids, streamer, stop_request, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                           repetition_penalty=repetition_penalty, stop_strings=stops or None, seed=seed,
+                           stop_ids=chat_stop_ids(engine.tokenizer) if chat else None)
+    return _as_dict(prompt_ids, result, stop_request)
+
+
+class ChatSession:
+    """A conversation over one open engine. Each turn renders the whole history (system message, then user and
+    assistant turns) through the file's chat template and generates the reply; nothing is cached between turns.
+    When the history outgrows max_seq_len the oldest exchanges are dropped."""
+
+    def __init__(self, engine: Engine, system: str | None = None, *, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, stop_strings: Sequence[str] | None = None,
+                 seed: int | None = None) -> None:
+        if engine.tokenizer is None:
+            raise InvalidInput("chat needs a tokenizer, and this file embeds none", field="tokenizer")
+        check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+        self.engine, self.seed, self.turns = engine, seed, 0
+        self.system = None if system is None else utf8_text(system, "system")
+        self.stops = StopStrings(stop_strings or (), engine.tokenizer).strings
+        self.sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                         "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty}
+        self.stop_ids = chat_stop_ids(engine.tokenizer)
+        self.history: list[dict[str, str]] = []
+        self._encode([{"role": "user", "content": "hi"}])          # the template renders, before the first turn
+
+    def _encode(self, history: list[dict[str, str]]) -> list[int]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return self.engine.tokenizer.encode_chat(system + history)
+
+    def _fit(self, history: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
+        """The history without its oldest exchanges until the prompt leaves room for one new token."""
+        limit = self.engine.config.max_seq_len
+        ids = self._encode(history)
+        while len(ids) >= limit and len(history) > 2:
+            history = history[2:]
+            ids = self._encode(history)
+        if len(ids) >= limit:
+            raise SequenceTooLong(f"the message takes {len(ids)} tokens, over max_seq_len={limit}",
+                                  field="message", value=len(ids))
+        return history, ids
+
+    def reply(self, message: str | bytes, stream: Callable[[str], Any] | None = None,
+              stop_request: StopRequest | None = None) -> dict[str, Any]:
+        """Answer `message`; the reply (or its part before a Ctrl-C) joins the history."""
+        history, ids = self._fit(self.history + [{"role": "user", "content": utf8_text(message, "message")}])
+        streamer = text_streamer(self.engine, stream, self.stops)
+        seed = None if self.seed is None else self.seed + self.turns
+        result = _generate(self.engine, ids, streamer, stop_request, stop_ids=self.stop_ids,
+                           stop_strings=self.stops or None, seed=seed, **self.sampling)
+        self.history = history + [{"role": "assistant", "content": result.text or ""}]
+        self.turns += 1
+        return _as_dict(ids, result, stop_request)
