@@ -101,8 +101,8 @@ def run_convert(ckpt: Path, out: Path, workers: int) -> dict:
     summary = json.loads(done.stdout)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     hwm = int(done.stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024
-    return {"command": f"convert({str(ckpt)!r}, {str(out)!r}, workers={workers}, resume=False)", "wall_s": wall, "summary": summary, "peak_rss": rss,
-            "vm_hwm": hwm, "cpu": cpu}
+    return {"command": f"convert({str(ckpt)!r}, {str(out)!r}, workers={workers}, resume=False)", "wall_s": wall,
+            "summary": summary, "peak_rss": rss, "vm_hwm": hwm, "cpu": cpu}
 
 
 def expert_subset(ckpt: Path, budget_values: int) -> list[tuple[str, np.ndarray]]:

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Final GPU check of a release: the whole GPU test suite, then the bundled demo model through the CLI on
-# the CUDA engine (resident and paged) and `colibri bench`. Logs and JSON go to $OUT.
+# the CUDA engine (resident and paged) and `colibri bench` (this script checks the installed commands, so it
+# runs them; the Python benchmarks import the library only). Run from the repository root. Logs and JSON go
+# to $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_final}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt" 2>&1
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/machine.txt"
-timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs --tb=short > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs --tb=short > "$OUT/pytest_gpu.log" 2>&1
+echo "pytest -m gpu rc=$?: $(tail -1 "$OUT/pytest_gpu.log")"
 demo=/tmp/demo.colibri
 colibri() { python3 -m colibri_format "$@"; }
 colibri convert --model-path models/colibri-demo-moe --output-path $demo --quiet --restart || exit 1

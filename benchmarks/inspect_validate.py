@@ -6,7 +6,8 @@ Run from the repository root (the benchmark imports the library, nothing else):
     PYTHONPATH=. python benchmarks/inspect_validate.py --dry-run     # the small files only, a few repeats
 
 * inspect latency, median of N: `inspect_file()` in process, and the user's command
-  `python -m colibri_format inspect --json` as a child process (includes interpreter start-up), on a small file (~50 KB) and on a large file with
+  `python -m colibri_format inspect --json` as a child process (includes interpreter start-up), on a small
+  file (~50 KB) and on a large file with
   48 MoE layers x 128 experts (6,144 blobs; hidden 1024, expert_intermediate 256, int8_row, float16 dense:
   about 5.1 GB, written with `reuse_expert=True`), and on a file with the same tables but tiny weights
   (~25 MB). Inspect reads the header and tables only, so its time follows the number of table entries,
@@ -166,7 +167,7 @@ def markdown(r: dict, command: str) -> str:
         desc = (f"{mk['layers']} MoE layers x {mk['experts']} experts, hidden {mk['hidden']}, "
                 f"expert_inter {mk['expert_inter']}")
         lines.append(f"| {name} | {desc} | {_size(x['bytes'])} | {x['blobs']:,} | {x['dense_tensors']} | "
-                     f"{x['inspect_ms']:.2f} ms | {x.get('command_inspect_ms', x.get('cli_inspect_ms')):.0f} ms |")
+                     f"{x['inspect_ms']:.2f} ms | {x['command_inspect_ms']:.0f} ms |")
     lines += [
         "",
         f"Validate, {v.get('file', 'large')} file ({v['bytes'] / 1e9:.2f} GB), warm page cache, median of "

@@ -69,7 +69,8 @@ def write_model(path: Path, shape: dict, dry: bool) -> Path:
 
 
 class TraceRoutes:
-    """forced_routes for the engine: decode rows replay the trace step by step; prefill rows cycle through it."""
+    """Replayed routes for eng.decoder.forced_routes: decode rows replay the trace step by step; prefill rows
+    cycle through it."""
 
     def __init__(self, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
         from colibri_format.runtime.cache.cachesim import synthetic_trace
