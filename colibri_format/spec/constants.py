@@ -36,6 +36,8 @@ MAX_EXPERT_INTERMEDIATE = 1 << 20
 MAX_NAME_LENGTH = DENSE_NAME_SIZE - 1
 MAX_METADATA_BYTES = 64 << 20
 MAX_JSON_DEPTH = 16
+MAX_JSON_ELEMENTS = 1 << 20                # arrays, objects and their members in the metadata JSON (the
+                                          # largest real files, 384-expert models, hold ~0.15 M)
 DIM_MULTIPLE = 16                         # H, I and group sizes: 16-byte vector loads
 MIN_GROUP_SIZE = 16
 

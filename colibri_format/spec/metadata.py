@@ -1,7 +1,8 @@
 """The metadata section: strict UTF-8 JSON with a documented schema (docs/spec.md, "Metadata").
 
-Parsing rejects duplicate keys, NaN/Infinity, nesting deeper than MAX_JSON_DEPTH and anything over
-MAX_METADATA_BYTES; `check_model` validates every field the runtime relies on, by type and range.
+Parsing rejects duplicate keys, NaN/Infinity, nesting deeper than MAX_JSON_DEPTH, more than MAX_JSON_ELEMENTS
+elements and anything over MAX_METADATA_BYTES; `check_model` validates every field the runtime relies on, by type
+and range.
 """
 
 from __future__ import annotations
@@ -23,12 +24,28 @@ EXPERT_QUANT_NAMES = frozenset(C.EXPERT_FORMAT_NAMES.values())
 
 
 def encode_metadata(meta: dict) -> bytes:
-    """Deterministic encoding: sorted keys, no spaces, UTF-8, NaN refused."""
+    """Deterministic encoding: sorted keys, no spaces, UTF-8, NaN refused; never what a reader would refuse."""
     try:
         text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return text.encode("utf-8")          # a lone surrogate fails here (UnicodeEncodeError is a ValueError)
+        raw = text.encode("utf-8")           # a lone surrogate fails here (UnicodeEncodeError is a ValueError)
     except (TypeError, ValueError) as exc:
         raise InvalidMetadata(f"metadata cannot be encoded as strict JSON: {exc}", field="metadata") from None
+    _check_element_count(text, None)
+    return raw
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _check_element_count(text: str, offset: int | None) -> None:
+    """At most MAX_JSON_ELEMENTS arrays, objects and members, counted on the text before parsing (strings
+    removed, then every `[`, `{` and `,` counted): a within-size file of `[{},{},...]` would otherwise cost
+    gigabytes and minutes to parse."""
+    structure = _JSON_STRING.sub("", text)
+    count = structure.count("[") + structure.count("{") + structure.count(",")
+    if count > C.MAX_JSON_ELEMENTS:
+        raise InvalidMetadata(f"metadata holds more than {C.MAX_JSON_ELEMENTS} JSON elements", field="metadata",
+                              value=count, offset=offset)
 
 
 class _Reject(Exception):
@@ -97,6 +114,7 @@ def decode_metadata(raw: bytes, offset: int | None = None) -> dict:
     except UnicodeDecodeError as exc:
         raise InvalidMetadata(f"metadata is not UTF-8 (byte {exc.start})", field="metadata",
                               offset=None if offset is None else offset + exc.start) from None
+    _check_element_count(text, offset)
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
                          parse_float=_finite_float)
