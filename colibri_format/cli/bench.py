@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import FileArg, JsonOpt, out, print_json
+from .common import FileArg, JsonOpt, need_cupy, out, print_json
 
 
 def command(path: FileArg,
@@ -20,6 +20,7 @@ def command(path: FileArg,
             prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
             as_json: JsonOpt = False) -> None:
     """Benchmark the CUDA engine: prefill/decode tokens/s, per-kernel GPU time and GB/s, share of roofline."""
+    need_cupy("colibri bench")
     from ..runtime.cuda.bench import render, run_bench
 
     result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,

@@ -1,24 +1,163 @@
-"""What every command shares: the two consoles, the common option types, JSON printing, and the command line
-that reproduces an invocation (for the worker processes of `colibri infer --devices`).
+"""What every command shares: the two consoles, the common option types (the generation options of `infer` and
+`chat` among them, each checked as it is parsed), JSON printing, the checks of optional packages and output
+paths, Ctrl-C during a generation, and the command line that reproduces an invocation (for the worker processes of
+`colibri infer --devices`).
 
 Light on purpose (typer and rich only): every command module imports it at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+
+from ..errors import InvalidInput
+from .errors import MissingDependency
 
 out = Console(highlight=False, soft_wrap=True)       # results: tables, generated text
 err = Console(stderr=True, highlight=False)          # errors, progress bars, statistics
 
 FileArg = Annotated[Path, typer.Argument(help="A .colibri file.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+
+
+# --- generation options (infer, chat): ranges checked at parse time, a bad value is a usage error (exit 2) ------
+def _temperature(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0.0):
+        raise typer.BadParameter(f"{value} is not a finite number >= 0 (0 = greedy)")
+    return value
+
+
+def _top_p(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise typer.BadParameter(f"{value} is not in (0, 1] (1 = off)")
+    return value
+
+
+def _min_p(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise typer.BadParameter(f"{value} is not in [0, 1] (0 = off)")
+    return value
+
+
+def _penalty(value: float) -> float:
+    if not (math.isfinite(value) and value > 0.0):
+        raise typer.BadParameter(f"{value} is not a finite number > 0 (1 = off)")
+    return value
+
+
+def _device(value: str) -> str:
+    if value not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"{value!r} is not cpu or cuda")
+    return value
+
+
+def _stops(value: Optional[list[str]]) -> Optional[list[str]]:
+    for text in value or ():
+        if not text:
+            raise typer.BadParameter("a stop string cannot be empty")
+    return value
+
+
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=1,
+                                              help="Tokens to generate at most.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", callback=_temperature,
+                                               help="Sampling temperature, a finite number >= 0; 0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", "--top_k", min=0,
+                                      help="Sample from the k most probable tokens only; 0 = off.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", "--top_p", callback=_top_p,
+                                        help="Nucleus sampling: the most probable tokens up to this total "
+                                             "probability, in (0, 1]; 1 = off.")]
+MinPOpt = Annotated[float, typer.Option("--min-p", "--min_p", callback=_min_p,
+                                        help="Drop tokens less probable than this fraction of the most probable "
+                                             "one, in [0, 1]; 0 = off.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", "--repetition-penalty", callback=_penalty,
+                                                 help="Penalise tokens already in the prompt or the output "
+                                                      "(> 1 repeats less), a finite number > 0; 1 = off.")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", callback=_stops, show_default=False,
+                                                      help="Stop once the output holds this text (repeatable); "
+                                                           "the text is not printed.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", show_default=False,
+                                                  help="System prompt, through the embedded chat template.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+DeviceOpt = Annotated[str, typer.Option("--device", callback=_device, help="cpu or cuda.")]
+
+
+# --- what a command needs before it starts ---------------------------------------------------------------------
+def gpu_install_command() -> str:
+    """The pip command that installs CuPy with colibri-format (the extra that carries it, from the installed
+    package's metadata)."""
+    extra = "gpu-cuda13"
+    try:
+        from importlib.metadata import distribution
+
+        for req in distribution("colibri-format").requires or []:
+            if req.startswith("cupy") and "extra ==" in req:
+                extra = req.split("extra ==", 1)[1].split(";")[0].strip().strip("'\"")
+                break
+    except Exception:            # noqa: BLE001 - not installed as a distribution: the default extra
+        pass
+    return f"pip install 'colibri-format[{extra}]'"
+
+
+def need_cupy(what: str) -> None:
+    """MissingDependency, naming the install command, unless CuPy imports."""
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:     # noqa: BLE001 - ImportError, or a CuPy that cannot load its CUDA libraries
+        reason = " ".join(str(exc).split())[:120]
+        raise MissingDependency(f"{what} needs CuPy, which does not import here ({reason}); install it with "
+                                f"{gpu_install_command()}", field="device", value="cuda") from None
+
+
+def need_jinja2(what: str) -> None:
+    """MissingDependency unless jinja2 (the chat-template renderer, an optional package) imports."""
+    try:
+        import jinja2.sandbox  # noqa: F401
+    except ImportError:
+        raise MissingDependency(f"{what} renders the file's chat template with jinja2, which is not installed; "
+                                "install it with pip install jinja2", field="chat") from None
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output path that is a folder or lies in a folder that does not exist (before any work)."""
+    field = option.lstrip("-").replace("-", "_")
+    if path.is_dir():
+        raise InvalidInput(f"{option} is a folder; give a file name", field=field, value=str(path))
+    if not path.absolute().parent.is_dir():
+        raise InvalidInput(f"the folder of {option} does not exist", field=field, value=str(path.parent))
+
+
+@contextlib.contextmanager
+def soft_interrupt(request: Any):
+    """Inside: a Ctrl-C during a generation (`request.armed`) sets `request.requested`, so the generation ends
+    at its next token with its stats and trace complete; a Ctrl-C at any other time, or a second one, raises
+    KeyboardInterrupt as usual. Outside the main thread (no signal handlers there) nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if request.armed and not request.requested:
+            request.requested = True
+            return
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def print_json(obj: Any) -> None:
@@ -32,18 +171,20 @@ def write_text(piece: str) -> None:
     sys.stdout.flush()
 
 
-def command_line(ctx: typer.Context) -> list[str]:
+def command_line(ctx: typer.Context, overrides: dict[str, Any] | None = None) -> list[str]:
     """The arguments that reproduce this command's invocation: its name, then every parameter spelled out.
 
     Arguments in order, then options by their first name (flags as themselves, or their negative form when
-    off and they have one); options left unset (None) are omitted so they keep their defaults. Options take one
-    value each (no `multiple`, `count` or `nargs`), as in every colibri command.
+    off and they have one; a repeatable option once per value); options left unset (None) are omitted so they
+    keep their defaults. `overrides` replaces parsed values by parameter name (e.g. a prompt read from standard
+    input, which the workers cannot read again). No colibri option uses `count` or `nargs`.
     """
     args = [ctx.info_name or ctx.command.name or ""]
+    values = {**ctx.params, **(overrides or {})}
     for param in ctx.command.params:
         if param.name is None or param.expose_value is False:
             continue
-        value = ctx.params.get(param.name)
+        value = values.get(param.name)
         kind = param.param_type_name                 # by name: typer may ship its own copy of click
         if kind == "argument":
             args.append(str(value))
@@ -53,6 +194,9 @@ def command_line(ctx: typer.Context) -> list[str]:
                     args.append(param.opts[0])
                 elif param.secondary_opts:
                     args.append(param.secondary_opts[0])
+            elif getattr(param, "multiple", False):
+                for item in value:
+                    args += [param.opts[0], str(item)]
             else:
                 args += [param.opts[0], str(value)]
     return args

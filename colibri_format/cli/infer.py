@@ -1,5 +1,10 @@
 """`colibri infer FILE`: generate text (or token ids) from a .colibri file; text streams as it is generated.
 
+Every input is checked before anything is printed: the prompt (from --prompt, --file, standard input with
+`--prompt -`, or --ids; valid UTF-8), the sampling values (at parse time), the --trace path, the pinning trace's
+shape, the packages --device cuda and the chat template need. Ctrl-C during the generation stops it at the next
+token and exits 130 with one line of what was done so far; a second Ctrl-C stops at once.
+
 The generation is `runtime.infer.run_infer` (one process) or `runtime.parallel.run.run_infer_parallel` (one rank
 of `--devices`); with several devices the parent process only launches the ranks and exits with their status.
 """
@@ -12,25 +17,39 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from .common import FileArg, JsonOpt, command_line, err, out, print_json, write_text
+from .common import (DeviceOpt, FileArg, JsonOpt, MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt,
+                     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_output_file, command_line, err,
+                     need_cupy, need_jinja2, out, print_json, soft_interrupt, write_text)
+from .errors import Interrupted
+
+# Options the ranks of several --devices do not take yet (runtime/parallel/run.py): their defaults.
+SINGLE_PROCESS_ONLY = {"system": None, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "stop_strings": None}
 
 
 def command(ctx: typer.Context, path: FileArg,
             prompt: Annotated[Optional[str], typer.Option(
-                "--prompt", help="Text prompt (uses the embedded tokenizer).")] = None,
+                "--prompt", help="Text prompt (uses the embedded tokenizer); '-' reads it from standard input.")]
+            = None,
+            file: Annotated[Optional[Path], typer.Option(
+                "--file", help="Read the text prompt from this file (UTF-8).", show_default=False)] = None,
             ids: Annotated[Optional[str], typer.Option("--ids", help="Prompt as token ids: 1,2,3.")] = None,
             chat: Annotated[bool, typer.Option("--chat", help="Apply the embedded chat template.")] = False,
-            max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=1)] = 32,
-            temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
-            top_p: Annotated[float, typer.Option("--top-p", "--top_p", min=0.0, max=1.0)] = 1.0,
-            seed: Annotated[Optional[int], typer.Option("--seed")] = None,
-            device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+            system: SystemOpt = None,
+            max_new_tokens: MaxNewTokensOpt = 32,
+            temperature: TemperatureOpt = 0.0,
+            top_k: TopKOpt = 0,
+            top_p: TopPOpt = 1.0,
+            min_p: MinPOpt = 0.0,
+            repetition_penalty: RepeatPenaltyOpt = 1.0,
+            stop: StopOpt = None,
+            seed: SeedOpt = None,
+            device: DeviceOpt = "cpu",
             devices: Annotated[Optional[str], typer.Option(
                 "--devices", help="Expert parallelism: one process per device, e.g. 0,1 (gloo on cpu, NCCL on cuda)."
             )] = None,
             max_cached_experts: Annotated[Optional[int], typer.Option(
-                "--max-cached-experts", "--max_cached_experts", help="Expert cache capacity (default: unbounded).")]
-            = None,
+                "--max-cached-experts", "--max_cached_experts", min=1,
+                help="Expert cache capacity (default: unbounded).")] = None,
             cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
                                                       help="lru, lfu, lrfu or static.")] = "lrfu",
             cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",
@@ -42,43 +61,127 @@ def command(ctx: typer.Context, path: FileArg,
             = None,
             as_json: JsonOpt = False) -> None:
     """Generate text from a .colibri file; text streams as it is generated."""
-    run = _runner(ctx, path, devices, device)         # before any output: the parent of several ranks exits here
-    pinned = static_pins(cache_policy, pin_from_trace, max_cached_experts, cache_scope)
+    text = read_prompt(prompt, file, ids)
     prompt_ids = parse_ids(ids)
-    stream = None if as_json else write_text
-    if stream is not None and prompt is not None and not chat:
-        write_text(prompt)
-    result = run(path, prompt, ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
-                 temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
-                 max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
-                 pinned_experts=pinned, trace_path=str(trace) if trace else None)
+    chat = chat or system is not None
+    extra = {"system": system, "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
+             "stop_strings": list(stop) if stop else None}
+    if trace is not None:
+        check_output_file(trace, "--trace")
+    if device == "cuda":
+        need_cupy("--device cuda")
+    if chat:
+        need_jinja2("--chat" if system is None else "--system")
+    pinned = static_pins(path, cache_policy, pin_from_trace, max_cached_experts, cache_scope)
+    run, ranks = _runner(ctx, path, devices, device, extra, prompt_override=text if prompt == "-" else None)
+    stream = None if as_json else _Stream()
+    if ranks:                                         # a rank of several devices: the old contract, echo first
+        extra = {}
+        if stream is not None and text is not None and not chat:
+            stream(text)
+    else:
+        extra["echo"] = stream is not None
+    request = _stop_request()
+    try:
+        with soft_interrupt(request):
+            result = run(path, text, ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
+                         max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
+                         pinned_experts=pinned, trace_path=str(trace) if trace else None,
+                         **extra, **({"stop_request": request} if not ranks else {}))
+    except BaseException as exc:
+        if stream is not None and stream.used:         # end the streamed text's line before the error line
+            write_text("\n")
+        if not isinstance(exc, OSError) or trace is None or exc.filename is not None or exc.errno is None:
+            raise
+        from ..errors import WriteError                # the engine writes nothing else: the trace failed
+        raise WriteError(f"cannot write the routing trace: {exc.strerror}", field="trace", value=str(trace)) from None
     if result is None:                                # a rank other than 0 of --devices: rank 0 prints
         return
-    if as_json:
+    interrupted = result["finish_reason"] == "interrupted"
+    if as_json and not interrupted:
         print_json(result)
         return
-    if not result["text"]:
-        out.print(" ".join(map(str, result["output_ids"])))
-    sys.stdout.write("\n")
-    if stats:
-        from .render import render_infer_stats
-        render_infer_stats(err, result)
+    if not as_json:
+        if not result["text"] and result["output_ids"]:
+            out.print(" ".join(map(str, result["output_ids"])))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats:
+            from .render import render_infer_stats
+            render_infer_stats(err, result)
+    if interrupted:
+        raise Interrupted(interrupted_note(result, trace))
 
 
-def _runner(ctx: typer.Context, path: Path, devices_text: str | None, device: str) -> Callable[..., Any]:
-    """The generation call for this process; with several devices in the parent, launch the ranks and exit."""
+class _Stream:
+    """write_text that remembers whether it wrote anything."""
+
+    def __init__(self) -> None:
+        self.used = False
+
+    def __call__(self, piece: str) -> None:
+        self.used = True
+        write_text(piece)
+
+
+def _stop_request():
+    from ..runtime.infer import StopRequest
+    return StopRequest()
+
+
+def interrupted_note(result: dict[str, Any], trace: Path | None) -> str:
+    """One line: what the interrupted generation did, and what it kept."""
+    s = result["stats"]
+    line = (f"stopped after {s['generated_tokens']} new tokens; prefill {s['prompt_tokens']} tokens in "
+            f"{s['prefill_seconds']:.2f} s ({s['prefill_tokens_per_s']:.1f} tokens/s), decode "
+            f"{s['decode_tokens_per_s']:.1f} tokens/s")
+    return line + (f"; the routing trace so far is kept in {trace}" if trace is not None else "")
+
+
+def read_prompt(prompt: str | None, file: Path | None, ids: str | None) -> str | None:
+    """The text prompt, from exactly one of --prompt TEXT, --prompt - (standard input) or --file, checked as
+    UTF-8; None with --ids."""
+    from ..errors import InvalidInput
+
+    given = [name for name, value in (("--prompt", prompt), ("--file", file), ("--ids", ids)) if value is not None]
+    if len(given) != 1:
+        raise InvalidInput("give exactly one of --prompt, --file or --ids" if given
+                           else "give a prompt: --prompt TEXT, --prompt - (standard input), --file PATH or --ids",
+                           field="prompt", value=" ".join(given) or None)
+    from ..runtime.inputs import read_text, utf8_text
+
+    if file is not None:
+        return read_text(file, "file", "the prompt file")
+    if prompt == "-":
+        return read_text(sys.stdin.buffer, "prompt", "the prompt on standard input")
+    return None if prompt is None else utf8_text(prompt, "prompt")
+
+
+def _runner(ctx: typer.Context, path: Path, devices_text: str | None, device: str, extra: dict[str, Any],
+            prompt_override: str | None) -> tuple[Callable[..., Any], bool]:
+    """The generation call for this process and whether it is a rank of several devices; with several devices
+    in the parent, launch the ranks and exit with their status."""
     if devices_text is None:
         from ..runtime.infer import run_infer
-        return run_infer
+        return run_infer, False
+    from ..errors import InvalidInput
     from ..runtime.parallel import launch
     from ..runtime.parallel.dist import parse_devices
 
     device_ids = parse_devices(devices_text)
+    if len(device_ids) > 1:
+        unsupported = [name for name, default in SINGLE_PROCESS_ONLY.items() if extra[name] != default]
+        if unsupported:
+            raise InvalidInput("not available with several --devices yet: "
+                               + ", ".join("--" + n.replace("_", "-") for n in unsupported), field="devices",
+                               value=devices_text)
     run = launch.infer_runner(device_ids, device)
     if run is not None:
-        return run
+        return run, len(device_ids) > 1
     launch.check_world_fits(path, len(device_ids))
-    worker = launch.colibri_command(command_line(ctx))   # each rank runs this very `colibri infer` command
+    overrides = {"prompt": prompt_override} if prompt_override is not None else None
+    worker = launch.colibri_command(command_line(ctx, overrides))   # each rank runs this very command
     raise typer.Exit(launch.launch(worker, device_ids, device))
 
 
@@ -94,9 +197,9 @@ def parse_ids(text: str | None) -> list[int] | None:
         raise InvalidInput("--ids must be comma-separated integers", field="ids", value=text[:40]) from None
 
 
-def static_pins(policy: str, trace: Path | None, capacity: int | None, scope: str) -> tuple | None:
-    """The experts --cache-policy static pins (the most used of --pin-from-trace), after checking the options
-    agree; None for the other policies."""
+def static_pins(path: Path, policy: str, trace: Path | None, capacity: int | None, scope: str) -> tuple | None:
+    """The experts --cache-policy static pins (the most used of --pin-from-trace, a trace of this file's model
+    shape), after checking the options agree; None for the other policies."""
     from ..errors import InvalidInput
 
     if policy != "static":
@@ -106,5 +209,9 @@ def static_pins(policy: str, trace: Path | None, capacity: int | None, scope: st
     if trace is None or capacity is None:
         raise InvalidInput("--cache-policy static needs --pin-from-trace TRACE and --max-cached-experts N",
                            field="cache_policy", value=policy)
+    import colibri_format
     from ..runtime.cache.cachesim import pins_from_trace
-    return tuple(pins_from_trace(trace, capacity, scope))
+
+    with colibri_format.open(path, verify="never") as f:
+        model = f.model
+    return tuple(pins_from_trace(trace, capacity, scope, model=model))

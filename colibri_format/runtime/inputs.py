@@ -59,12 +59,14 @@ def prompt_ids(prompt: Sequence[int] | str, tokenizer, vocab_size: int, max_seq_
 MAX_PROMPT_BYTES = 64 << 20     # a prompt file or standard input; far above any max_seq_len
 
 
-def utf8_text(value: str | bytes, field: str = "prompt") -> str:
+def utf8_text(value: str | bytes, field: str = "prompt", what: str | None = None) -> str:
     """`value` as text, refused unless it is valid UTF-8.
 
     Bytes are decoded strictly. A str may carry the undecodable bytes of a command line as lone surrogates
-    (Python's surrogateescape); those are refused too. The error names the offset of the first bad byte.
+    (Python's surrogateescape); those are refused too. The error names the offset of the first bad byte;
+    `what` names the text in it (default: `field`).
     """
+    what = what or field
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -74,19 +76,20 @@ def utf8_text(value: str | bytes, field: str = "prompt") -> str:
                 raw = value.encode("utf-8", "surrogateescape")          # back to the bytes the user gave
             except UnicodeEncodeError:
                 offset = len(value[:exc.start].encode("utf-8", "surrogatepass"))
-                raise InvalidInput(f"{field} is not valid UTF-8 (a lone surrogate)", field=field,
+                raise InvalidInput(f"{what} is not valid UTF-8 (a lone surrogate)", field=field,
                                    value=value[exc.start:exc.start + 1], offset=offset) from None
     else:
         raw = bytes(value)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidInput(f"{field} is not valid UTF-8 (byte 0x{raw[exc.start]:02x})", field=field,
+        raise InvalidInput(f"{what} is not valid UTF-8 (byte 0x{raw[exc.start]:02x})", field=field,
                            value=raw[exc.start:exc.start + 8], offset=exc.start) from None
 
 
-def read_text(source, field: str, limit: int = MAX_PROMPT_BYTES) -> str:
-    """A prompt read whole from a path or a binary stream (standard input), checked as UTF-8."""
+def read_text(source, field: str, what: str, limit: int = MAX_PROMPT_BYTES) -> str:
+    """A prompt read whole from a path or a binary stream (standard input), checked as UTF-8; `what` names it
+    in errors ("the prompt file")."""
     try:
         if hasattr(source, "read"):
             raw = source.read(limit + 1)
@@ -94,8 +97,8 @@ def read_text(source, field: str, limit: int = MAX_PROMPT_BYTES) -> str:
             with open(source, "rb") as fh:
                 raw = fh.read(limit + 1)
     except OSError as exc:
-        raise InvalidInput(f"cannot read the {field}: {exc.strerror}", field=field,
+        raise InvalidInput(f"cannot read {what}: {exc.strerror}", field=field,
                            value=None if hasattr(source, "read") else str(source)) from None
     if len(raw) > limit:
-        raise InvalidInput(f"the {field} is over {limit} bytes", field=field, value=len(raw))
-    return utf8_text(raw, field)
+        raise InvalidInput(f"{what} is over {limit} bytes", field=field, value=len(raw))
+    return utf8_text(raw, field, what)

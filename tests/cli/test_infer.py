@@ -63,8 +63,11 @@ def test_bad_ids_exit_1(model_file, capsys, ids, needle):
 
 
 def test_prompt_and_ids_together_exit_1(model_file, capsys):
-    assert main(["infer", model_file, "--ids", "1", "--prompt", "hi", "--json"]) == 1
+    assert main(["infer", model_file, "--ids", "1", "--prompt", "hi"]) == 1
     assert "exactly one" in capsys.readouterr().err
+    assert main(["infer", model_file, "--ids", "1", "--prompt", "hi", "--json"]) == 1     # the error as JSON
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "InvalidInput" and "exactly one" in error["message"] and error["field"] == "prompt"
 
 
 # --- --devices ------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cache.expert_cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
                                           next_use)
-from colibri_format.runtime.cache.trace import (Accesses, Trace, access_sequence, make_header, read_trace,
-                                          records_from_arrays)
+from colibri_format.runtime.cache.trace import (Accesses, Trace, access_sequence, check_shape, make_header,
+                                                read_trace, records_from_arrays)
 
 
 @dataclass(frozen=True)
@@ -329,13 +329,16 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
 
 # --- static pins for the engines --------------------------------------------------------------------
 def pins_from_trace(trace: str | os.PathLike[str] | Trace, capacity: int,
-                    scope: str = "global") -> list[tuple[int, int]]:
+                    scope: str = "global", model: dict[str, Any] | None = None) -> list[tuple[int, int]]:
     """The experts a `static` cache should pin: the `capacity` most used of a recorded trace
-    (per layer under ``per_layer``), ties broken by (layer, expert) for determinism."""
+    (per layer under ``per_layer``), ties broken by (layer, expert) for determinism. With `model` (the
+    file's model object) a trace of another model's shape is refused (InvalidInput)."""
     capacity = int(capacity)
     if capacity < 1:
         raise InvalidInput("capacity must be a positive integer", field="capacity", value=capacity)
     tr = trace if isinstance(trace, Trace) else read_trace(trace)
+    if model is not None:
+        check_shape(tr.header, model, "pin_from_trace")
     acc = access_sequence(tr, "global")
     assert isinstance(acc, Accesses)
     counts: dict[tuple[int, int], int] = {}

@@ -147,6 +147,24 @@ def _check_experts(header: TraceHeader, layer: int, experts: object, at: tuple[i
     return out
 
 
+def check_shape(header: TraceHeader, model: dict[str, Any], source: str = "trace") -> None:
+    """Refuse a trace recorded on a model of another shape than `model` (a file's normalized model object):
+    its layers, MoE layers, experts per layer and top-k must all match."""
+    expected = (("num_layers", header.num_layers, model.get("num_layers")),
+                ("moe_layers", list(header.moe_layers), list(model.get("moe_layers") or [])),
+                ("num_experts", header.num_experts, model.get("num_experts")),
+                ("top_k", header.top_k, model.get("top_k")))
+    for name, got, want in expected:
+        if got != want:
+            raise InvalidInput(f"{source} was recorded on a model of another shape: {name} is {_brief(got)} in the "
+                               f"trace, {_brief(want)} in the file", field=f"{source}.{name}", value=got)
+
+
+def _brief(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 # --- reading --------------------------------------------------------------------------------------
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
