@@ -1,14 +1,18 @@
-"""The embedded tokenizer: text round trip, stop ids, chat templates (jinja2 optional), engine text I/O."""
+"""The embedded tokenizer: text round trip, stop ids, chat templates (a bounded sandbox; jinja2 missing gives one
+error naming the install command), engine text I/O."""
 
 from __future__ import annotations
 
+import resource
 import sys
+import time
 
 import pytest
 
 from colibri_format.errors import InvalidInput, InvalidMetadata
 from colibri_format.runtime import Engine
-from colibri_format.runtime.tokenizer import Tokenizer
+from colibri_format.runtime.tokenizer import (CHAT_TEMPLATE_FIELD, ChatTemplateError, TemplateLimits, Tokenizer,
+                                              render_chat_template)
 from tests.runtime.numpy_tiny import WORDS, random_weights, tokenizer_entry
 from tests.runtime.tiny_weights import write_colibri
 
@@ -43,8 +47,9 @@ def test_chat_needs_a_template_and_jinja2(monkeypatch):
     tok = Tokenizer.from_metadata({"tokenizer": tokenizer_entry()})
     monkeypatch.setitem(sys.modules, "jinja2", None)
     monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)
-    with pytest.raises(ImportError, match="pip install jinja2"):
+    with pytest.raises(InvalidInput, match="pip install 'jinja2>=3.1.6'") as info:
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
 
 
 def test_engine_text_prompt_and_default_stop(tmp_path):
@@ -55,3 +60,181 @@ def test_engine_text_prompt_and_default_stop(tmp_path):
         assert out.output_ids == eng.generate([3, 4], max_new_tokens=6).output_ids
         assert out.text == eng.tokenizer.decode(out.output_ids)
         assert 2 not in out.output_ids[:-1]              # </s> ends generation by default
+
+
+# --- the file's chat template is untrusted code: a bounded sandbox ---------------------------------------------------
+MESSAGES = [{"role": "user", "content": "hi"}]
+QUICK = TemplateLimits(seconds=2.0)
+
+
+def refusal(template: str, limits: TemplateLimits = QUICK) -> str:
+    """The one-line message of the ChatTemplateError `template` raises, which must come within the time bound."""
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat_template(template, limits, messages=MESSAGES)
+    assert time.monotonic() - start < limits.seconds + 1.0
+    assert info.value.field == CHAT_TEMPLATE_FIELD and f"field={CHAT_TEMPLATE_FIELD}" in str(info.value)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _memory_cap():
+    """A template that escaped the size bounds would hit this (2 GiB more than now) instead of the machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[0]) * resource.getpagesize()
+    cap = now + (2 << 30)
+    if hard == resource.RLIM_INFINITY or hard > cap:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_wall_clock_bound():
+    # 2**40 macro calls: within the loop and call bounds here, so only the clock stops it
+    limits = TemplateLimits(seconds=0.3, loop_iterations=10**12, calls=10**12)
+    message = refusal("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% else %}x{% endif %}{% endmacro %}"
+                      "{{ f(40) }}", limits)
+    assert "longer than 0.3 s" in message
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",        # 10**10, nested
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99) %}x{% endfor %}{% endfor %}"
+    "{% endfor %}",
+    "{% for x in [1, 2] recursive %}{% for i in range(1000) %}{% endfor %}{{ loop([1, 2]) }}{% endfor %}",
+], ids=["nested", "triple", "recursive"])
+def test_loop_bound_counts_every_loop_together(template):
+    limits = TemplateLimits(seconds=5.0, loop_iterations=50_000)
+    message = refusal(template, limits)
+    assert "more than 50,000 iterations" in message or "recursed too deeply" in message
+
+
+def test_range_is_capped_by_the_sandbox():
+    assert "Range too big" in refusal("{% for i in range(10**10) %}x{% endfor %}")
+
+
+def test_call_bound():
+    assert "more than 1,000 calls" in refusal("{% for i in range(5000) %}{{ 'x'.upper() }}{% endfor %}",
+                                              TemplateLimits(calls=1000))
+
+
+@pytest.mark.parametrize("template", [
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{% block a %}{{ self.a() }}{% endblock %}",
+    "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+], ids=["macro", "block", "parser"])
+def test_recursion_is_refused(template):
+    assert "recursed too deeply" in refusal(template)
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{{ 'a' * 10**9 }}", "`*` result"),
+    ("{% set s = 'a' * 10**9 %}unused", "`*` result"),
+    ("{% set l = ['a'] * 10**9 %}", "`*` result"),
+    ("{% set s = 'a' * 500000 %}{{ ([s] * 1000)|join }}", "`*` result"),
+    ("{{ 2 ** (10 ** 10) }}", "`**` result"),
+    ("{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "`*` result"),
+    ("{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "`~`"),
+    ("{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "`+` result"),
+    ("{% set s = 'a' * 500000 %}{{ [s, s, s]|join }}", "a value"),
+    ("{% set s = 'a' * 500000 %}{{ {'a': s, 'b': s, 'c': s} }}", "a value"),
+    ("{% set s = 'a' * 500000 %}{{ ''.join((s, s, s)) }}", "a value"),
+    ("{% set s = 'a' * 500000 %}{{ ''.join(range(3)|map('string')|map('center', 500000)) }}", "a join"),
+    ("{{ '{:>1000000000}'.format('a') }}", "format()"),
+    ("{{ '{:{}}'.format('a', 1000000000) }}", "format()"),
+    ("{{ '{x:>999999999}'.format_map({'x': 1}) }}", "format_map()"),
+    ("{{ ('{:>999999999}'|attr('format'))(1) }}", "format()"),
+    ("{{ '%1000000000d' % 1 }}", "`%` result"),
+    ("{{ '%*d' % (1000000000, 1) }}", "`%` result"),
+    ("{{ '%1000000000s'|format('a') }}", "|format"),
+    ("{{ 'a'|center(1000000000) }}", "|center"),
+    ("{{ 'a'.center(1000000000) }}", "center()"),
+    ("{{ ('a'|attr('ljust'))(1000000000) }}", "ljust()"),
+    ("{{ 'a'|indent(1000000000) }}", "|indent"),
+    ("{% set s = 'a' * 100000 %}{{ s|replace('a', s) }}", "|replace"),
+    ("{% set s = 'a' * 100000 %}{{ s.replace('a', s) }}", "replace()"),
+    ("{% set s = 'a' * 100000 %}{{ s.translate({97: s}) }}", "translate()"),
+    ("{{ '\t\t'.expandtabs(1000000000) }}", "expandtabs()"),
+    ("{{ (1).to_bytes(1000000000, 'big') }}", "to_bytes()"),
+    ("{{ [1]|batch(1000000000, 'x')|list }}", "|batch"),
+    ("{{ [1]|slice(1000000000)|list }}", "|slice"),
+    ("{{ [1, [2, [3]]]|tojson(indent=1000000000) }}", "|tojson"),
+    ("{{ 5|round(-1000000000, 'ceil') }}", "|round"),
+    ("{{ ([[1]] * 100000)|sum(start=[]) }}", "|sum"),
+    ("{% set s = 'a ' * 400000 %}{{ s|wordwrap(1, wrapstring='-' * 100) }}", "|wordwrap"),
+    ("{% set s = 'a' * 500000 %}{% for i in range(100000) %}{{ s }}{% endfor %}", "the output"),
+    ("{% macro f() %}{% for i in range(100000) %}" + "y" * 1000 + "{% endfor %}{% endmacro %}{% set x = f() %}",
+     "a block's output"),
+], ids=lambda v: v[:40] if isinstance(v, str) and "{" in v else None)
+def test_size_bounds(template, what):
+    message = refusal(template)
+    assert what in message and "characters (limit 1,048," in message
+
+
+def test_total_of_values_built_is_bounded():
+    # each value is small, their sum is not
+    assert "more than 16,777,216 characters" in refusal("{{ range(100000)|map('string')|map('center', 100000)|join }}")
+    assert "more than 16,777,216 characters" in refusal(
+        "{% macro f() %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endmacro %}{% set x = f() %}")
+
+
+def test_template_size_bound():
+    assert "characters (limit 1,000)" in refusal("x" * 1001, TemplateLimits(template_chars=1000))
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ (''|attr('__class__')).__mro__ }}",
+    "{{ '{0.__class__.__mro__}'.format('') }}",
+    "{{ cycler.__init__.__globals__.os }}",
+    "{% set l = [1] %}{{ l.append(2) }}",
+    "{% set d = {} %}{{ d.update({'a': 1}) }}",
+])
+def test_sandbox_refusals_are_one_error(template):
+    assert "refused by the sandbox" in refusal(template)
+
+
+@pytest.mark.parametrize("template, start", [
+    ("{% for %}", "chat template does not parse"),
+    ("{{ a.b.c }}", "chat template failed: UndefinedError"),
+    ("{{ 'a' + 1 }}", "chat template failed: TypeError"),
+    ("{{ lipsum(10**9) }}", "chat template failed: UndefinedError"),     # lipsum is not offered
+])
+def test_broken_templates_are_one_error(template, start):
+    assert refusal(template).startswith(start)
+
+
+def test_limits_grow_with_the_messages():
+    long = [{"role": "user", "content": "word " * 400_000}]              # 2 MB: over the default output bound
+    text = render_chat_template("{% for m in messages %}{{ m.role + ': ' + m.content }}{% endfor %}", QUICK,
+                                messages=long)
+    assert len(text) == 6 + 2_000_000
+
+
+def test_raise_exception_still_refuses_the_messages():
+    with pytest.raises(InvalidInput, match="no system role") as info:
+        render_chat_template("{{ raise_exception('no system role') }}", QUICK, messages=MESSAGES)
+    assert info.value.field == "messages"
+
+
+def test_bounded_rendering_equals_plain_sandbox_rendering():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = ("{%- set ns = namespace(last=-1) %}{%- for m in messages[::-1] %}{%- if m.role == 'user' and "
+                "ns.last < 0 %}{%- set ns.last = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}"
+                "{%- for m in messages %}{{ '<|' + m.role + '|>' ~ m.content|trim }}{% if m.tool_calls %}"
+                "{{ m.tool_calls|tojson(indent=2) }}{% endif %}{% if loop.index0 == ns.last %}*{% endif %}"
+                "{% endfor %}{{ '%s|%05d' % ('a', 42) }}{{ '{} {:>4}'.format('x', 7) }}{{ [1, 2]|join(',') }}"
+                "{% for k, v in {'k': 1}.items() %}{{ k }}={{ v }}{% endfor %}{{ 'x'|center(9) }}"
+                "{{ messages|map(attribute='role')|unique|list }}{% for x in [[1, [2]], [3]] recursive %}"
+                "{{ x if x is number else loop(x) }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "system", "content": " be brief "}]
+    for i in range(50):
+        messages += [{"role": "user", "content": f"question {i}"},
+                     {"role": "assistant", "content": "ok", "tool_calls": [{"name": "f", "arguments": {"x": i}}]}]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    expected = plain.from_string(template).render(messages=messages, add_generation_prompt=True)
+    assert render_chat_template(template, TemplateLimits(), messages=messages,
+                                add_generation_prompt=True) == expected
