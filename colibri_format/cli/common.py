@@ -122,8 +122,10 @@ def need_jinja2(what: str) -> None:
     try:
         import jinja2.sandbox  # noqa: F401
     except ImportError:
+        from ..runtime import tokenizer
+        install = getattr(tokenizer, "JINJA2_INSTALL", "pip install jinja2")
         raise MissingDependency(f"{what} renders the file's chat template with jinja2, which is not installed; "
-                                "install it with pip install jinja2", field="chat") from None
+                                f"install it with {install}", field="chat") from None
 
 
 def check_output_file(path: Path, option: str) -> None:

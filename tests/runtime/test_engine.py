@@ -254,3 +254,142 @@ def test_c_style_aliases_and_close(path):
     colibri_free(eng)
     with pytest.raises(InvalidInput, match="closed"):
         eng.infer([[1]])
+
+
+# --- sampling: the chain against hand-computed distributions, and generate's new controls -------------------
+
+from colibri_format.runtime import sampling as S                                      # noqa: E402
+
+P4 = np.array([0.5, 0.25, 0.15, 0.1])
+LOGITS4 = np.log(P4)                          # softmax(LOGITS4) == P4: every step below is exact by hand
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, P4),
+    ({"top_k": 2}, [2 / 3, 1 / 3, 0, 0]),
+    ({"top_k": 4}, P4),
+    ({"top_p": 0.7}, [2 / 3, 1 / 3, 0, 0]),                  # mass before the 3rd is 0.75 >= 0.7: it goes
+    ({"top_p": 0.76}, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]),
+    ({"min_p": 0.3}, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]),   # keep p >= 0.3 * 0.5
+    ({"min_p": 1.0}, [1, 0, 0, 0]),
+    ({"temperature": 2.0}, np.sqrt(P4) / np.sqrt(P4).sum()),  # p ** (1/T), renormalised
+    ({"temperature": 0.5}, P4 ** 2 / (P4 ** 2).sum()),
+    ({"top_k": 3, "top_p": 0.6, "min_p": 0.0}, [2 / 3, 1 / 3, 0, 0]),   # top-p on the top-k renormalised mass
+])
+def test_distribution_matches_hand_computed(kwargs, expected):
+    kwargs = {"temperature": 1.0, **kwargs}
+    got = S.distribution(LOGITS4, kwargs.pop("temperature"), **kwargs)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = np.array([2.0, -1.0, 0.5, 3.0])
+    np.testing.assert_allclose(S.penalize(logits, [0, 1, 1], 2.0), [1.0, -2.0, 0.5, 3.0])
+    assert S.penalize(logits, [0, 1], 1.0) is logits                      # 1 = off: untouched
+    probs = S.distribution(logits, 1.0, repetition_penalty=2.0, context=[3])
+    e = np.exp([2.0, -1.0, 0.5, 1.5])
+    np.testing.assert_allclose(probs, e / e.sum(), rtol=1e-12)
+    assert S.sample(logits, 0.0, 1.0, None, repetition_penalty=4.0, context=[3]) == 0    # greedy sees it too
+
+
+def test_chain_order_penalty_temperature_top_k_top_p_min_p():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    # penalty 2 on token 0: logit ln(0.4) < 0 is multiplied -> ln(0.4) * 2 = ln(0.16)
+    # temperature 1: probs prop. to [0.16, 0.3, 0.2, 0.1]; top_k=3 keeps [.3, .2, .16] (sum .66);
+    # top_p=0.7: masses before: 0, .3/.66, .5/.66=.758 -> keeps .3 and .2; min_p 0.5: .2 >= .5 * .3 stays
+    got = S.distribution(logits, 1.0, 0.7, top_k=3, min_p=0.5, repetition_penalty=2.0, context=[0])
+    np.testing.assert_allclose(got, [0, 0.6, 0.4, 0], rtol=1e-12)
+    got = S.distribution(logits, 1.0, 0.7, top_k=3, min_p=0.7, repetition_penalty=2.0, context=[0])
+    np.testing.assert_allclose(got, [0, 1, 0, 0], rtol=1e-12)           # .2 < .7 * .3
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-30])
+def test_a_tiny_temperature_acts_greedy_without_overflow(temperature):
+    logits = np.array([1.5, 30.0, -2.0, 29.999, 0.0], dtype=np.float32)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):     # no overflow / NaN warning escapes
+        probs = S.distribution(logits, temperature)
+        picks = {S.sample(logits, temperature, 1.0, np.random.default_rng(seed)) for seed in range(20)}
+    assert picks == {1} and probs[1] == 1.0 and np.isfinite(probs).all()
+
+
+def test_default_filters_draw_exactly_what_plain_temperature_sampling_drew():
+    logits = np.random.default_rng(0).standard_normal(64).astype(np.float32) * 3
+
+    def before(rng, temperature, top_p):             # sampling.sample before top-k/min-p/penalty existed
+        z = logits.astype(np.float64) / temperature
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        if top_p < 1.0:
+            probs = S.nucleus(probs, top_p)
+        return int(rng.choice(len(probs), p=probs))
+
+    for seed in range(10):
+        for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.5, 0.5)):
+            old_rng, pick = np.random.default_rng(seed), S.Sampler(temperature, top_p, seed)
+            assert [before(old_rng, temperature, top_p) for _ in range(5)] == [pick(logits) for _ in range(5)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1e-9}, "temperature"), ({"temperature": "1"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": float("nan")}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"min_p": -0.1}, "min_p"), ({"min_p": float("nan")}, "min_p"), ({"min_p": 1.01}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+])
+def test_bad_sampling_values_are_refused(engine, kwargs, field):
+    with pytest.raises(InvalidInput) as info:
+        engine.generate([1], **kwargs)
+    assert info.value.field == field
+
+
+def test_top_k_1_and_min_p_1_sample_the_greedy_tokens(engine):
+    greedy = engine.generate([5, 6], max_new_tokens=6, stop_ids=[]).output_ids
+    for kwargs in ({"top_k": 1}, {"min_p": 1.0}):
+        assert engine.generate([5, 6], max_new_tokens=6, temperature=1.7, seed=3, stop_ids=[],
+                               **kwargs).output_ids == greedy
+
+
+def test_repetition_penalty_in_generate_follows_the_logits(engine):
+    changed = False
+    for prompt in ([5, 6, 5], [1, 2, 1, 2], [7, 7, 7], [3, 9, 3, 9]):
+        ids, expected = list(prompt), []
+        for _ in range(5):
+            row = engine.logits([ids])[0][-1]
+            expected.append(int(np.argmax(S.penalize(row, ids, 50.0))))
+            ids.append(expected[-1])
+        got = engine.generate(prompt, max_new_tokens=5, stop_ids=[], repetition_penalty=50.0).output_ids
+        assert got == expected
+        changed |= got != engine.generate(prompt, max_new_tokens=5, stop_ids=[]).output_ids
+    assert changed                                             # the penalty did change some greedy choice
+
+
+class _Letters:
+    """A stand-in tokenizer: token i is the letter chr(97 + i % 26), no stop tokens."""
+    stop_ids: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_strings_stop_on_text_and_cut_it(engine):
+    engine._tokenizer = _Letters()
+    full = engine.generate([1, 2, 3], max_new_tokens=8, stop_ids=[])
+    assert full.text == _Letters().decode(full.output_ids) and full.stats.finish_reason == "length"
+    stop = full.text[2:4]                                     # completed by the 4th token
+    first = full.text.find(stop)
+    hit = engine.generate([1, 2, 3], max_new_tokens=8, stop_ids=[], stop_strings=["zzz-never", stop])
+    assert hit.output_ids == full.output_ids[:first + 2] and hit.stats.finish_reason == "stop"
+    assert hit.text == full.text[:first]                       # the text ends before the stop string
+    with pytest.raises(InvalidInput, match="stop"):
+        engine.generate([1], stop_strings=[""])
+    engine._tokenizer = False                                  # back to no tokenizer: stop strings need one
+    with pytest.raises(InvalidInput, match="need a tokenizer"):
+        engine.generate([1], stop_strings=["x"])
+
+
+def test_stop_string_helpers():
+    assert S.find_stop("hello world", ["wor", "lo"]) == 3 and S.find_stop("abc", ["x"]) == -1
+    assert S.partial_stop("the end<", ["<|im_end|>"]) == 1 and S.partial_stop("the end<|im", ["<|im_end|>"]) == 4
+    assert S.partial_stop("abc", ["xyz"]) == 0
