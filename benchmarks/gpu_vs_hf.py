@@ -73,6 +73,9 @@ def build_hf(name: str, dry: bool):
     if name != "qwen3":
         kw.pop("head_dim", None)
     config = getattr(transformers, cfg_cls)(**kw)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):      # the tiny vocabulary of --dry-run
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= config.vocab_size:
+            setattr(config, name, config.vocab_size - 1)
     torch.manual_seed(0)
     device = "cpu" if dry else "cuda"
     with torch.device(device):
