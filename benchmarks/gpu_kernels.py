@@ -24,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from colibri_format.runtime import numpy_backend as nb  # noqa: E402
-from colibri_format.runtime.cuda.kernels import ops  # noqa: E402
-from tests.runtime.cuda.synthetic_experts import device_experts, layout_for, numpy_experts  # noqa: E402
+from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda.bench import device_experts, layout_for, numpy_experts
+from colibri_format.runtime.cuda.kernels import ops
 
 SHAPES = {  # name: (H, I, E, k, heads, kv_heads, head_dim)
     "Mixtral-8x7B": (4096, 14336, 8, 2, 32, 8, 128),

@@ -29,9 +29,52 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) { }
 }
 """
-PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention",
-            "residual_add", "router", "dispatch", "moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down",
-            "moe_combine", "silu_mul", "split_bf16")
+PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention", "residual_add",
+            "router", "moe_experts", "silu_mul", "split_bf16")      # the backend's calls into kernels/ops.py
+
+
+# --- random experts for kernel benchmarks ------------------------------------------------------------------------
+def layout_for(hidden: int, inter: int, group: int = 0):
+    """The int8 blob layout of an expert (per-row scales, or groups of `group`)."""
+    from colibri_format.spec import ExpertFormat, blob_layout
+
+    return blob_layout(hidden, inter, ExpertFormat.INT8_GROUP if group else ExpertFormat.INT8_ROW, group)
+
+
+def numpy_experts(blobs: np.ndarray, layout):
+    """experts(e) -> (gate_up [2I, H], down [H, I]) float64 of host blobs (uint8 [E * layout.size]): the oracle's
+    view of the bytes the kernels read. The callable keeps `blobs` alive."""
+    from colibri_format.runtime import numpy_backend
+
+    blobs = np.ascontiguousarray(blobs, np.uint8)
+
+    def experts(e: int):
+        return numpy_backend.blob_arrays(blobs.ctypes.data + int(e) * layout.size, layout, np.float64)
+
+    return experts
+
+
+def device_experts(num_experts: int, hidden: int, inter: int, group: int = 0, seed: int = 0):
+    """Random int8 experts generated on the GPU (benchmark-sized shapes); returns (buffer, ExpertTable)."""
+    import cupy as cp
+
+    from colibri_format.runtime.cuda.kernels.ops import ExpertTable
+
+    layout = layout_for(hidden, inter, group)
+    buf = cp.zeros(num_experts * layout.size, cp.uint8)
+    rs = cp.random.RandomState(seed)
+    for e in range(num_experts):
+        for name in ("gate_up", "down"):
+            a = layout.array(name)
+            n, off = a.shape[0] * a.shape[1], e * layout.size + a.offset
+            buf[off:off + n] = rs.randint(0, 255, n, dtype=cp.int32).astype(cp.uint8)
+        for name in ("gate_up_scale", "down_scale"):     # about what a quantizer gives: max|w| / 127
+            a = layout.array(name)
+            n, off = a.shape[0] * a.shape[1], e * layout.size + a.offset
+            vals = (rs.uniform(0.5, 1.5, n) * 3.0 / (127.0 * np.sqrt(layout.hidden_size))).astype(cp.float32)
+            buf[off:off + 4 * n] = vals.view(cp.uint8)
+    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
+    return buf, ExpertTable.from_layout(ptrs, layout)
 
 
 # --- ceilings -----------------------------------------------------------------------------------------------
@@ -63,14 +106,11 @@ def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
     """Bytes a call must move (weights / KV), or a thunk evaluated after the step (needs device counts)."""
     if name == "dense_gemv":
         return int(args[1].nbytes)
-    if name in ("moe_gate_up", "moe_gemm_gate_up", "moe_down", "moe_gemm_down"):
-        table, disp = args[1], args[2]
+    if name == "moe_experts":         # dispatch, gate/up, down and combine: each active expert read once
+        table, disp = args[3], kw["disp"]
         H, I, g = table.hidden_size, table.intermediate_size, table.group_size
-        gate = "gate_up" in name
-        rows, cols = (2 * I, H) if gate else (H, I)
-        per_expert = rows * cols + rows * (cols // g if g else 1) * 4
-        counts = disp.counts
-        return lambda: int(np.count_nonzero(be.to_host(counts))) * per_expert
+        per_expert = 3 * H * I + 4 * (2 * I * (H // g if g else 1) + H * (I // g if g else 1))
+        return lambda: int(np.count_nonzero(be.to_host(disp.counts))) * per_expert
     if name == "attention":
         kc, q_len = args[1], args[4]
         row = kc.shape[2] * kc.shape[3] * kc.dtype.itemsize * 2
@@ -170,8 +210,7 @@ def dense_weight_bytes(eng) -> int:
 def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float, dense_bytes: int) -> dict:
     """Weight bytes per step: the dense matrices as stored (whether dense_gemv or cuBLAS reads them) plus the
     distinct experts the step's profile touched."""
-    weights = dense_bytes + sum(kernels.get(n, {}).get("bytes", 0) or 0
-                                for n in ("moe_gate_up", "moe_down", "moe_gemm_gate_up", "moe_gemm_down"))
+    weights = dense_bytes + (kernels.get("moe_experts", {}).get("bytes", 0) or 0)
     bw = ceilings["d2d_copy_gbps"] * 1e9
     step_s = weights / bw if bw else 0.0
     roof = batch / step_s if step_s else 0.0

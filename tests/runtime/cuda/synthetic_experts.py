@@ -9,14 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime import numpy_backend
+from colibri_format.runtime.cuda.bench import layout_for, numpy_experts
 from colibri_format.runtime.cuda.kernels.ops import ExpertTable
-from colibri_format.spec import ExpertFormat, blob_layout
-
-
-def layout_for(hidden: int, inter: int, group: int = 0):
-    fmt = ExpertFormat.INT8_GROUP if group else ExpertFormat.INT8_ROW
-    return blob_layout(hidden, inter, fmt, group)
 
 
 def _scales(rng: np.random.Generator, rows: int, cols: int, group: int) -> np.ndarray:
@@ -41,44 +35,10 @@ def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter:
     return layout, numpy_experts(blobs, layout), blobs
 
 
-def numpy_experts(blobs: np.ndarray, layout):
-    """experts(e) -> (gate_up [2I, H], down [H, I]) float64: expert e of host blobs (uint8 [E * layout.size]),
-    dequantized by the NumPy backend's blob reader. The callable keeps `blobs` alive."""
-    blobs = np.ascontiguousarray(blobs, np.uint8)
-
-    def experts(e: int):
-        return numpy_backend.blob_arrays(blobs.ctypes.data + int(e) * layout.size, layout, np.float64)
-
-    return experts
-
-
 def upload(blobs: np.ndarray, num_experts: int, layout):
     """Copies packed blobs to the device; returns (device buffer, ExpertTable). Keep the buffer alive."""
     import cupy as cp  # noqa: PLC0415
 
     buf = cp.asarray(blobs)
-    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
-    return buf, ExpertTable.from_layout(ptrs, layout)
-
-
-def device_experts(num_experts: int, hidden: int, inter: int, group: int = 0, seed: int = 0):
-    """Random experts generated on the GPU (for benchmark-sized shapes); returns (buffer, ExpertTable)."""
-    import cupy as cp  # noqa: PLC0415
-
-    layout = layout_for(hidden, inter, group)
-    buf = cp.zeros(num_experts * layout.size, cp.uint8)
-    rs = cp.random.RandomState(seed)
-    for e in range(num_experts):
-        for name in ("gate_up", "down"):
-            a = layout.array(name)
-            n = a.shape[0] * a.shape[1]
-            off = e * layout.size + a.offset
-            buf[off:off + n] = rs.randint(0, 255, n, dtype=cp.int32).astype(cp.uint8)
-        for name in ("gate_up_scale", "down_scale"):
-            a = layout.array(name)
-            n = a.shape[0] * a.shape[1]
-            off = e * layout.size + a.offset
-            vals = (rs.uniform(0.5, 1.5, n) * 3.0 / (127.0 * np.sqrt(layout.hidden_size))).astype(cp.float32)
-            buf[off:off + 4 * n] = vals.view(cp.uint8)
     ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
     return buf, ExpertTable.from_layout(ptrs, layout)
