@@ -1,9 +1,5 @@
-"""Random int8 experts packed as `.colibri` expert blobs, for the kernel tests and benchmarks/gpu_kernels.py.
-
-Blob offsets come from `colibri_format.spec.blob_layout` only. `host_experts` builds small experts on the host;
-`device_experts` fills large ones directly on the GPU. `numpy_experts` reads packed blobs back the way the NumPy
-backend does (`numpy_backend.blob_arrays`), as the `experts(e)` callable that `numpy_backend.moe` takes.
-"""
+"""Random int8 experts packed as `.colibri` expert blobs for the kernel tests (small, built on the host; the
+benchmark-sized ones and the oracle's blob view are `runtime.cuda.bench.device_experts` / `numpy_experts`)."""
 
 from __future__ import annotations
 
