@@ -111,6 +111,23 @@ class WriteError(ColibriFormatError):
     """Writing the output failed (disk full, file size limit, I/O error)."""
 
 
+class OutputPathRefused(InvalidInput):
+    """The output path holds something the converter must not replace: a file it did not write, one of the
+    checkpoint's own files, a symbolic link, or (without --force) an existing `.colibri`."""
+
+
+class UnusedTensors(InvalidInput):
+    """The checkpoint holds tensors the conversion would drop (e.g. a config with fewer layers)."""
+
+
+class NonFiniteWeight(InvalidInput):
+    """A weight is NaN or infinite, or does not fit the dtype it is stored in (float16 or float32 overflow)."""
+
+
+class InvalidTokenizer(InvalidInput):
+    """A tokenizer file does not load, or a special token, token id or chat template has the wrong type."""
+
+
 # --- running a model (runtime engines) ------------------------------------------------------------
 class EmptyInput(InvalidInput):
     """An inference request has no sequences, or a sequence has no token ids."""

@@ -1,9 +1,17 @@
-"""Crash-safe file primitives: checked positional writes, fsync, atomic rename with a directory fsync."""
+"""Crash-safe file primitives: checked positional writes, fsync, atomic rename with a directory fsync, and
+opening the converter's own files (`.part`, journal, lock) without following a link planted at their name.
+
+A symbolic link (or a hard link) put where one of our temporary files belongs must never make us write into
+its target: a fresh file replaces whatever name is there (unlinking a link removes the link, not its target)
+and is created with O_EXCL | O_NOFOLLOW; an existing file is reused only when it is a regular file that no
+other name shares.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import WriteError
@@ -48,3 +56,45 @@ def atomic_replace(part: Path, final: Path) -> None:
     except OSError as exc:
         raise WriteError(f"cannot rename {part.name} to {final.name}: {exc.strerror}") from None
     fsync_dir(final.parent)
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def create_fresh(path: Path, flags: int = os.O_RDWR, mode: int = 0o644) -> int:
+    """A new, empty regular file at `path`, whatever was there before (a file, a symlink, a hard link to
+    another file: the name is unlinked, never the target written). Created O_EXCL | O_NOFOLLOW, so a link
+    planted between the unlink and the create makes the create fail rather than follow it."""
+    for _ in range(8):
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise WriteError(f"cannot create {path.name}: {exc.strerror}") from None
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise WriteError(f"cannot create {path.name}: a directory is in the way", field="path",
+                                 value=str(path))
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise WriteError(f"cannot replace {path.name}: {exc.strerror}") from None
+    raise WriteError(f"cannot create {path.name}: something keeps re-creating it", field="path", value=str(path))
+
+
+def open_private(path: Path, flags: int = os.O_RDWR) -> int | None:
+    """Open an existing file of ours without following a link: None when it is missing, a symbolic link,
+    not a regular file, or shares its inode with another name (a planted hard link)."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # ENOENT, ELOOP (a symlink), EISDIR, ENXIO (a FIFO without a writer), EACCES, ...
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd

@@ -26,7 +26,7 @@ import xxhash
 from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_storage
 from .errors import InvalidInput, WriteError
-from .fsutil import atomic_replace, fsync_fd, pwrite_all
+from .fsutil import atomic_replace, create_fresh, fsync_fd, open_private, pwrite_all
 from .spec.checksum import dense_seed, digest, expert_seed, section_seed
 
 PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
@@ -130,11 +130,11 @@ class ColibriWriter:
                                    field="group_size", value=g)
 
     def _open_part(self, resume: bool) -> int:
-        flags = os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC)
-        try:
-            fd = os.open(self.part_path, flags, 0o644)
-        except OSError as exc:
-            raise WriteError(f"cannot open {self.part_path}: {exc.strerror}") from None
+        # Never through a link planted at the .part name: a resumed run reuses only a regular file of its
+        # own (one name, not a symlink), anything else is replaced by a fresh file (O_EXCL | O_NOFOLLOW).
+        fd = open_private(self.part_path) if resume else None
+        if fd is None:
+            fd = create_fresh(self.part_path)
         try:
             # Sparse zero-filled space up to the sections: padding is zero without being written.
             if os.fstat(fd).st_size != self.plan.metadata_offset:

@@ -35,6 +35,15 @@ def command(
     allow_pickle: Annotated[bool, typer.Option(
         "--allow-pickle", "--allow_pickle",
         help="Read pytorch_model*.bin when no safetensors exist (weights-only torch.load).")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing .colibri file at --output-path (anything else there is refused).")]
+    = False,
+    allow_unused_tensors: Annotated[bool, typer.Option(
+        "--allow-unused-tensors", "--allow_unused_tensors",
+        help="Convert even when the checkpoint holds tensors nothing uses (listed in the provenance).")] = False,
+    allow_non_finite: Annotated[bool, typer.Option(
+        "--allow-non-finite", "--allow_non_finite",
+        help="Store NaN/inf (and float16 overflow) in float tensors instead of refusing them.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or table.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
@@ -45,7 +54,8 @@ def command(
     with convert_progress(err, quiet or as_json) as progress:
         summary = convert(model_path, output_path, dtype=dtype, quantize=quantize, quant_bits=quant_bits,
                           group_size=group_size, num_experts=num_experts, top_k=top_k, workers=workers,
-                          resume=resume, verify=verify, progress=progress, allow_pickle=allow_pickle)
+                          resume=resume, verify=verify, progress=progress, allow_pickle=allow_pickle, force=force,
+                          allow_unused_tensors=allow_unused_tensors, allow_non_finite=allow_non_finite)
     if as_json:
         print_json(summary.to_dict())
     elif not quiet:

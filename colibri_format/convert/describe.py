@@ -28,10 +28,10 @@ JOURNAL_FORMAT = "colibri-convert-journal/1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
-def read_tokenizer(root: Path) -> tuple[dict[str, Any] | None, dict[str, str]]:
+def read_tokenizer(root: Path, vocab_size: int | None = None) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The metadata `tokenizer` object (read by `tokenizer_files.read_tokenizer`, the one reader of these
     files) and the XXH3 of each tokenizer file present, which ties a resumable job to them."""
-    tokenizer = tokenizer_files.read_tokenizer(root)
+    tokenizer = tokenizer_files.read_tokenizer(root, vocab_size=vocab_size)
     hashes = {}
     for name in TOKENIZER_FILES:
         if (root / name).exists():
@@ -53,10 +53,24 @@ def quantization_block(expert_format: S.ExpertFormat, dense_dtype: str, group_si
     return block
 
 
-def provenance(src: Any) -> dict[str, Any]:
+MAX_LISTED_NAMES = 1000  # per group of skipped tensors; the count is always exact
+
+
+def _names(names: list[str]) -> dict[str, Any]:
+    return {"count": len(names), "names": sorted(names)[:MAX_LISTED_NAMES]}
+
+
+def provenance(src: Any, skipped: dict[str, str] | None = None, unused: list[str] | None = None) -> dict[str, Any]:
+    """Where the file came from. `skipped`: checkpoint tensors left out on purpose (name -> reason), listed
+    by reason; `unused`: tensors nothing used, accepted with allow_unused_tensors."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in (skipped or {}).items():
+        by_reason.setdefault(reason, []).append(name)
     return {"source_format": src.source_format,
             "source_files": [{"name": f.name, "size": f.size} for f in src.files],
             "config_xxh3": src.config_xxh3, "index_xxh3": src.index_xxh3,
+            "skipped_tensors": [{"reason": reason, **_names(names)} for reason, names in sorted(by_reason.items())],
+            "unused_tensors": _names(list(unused or [])),
             "tool": "colibri-format", "tool_version": __version__}
 
 

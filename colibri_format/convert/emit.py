@@ -3,39 +3,80 @@
 The bytes go to a `PieceStream` of the writer, which writes them at the piece's planned offset and hashes
 them on the way; nothing here touches the file. A piece is never whole in memory: each chunk of source
 rows is converted (or quantized) and handed on before the next one is read.
+
+On the way every chunk is also (1) hashed as the source stored it (`SourceHash`, kept in the resume journal)
+and (2) checked for NaN, infinity and overflow of the stored dtype (convert/finite.py), on the converted
+chunk for float storage and through the quantizer's group maxima for int8. A bad value is a NonFiniteWeight
+naming the tensor and the element, unless `allow_non_finite` (float storage only: int8 cannot hold them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from colibri_format import spec as S
+from colibri_format.convert import finite
 from colibri_format.convert.layout import RowSpan
 from colibri_format.convert.quantize import quantize_int8
-from colibri_format.convert.rows import iter_chunks
+from colibri_format.convert.rows import SourceHash, iter_span_chunks
 from colibri_format.dtypes import NUMPY_STORAGE, to_float32, to_storage
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, NonFiniteWeight
 from colibri_format.writer import PieceStream
+
+DTYPE_NAME = {dtype: name for name, dtype in S.DTYPE_NAMES.items()}
+ALLOW_HINT = "--allow-non-finite stores such values as they are"
+INT8_HINT = "int8 experts cannot hold it (--quantize none --allow-non-finite would store it as it is)"
+
+
+class Filled(NamedTuple):
+    """What writing one piece gave: its checksum in the file, the digest of its source bytes, whether it
+    holds a non-finite value (only possible with allow_non_finite), and (int8 experts) its error stats."""
+
+    checksum: int
+    source: int
+    non_finite: bool
+    stats: ErrorStats | None = None
 
 
 def _stored_chunk(chunk: np.ndarray, target: S.DType) -> np.ndarray:
     if chunk.dtype == NUMPY_STORAGE[target]:
         return np.ascontiguousarray(chunk)  # same dtype: the stored bits, untouched
-    return to_storage(to_float32(chunk), target)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is found (and named) by the check below
+        return to_storage(to_float32(chunk), target)
+
+
+class _Checked:
+    """Converts chunks to a float storage dtype, refusing (or, allowed, noting) non-finite results."""
+
+    def __init__(self, src: Any, target: S.DType, allow_non_finite: bool) -> None:
+        self.src, self.target, self.allow = src, target, allow_non_finite
+        self.non_finite = False
+
+    def __call__(self, span: RowSpan, row0: int, chunk: np.ndarray) -> np.ndarray:
+        out = _stored_chunk(chunk, self.target)
+        if not finite.all_finite(out):
+            if not self.allow:
+                raise finite.describe(self.src, span, row0, chunk, DTYPE_NAME[self.target], ALLOW_HINT)
+            self.non_finite = True
+        return out
 
 
 # --- dense tensors --------------------------------------------------------------------------------
-def fill_dense(stream: PieceStream, dtype: S.DType, src: Any, spans: tuple[RowSpan, ...]) -> int:
-    """Stream one dense tensor in the file's dense dtype; returns its checksum."""
-    for chunk in iter_chunks(src, spans):
-        stream.put(_stored_chunk(chunk, dtype))
+def fill_dense(stream: PieceStream, dtype: S.DType, src: Any, spans: tuple[RowSpan, ...], *,
+               allow_non_finite: bool = False) -> Filled:
+    """Stream one dense tensor in the file's dense dtype."""
+    source = SourceHash()
+    convert = _Checked(src, dtype, allow_non_finite)
+    for span, row0, chunk in iter_span_chunks(src, spans):
+        source.update("dense", chunk)
+        stream.put(convert(span, row0, chunk))
     if stream.pos != stream.slot.size:
         raise InvalidInput(f"{stream.slot.key}: source gave {stream.pos} bytes for a {stream.slot.size}-byte tensor",
                            field=stream.slot.key)
-    return stream.finish()
+    return Filled(stream.finish(), source.intdigest(), convert.non_finite)
 
 
 # --- expert blobs ---------------------------------------------------------------------------------
@@ -57,22 +98,25 @@ class ErrorStats:
         return self.sum_rel / self.count if self.count else 0.0
 
 
-def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dict[str, tuple[RowSpan, ...]]
-                ) -> tuple[int, ErrorStats]:
-    """Stream one expert blob (gate_up, [scale], down, [scale]); returns (checksum, error stats)."""
+def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dict[str, tuple[RowSpan, ...]], *,
+                allow_non_finite: bool = False) -> Filled:
+    """Stream one expert blob (gate_up, [scale], down, [scale])."""
     stats = ErrorStats()
+    source = SourceHash()
     quantized = blob.expert_format in S.QUANTIZED_FORMATS
     group = blob.group_size or None
+    convert = None if quantized else _Checked(src, S.DType(int(blob.expert_format)), allow_non_finite)
     for arr in blob.arrays:
         if arr.name.endswith("_scale"):
             continue  # written right after its matrix
         stream.pad_to(arr.offset)
         scale = None
-        if quantized:
-            scale = _quantized_matrix(stream, src, matrices[arr.name], group, stats)
+        if convert is None:
+            scale = _quantized_matrix(stream, src, arr.name, matrices[arr.name], group, stats, source)
         else:
-            for chunk in iter_chunks(src, matrices[arr.name]):
-                stream.put(_stored_chunk(chunk, arr.dtype))
+            for span, row0, chunk in iter_span_chunks(src, matrices[arr.name]):
+                source.update(arr.name, chunk)
+                stream.put(convert(span, row0, chunk))
         if stream.pos != arr.offset + arr.nbytes:
             raise InvalidInput(f"expert {stream.slot.key}: source gave the wrong size for {arr.name}", field=arr.name)
         if scale is not None:
@@ -82,19 +126,25 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
                                    field=scale_arr.name, value=scale.shape)
             stream.pad_to(scale_arr.offset)
             stream.put(scale)
-    return stream.finish(), stats
+    non_finite = convert is not None and convert.non_finite
+    return Filled(stream.finish(), source.intdigest(), non_finite, stats if quantized else None)
 
 
-def _quantized_matrix(stream: PieceStream, src: Any, spans: tuple[RowSpan, ...], group: int | None,
-                      stats: ErrorStats) -> np.ndarray:
+def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[RowSpan, ...], group: int | None,
+                      stats: ErrorStats, source: SourceHash) -> np.ndarray:
     """Quantize and write a matrix row chunk by row chunk; returns its float32 scales (small)."""
     scales = []
     buf = None
-    for chunk in iter_chunks(src, spans):
+    for span, row0, chunk in iter_span_chunks(src, spans):
+        source.update(matrix, chunk)
         if buf is None or buf.size < chunk.size:
             buf = np.empty(chunk.size, np.float32)  # reused across chunks: fresh pages are costly
-        w = to_float32(chunk, buf[:chunk.size].reshape(chunk.shape))
-        q = quantize_int8(w, group)
+        with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused below
+            w = to_float32(chunk, buf[:chunk.size].reshape(chunk.shape))
+        try:
+            q = quantize_int8(w, group)
+        except NonFiniteWeight:
+            raise finite.describe(src, span, row0, chunk, "float32", INT8_HINT) from None
         stream.put(q.q)
         scales.append(q.scale)
         stats.add(q.max_rel_err, q.mean_rel_err, w.size)

@@ -52,6 +52,7 @@ MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", 
               "shared_expert", "multipliers")
 
 _REQUIRED = object()
+_MAX_DOUBLE = 1.7976931348623157e308
 
 
 @dataclass(frozen=True)
@@ -73,31 +74,52 @@ class HFConfig:
     xxh3: str
 
 
+class _Reject(Exception):
+    """Raised inside the JSON hooks; parse_json_object turns it into an InvalidInput naming the file."""
+
+    def __init__(self, message: str, value: Any) -> None:
+        super().__init__(message)
+        self.value = value
+
+
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise InvalidInput(f"duplicate JSON key {short_repr(key)}", field=key)
+            raise _Reject(f"duplicate JSON key {short_repr(key)}", key)
         out[key] = value
     return out
 
 
 def _reject_constant(token: str) -> None:
-    raise InvalidInput(f"JSON constant {token} is not allowed", value=token)
+    raise _Reject(f"JSON constant {token} is not allowed", token)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # a literal such as 1e999 overflows to infinity
+        raise _Reject(f"number {short_repr(text, 24)} overflows to infinity", text[:24])
+    return value
 
 
 def parse_json_object(data: bytes, *, what: str) -> dict[str, Any]:
-    """Strict JSON: UTF-8, one object at the top, no duplicate keys, no NaN/Infinity."""
+    """Strict JSON: UTF-8, one object at the top, no duplicate keys, no NaN/Infinity, no number that
+    overflows a float or exceeds Python's integer-conversion digit limit."""
     try:
         obj = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicates,
-                         parse_constant=_reject_constant)
+                         parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
-        raise InvalidInput(f"{what} is not UTF-8", field=what) from exc
+        raise InvalidInput(f"{what} is not UTF-8", field=what) from None
+    except _Reject as exc:
+        raise InvalidInput(f"{what}: {exc}", field=what, value=exc.value) from None
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{what} is not valid JSON: {exc.msg} at char {exc.pos}", field=what,
-                           offset=exc.pos) from exc
-    except RecursionError as exc:
-        raise InvalidInput(f"{what} nests too deeply", field=what) from exc
+                           offset=exc.pos) from None
+    except RecursionError:
+        raise InvalidInput(f"{what} nests too deeply", field=what) from None
+    except ValueError as exc:  # an integer literal over the int-conversion digit limit (4300 digits)
+        raise InvalidInput(f"{what} holds a number too large to read ({str(exc).split(';')[0]})",
+                           field=what) from None
     if not isinstance(obj, dict):
         raise InvalidInput(f"{what} must hold a JSON object, not {type(obj).__name__}", field=what)
     return obj
@@ -154,8 +176,9 @@ class Fields:
         value = self._get(key, default)
         if value is default and default is not _REQUIRED:
             return value
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and -_MAX_DOUBLE <= value <= _MAX_DOUBLE  # never float(huge int): OverflowError
+        ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
         if not ok:
             raise self._fail(key, value, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
         return float(value)

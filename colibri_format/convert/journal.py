@@ -8,6 +8,10 @@ expert blob) reached the `.part` file durably, with the checksum it had.
 
 Records are appended only after the data they describe was fsynced, and the journal is fsynced after each
 batch, so a record can never describe data that a power cut lost.
+
+No link planted at the journal's or the lock's name is ever followed: the journal is written as a fresh file
+(O_EXCL | O_NOFOLLOW) and renamed over its name, then appended through the same descriptor; the lock is
+created O_EXCL (which never follows a link), and a lock that is not a regular file is stale.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -25,8 +30,9 @@ import xxhash
 
 from colibri_format.convert import crashpoint
 from colibri_format.errors import ResumeError, WriteError
-from colibri_format.fsutil import fsync_dir, fsync_fd
+from colibri_format.fsutil import create_fresh, fsync_dir, fsync_fd
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_RECORD_BYTES = 16 << 20     # a record describes one piece; anything bigger is garbage
 _LEN = struct.Struct("<QQ")     # len, xxh3(len)
 _SUM = struct.Struct("<Q")
@@ -85,16 +91,25 @@ class JournalState:
 def read_journal(path: Path, max_bytes: int = 1 << 30) -> JournalState:
     """Read a journal; a missing or headerless one reads as empty. Never trusts it beyond its checksums."""
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size > max_bytes:
-                raise ResumeError("the resume journal is implausibly large; use --restart", field="journal",
-                                  value=size)
-            data = fh.read(size)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return JournalState(None, [])
     except OSError as exc:
-        raise ResumeError(f"cannot read the resume journal: {exc.strerror}", field="journal") from None
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise ResumeError(f"cannot read the resume journal {path.name}: {why}; use --restart",
+                          field="journal") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ResumeError(f"the resume journal {path.name} is not a regular file; use --restart",
+                              field="journal")
+        if st.st_size > max_bytes:
+            raise ResumeError("the resume journal is implausibly large; use --restart", field="journal",
+                              value=st.st_size)
+        try:
+            data = fh.read(st.st_size)
+        except OSError as exc:
+            raise ResumeError(f"cannot read the resume journal: {exc.strerror}", field="journal") from None
     records, _ = parse_records(data)
     if not records or records[0].get("kind") != "header":
         return JournalState(None, [])
@@ -107,21 +122,23 @@ class Journal:
     def __init__(self, path: Path, header: dict[str, Any], pieces: list[dict[str, Any]]) -> None:
         self.path = path
         tmp = path.with_name(path.name + ".new")
-        # A fresh file written whole and renamed in: the old journal stays valid until the rename.
-        fd = _open_or_fail(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        # A fresh file written whole and renamed in: the old journal stays valid until the rename. Appends go
+        # through the same descriptor, so the name is never opened again (nothing planted there is followed).
+        fd = create_fresh(tmp, os.O_WRONLY | os.O_APPEND)
         try:
             _write_all(fd, b"".join(frame(r) for r in [header, *pieces]))
             crashpoint.hit("journal-fsync")
             fsync_fd(fd)
-        finally:
+            crashpoint.hit("journal-rename")
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise WriteError(f"cannot install the resume journal: {exc.strerror}") from None
+            fsync_dir(path.parent)
+        except BaseException:
             os.close(fd)
-        crashpoint.hit("journal-rename")
-        try:
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise WriteError(f"cannot install the resume journal: {exc.strerror}") from None
-        fsync_dir(path.parent)
-        self._fd = _open_or_fail(path, os.O_WRONLY | os.O_APPEND)
+            raise
+        self._fd = fd
 
     def append(self, pieces: list[dict[str, Any]]) -> None:
         """Append records for pieces whose data is already fsynced, then make them durable."""
@@ -140,13 +157,6 @@ class Journal:
     def remove(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
-
-
-def _open_or_fail(path: Path, flags: int) -> int:
-    try:
-        return os.open(path, flags, 0o644)
-    except OSError as exc:
-        raise WriteError(f"cannot open {path.name}: {exc.strerror}") from None
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -176,7 +186,7 @@ class WriterLock:
     def acquire(self) -> None:
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             except FileExistsError:
                 self._break_if_stale()
                 continue
@@ -191,6 +201,9 @@ class WriterLock:
         raise WriteError(f"cannot take the lock file {self.path.name}", field="lock")
 
     def _break_if_stale(self) -> None:
+        if not _is_regular(self.path):  # not a lock we make (a planted link): stale; unlinking it spares its target
+            self.path.unlink(missing_ok=True)
+            return
         pid = _lock_pid(self.path)
         if pid is None:
             if time.time() - _mtime(self.path) < UNREADABLE_LOCK_GRACE_S:
@@ -207,18 +220,33 @@ class WriterLock:
             self._held = False
 
 
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True  # gone meanwhile: nothing to break, the next create decides
+    except OSError:
+        return False
+
+
 def _lock_pid(path: Path) -> int | None:
     try:
-        text = path.read_bytes()[:32].decode("ascii").strip()
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 32).decode("ascii").strip()
         pid = int(text)
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return pid if pid > 0 else None
+    finally:
+        os.close(fd)
+    return pid if 0 < pid < 1 << 31 else None
 
 
 def _mtime(path: Path) -> float:
     try:
-        return path.stat().st_mtime
+        return os.lstat(path).st_mtime
     except OSError:
         return 0.0
 

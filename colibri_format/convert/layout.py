@@ -13,6 +13,8 @@ fixed per architecture and shapes only confirm it (2I == H happens in real model
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -50,6 +52,15 @@ class FusedLinear:
 
 
 @dataclass(frozen=True)
+class Skip:
+    """Checkpoint tensors left out on purpose: names that fully match `pattern` (a regular expression), and
+    why. Every tensor a conversion neither uses nor skips this way is an error (or, allowed, listed)."""
+
+    pattern: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class HFNames:
     """Where an architecture keeps its MoE and MLP tensors; format strings take `{p}` = `model.layers.{i}`.
 
@@ -63,6 +74,7 @@ class HFNames:
     shared: tuple[str, str, str] | None = None  # gate, up, down of a separate shared expert
     shared_fused: tuple[str, str] | None = None  # gate_up [2Is, H] (gate rows first), down [H, Is]
     shared_gate: str | None = None
+    skip: tuple[Skip, ...] = ()  # what this architecture's checkpoints carry that the format leaves out
 
 
 class DenseTensor(NamedTuple):
@@ -208,3 +220,46 @@ def expert_spans(src: Any, model: Model, names: HFNames, layer: int, expert: int
     for name, shape in ((gate, (i_size, h)), (up, (i_size, h)), (down, (h, i_size))):
         _check_shape(src, name, shape)
     return ExpertSpans((RowSpan(gate, None, 0, i_size), RowSpan(up, None, 0, i_size)), (RowSpan(down, None, 0, h),))
+
+
+# --- tensors left out on purpose ------------------------------------------------------------------
+
+ROTARY = Skip(r".*\.rotary_emb\.inv_freq", "rotary inverse frequencies (recomputed from the rope parameters)")
+TIED_LM_HEAD = Skip(r"lm_head\.weight", "lm_head (tie_word_embeddings: the output layer is embed_tokens)")
+VISION = Skip(r"(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector|mm_projector)\..*",
+              "vision tower (config.json has a vision_config; the conversion is text-only)")
+MAX_MTP_LAYERS = 16
+
+
+def _mtp(raw: Mapping[str, Any], num_layers: int) -> Skip | None:
+    n = raw.get("num_nextn_predict_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_MTP_LAYERS:
+        return None
+    layers = "|".join(str(num_layers + k) for k in range(n))
+    return Skip(rf"model\.layers\.(?:{layers})\..*",
+                "multi-token-prediction layers (num_nextn_predict_layers; not used for generation)")
+
+
+def skip_rules(model: Model, raw: Mapping[str, Any], names: HFNames) -> list[Skip]:
+    """The rules that apply to this checkpoint: those every architecture shares, then the architecture's own."""
+    rules = [ROTARY]
+    if model["tie_word_embeddings"]:
+        rules.append(TIED_LM_HEAD)
+    if isinstance(raw.get("vision_config"), dict):
+        rules.append(VISION)
+    mtp = _mtp(raw, model["num_layers"])
+    if mtp is not None:
+        rules.append(mtp)
+    return rules + list(names.skip)
+
+
+def skipped_on_purpose(candidates: Iterable[str], rules: list[Skip]) -> dict[str, str]:
+    """name -> reason for each of `candidates` a rule leaves out (the first matching rule gives the reason)."""
+    compiled = [(re.compile(rule.pattern), rule.reason) for rule in rules]
+    out = {}
+    for name in candidates:
+        for pattern, reason in compiled:
+            if pattern.fullmatch(name):
+                out[name] = reason
+                break
+    return out

@@ -1,12 +1,14 @@
 """`convert()`: a Hugging Face MoE checkpoint to one `.colibri` file, streaming, resumable and crash-safe.
 
-Flow: open and normalize the checkpoint, plan every offset (ColibriWriter), take the writer lock, read the
-journal and let the writer take over the pieces whose bytes still match it, then convert the remaining
-pieces (dense tensors, then expert blobs) on `workers` threads. Each piece is streamed in row chunks
+Flow: open and normalize the checkpoint, refuse an output path that is not ours to replace
+(convert/output_path.py) and a checkpoint with tensors nothing uses, plan every offset (ColibriWriter),
+take the writer lock, read the journal and let the writer take over the pieces whose source and bytes still
+match it, then convert the remaining pieces (dense tensors, then expert blobs) on `workers` threads. Each piece is streamed in row chunks
 (read -> convert or quantize -> the writer, which writes at the planned offset and hashes), so memory
 stays at a few chunks per worker whatever the model size. Completed pieces are made durable in batches:
 fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against the
-checksums, write the sections and header, fsync, rename over the destination, fsync the folder.
+checksums, check the output path once more, write the sections and header, fsync, rename over the
+destination, fsync the folder.
 """
 
 from __future__ import annotations
@@ -23,19 +25,22 @@ from typing import Any
 from colibri_format import spec as S
 from colibri_format.convert import crashpoint, describe, layout, schedule
 from colibri_format.convert.adapters import get_adapter
-from colibri_format.convert.emit import ErrorStats, fill_dense, fill_expert
+from colibri_format.convert.emit import ErrorStats, Filled, fill_dense, fill_expert
 from colibri_format.convert.journal import (Journal, JournalState, WriterLock, journal_path_for, lock_path_for,
                                             read_journal)
 from colibri_format.convert.layout import RowSpan
-from colibri_format.convert.rows import span_bytes
+from colibri_format.convert.output_path import check_output_path, source_file_ids
+from colibri_format.convert.rows import source_digest, span_bytes
 from colibri_format.convert.source import open_checkpoint
+from colibri_format.convert.tokenizer_files import check_token_ids
 from colibri_format.convert.verify import keep_journaled_pieces, verify_all
-from colibri_format.errors import InvalidInput, ResumeError, WriteError
+from colibri_format.errors import InvalidInput, ResumeError, UnusedTensors, WriteError
 from colibri_format.writer import ColibriWriter, PieceKey
 
 DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZE_MODES = ("expert", "none")
 MAX_WORKERS = 64
+UNUSED_NAMES_SHOWN = 5
 
 # progress(done_pieces, total_pieces, done_source_bytes, total_source_bytes); called on the caller's thread
 Progress = Callable[[int, int, int, int], None]
@@ -72,6 +77,8 @@ class Options:
     quant_bits: int
     group_size: int | None
     workers: int
+    allow_non_finite: bool = False
+    allow_unused_tensors: bool = False
 
     @property
     def expert_format(self) -> S.ExpertFormat:
@@ -80,7 +87,8 @@ class Options:
         return S.ExpertFormat.INT8_ROW if self.group_size is None else S.ExpertFormat.INT8_GROUP
 
     def journal_options(self) -> dict[str, Any]:
-        # workers change nothing in the output, so a resume may use another count
+        # workers change nothing in the output, so a resume may use another count; the allow_* flags
+        # neither (a piece holding non-finite values says so in its own journal record)
         return {"dtype": self.dtype, "quantize": self.quantize, "quant_bits": self.quant_bits,
                 "group_size": self.group_size}
 
@@ -113,6 +121,15 @@ class Job:
     pieces: list[Piece]
     tokenizer: dict[str, Any] | None
     header: dict[str, Any]
+    skipped: dict[str, str] = field(default_factory=dict)  # checkpoint tensors left out on purpose -> why
+    unused: list[str] = field(default_factory=list)  # tensors nothing uses, accepted by allow_unused_tensors
+    sources: dict[tuple[int, int], str] = field(default_factory=dict)  # (dev, inode) -> checkpoint file name
+
+    def piece(self, key: PieceKey) -> Piece:
+        return self._pieces_by_key[key]
+
+    def __post_init__(self) -> None:
+        self._pieces_by_key = {p.key: p for p in self.pieces}
 
 
 @dataclass
@@ -125,7 +142,8 @@ class Progressive:
 
 
 # --- options and planning ---------------------------------------------------------------------------
-def check_options(dtype: str, quantize: str, quant_bits: int, group_size: int | None, workers: int) -> Options:
+def check_options(dtype: str, quantize: str, quant_bits: int, group_size: int | None, workers: int, *,
+                  allow_non_finite: bool = False, allow_unused_tensors: bool = False) -> Options:
     if dtype not in DTYPES:
         raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}", field="dtype", value=dtype)
     if quantize not in QUANTIZE_MODES:
@@ -136,7 +154,7 @@ def check_options(dtype: str, quantize: str, quant_bits: int, group_size: int | 
         raise InvalidInput("--group-size needs --quantize expert", field="group_size", value=group_size)
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise InvalidInput(f"--workers must be in [1, {MAX_WORKERS}]", field="workers", value=workers)
-    return Options(dtype, quantize, quant_bits, group_size, workers)
+    return Options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite, allow_unused_tensors)
 
 
 def check_expert_counts(model: dict[str, Any], num_experts: int | None, top_k: int | None) -> None:
@@ -152,6 +170,7 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
     adapter = get_adapter(src.config.model_type)
     model = adapter.normalize_config(src.config.raw)
     check_expert_counts(model, num_experts, top_k)
+    check_token_ids(dict(src.config.raw), "config.json", model["vocab_size"])
     pieces = []
     for t in layout.dense_tensors(src, model, adapter.names):
         pieces.append(Piece(t.name, span_bytes(src, (t.span,)), {"dense": (t.span,)}))
@@ -160,38 +179,65 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
             spans = layout.expert_spans(src, model, adapter.names, layer, e)
             pieces.append(Piece((layer, e), span_bytes(src, spans.gate_up) + span_bytes(src, spans.down),
                                 {"gate_up": spans.gate_up, "down": spans.down}))
-    tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root))
+    skipped, unused = _unused_tensors(src, model, adapter, pieces, options.allow_unused_tensors)
+    tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root), model["vocab_size"])
     header = describe.journal_header(describe.input_fingerprint(src, tok_hashes), options.journal_options())
-    return Job(src, adapter.model_type, model, options, pieces, tokenizer, header)
+    return Job(src, adapter.model_type, model, options, pieces, tokenizer, header, skipped, unused)
+
+
+def _unused_tensors(src: Any, model: dict[str, Any], adapter: Any, pieces: list[Piece], allow: bool
+                    ) -> tuple[dict[str, str], list[str]]:
+    """(tensors left out on purpose -> why, tensors nothing uses); the latter is an UnusedTensors error
+    unless `allow` (a config with fewer layers than the weights would otherwise drop them silently)."""
+    used = {span.hf_name for p in pieces for spans in p.rows.values() for span in spans}
+    rest = [name for name in src.tensor_names() if name not in used]
+    skipped = layout.skipped_on_purpose(rest, layout.skip_rules(model, src.config.raw, adapter.names))
+    unused = [name for name in rest if name not in skipped]
+    if unused and not allow:
+        shown = ", ".join(unused[:UNUSED_NAMES_SHOWN])
+        more = f" and {len(unused) - UNUSED_NAMES_SHOWN} more" if len(unused) > UNUSED_NAMES_SHOWN else ""
+        raise UnusedTensors(f"{len(unused)} checkpoint tensors would be dropped, nothing in the "
+                            f"{adapter.model_type} conversion uses them: {shown}{more} (does config.json match the "
+                            "weights?); pass --allow-unused-tensors to convert without them",
+                            field="tensors", value=len(unused))
+    return skipped, unused
 
 
 # --- public entry point -----------------------------------------------------------------------------
 def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dtype: str = "float16",
             quantize: str = "expert", quant_bits: int = 8, group_size: int | None = None,
             num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
-            verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False) -> ConversionSummary:
+            verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False, force: bool = False,
+            allow_unused_tensors: bool = False, allow_non_finite: bool = False) -> ConversionSummary:
     """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run.
     `allow_pickle` lets a checkpoint without safetensors be read from `pytorch_model*.bin`
-    (`torch.load(weights_only=True, mmap=True)`)."""
-    options = check_options(dtype, quantize, quant_bits, group_size, workers)
+    (`torch.load(weights_only=True, mmap=True)`). An existing `.colibri` at `output_path` is replaced only
+    with `force`; anything else there (another file, a checkpoint file, a symlink) is always refused.
+    `allow_unused_tensors` converts a checkpoint holding tensors nothing uses (listed in the provenance);
+    `allow_non_finite` stores NaN/inf and float16 overflow in float tensors instead of refusing them."""
+    options = check_options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite=allow_non_finite,
+                            allow_unused_tensors=allow_unused_tensors)
     dest = Path(output_path)
-    if dest.is_dir():
+    if dest.is_dir() and not dest.is_symlink():
         raise InvalidInput("--output-path is a directory; give a file name", field="output_path", value=str(dest))
     if not dest.parent.is_dir():
         raise InvalidInput("the output folder does not exist", field="output_path", value=str(dest.parent))
     start = time.perf_counter()
     with open_checkpoint(model_path, allow_pickle=allow_pickle) as src:
+        sources = source_file_ids(Path(src.root), [f.name for f in src.files])
+        check_output_path(dest, sources, force=force)
         job = plan_job(src, options, num_experts, top_k)
+        job.sources = sources
         lock = WriterLock(lock_path_for(dest))
         lock.acquire()
         try:
-            return _convert_locked(job, dest, resume, verify, progress, start)
+            return _convert_locked(job, dest, resume, verify, progress, start, force)
         finally:
             lock.release()
 
 
 def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: Progress | None,
-                    start: float) -> ConversionSummary:
+                    start: float, force: bool) -> ConversionSummary:
     journal_file = journal_path_for(dest)
     state = read_journal(journal_file) if resume else JournalState(None, [])
     if state.header is not None:
@@ -206,7 +252,9 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
     journal = None
     try:
         _check_free_space(writer, job)
-        kept = keep_journaled_pieces(writer, state.pieces, job.options.workers) if resuming else []
+        kept = keep_journaled_pieces(writer, state.pieces, job.options.workers,
+                                     lambda key: source_digest(job.src, job.piece(key).rows),
+                                     job.options.allow_non_finite) if resuming else []
         journal = Journal(journal_file, job.header, kept)
         run = Progressive()
         _restore_stats(run, kept)
@@ -215,6 +263,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         if verify:
             verify_all(writer, job.options.workers)
         metadata = _metadata(job, run)
+        check_output_path(dest, job.sources, force=force)  # again: something may have appeared meanwhile
         crashpoint.hit("finalize")
         _finalize(writer, metadata)
         crashpoint.hit("journal-remove")
@@ -243,7 +292,7 @@ def _check_free_space(writer: ColibriWriter, job: Job) -> None:
     tables = len(plan.dense) * S.DENSE_ENTRY_SIZE + n_blobs * S.WSIT_ENTRY_SIZE
     needed = plan.metadata_offset + tokenizer_bytes + tables + n_blobs * 128 + (1 << 20)
     try:
-        already = os.stat(writer.part_path).st_blocks * 512
+        already = os.lstat(writer.part_path).st_blocks * 512
         free = shutil.disk_usage(writer.part_path.parent).free
     except OSError as exc:
         raise WriteError(f"cannot check free space: {exc.strerror}") from None
@@ -261,20 +310,23 @@ def _restore_stats(run: Progressive, records: list[dict[str, Any]]) -> None:
 
 
 # --- the work ---------------------------------------------------------------------------------------
-def _do_piece(job: Job, writer: ColibriWriter, piece: Piece) -> tuple[Piece, int, ErrorStats | None]:
+def _do_piece(job: Job, writer: ColibriWriter, piece: Piece) -> tuple[Piece, Filled]:
     stream = writer.stream(piece.key)
+    allow = job.options.allow_non_finite
     if piece.is_dense:
-        return piece, fill_dense(stream, writer.dense_dtype, job.src, piece.rows["dense"]), None
-    blob = writer.plan.blob
-    checksum, stats = fill_expert(stream, blob, job.src, piece.rows)
-    return piece, checksum, stats if blob.expert_format in S.QUANTIZED_FORMATS else None
+        return piece, fill_dense(stream, writer.dense_dtype, job.src, piece.rows["dense"], allow_non_finite=allow)
+    return piece, fill_expert(stream, writer.plan.blob, job.src, piece.rows, allow_non_finite=allow)
 
 
-def _record(piece: Piece, checksum: int, stats: ErrorStats | None) -> dict[str, Any]:
+def _record(piece: Piece, filled: Filled) -> dict[str, Any]:
+    common = {"checksum": filled.checksum, "source": filled.source}
+    if filled.non_finite:
+        common["non_finite"] = True
     if piece.is_dense:
-        return {"kind": "dense", "name": piece.key, "checksum": checksum}
+        return {"kind": "dense", "name": piece.key, **common}
+    stats = filled.stats
     error = None if stats is None else [stats.max_rel, stats.mean_rel]
-    return {"kind": "expert", "layer": piece.key[0], "expert": piece.key[1], "checksum": checksum, "error": error}
+    return {"kind": "expert", "layer": piece.key[0], "expert": piece.key[1], **common, "error": error}
 
 
 def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Progressive,
@@ -282,13 +334,13 @@ def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Prog
     batch = schedule.Batch(writer.sync, journal)
     total_bytes = sum(p.source_bytes for p in todo)
 
-    def done(result: tuple[Piece, int, ErrorStats | None]) -> None:
-        piece, checksum, stats = result
-        if stats is not None:
-            run.stats[piece.key] = stats
+    def done(result: tuple[Piece, Filled]) -> None:
+        piece, filled = result
+        if filled.stats is not None:
+            run.stats[piece.key] = filled.stats
         run.bytes_in += piece.source_bytes
         run.done += 1
-        batch.add(_record(piece, checksum, stats), piece.source_bytes)
+        batch.add(_record(piece, filled), piece.source_bytes)
         if progress:
             progress(run.done, len(todo), run.bytes_in, total_bytes)
 
@@ -314,7 +366,8 @@ def _metadata(job: Job, run: Progressive) -> dict[str, Any]:
     quant = describe.quantization_block(job.options.expert_format, job.options.dtype, job.options.group_size or 0,
                                         _per_expert(run))
     return describe.build_metadata(architecture=job.architecture, model=job.model, quantization=quant,
-                                   provenance_block=describe.provenance(job.src), tokenizer=job.tokenizer)
+                                   provenance_block=describe.provenance(job.src, job.skipped, job.unused),
+                                   tokenizer=job.tokenizer)
 
 
 def _summary(job: Job, dest: Path, writer: ColibriWriter, run: Progressive, resumed: int,

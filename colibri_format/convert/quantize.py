@@ -4,7 +4,12 @@ For each row and each group of `g` consecutive input columns (`g = in` for
 per-row): `scale = max|w| / 127`, `q = rint(w / scale)` in [-127, 127], and the
 dequantized value is `q * scale`. `np.rint` rounds half to even; any rounding of
 the halfway case keeps `|w - q*scale| <= scale/2`, which is the bound tested.
-An all-zero group gets scale 1.0 so that it dequantizes to exact zeros.
+An all-zero group gets scale 1.0 so that it dequantizes to exact zeros. A group whose largest magnitude
+is below `TINY_GROUP_MAX` = 127 x the smallest normal float32 (~1.5e-36: subnormal-only or near-subnormal
+values) gets a subnormal scale, which float32 holds with fewer bits: it is rounded *up* from the exact
+`max|w| / 127`, so `|w / scale|` never passes 127 and the half-step bound holds for the stored scale (the
+relative error may then exceed 0.5/127 by the scale's rounding, at most 2**-149 / max|w|). NaN or
+infinity anywhere is refused (`NonFiniteWeight`): int8 cannot hold them.
 
 Reported error, per element: `|w - q*scale| / max|w[row]|`, computed as
 `|w/scale - q| * scale / max|w[row]|` (exact arithmetic, i.e. without the
@@ -27,9 +32,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, NonFiniteWeight
 
 QMAX = 127
+TINY_GROUP_MAX = np.float32(QMAX * np.finfo(np.float32).tiny)  # below it, amax / 127 would be subnormal
 BLOCK_BYTES = 1 << 20  # rows per pass sized so the temporaries stay in cache
 SMALL_GROUP = 32  # at or below this group size, reduce with strided element-wise calls
 
@@ -77,9 +83,15 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
     """Fill q and scale for a block of rows; return (max, sum) of the relative error."""
     amax = _reduce_groups(np.maximum, np.abs(w3, out=x))  # [rows, G]; NaN propagates
     if not np.isfinite(amax).all():
-        raise InvalidInput("weight holds NaN or infinity", field="weight")
+        raise NonFiniteWeight("weight holds NaN or infinity, which int8 cannot hold", field="weight")
     np.divide(amax, np.float32(QMAX), out=scale)
-    scale[amax == 0] = 1.0  # zero group: q = 0, exact
+    tiny = amax < TINY_GROUP_MAX
+    if tiny.any():  # rare: zero groups, and groups whose scale is subnormal (module docstring)
+        small = amax[tiny]
+        exact = small.astype(np.float64) / QMAX
+        rounded = exact.astype(np.float32)
+        rounded = np.where(rounded.astype(np.float64) < exact, np.nextafter(rounded, np.float32(1)), rounded)
+        scale[tiny] = np.where(small == 0, np.float32(1), rounded)  # zero group: q = 0, exact
     np.divide(w3, scale[:, :, None], out=x)  # w in units of its scale, |x| <= 127
     np.rint(x, out=r)
     np.copyto(q, r, casting="unsafe")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from colibri_format.convert.layout import RowSpan
 from colibri_format.dtypes import STORAGE
@@ -26,6 +27,13 @@ def iter_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[np.ndarray]:
 
     A chunk is only valid until the next one is asked for: its mapped pages are released then.
     """
+    for _, _, chunk in iter_span_chunks(src, spans):
+        yield chunk
+
+
+def iter_span_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[tuple[RowSpan, int, np.ndarray]]:
+    """`iter_chunks` with each chunk's span and the index of its first row in that tensor (for messages
+    that name the element at fault)."""
     for span in spans:
         view = src.native_view(span.hf_name)
         if span.index is not None:
@@ -34,13 +42,41 @@ def iter_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[np.ndarray]:
             raise InvalidInput(f"{span.hf_name!r} has rank {view.ndim} where a vector or matrix is needed",
                                field=span.hf_name)
         if view.ndim == 1:
-            yield view
+            yield span, 0, view
             continue
         step = max(1, CHUNK_ELEMENTS // max(1, view.shape[1]))
         for start in range(span.start, span.stop, step):
             chunk = view[start:min(start + step, span.stop)]
-            yield chunk
+            yield span, start, chunk
             release_pages(chunk)
+
+
+class SourceHash:
+    """XXH3-64 of the stored source bytes a piece is made of, matrix by matrix, so the digest does not depend
+    on the order the matrices are read in. The resume journal keeps it for each piece; a piece is reused only
+    while its source still hashes the same (an edit that keeps size and mtime is caught)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, xxhash.xxh3_64] = {}
+
+    def update(self, matrix: str, chunk: np.ndarray) -> None:
+        h = self._parts.get(matrix)
+        if h is None:
+            h = self._parts[matrix] = xxhash.xxh3_64()
+        h.update(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
+
+    def intdigest(self) -> int:
+        joined = "".join(f"{name}:{self._parts[name].hexdigest()};" for name in sorted(self._parts))
+        return xxhash.xxh3_64_intdigest(joined.encode("ascii"))
+
+
+def source_digest(src: Any, rows: dict[str, tuple[RowSpan, ...]]) -> int:
+    """The `SourceHash` of a piece's source rows as the checkpoint holds them now."""
+    h = SourceHash()
+    for matrix, spans in rows.items():
+        for chunk in iter_chunks(src, spans):
+            h.update(matrix, chunk)
+    return h.intdigest()
 
 
 def _backing_map(array: np.ndarray) -> mmap.mmap | None:

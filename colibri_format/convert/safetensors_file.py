@@ -28,6 +28,7 @@ from colibri_format.errors import InvalidInput, UnsupportedModel
 
 HEADER_MAX_BYTES = 100 << 20
 MAX_NDIM = 8
+MAX_EXTENT = 1 << 62  # a dimension or offset above this cannot describe bytes of a real file
 
 # safetensors dtype tag -> the name of a float dtype we convert (colibri_format.dtypes.STORAGE)
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
@@ -61,17 +62,17 @@ def _entry(name: str, spec: Any, where: str) -> TensorEntry:
         raise InvalidInput(f"{where}: tensor {short_repr(name)} has unknown dtype {short_repr(tag)}", field=name,
                            value=tag)
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+            or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_EXTENT for d in shape)):
         raise InvalidInput(f"{where}: tensor {short_repr(name)} has a bad shape {short_repr(shape)}", field=name,
                            value=shape)
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in offsets)
+            or any(isinstance(o, bool) or not isinstance(o, int) or not 0 <= o <= MAX_EXTENT for o in offsets)
             or offsets[0] > offsets[1]):
         raise InvalidInput(f"{where}: tensor {short_repr(name)} has bad data_offsets {short_repr(offsets)}", field=name,
                            value=offsets)
     count = 1
-    for d in shape:  # Python ints: no silent wrap-around
-        count *= d
+    for d in shape:  # Python ints: no silent wrap-around; capped, so a message never prints a huge number
+        count = min(count * d, MAX_EXTENT + 1)
     if count * _itemsize(tag) != offsets[1] - offsets[0]:
         raise InvalidInput(f"{where}: tensor {short_repr(name)} spans {offsets[1] - offsets[0]} bytes but "
                            f"{tag}{shape} needs {count * _itemsize(tag)}", field=name)
@@ -128,6 +129,11 @@ class SafetensorsFile:
             raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}; only F32/F16/BF16/F64 "
                                    "weights can be converted", field=name, value=e.dtype)
         return self._data()[e.begin:e.end].view(STORAGE[FLOAT_DTYPES[e.dtype]]).reshape(e.shape)
+
+    def element_offset(self, name: str, flat_index: int) -> int:
+        """Byte offset in the file of element `flat_index` (row-major) of tensor `name`."""
+        e = self.entries[name]
+        return self.data_start + e.begin + flat_index * _itemsize(e.dtype)
 
     # The same small interface as TorchBinFile, so SourceCheckpoint does not care which it holds.
     def __contains__(self, name: str) -> bool:

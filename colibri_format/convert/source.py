@@ -119,6 +119,16 @@ class SourceCheckpoint:
         safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
         return self._file(name).native_view(name)
 
+    def element_offset(self, name: str, index: tuple[int, ...]) -> int | None:
+        """Byte offset in its file of one element of tensor `name` (None for pickled sources)."""
+        f = self._file(name)
+        if not hasattr(f, "element_offset"):
+            return None
+        flat = 0
+        for i, d in zip(index, f.shape(name)):
+            flat = flat * d + i
+        return f.element_offset(name, flat)
+
     def read(self, name: str) -> np.ndarray:
         """The whole tensor as a fresh float32 array."""
         return to_float32(self.native_view(name))

@@ -1,12 +1,15 @@
 """Re-reading the `.part` file: which journal records still hold (resume), and a whole-file check.
 
 Resume trusts nothing by size: a journal record counts only if the bytes at its planned slot still hash to
-the checksum it recorded. Before the rename every piece is re-hashed once more against the checksums the
-directory will carry, which catches a planning or offset bug that per-piece checks cannot see.
+the checksum it recorded, and the source bytes the piece was made from still hash to the source digest it
+recorded (an in-place edit of a shard that keeps its size and mtime is caught here: the piece is converted
+again). Before the rename every piece is re-hashed once more against the checksums the directory will
+carry, which catches a planning or offset bug that per-piece checks cannot see.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,10 +43,12 @@ def _valid_stats(record: dict[str, Any]) -> bool:
                            and all(type(x) in (int, float) and 0 <= x < 1e30 for x in err))
 
 
-def keep_journaled_pieces(writer: ColibriWriter, records: list[dict[str, Any]], workers: int
+def keep_journaled_pieces(writer: ColibriWriter, records: list[dict[str, Any]], workers: int,
+                          source_digest: Callable[[PieceKey], int], allow_non_finite: bool = False
                           ) -> list[dict[str, Any]]:
-    """The journal records whose bytes in the .part still hash to the recorded checksum (last one wins);
-    the writer takes those pieces over."""
+    """The journal records whose source still hashes to the recorded `source` digest and whose bytes in the
+    .part still hash to the recorded checksum (last record of a piece wins); the writer takes those pieces
+    over. A piece recorded as holding non-finite values is kept only while they are allowed."""
     latest: dict[PieceKey, dict[str, Any]] = {}
     for r in records:
         key = record_piece(writer, r)
@@ -52,7 +57,11 @@ def keep_journaled_pieces(writer: ColibriWriter, records: list[dict[str, Any]], 
 
     def keep(item: tuple[PieceKey, dict[str, Any]]) -> bool:
         key, record = item
-        return type(record.get("checksum")) is int and writer.keep_if_intact(key, record["checksum"])
+        if type(record.get("checksum")) is not int or type(record.get("source")) is not int:
+            return False
+        if record.get("non_finite", False) is not False and not allow_non_finite:
+            return False
+        return source_digest(key) == record["source"] and writer.keep_if_intact(key, record["checksum"])
 
     with ThreadPoolExecutor(workers) as ex:
         kept = list(ex.map(keep, latest.items()))

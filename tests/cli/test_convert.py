@@ -38,12 +38,12 @@ def test_options_reach_the_converter(converter, tmp_path, capsys):
     assert main(["convert", "--model_path", str(tmp_path), "--output_path", str(tmp_path / "o.colibri"),
                  "--dtype", "bfloat16", "--quantize", "none", "--quant-bits", "8", "--group_size", "32",
                  "--num-experts", "8", "--top_k", "2", "--workers", "3", "--restart", "--no-verify",
-                 "--allow-pickle", "--json"]) == 0
+                 "--allow-pickle", "--force", "--allow-unused-tensors", "--allow_non_finite", "--json"]) == 0
     (model_path, output_path, kw), = converter
     assert str(model_path) == str(tmp_path) and str(output_path) == str(tmp_path / "o.colibri")
     assert kw == {"dtype": "bfloat16", "quantize": "none", "quant_bits": 8, "group_size": 32, "num_experts": 8,
                   "top_k": 2, "workers": 3, "resume": False, "verify": False, "progress": None,
-                  "allow_pickle": True}
+                  "allow_pickle": True, "force": True, "allow_unused_tensors": True, "allow_non_finite": True}
     assert json.loads(capsys.readouterr().out) == SUMMARY
 
 
@@ -54,6 +54,7 @@ def test_defaults_table_and_quiet(converter, tmp_path, capsys):
     assert (kw["dtype"], kw["quantize"], kw["quant_bits"], kw["group_size"], kw["workers"]) == \
         ("float16", "expert", 8, None, 2)
     assert kw["resume"] is True and kw["verify"] is True and kw["allow_pickle"] is False
+    assert kw["force"] is False and kw["allow_unused_tensors"] is False and kw["allow_non_finite"] is False
     assert callable(kw["progress"])                                  # the progress bar's callback
     out = capsys.readouterr().out
     assert "colibri convert" in out and "mixtral" in out and "quant. error" in out

@@ -47,7 +47,9 @@ def test_error_is_at_most_half_a_step_everywhere(case: tuple[np.ndarray, int | N
     rel = np.divide(err, row_max, out=np.zeros_like(err), where=row_max > 0)
     assert max_rel == pytest.approx(rel.max(), rel=1e-4, abs=1e-7)
     assert mean_rel == pytest.approx(rel.mean(), rel=1e-4, abs=1e-7)
-    assert max_rel <= 0.5 / 127 * (1 + 1e-5)
+    # a row near the bottom of float32's normal range has a subnormal scale, rounded up by at most 2**-149
+    slack = 2.0**-149 / row_max[row_max > 0].min() if (row_max > 0).any() else 0.0
+    assert max_rel <= 0.5 / 127 * (1 + 1e-5) + slack
 
 
 @settings(max_examples=50, deadline=None)

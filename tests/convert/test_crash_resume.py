@@ -120,7 +120,7 @@ def test_crash_at_every_kind_of_io_point_then_resume(small_ckpt, small_clean, tm
         assert done.returncode == -signal.SIGKILL, (n, done.stderr[-2000:])
         if n < points:  # the last point is after the rename: the file is complete there
             assert not out.exists(), n
-        convert(small_ckpt, out, workers=2)
+        convert(small_ckpt, out, workers=2, force=n == points)  # a finished file is replaced only when asked
         assert _digest(out) == clean, n
         assert _leftovers(out) == [], n
 
@@ -147,8 +147,9 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
     rng = random.Random(1234)
     kills, rc, most_saved = 0, None, 0
     for round_ in range(4):
-        proc = subprocess.Popen(_cli(big_ckpt, out, "--workers", "1"), env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        # --force: a round killed between the rename and its exit leaves a complete file to replace
+        proc = subprocess.Popen(_cli(big_ckpt, out, "--workers", "1", "--force"), env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if round_ % 2:
             _wait_for_journal_pieces(journal_path_for(out), proc, minimum=len(_journaled(out)) + 1)
             time.sleep(rng.uniform(0.0, 0.1))
@@ -170,7 +171,7 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
         # A kill between the rename and the journal's removal leaves the finished file and no .part:
         # nothing is left to resume then, and the next run converts again (to the same bytes).
         had_part = part_path_for(out).exists()
-        summary = convert(big_ckpt, out)
+        summary = convert(big_ckpt, out, force=True)  # the file may be complete already (killed after the rename)
         assert summary.pieces_resumed == (saved if had_part else 0)
     assert _digest(out) == big_clean
     assert _leftovers(out) == []
@@ -186,7 +187,8 @@ def _wait_for_journal_pieces(path: Path, proc: subprocess.Popen, minimum: int = 
         if len(read_journal(path).pieces) >= minimum:
             return
         time.sleep(0.02)
-    raise AssertionError("the conversion wrote no journal records in time")
+    stderr = proc.stderr.read().decode()[-2000:] if proc.poll() is not None and proc.stderr else ""
+    raise AssertionError(f"the conversion wrote no journal records in time {stderr}")
 
 
 def test_ctrl_c_exits_130_and_resumes(big_ckpt, big_clean, tmp_path):
