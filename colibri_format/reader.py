@@ -7,6 +7,7 @@ seeded checksum on first use by default, so corrupt weights never reach a kernel
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import stat
@@ -45,8 +46,19 @@ class ExpertView:
     down_scale: np.ndarray | None
 
 
+# Filesystems whose "regular files" are kernel views (/proc/self/mem, /sys/...): sizes that lie, reads that fail.
+PSEUDO_FILESYSTEMS = frozenset({"proc", "sysfs", "debugfs", "tracefs", "securityfs", "configfs", "cgroup",
+                                "cgroup2", "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc", "nsfs",
+                                "selinuxfs", "hugetlbfs", "rpc_pipefs", "devpts", "mqueue"})
+
+
 def open_regular(path: str | os.PathLike) -> tuple[int, int]:
-    """Open read-only without blocking (a FIFO must not hang us); demand a regular file."""
+    """Open read-only without blocking (a FIFO must not hang us); demand a regular file.
+
+    Raises:
+        NotARegularFile: no such file, not openable, a directory, FIFO, socket or device, or a kernel pseudo-file
+            (/proc, /sys, ...) that claims to be regular.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -54,14 +66,50 @@ def open_regular(path: str | os.PathLike) -> tuple[int, int]:
     except OSError as exc:
         raise E.NotARegularFile(f"cannot open: {exc.strerror}", field="path", value=str(path)) from None
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    problem = None if stat.S_ISREG(st.st_mode) else "not a regular file"
+    if problem is None and st.st_blocks == 0:          # no data on disk: empty, sparse, or a kernel view
+        problem = _pseudo_file(fd, st)
+    if problem is not None:
         os.close(fd)
-        raise E.NotARegularFile("not a regular file", field="path", value=str(path))
+        raise E.NotARegularFile(problem, field="path", value=str(path))
     return fd, st.st_size
 
 
+def _pseudo_file(fd: int, st: os.stat_result) -> str | None:
+    """Why a regular file with no blocks is a kernel view rather than a file, or None."""
+    fstype = _filesystem_type(st.st_dev)
+    if fstype in PSEUDO_FILESYSTEMS:
+        return f"not a regular file: a {fstype} pseudo-file"
+    if st.st_size == 0:                                 # an empty file reads nothing; a kernel view may not
+        try:
+            data = os.pread(fd, 1, 0)
+        except OSError as exc:
+            return f"not a regular file: reading it fails ({exc.strerror})"
+        if data:
+            return "not a regular file: its size is 0 but it has data"
+    return None
+
+
+def _filesystem_type(dev: int) -> str | None:
+    """The type of the filesystem mounted as device `dev` (Linux /proc/self/mountinfo), None where unknown."""
+    key = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with io.open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(" - ", 1)
+                if len(fields) == 2 and line.split(" ", 3)[2:3] == [key]:
+                    return fields[1].split(" ", 1)[0]
+    except OSError:
+        pass
+    return None
+
+
 def pread_exact(fd: int, size: int, offset: int, what: str) -> bytes:
-    data = os.pread(fd, size, offset)
+    """`size` bytes at `offset`; a short read is TruncatedFile, a failing one NotARegularFile (unreadable)."""
+    try:
+        data = os.pread(fd, size, offset)
+    except OSError as exc:
+        raise E.NotARegularFile(f"cannot read the {what}: {exc.strerror}", field=what, offset=offset) from None
     if len(data) != size:
         raise E.TruncatedFile(f"file ended inside the {what}", field=what, value=len(data), offset=offset)
     return data
@@ -112,7 +160,10 @@ class ColibriFile:
         fd, size = open_regular(path)
         try:
             self.tables = read_tables(fd, size)
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            try:
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                raise E.NotARegularFile(f"cannot map the file: {exc}", field="path", value=str(path)) from None
         finally:
             os.close(fd)
         self._dense = {e.name: e for e in self.tables.dense}

@@ -7,13 +7,15 @@ check under test, not the checksum in front of it, is the one that fires. For ev
 * the exact ColibriFormatError subclass, from `load_tables`, `colibri_format.open` and `inspect_file`
   (or, for faults in tensor/blob bytes and padding, from `validate_file` / first use);
 * `field` names the patched field (and appears in the message), `offset` is the byte offset of that field;
-* `validate_file` reports it, and `colibri validate` exits 1 (2 when the path is not a regular file);
+* `validate_file` reports it, and `colibri validate` exits 1 (2 when the path is not a regular file: then every
+  reader, `validate_file` included, raises NotARegularFile);
 * no other exception type ever escapes.
 
 Rows not applicable to a `.colibri` reader: 31, 35, 36 (shard paths, pickles, safetensors input: the
-converter's tests cover them). Row 34 (file truncated by another process while mapped) cannot be caught in
-process (SIGBUS); the writer never truncates in place (tmp + rename), and `open` checks the size it
-sees. Rows whose values cannot be stored in the field (2^64-1 in a 32-bit count) use the field's maximum.
+converter's tests cover them). Row 34 (file truncated by another process while it is read): `validate` reads
+with pread and raises TruncatedFile (tests/inspect/test_validate_reads.py); a mapping held by `open` would still
+die by SIGBUS, so the writer never truncates in place (tmp + rename), and `open` checks the size it sees.
+Rows whose values cannot be stored in the field (2^64-1 in a 32-bit count) use the field's maximum.
 """
 
 from __future__ import annotations
@@ -523,7 +525,7 @@ def test_bad_input(c: Case, tmp_path: Path, capsys) -> None:
     else:
         load_tables(path)                                   # the tables are valid
     report = validate_file(path)
-    assert not report.valid and report.readable
+    assert not report.valid
     fault = report.faults[0]
     assert fault.error == c.exc.__name__, (c.id, report.faults)
     assert c.field in fault.field and isinstance(fault.offset, int)
@@ -555,13 +557,12 @@ def test_every_case_is_distinct() -> None:
 
 # --- row 2: paths that are not regular files ------------------------------------------------------------
 def _not_regular(path: str) -> None:
-    for call in (load_tables, colibri_format.open, inspect_file):
+    for call in (load_tables, colibri_format.open, inspect_file, validate_file):
         with pytest.raises(E.NotARegularFile) as info:
             call(path)
         assert info.value.field == "path" and "field=path" in str(info.value)
-    report = validate_file(path)
-    assert not report.valid and not report.readable and report.faults[0].error == "NotARegularFile"
     assert cli_main(["validate", path]) == 2
+    assert cli_main(["inspect", path]) == 2
 
 
 def test_directory(tmp_path: Path, capsys) -> None:
@@ -582,6 +583,31 @@ def test_dev_zero(capsys) -> None:
     if not os.access("/dev/zero", os.R_OK):
         pytest.skip("/dev/zero is not readable on this machine")
     _not_regular("/dev/zero")
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("path", ["/proc/self/mem", "/proc/self/status", "/sys/kernel/mm/transparent_hugepage/enabled"])
+def test_kernel_pseudo_files(path: str, capsys) -> None:
+    """Regular files to stat, kernel views to read: a size of 0 (or 4096) that lies, reads that fail."""
+    if not os.access(path, os.R_OK):
+        pytest.skip(f"{path} is not readable on this machine")
+    _not_regular(path)
+    capsys.readouterr()
+
+
+def test_empty_and_sparse_files_are_invalid_not_unreadable(tmp_path: Path, capsys) -> None:
+    """No blocks on disk, like a pseudo-file, but a real file: its contents are judged."""
+    empty = tmp_path / "empty.colibri"
+    empty.touch()
+    with pytest.raises(E.TruncatedFile):
+        load_tables(empty)
+    sparse = tmp_path / "sparse.colibri"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 16)                                 # a hole: zeros, no blocks
+    with pytest.raises(E.BadMagic):
+        load_tables(sparse)
+    assert not validate_file(sparse).valid
+    assert cli_main(["validate", str(empty)]) == 1 and cli_main(["inspect", str(sparse)]) == 1
     capsys.readouterr()
 
 
