@@ -122,8 +122,11 @@ def need_jinja2(what: str) -> None:
     try:
         import jinja2.sandbox  # noqa: F401
     except ImportError:
-        from ..runtime import tokenizer
-        install = getattr(tokenizer, "JINJA2_INSTALL", "pip install jinja2")
+        install = "pip install jinja2"
+        try:                     # the tokenizer names the version it accepts
+            from ..runtime.tokenizer import JINJA2_INSTALL as install  # type: ignore[no-redef]
+        except ImportError:
+            pass
         raise MissingDependency(f"{what} renders the file's chat template with jinja2, which is not installed; "
                                 f"install it with {install}", field="chat") from None
 

@@ -80,7 +80,11 @@ def render_validation(out: Console, err: Console, report) -> None:
 
 @contextlib.contextmanager
 def progress_bar(console: Console, label: str, unit_bytes: bool = True):
-    """Yield an `update(done, total)` callback drawing a transfer-style progress bar."""
+    """Yield an `update(done, total)` callback drawing a transfer-style progress bar (on a terminal only: a
+    transient bar still leaves a blank line in a file or a pipe)."""
+    if not console.is_terminal:
+        yield lambda done, total: None
+        return
     columns = [TextColumn(f"[bold]{escape(label)}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=True) as progress:
@@ -93,9 +97,12 @@ def progress_bar(console: Console, label: str, unit_bytes: bool = True):
 
 # --- convert ------------------------------------------------------------------------------------------
 def convert_progress(console: Console, quiet: bool):
-    """A context manager yielding the converter's progress callback (a rich bar on `console`), or None."""
+    """A context manager yielding the converter's progress callback (a rich bar on `console`; it draws nothing
+    when `console` is not a terminal, where a transient bar still leaves a blank line), or None when quiet."""
     if quiet:
         return contextlib.nullcontext(None)
+    if not console.is_terminal:
+        return contextlib.nullcontext(lambda done, total, done_bytes, total_bytes: None)
     return _convert_bar(console)
 
 
