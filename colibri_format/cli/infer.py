@@ -22,8 +22,10 @@ from .common import (DeviceOpt, FileArg, JsonOpt, MaxNewTokensOpt, MinPOpt, Repe
                      need_cupy, need_jinja2, out, print_json, soft_interrupt, write_text)
 from .errors import Interrupted
 
-# Options the ranks of several --devices do not take yet (runtime/parallel/run.py): their defaults.
-SINGLE_PROCESS_ONLY = {"system": None, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "stop_strings": None}
+# Options the ranks of several --devices do not take yet (runtime/parallel/run.py): run_infer's name, the flag,
+# the default.
+SINGLE_PROCESS_ONLY = (("system", "--system", None), ("top_k", "--top-k", 0), ("min_p", "--min-p", 0.0),
+                       ("repetition_penalty", "--repeat-penalty", 1.0), ("stop_strings", "--stop", None))
 
 
 def command(ctx: typer.Context, path: FileArg,
@@ -171,11 +173,10 @@ def _runner(ctx: typer.Context, path: Path, devices_text: str | None, device: st
 
     device_ids = parse_devices(devices_text)
     if len(device_ids) > 1:
-        unsupported = [name for name, default in SINGLE_PROCESS_ONLY.items() if extra[name] != default]
+        unsupported = [flag for name, flag, default in SINGLE_PROCESS_ONLY if extra[name] != default]
         if unsupported:
-            raise InvalidInput("not available with several --devices yet: "
-                               + ", ".join("--" + n.replace("_", "-") for n in unsupported), field="devices",
-                               value=devices_text)
+            raise InvalidInput("not available with several --devices yet: " + ", ".join(unsupported),
+                               field="devices", value=devices_text)
     run = launch.infer_runner(device_ids, device)
     if run is not None:
         return run, len(device_ids) > 1

@@ -126,3 +126,84 @@ def test_one_device_runs_in_process(model_file, launched, capsys):
 def test_bad_devices_exit_1(model_file, launched, capsys, devices, needle):
     assert main(["infer", model_file, "--ids", "1", "--devices", devices]) == 1
     assert needle in capsys.readouterr().err
+
+
+# --- the llama-cli options: --file, --prompt -, --system, --stop, top-k / min-p / repetition penalty -------------
+
+def _tokenizer(path):
+    from colibri_format.runtime import Engine
+
+    with Engine(path) as engine:
+        return engine.tokenizer
+
+
+def test_prompt_from_a_file_or_standard_input_equals_the_prompt(chat_file, tmp_path, capsys, monkeypatch):
+    import io
+
+    def run(*args):
+        result = _infer_json(capsys, chat_file, *args, "--max-new-tokens", "5")
+        return result["prompt_ids"], result["output_ids"], result["text"]
+
+    text = "Once upon a time, in a café"
+    plain = run("--prompt", text)
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    assert run("--file", str(tmp_path / "p.txt")) == plain
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert run("--prompt", "-") == plain
+    assert plain[0] == _tokenizer(chat_file).encode(text)
+
+
+def test_the_text_prompt_is_echoed_then_the_streamed_text(chat_file, capsys):
+    result = _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "6")
+    assert main(["infer", chat_file, "--prompt", "Hello", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == "Hello" + result["text"] + "\n"
+
+
+def test_system_prompt_goes_through_the_chat_template(chat_file, capsys):
+    result = _infer_json(capsys, chat_file, "--prompt", "hi", "--system", "Be brief.", "--max-new-tokens", "3")
+    expected = _tokenizer(chat_file).encode_chat([{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi"}])
+    assert result["prompt_ids"] == expected
+    assert main(["infer", chat_file, "--prompt", "hi", "--system", "Be brief.", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == result["text"] + "\n"            # a chat prompt is not echoed
+
+
+def test_stop_strings_end_the_output_before_them(chat_file, capsys):
+    full = _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "24")["text"]
+    stop = full[5:8]
+    cut = full[:full.find(stop)]
+    result = _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "24", "--stop", "@@never@@",
+                         "--stop", stop)
+    assert result["text"] == cut and result["finish_reason"] == "stop"
+    assert main(["infer", chat_file, "--prompt", "Hello", "--max-new-tokens", "24", "--stop", stop]) == 0
+    assert capsys.readouterr().out == "Hello" + cut + "\n"             # the stop string never reaches the screen
+
+
+def test_sampling_options_reach_the_engine(chat_file, capsys):
+    from colibri_format.runtime.infer import run_infer
+
+    greedy = _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "8")["output_ids"]
+    assert _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", "1.3",
+                       "--seed", "2", "--top-k", "1")["output_ids"] == greedy
+    options = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3, "seed": 4}
+    direct = run_infer(chat_file, "Hello", max_new_tokens=8, **options)["output_ids"]
+    assert _infer_json(capsys, chat_file, "--prompt", "Hello", "--max-new-tokens", "8", "--temp", "0.9",
+                       "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05", "--repeat-penalty", "1.3",
+                       "--seed", "4")["output_ids"] == direct
+
+
+def test_options_the_ranks_do_not_take_are_refused_with_several_devices(model_file, launched, capsys):
+    calls, _ = launched
+    assert main(["infer", model_file, "--ids", "1", "--devices", "0,1", "--top-k", "5", "--stop", "x"]) == 1
+    assert "not available with several --devices yet: --top-k, --stop" in capsys.readouterr().err
+    assert calls == []
+
+
+def test_a_prompt_from_standard_input_reaches_the_ranks_as_text(chat_file, launched, capsys, monkeypatch):
+    import io
+
+    calls, _ = launched
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello ranks")))
+    assert main(["infer", chat_file, "--prompt", "-", "--devices", "0,1"]) == 0
+    worker = calls[0][0][3:]
+    assert worker[worker.index("--prompt") + 1] == "hello ranks"
