@@ -40,7 +40,7 @@ class DecodeRunner:
         with eng.stream:
             self.inp.fill(host, eng.stream)
             eng.experts.begin_token(B)
-            if self.graph is not None:
+            if self.graph is not None and eng.decoder.route_hook is None:   # routes wanted: the eager pass
                 eng.be.launch(self.graph, eng.stream)
                 return self.ws.buf("logits", (B, eng.args.vocab_size))
             logits = self.run_eager()

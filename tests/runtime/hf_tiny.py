@@ -1,7 +1,7 @@
 """Tiny seeded transformers MoE models and their canonical (colibri) form, for the fidelity tests.
 
 `to_canonical` is a deliberately small test-side mapping from a transformers v5 state dict to the canonical
-tensor names of docs/design.md; the real converter adapters live in colibri_format/convert/arch/.
+tensor names of docs/design.md; the real converter's adapters are colibri_format/convert/adapters.py.
 """
 
 from __future__ import annotations

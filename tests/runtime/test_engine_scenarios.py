@@ -119,6 +119,16 @@ def test_graph_replay_equals_eager(mixtral_file, device):
         assert np.array_equal(la, lb)                   # same kernels, same order: bit-identical
 
 
+def test_route_observers_added_after_capture_see_every_step(mixtral_file, device):
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng:
+        first = eng.generate([3, 4, 5], max_new_tokens=6, stop_ids=[]).output_ids      # captures on CUDA
+        seen = []
+        eng.routes.observers.append(lambda step, seq, layer, ids, pos: seen.append((step, layer)))
+        assert eng.generate([3, 4, 5], max_new_tokens=6, stop_ids=[]).output_ids == first
+        steps = {step for step, _ in seen}
+        assert len(steps) == 6 and all(sum(1 for s, _ in seen if s == step) == 3 for step in steps)   # 3 layers
+
+
 def test_batch_generation_matches_single_sequences(mixtral_file, device):
     with Engine(mixtral_file, EngineConfig(device=device)) as eng, reference(mixtral_file) as ref:
         for prompt, got in zip(PROMPTS, eng.generate_batch(PROMPTS, 6)):

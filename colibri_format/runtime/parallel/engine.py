@@ -47,6 +47,15 @@ class ExpertParallelEngine(Engine):
         self.decoder = ExpertParallelDecoder(self.args, self.dense, self.experts, self.be, self.exchange)
 
     def _owned_expert(self, layer: int, expert: int):
+        """An owned expert's weights, counted in the pool's paging counters like any other expert access."""
+        c, key = self.experts.counters, (layer, expert)
+        c.touched.add(key)
+        if key in self.owned_store:
+            c.hits += 1
+        else:
+            c.misses += 1
+            c.loads += 1
+            c.bytes_paged += self.experts.blob_size
         return self.owned_store.get(layer, expert, lambda: self.reader.expert_f32(layer, expert))
 
     def _plan(self, trace) -> Placement:

@@ -62,6 +62,9 @@ class ResidentExperts:
     def __len__(self) -> int:
         return len(self._store)
 
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._store
+
     @property
     def loaded(self) -> set[tuple[int, int]]:
         return set(self._store)

@@ -54,9 +54,10 @@ def rank_main(rank: int, world: int, port: int, job_path: str) -> None:
                     arrays[f"{name}/{i}"] = x
                 for layer, (x, w, idx) in moe_inputs(eng.reader.model).items():
                     arrays[f"{name}/moe{layer}"] = eng.exchange.routed(layer, x, w, idx)
+                infer = eng.infer(job["batch"])
+                greedy = eng.generate(job["prompt"], max_new_tokens=job["new_tokens"])
                 report[name] = {
-                    "infer": eng.infer(job["batch"]),
-                    "greedy": eng.generate(job["prompt"], max_new_tokens=job["new_tokens"]).output_ids,
+                    "infer": infer, "greedy": greedy.output_ids, "greedy_stats": greedy.stats.as_dict(),
                     "sampled": eng.generate(job["prompt"], max_new_tokens=job["new_tokens"], temperature=0.8,
                                             seed=3).output_ids,
                     "owned": sorted(eng.owned_experts), "touched": sorted(eng.touched_experts),
@@ -191,6 +192,16 @@ def test_each_rank_touches_only_owned_experts(group, files):
         assert all(t <= o for t, o in zip(touched, owned)), name
         assert all(not (owned[a] & owned[b]) for a in range(world) for b in range(a + 1, world)), name
         assert all(touched), f"{name}: some rank computed no expert"
+
+
+def test_stats_count_each_ranks_expert_accesses(group, files):
+    """Every rank counts the experts it computes: accesses > 0, loads only for owned experts it had not loaded."""
+    _, ranks = group
+    for name in files:
+        for rep, _ in ranks:
+            stats = rep[name]["greedy_stats"]
+            assert stats["cache_hits"] + stats["cache_misses"] > 0, name
+            assert stats["expert_loads"] == stats["cache_misses"] and stats["bytes_paged"] >= 0, name
 
 
 def test_trace_balanced_placement_is_used(group):
