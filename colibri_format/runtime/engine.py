@@ -13,8 +13,10 @@ graphs and nothing in the step needs the host (`stats()["graphs"]` says why not 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -174,6 +176,18 @@ class _RouteLog:
             self.writer.close()
 
 
+def _serialized(method):
+    """One call at a time on an engine: threads sharing it get the serial results, traces and stats (calls
+    queue on the engine's lock); a call after `close()` is refused with InvalidInput."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            if self.closed:
+                raise InvalidInput("the engine is closed", field="engine")
+            return method(self, *args, **kwargs)
+    return call
+
+
 class Engine:
     """generate / infer / logits / stats / tokenizer / close over a `.colibri` file (a path)."""
 
@@ -184,6 +198,7 @@ class Engine:
         import colibri_format  # late: the package's __init__ imports the reader, which is all we need of it
 
         self.closed = True
+        self._lock = threading.RLock()
         self.reader = colibri_format.open(os.fspath(source), verify=self.config.verify)
         self.experts = None
         try:
@@ -244,6 +259,7 @@ class Engine:
             return "routing is replayed from the host (benchmark)"
         return self.be.graph_blocker(self.args, batch)
 
+    @_serialized
     def stats(self) -> dict:
         """Engine-level state: expert residency and paging counters, graph status, memory."""
         graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason) for (b, c), r in self._runners.items()}
@@ -258,17 +274,20 @@ class Engine:
         return out
 
     # --- inference --------------------------------------------------------------------------------------
+    @_serialized
     def logits(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Logits of every position, [n_i, vocab] float32 per sequence (a fresh KV cache for each)."""
         chunks = self._check(batch)
         out = self.be.to_host(self._prefill_fresh(chunks, all_logits=True)).astype(np.float32, copy=False)
         return list(np.split(out, np.cumsum([len(c) for c in chunks])[:-1]))
 
+    @_serialized
     def infer(self, batch: Sequence[Sequence[int]]) -> list[int]:
         """Greedy next token id per sequence after a batched prefill."""
         chunks = self._check(batch)
         return [int(np.argmax(row)) for row in self.be.to_host(self._prefill_fresh(chunks))]
 
+    @_serialized
     def generate(self, prompt_ids: Sequence[int] | str, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] | None = None,
                  callback: Callable[[int], Any] | None = None, *, top_k: int = 0, min_p: float = 0.0,
@@ -297,6 +316,7 @@ class Engine:
             print(f"colibri({self.be.name}): {stats.as_dict()}", file=sys.stderr)
         return GenerationResult(out, text, stats)
 
+    @_serialized
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts at once (one decode runner for the batch); token ids per prompt."""
         chunks = self._check(prompts)
@@ -324,6 +344,7 @@ class Engine:
         return outs
 
     # --- step-level access (generate_batch, benchmarks) ----------------------------------------------------------
+    @_serialized
     def decode_runner(self, batch: int, length: int) -> DecodeRunner:
         """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph)."""
         capacity = capacity_for(length, self.config.max_seq_len)
@@ -335,10 +356,12 @@ class Engine:
                 self._runners[key] = DecodeRunner(self, batch, capacity)
         return self._runners[key]
 
+    @_serialized
     def prefill_into(self, runner: DecodeRunner, chunks: list[np.ndarray]):
         """Prefill sequence s of the runner with chunks[s] from position 0; device logits [S, V] of their last rows."""
         return self._prefill(chunks, runner.kv, list(range(len(chunks))), [0] * len(chunks))
 
+    @_serialized
     def argmax(self, logits) -> list[int]:
         """Greedy token of each row of device logits."""
         with self.stream:
@@ -437,6 +460,11 @@ class Engine:
 
     # --- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Release the file and device memory; waits for a call in flight on another thread."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True
