@@ -89,20 +89,22 @@ class JournalState:
 
 
 def read_journal(path: Path, max_bytes: int = 1 << 30) -> JournalState:
-    """Read a journal; a missing or headerless one reads as empty. Never trusts it beyond its checksums."""
+    """Read a journal; a missing or headerless one reads as empty, and so does anything at its name that is
+    not a regular file (a planted symlink is not followed: it is not a journal we wrote). Never trusts it
+    beyond its checksums."""
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return JournalState(None, [])
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-        raise ResumeError(f"cannot read the resume journal {path.name}: {why}; use --restart",
+        if exc.errno == errno.ELOOP:
+            return JournalState(None, [])
+        raise ResumeError(f"cannot read the resume journal {path.name}: {exc.strerror}; use --restart",
                           field="journal") from None
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ResumeError(f"the resume journal {path.name} is not a regular file; use --restart",
-                              field="journal")
+            return JournalState(None, [])
         if st.st_size > max_bytes:
             raise ResumeError("the resume journal is implausibly large; use --restart", field="journal",
                               value=st.st_size)

@@ -41,8 +41,10 @@ class Batch:
             return
         crashpoint.hit("data-fsync")
         self.sync_part()
-        self.journal.append(self.records)
-        self.records, self.bytes, self.since = [], 0, time.monotonic()
+        # Taken out before the append: a Ctrl-C landing inside it (say, during the journal's fsync) must not
+        # make the error path's flush append the same records a second time.
+        records, self.records, self.bytes, self.since = self.records, [], 0, time.monotonic()
+        self.journal.append(records)
 
 
 def run_bounded(items: Iterable[Any], work: Callable[[Any], Any], workers: int,
