@@ -196,8 +196,16 @@ class ColibriFile:
     def has_dense(self, name: str) -> bool:
         return name in self._dense
 
+    def _map(self) -> mmap.mmap:
+        """The mapping, or InvalidInput once the file is closed (never a TypeError from a None map)."""
+        if self._mm is None:
+            raise E.InvalidInput("the file is closed", field="file", value=str(self.path))
+        return self._mm
+
     # --- dense tensors ----------------------------------------------------------------------------
     def _entry(self, name: str) -> S.DenseEntry:
+        if not isinstance(name, str):
+            raise E.InvalidInput("a dense tensor name is a string", field="name", value=repr(name)[:64])
         entry = self._dense.get(name)
         if entry is None:
             raise E.InvalidInput("no such dense tensor in this file", field="name", value=name)
@@ -208,14 +216,14 @@ class ColibriFile:
         e = self._entry(name)
         self._maybe_verify(("dense", name), lambda: self.verify_dense(name))
         count = e.size // S.DTYPE_SIZE[S.DType(e.dtype)]
-        return np.frombuffer(self._mm, NUMPY_STORAGE[S.DType(e.dtype)], count, e.offset).reshape(e.shape)
+        return np.frombuffer(self._map(), NUMPY_STORAGE[S.DType(e.dtype)], count, e.offset).reshape(e.shape)
 
     def dense_f32(self, name: str) -> np.ndarray:
         return to_float32(self.dense(name))
 
     def verify_dense(self, name: str) -> None:
         e = self._entry(name)
-        fault = checks.dense_fault(memoryview(self._mm), e)
+        fault = checks.dense_fault(memoryview(self._map()), e)
         if fault is not None:
             raise fault
         self._verified.add(("dense", name))
@@ -223,6 +231,10 @@ class ColibriFile:
     # --- experts ----------------------------------------------------------------------------------
     def _blob_entry(self, layer: int, expert: int) -> tuple[int, int, int]:
         plan = self.tables.plan
+        for field, value in (("layer", layer), ("expert", expert)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):   # True is not layer 1
+                raise E.InvalidInput(f"{field} must be an integer", field=field, value=repr(value)[:64])
+        layer, expert = int(layer), int(expert)
         if layer not in plan.moe_layers or not 0 <= expert < plan.num_experts:
             raise E.InvalidInput("no such (layer, expert) in this file", field="expert", value=(layer, expert))
         row = self.tables.wsit[plan.blob_index(layer, expert)]
@@ -232,14 +244,14 @@ class ColibriFile:
         """The whole blob (one contiguous, 4096-aligned range), e.g. for one DMA to the GPU."""
         offset, size, _ = self._blob_entry(layer, expert)
         self._maybe_verify(("expert", layer, expert), lambda: self.verify_expert(layer, expert))
-        return memoryview(self._mm)[offset:offset + size]
+        return memoryview(self._map())[offset:offset + size]
 
     def blob_offset(self, layer: int, expert: int) -> int:
         return self._blob_entry(layer, expert)[0]
 
     def verify_expert(self, layer: int, expert: int) -> None:
         offset, size, checksum = self._blob_entry(layer, expert)
-        fault = checks.expert_fault(memoryview(self._mm), layer, expert, offset, size, checksum)
+        fault = checks.expert_fault(memoryview(self._map()), layer, expert, offset, size, checksum)
         if fault is not None:
             raise fault
         self._verified.add(("expert", layer, expert))
@@ -250,7 +262,8 @@ class ColibriFile:
         views = {}
         for a in self.blob_layout.arrays:
             count = a.shape[0] * a.shape[1]
-            views[a.name] = np.frombuffer(self._mm, NUMPY_STORAGE[a.dtype], count, offset + a.offset).reshape(a.shape)
+            views[a.name] = np.frombuffer(self._map(), NUMPY_STORAGE[a.dtype], count,
+                                          offset + a.offset).reshape(a.shape)
         return ExpertView(views["gate_up"], views.get("gate_up_scale"), views["down"], views.get("down_scale"))
 
     def expert_f32(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray]:

@@ -117,6 +117,17 @@ def _check_new_tokens(max_new_tokens) -> None:
         raise InvalidInput("max_new_tokens must be an integer >= 0", field="max_new_tokens", value=max_new_tokens)
 
 
+def _check_pinned(pinned, moe_layers, num_experts: int) -> None:
+    """Pinned (layer, expert) pairs must name experts of this file (a trace of another model pins nothing)."""
+    for pair in pinned or ():
+        ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in pair)
+        if not ok or int(pair[0]) not in moe_layers or not 0 <= int(pair[1]) < num_experts:
+            raise InvalidInput(f"pinned expert {pair!r} is not a (MoE layer, expert) of this file "
+                               f"({len(moe_layers)} MoE layers, {num_experts} experts)", field="pinned_experts",
+                               value=repr(pair)[:64])
+
+
 def make_cache(config: EngineConfig, on_evict=None):
     from colibri_format.runtime.cache.expert_cache import ExpertCache
 
@@ -215,6 +226,7 @@ class Engine:
         self.metadata = self.reader.metadata
         self.args = ModelArgs.from_dict(self.reader.model)
         self.half = rotary_dim(self.args.rope, self.args.head_dim) // 2
+        _check_pinned(cfg.pinned_experts, self.args.moe_layers, self.reader.model.get("num_experts") or 0)
         self.be = make_backend(cfg)
         self.be.check_support(self.reader.model, self.reader.blob_layout if self.args.moe_layers else None)
         self.stream = self.be.new_stream()
