@@ -1,22 +1,35 @@
 # Two commands keep working on a fresh machine: `make demo` and `make test`.
+#
+# They share one venv with one stamp per install: `make demo` installs the core package only (everything the
+# demo runs: convert, inspect, validate, infer on the CPU), `make test` the [dev] extra on top (pytest, torch,
+# transformers, gguf, hypothesis). Either order works, and editing pyproject.toml reinstalls on the next run.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-stamp
+CORE_STAMP := $(VENV)/.installed-core
+DEV_STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test install clean
+.PHONY: demo test install install-dev clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+
+$(CORE_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+install: $(CORE_STAMP)
 
-test: $(STAMP)
+install-dev: $(DEV_STAMP)
+
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(BIN)/python tools/demo.py
 
 clean:
