@@ -15,7 +15,8 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (DeviceOpt, FileArg, MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt,
-                     TemperatureOpt, TopKOpt, TopPOpt, err, need_cupy, need_jinja2, soft_interrupt, write_text)
+                     TemperatureOpt, TopKOpt, TopPOpt, err, need_cupy, need_jinja2, soft_interrupt, stop_strings,
+                     write_text)
 from .errors import print_error
 
 EXIT_WORDS = ("/exit", "/quit")
@@ -35,6 +36,7 @@ def command(path: FileArg,
             max_cached_experts: Annotated[Optional[int], typer.Option(
                 "--max-cached-experts", min=1, help="Expert cache capacity (default: unbounded).")] = None) -> None:
     """Chat with a model through its embedded chat template; /exit or Ctrl-D leaves, Ctrl-C ends a reply."""
+    stops = stop_strings(stop)
     if device == "cuda":
         need_cupy("--device cuda")
     need_jinja2("chat")
@@ -46,7 +48,7 @@ def command(path: FileArg,
     with Engine(path, EngineConfig(device=device, max_cached_experts=max_cached_experts)) as engine:
         session = ChatSession(engine, system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                              stop_strings=list(stop) if stop else None, seed=seed)
+                              stop_strings=stops, seed=seed)
         if interactive:
             err.print("[dim]type a message; /exit or Ctrl-D leaves, Ctrl-C ends a reply[/]")
         request = StopRequest()

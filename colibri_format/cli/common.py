@@ -59,13 +59,6 @@ def _device(value: str) -> str:
     return value
 
 
-def _stops(value: Optional[list[str]]) -> Optional[list[str]]:
-    for text in value or ():
-        if not text:
-            raise typer.BadParameter("a stop string cannot be empty")
-    return value
-
-
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=1,
                                               help="Tokens to generate at most.")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", callback=_temperature,
@@ -81,13 +74,21 @@ MinPOpt = Annotated[float, typer.Option("--min-p", "--min_p", callback=_min_p,
 RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", "--repetition-penalty", callback=_penalty,
                                                  help="Penalise tokens already in the prompt or the output "
                                                       "(> 1 repeats less), a finite number > 0; 1 = off.")]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", callback=_stops, show_default=False,
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", show_default=False,
                                                       help="Stop once the output holds this text (repeatable); "
                                                            "the text is not printed.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", show_default=False,
                                                   help="System prompt, through the embedded chat template.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_device, help="cpu or cuda.")]
+
+
+def stop_strings(stop: Optional[list[str]]) -> Optional[list[str]]:
+    """--stop's values, a usage error when one is empty (checked in the command: a callback on a list option
+    breaks older typer releases)."""
+    if stop and not all(stop):
+        raise typer.BadParameter("a stop string cannot be empty", param_hint="'--stop'")
+    return list(stop) if stop else None
 
 
 # --- what a command needs before it starts ---------------------------------------------------------------------

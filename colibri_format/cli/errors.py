@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import typer
@@ -65,7 +66,7 @@ InterruptNote = Callable[[dict[str, Any]], str]
 
 def _convert_note(params: dict[str, Any]) -> str:
     out = params.get("output_path")
-    name = f"{getattr(out, 'name', out)}" if out else "OUTPUT"
+    name = Path(str(out)).name if out else "OUTPUT"        # a str under typer releases that convert late
     return (f"the pieces converted so far are kept (.{name}.part and its journal .{name}.journal); run the same "
             "command again to resume, or add --restart to start over")
 

@@ -19,7 +19,8 @@ import typer
 
 from .common import (DeviceOpt, FileArg, JsonOpt, MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt,
                      SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_output_file, command_line, err,
-                     need_cupy, need_jinja2, out, print_json, soft_interrupt, write_text)
+                     need_cupy, need_jinja2, out, print_json, soft_interrupt, stop_strings,
+                     write_text)
 from .errors import Interrupted
 
 # Options the ranks of several --devices do not take yet (runtime/parallel/run.py): run_infer's name, the flag,
@@ -63,11 +64,12 @@ def command(ctx: typer.Context, path: FileArg,
             = None,
             as_json: JsonOpt = False) -> None:
     """Generate text from a .colibri file; text streams as it is generated."""
+    stops = stop_strings(stop)
     text = read_prompt(prompt, file, ids)
     prompt_ids = parse_ids(ids)
     chat = chat or system is not None
     extra = {"system": system, "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
-             "stop_strings": list(stop) if stop else None}
+             "stop_strings": stops}
     if trace is not None:
         check_output_file(trace, "--trace")
     if device == "cuda":

@@ -83,7 +83,7 @@ def trace_file(model_file, tmp_path):
 # --- usage errors: one line, exit 2, no hint (nothing to trace), for every command -------------------------------
 
 USAGE = [
-    (["convert", "--bogus"], "No such option: --bogus"),
+    (["convert", "--bogus"], "--bogus"),
     (["convert", "--output-path", "o.colibri"], "Missing option '--model-path'"),
     (["convert", "--model-path", "m", "--output-path", "o", "--workers", "x"], "'--workers'"),
     (["inspect", "{file}", "--bogus"], "No such option"),
