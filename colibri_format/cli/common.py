@@ -79,7 +79,7 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", show_default=Fal
                                                            "the text is not printed.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", show_default=False,
                                                   help="System prompt, through the embedded chat template.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling.")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_device, help="cpu or cuda.")]
 
 

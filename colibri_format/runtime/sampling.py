@@ -128,6 +128,8 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, context: Iterable[int] = ()) -> None:
         check_sampling(temperature, top_p, top_k, min_p, repetition_penalty)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+            raise InvalidInput("seed must be an integer >= 0", field="seed", value=seed)
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.min_p, self.repetition_penalty = float(min_p), float(repetition_penalty)
         self.rng = np.random.default_rng(seed)

@@ -139,7 +139,7 @@ def test_no_arguments_shows_the_help():
 BAD_SAMPLING = [("--temperature", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
                 ("--top-p", "0"), ("--top-p", "nan"), ("--top-p", "1.5"), ("--min-p", "1.5"), ("--min-p", "nan"),
                 ("--repeat-penalty", "0"), ("--repeat-penalty", "nan"), ("--repeat-penalty", "-1"),
-                ("--top-k", "-1"), ("--stop", "")]
+                ("--top-k", "-1"), ("--seed", "-1"), ("--stop", "")]
 
 
 @pytest.mark.parametrize("flag, value", BAD_SAMPLING)

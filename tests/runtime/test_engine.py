@@ -337,6 +337,7 @@ def test_default_filters_draw_exactly_what_plain_temperature_sampling_drew():
     ({"min_p": -0.1}, "min_p"), ({"min_p": float("nan")}, "min_p"), ({"min_p": 1.01}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
 ])
 def test_bad_sampling_values_are_refused(engine, kwargs, field):
     with pytest.raises(InvalidInput) as info:
