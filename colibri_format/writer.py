@@ -237,8 +237,9 @@ class ColibriWriter:
     def missing(self) -> list[PieceKey]:
         return [k for k in self.piece_keys() if k not in self.checksums]
 
-    def finalize(self, metadata: dict) -> Path:
-        """Write sections and header, fsync, rename over the destination, fsync the folder."""
+    def finalize(self, metadata: dict, before_rename: Callable[[], None] = lambda: None) -> Path:
+        """Write sections and header, fsync, rename over the destination, fsync the folder. `before_rename`
+        runs just before the rename (the converter checks there what the rename would replace)."""
         missing = self.missing()
         if missing:
             dense = [k for k in missing if isinstance(k, str)]
@@ -259,6 +260,7 @@ class ColibriWriter:
         fsync_fd(self._fd)
         os.close(self._fd)
         self._fd = -1
+        before_rename()
         atomic_replace(self.part_path, self.path)
         return self.path
 

@@ -204,7 +204,7 @@ class WriterLock:
 
     def _break_if_stale(self) -> None:
         if not _is_regular(self.path):  # not a lock we make (a planted link): stale; unlinking it spares its target
-            self.path.unlink(missing_ok=True)
+            self._remove()
             return
         pid = _lock_pid(self.path)
         if pid is None:
@@ -214,7 +214,14 @@ class WriterLock:
         elif _pid_alive(pid):
             raise WriteError(f"another conversion (pid {pid}) is writing this output; if that is wrong, "
                              f"delete {self.path}", field="lock", value=pid)
-        self.path.unlink(missing_ok=True)  # stale: its writer is gone
+        self._remove()  # stale: its writer is gone
+
+    def _remove(self) -> None:
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:  # e.g. a directory in the way
+            raise WriteError(f"cannot remove the stale lock {self.path.name}: {exc.strerror}", field="lock",
+                             value=str(self.path)) from None
 
     def release(self) -> None:
         if self._held:

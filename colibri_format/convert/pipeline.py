@@ -265,7 +265,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         metadata = _metadata(job, run)
         check_output_path(dest, job.sources, force=force)  # again: something may have appeared meanwhile
         crashpoint.hit("finalize")
-        _finalize(writer, metadata)
+        _finalize(writer, metadata, lambda: check_output_path(dest, job.sources, force=force))
         crashpoint.hit("journal-remove")
         journal.remove()
         return _summary(job, dest, writer, run, len(kept), time.perf_counter() - start)
@@ -275,9 +275,9 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         writer.abort(remove_part=False)
 
 
-def _finalize(writer: ColibriWriter, metadata: dict[str, Any]) -> None:
+def _finalize(writer: ColibriWriter, metadata: dict[str, Any], before_rename: Callable[[], None]) -> None:
     try:
-        writer.finalize(metadata)
+        writer.finalize(metadata, before_rename)
     except OSError as exc:  # e.g. EFBIG when sizing the file for its tables under a file size limit
         raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}; the journal "
                          "is kept, run again to finish", field="finalize") from None

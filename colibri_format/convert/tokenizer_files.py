@@ -30,6 +30,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token
 TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_ID_LIST = 1024
+METADATA_ROOM = 4 << 20  # what the rest of the metadata (model, quantization errors, provenance) may need
 
 
 def _read_text(root: Path, name: str, cap: int) -> str | None:
@@ -127,7 +128,12 @@ def check_token_ids(obj: dict[str, Any], where: str, vocab_size: int | None) -> 
 def _check_storable(block: dict[str, Any]) -> None:
     """The block goes into the file's metadata: refuse here what the reader would refuse there."""
     try:
-        S.decode_metadata(S.encode_metadata({"tokenizer": block}))
+        raw = S.encode_metadata({"tokenizer": block})
+        S.decode_metadata(raw)
     except InvalidMetadata as exc:
         raise InvalidTokenizer(f"the tokenizer files cannot be stored in .colibri metadata: {exc}",
                                field="tokenizer") from None
+    if len(raw) > S.MAX_METADATA_BYTES - METADATA_ROOM:
+        raise InvalidTokenizer(f"the tokenizer files take {len(raw):,} bytes of metadata, over the "
+                               f"{S.MAX_METADATA_BYTES - METADATA_ROOM:,} the .colibri metadata section leaves them",
+                               field="tokenizer", value=len(raw))

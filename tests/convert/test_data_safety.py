@@ -145,6 +145,25 @@ def test_something_appearing_at_the_output_during_the_conversion_is_not_replaced
     assert out.read_text() == "arrived meanwhile"
 
 
+def test_the_last_check_runs_just_before_the_rename(ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "m.colibri"
+    from colibri_format.convert import pipeline
+
+    real, calls = pipeline.check_output_path, []
+
+    def check(dest, sources, *, force):
+        calls.append(dest)
+        if len(calls) == 3:  # at the start, after the pieces, then inside finalize before the rename
+            out.write_text("arrived during finalize")
+        return real(dest, sources, force=force)
+
+    monkeypatch.setattr(pipeline, "check_output_path", check)
+    with pytest.raises(OutputPathRefused, match="not a .colibri file"):
+        convert(ckpt, out)
+    assert out.read_text() == "arrived during finalize" and len(calls) == 3
+    assert part_path_for(out).exists()  # complete and kept: the journal still lists every piece
+
+
 # --- temporary files never follow a planted link -----------------------------------------------------
 @pytest.mark.parametrize("which", [".part", ".journal", ".journal.new", ".lock"])
 @pytest.mark.parametrize("resume", [True, False])
