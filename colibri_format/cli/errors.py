@@ -125,10 +125,10 @@ def report(exc: BaseException, argv: list[str] | None = None) -> int:
     """The exit code for an exception that left the app, after telling the user (as JSON when `argv` asks for
     --json); re-raises what is not ours to map (a bug keeps its traceback), and library and OS errors under
     COLIBRI_DEBUG=1."""
-    command, params = invocation(argv)
     exit_code = _exit_code(exc)
     if exit_code is not None:
         return exit_code
+    command, params = invocation(argv)
     failure = describe(exc, command, params)
     if failure is None:
         raise exc
@@ -156,7 +156,7 @@ def describe(exc: BaseException, command: str | None = None, params: dict[str, A
     if "ClickException" in names:
         return Failure(int(getattr(exc, "exit_code", EXIT_INVALID)), type(exc).__name__, _one_line(exc.format_message()))
     if isinstance(exc, OSError) and exc.errno is not None:
-        where = exc.filename if exc.filename is not None else None
+        where = exc.filename
         text = exc.strerror or os.strerror(exc.errno)
         message = f"{text}: {where}" if where is not None else text
         return Failure(EXIT_INVALID, type(exc).__name__, message, "path" if where is not None else None,
