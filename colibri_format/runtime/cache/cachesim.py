@@ -28,7 +28,7 @@ from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cache.expert_cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
                                           next_use)
 from colibri_format.runtime.cache.trace import (Accesses, Trace, access_sequence, check_shape, make_header,
-                                                read_trace, records_from_arrays)
+                                                read_accesses, records_from_arrays)
 
 
 @dataclass(frozen=True)
@@ -219,13 +219,22 @@ def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | 
     return SimResult(n, n - misses, misses, evictions)
 
 
+def _accesses_of(trace: str | os.PathLike[str] | Trace, dedup: bool) -> tuple[Any, Accesses, int]:
+    """(header, global accesses, tokens) of an in-memory trace, or of a trace file streamed line by line."""
+    if isinstance(trace, Trace):
+        acc = access_sequence(trace, "global", dedup=dedup)
+        assert isinstance(acc, Accesses)
+        return trace.header, acc, len(trace.records)
+    return read_accesses(trace, dedup=dedup)
+
+
 def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy: str = "all",
                   scope: str = "global", *, blob_bytes: int | None = None, dedup: bool = True,
                   seed: int = 0) -> dict[str, Any]:
     """Replay a trace under each policy at each capacity.
 
     Args:
-        trace: a trace path (read with :func:`read_trace`) or an in-memory :class:`Trace`.
+        trace: a trace path (streamed line by line: :func:`read_accesses`) or an in-memory :class:`Trace`.
         capacities: comma list of percentages of all experts (``10%,25%``; of one layer's experts for
             ``per_layer``) or absolute counts (total for ``global``, per layer for ``per_layer``).
         policy: ``all`` or a comma list (see :func:`parse_policies`).
@@ -243,13 +252,10 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
     if blob_bytes is not None and (isinstance(blob_bytes, bool) or not isinstance(blob_bytes, int)
                                    or blob_bytes < 0):
         raise InvalidInput("blob_bytes must be a non-negative integer", field="blob_bytes", value=blob_bytes)
-    tr = trace if isinstance(trace, Trace) else read_trace(trace)
     specs = parse_policies(policy)
-    h = tr.header
+    h, acc, tokens = _accesses_of(trace, dedup)
     per_part = h.num_experts if scope == "per_layer" else h.total_experts
     caps = parse_capacities(capacities, per_part)
-    acc = access_sequence(tr, "global", dedup=dedup)
-    assert isinstance(acc, Accesses)
     layer_index = {layer: i for i, layer in enumerate(h.moe_layers)}
     distinct = len(set(zip(acc.layer.tolist(), acc.expert.tolist())))
     rows = []
@@ -268,7 +274,7 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
             rows.append(row)
     return {
         "trace": {"model": h.model, "num_layers": h.num_layers, "moe_layers": len(h.moe_layers),
-                  "num_experts": h.num_experts, "top_k": h.top_k, "tokens": len(tr.records),
+                  "num_experts": h.num_experts, "top_k": h.top_k, "tokens": tokens,
                   "steps": int(acc.step[-1]) + 1 if len(acc) else 0, "accesses": len(acc),
                   "distinct_experts": distinct,
                   "cold_miss_rate": distinct / len(acc) if len(acc) else 0.0},
@@ -336,11 +342,9 @@ def pins_from_trace(trace: str | os.PathLike[str] | Trace, capacity: int,
     capacity = int(capacity)
     if capacity < 1:
         raise InvalidInput("capacity must be a positive integer", field="capacity", value=capacity)
-    tr = trace if isinstance(trace, Trace) else read_trace(trace)
+    header, acc, _ = _accesses_of(trace, True)
     if model is not None:
-        check_shape(tr.header, model, "pin_from_trace")
-    acc = access_sequence(tr, "global")
-    assert isinstance(acc, Accesses)
+        check_shape(header, model, "pin_from_trace")
     counts: dict[tuple[int, int], int] = {}
     for pair in acc.pairs():
         counts[pair] = counts.get(pair, 0) + 1
@@ -348,6 +352,6 @@ def pins_from_trace(trace: str | os.PathLike[str] | Trace, capacity: int,
     if scope == "global":
         return ranked[:capacity]
     pins: list[tuple[int, int]] = []
-    for layer in tr.header.moe_layers:
+    for layer in header.moe_layers:
         pins += [p for p in ranked if p[0] == layer][:capacity]
     return pins

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple
 
@@ -233,14 +234,7 @@ def _read_line(fh: IO[bytes], at: tuple[int, int], max_line: int) -> bytes:
     return raw
 
 
-def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES,
-               max_line_bytes: int = MAX_LINE_BYTES) -> Trace:
-    """Read and check a routing trace.
-
-    Raises:
-        InvalidInput: the file is too large or not a regular file, or a line is malformed; the
-            message starts with ``trace line N:`` and ``offset`` is the byte offset of that line.
-    """
+def _open_checked(path: str | os.PathLike[str], max_bytes: int) -> IO[bytes]:
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -250,19 +244,38 @@ def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES
     if st.st_size > max_bytes:
         raise InvalidInput(f"trace is {st.st_size} bytes, over the {max_bytes}-byte cap", field="path",
                            value=str(path))
-    records: list[TraceRecord] = []
-    with open(path, "rb") as fh:
+    return open(path, "rb")
+
+
+def iter_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES,
+               max_line_bytes: int = MAX_LINE_BYTES) -> tuple[TraceHeader, Iterator[TraceRecord]]:
+    """(header, records one at a time): a trace read and checked line by line, never whole in memory.
+
+    Raises (the header at once, each record as it is reached):
+        InvalidInput: the file is too large or not a regular file, or a line is malformed; the
+            message starts with ``trace line N:`` and ``offset`` is the byte offset of that line.
+    """
+    fh = _open_checked(path, max_bytes)
+    try:
         raw = _read_line(fh, (1, 0), max_line_bytes)
         if not raw.strip():
             raise _fail("empty trace (no header line)", (1, 0))
         header = _parse_header(_parse(raw, (1, 0)))
-        moe = frozenset(header.moe_layers)
-        offset, line, last_t = len(raw), 1, -1
+    except BaseException:
+        fh.close()
+        raise
+    return header, _records(fh, header, len(raw), max_line_bytes)
+
+
+def _records(fh: IO[bytes], header: TraceHeader, offset: int, max_line_bytes: int) -> Iterator[TraceRecord]:
+    moe = frozenset(header.moe_layers)
+    line, last_t = 1, -1
+    with fh:
         while True:
             at = (line + 1, offset)
             raw = _read_line(fh, at, max_line_bytes)
             if not raw:
-                break
+                return
             line += 1
             if not raw.strip():
                 raise _fail("blank line", at)
@@ -270,9 +283,35 @@ def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES
             if rec.t < last_t:
                 raise _fail(f"t={rec.t} goes backwards (previous line has t={last_t})", at, rec.t)
             last_t = rec.t
-            records.append(rec)
             offset += len(raw)
-    return Trace(header, records)
+            yield rec
+
+
+def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Trace:
+    """Read and check a whole routing trace into memory (see :func:`iter_trace`; :func:`read_accesses` keeps
+    only the compact access arrays)."""
+    header, records = iter_trace(path, max_bytes=max_bytes, max_line_bytes=max_line_bytes)
+    return Trace(header, list(records))
+
+
+def read_accesses(path: str | os.PathLike[str], *, dedup: bool = True,
+                  max_bytes: int = MAX_TRACE_BYTES) -> tuple[TraceHeader, Accesses, int]:
+    """(header, global access sequence, tokens) of a trace file, streamed: memory grows with the accesses
+    (16 bytes each), never with the parsed records."""
+    header, records = iter_trace(path, max_bytes=max_bytes)
+    counter = _Counted(records)
+    return header, _accesses(counter, dedup), counter.count
+
+
+class _Counted:
+    def __init__(self, items: Iterator[TraceRecord]) -> None:
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> Iterator[TraceRecord]:
+        for item in self.items:
+            self.count += 1
+            yield item
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -379,32 +418,7 @@ def access_sequence(trace: Trace, scope: str = "global", *,
     """
     if scope not in SCOPES:
         raise InvalidInput(f"unknown scope {scope!r}; expected global or per_layer", field="scope", value=scope)
-    layers: list[int] = []
-    experts: list[int] = []
-    steps: list[int] = []
-    recs = trace.records
-    step_index = -1
-    i = 0
-    while i < len(recs):
-        j = i
-        t = recs[i].t
-        while j < len(recs) and recs[j].t == t:
-            j += 1
-        step_index += 1
-        per_layer: dict[int, list[int]] = {}
-        for rec in recs[i:j]:
-            for layer, es in rec.experts:
-                per_layer.setdefault(layer, []).extend(es)
-        for layer in sorted(per_layer):
-            chosen = per_layer[layer]
-            if dedup:
-                chosen = list(dict.fromkeys(chosen))
-            layers.extend([layer] * len(chosen))
-            experts.extend(chosen)
-            steps.extend([step_index] * len(chosen))
-        i = j
-    acc = Accesses(np.asarray(layers, dtype=np.int32), np.asarray(experts, dtype=np.int32),
-                   np.asarray(steps, dtype=np.int64))
+    acc = _accesses(iter(trace.records), dedup)
     if scope == "global":
         return acc
     out = {}
@@ -413,6 +427,30 @@ def access_sequence(trace: Trace, scope: str = "global", *,
         if mask.any():
             out[layer] = Accesses(acc.layer[mask], acc.expert[mask], acc.step[mask])
     return out
+
+
+def _accesses(records: Iterable[TraceRecord], dedup: bool) -> Accesses:
+    """Group consecutive records of one forward pass (same ``t``); per pass, MoE layers ascending, experts by
+    first appearance (once each with ``dedup``). Arrays grow in compact typed buffers, not Python lists."""
+    layers, experts, steps = array("i"), array("i"), array("q")
+    step_index, current, per_layer = -1, None, {}
+
+    def flush() -> None:
+        for layer in sorted(per_layer):
+            chosen = list(dict.fromkeys(per_layer[layer])) if dedup else per_layer[layer]
+            layers.extend([layer] * len(chosen))
+            experts.extend(chosen)
+            steps.extend([step_index] * len(chosen))
+
+    for rec in records:
+        if rec.t != current:
+            flush()
+            current, per_layer, step_index = rec.t, {}, step_index + 1
+        for layer, es in rec.experts:
+            per_layer.setdefault(layer, []).extend(es)
+    flush()
+    return Accesses(np.frombuffer(layers, np.int32), np.frombuffer(experts, np.int32),   # views: no copy
+                    np.frombuffer(steps, np.int64))
 
 
 def records_from_arrays(choices: np.ndarray, moe_layers: Sequence[int]) -> list[TraceRecord]:
