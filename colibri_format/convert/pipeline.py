@@ -3,9 +3,10 @@
 Flow: open and normalize the checkpoint, refuse an output path that is not ours to replace
 (convert/output_path.py) and a checkpoint with tensors nothing uses, plan every offset (ColibriWriter),
 take the writer lock, read the journal and let the writer take over the pieces whose source and bytes still
-match it, then convert the remaining pieces (dense tensors, then expert blobs) on `workers` threads. Each piece is streamed in row chunks
-(read -> convert or quantize -> the writer, which writes at the planned offset and hashes), so memory
-stays at a few chunks per worker whatever the model size. Completed pieces are made durable in batches:
+match it, then convert the remaining pieces (dense tensors, then expert blobs) on `workers` threads. Each
+piece is streamed in row chunks (read -> check and hash the source -> convert or quantize -> the writer,
+which writes at the planned offset and hashes), so memory stays at a few chunks per worker whatever the
+model size. Completed pieces are made durable in batches:
 fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against the
 checksums, check the output path once more, write the sections and header, fsync, rename over the
 destination, fsync the folder.

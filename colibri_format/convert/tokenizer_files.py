@@ -85,7 +85,8 @@ def check_loads(tokenizer_json: str) -> None:
 
 
 def _token_text_ok(value: Any) -> bool:
-    return value is None or isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str))
+    return (value is None or isinstance(value, str)
+            or (isinstance(value, dict) and isinstance(value.get("content"), str)))
 
 
 def check_tokenizer_config(config: dict[str, Any]) -> None:

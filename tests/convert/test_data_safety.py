@@ -188,6 +188,19 @@ def test_planted_symlinks_to_missing_targets_create_nothing(ckpt, tmp_path, clea
     assert _digest(out) == clean[0]
 
 
+def test_a_directory_at_a_temporary_name_is_one_write_error(ckpt, tmp_path):
+    from colibri_format.errors import WriteError
+
+    out = tmp_path / "m.colibri"
+    for suffix in (".lock", ".part"):
+        blocker = out.with_name(f".{out.name}{suffix}")
+        blocker.mkdir()
+        with pytest.raises(WriteError):
+            convert(ckpt, out)
+        blocker.rmdir()
+    convert(ckpt, out)
+
+
 def test_a_hard_link_planted_at_the_part_name_is_not_written_through(ckpt, tmp_path, clean):
     out = tmp_path / "m.colibri"
     victim = tmp_path / "victim.bin"
@@ -393,6 +406,17 @@ def test_subnormal_only_and_zero_rows_quantize_correctly(ckpt, tmp_path):
             step = np.nextafter(np.float32(scale), np.float32(1)) if v else 0
             assert np.all(np.abs(deq[row].astype(np.float64) - want) <= step / 2 + 2.0**-149), (row, group)
         assert (deq[3] == 0).all()
+
+
+def test_subnormal_dense_values_convert(ckpt, tmp_path):
+    poke(ckpt, "model.norm.weight", (5,), 1e-40)
+    for dtype in ("float16", "bfloat16", "float32"):
+        out = tmp_path / f"{dtype}.colibri"
+        convert(ckpt, out, dtype=dtype)
+        with colibri_format.open(out) as f:
+            got = f.dense_f32("final_norm")[5]
+        # float32 keeps it exactly; float16 flushes it to 0 and bfloat16 rounds it: no error either way
+        assert got == np.float32(1e-40) if dtype == "float32" else abs(float(got) - 1e-40) <= 1e-40
 
 
 # --- JSON the converter reads ------------------------------------------------------------------------
