@@ -25,17 +25,12 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 FileId = tuple[int, int]  # (st_dev, st_ino)
 
 
-def source_file_ids(root: Path, names: Iterable[str] = ()) -> dict[FileId, str]:
-    """(device, inode) -> name of every regular file in the checkpoint folder (links followed, so a hub-cache
-    blob counts under its snapshot name), plus `names` resolved inside it."""
+def source_file_ids(root: Path, names: Iterable[str]) -> dict[FileId, str]:
+    """(device, inode) -> name of each of the checkpoint's files `names` that exists (links followed, so a
+    hub-cache blob counts under its snapshot name). Only files the converter reads count: a `.colibri` written
+    into the checkpoint folder earlier may be replaced (with force) like any other."""
     ids: dict[FileId, str] = {}
-    candidates = list(names)
-    try:
-        with os.scandir(root) as entries:
-            candidates += [e.name for e in entries]
-    except OSError:
-        pass
-    for name in candidates:
+    for name in names:
         try:
             st = os.stat(root / name)
         except OSError:

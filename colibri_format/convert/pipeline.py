@@ -32,7 +32,7 @@ from colibri_format.convert.journal import (Journal, JournalState, WriterLock, j
 from colibri_format.convert.layout import RowSpan
 from colibri_format.convert.output_path import check_output_path, source_file_ids
 from colibri_format.convert.rows import source_digest, span_bytes
-from colibri_format.convert.source import open_checkpoint
+from colibri_format.convert.source import PT_INDEX, ST_INDEX, open_checkpoint
 from colibri_format.convert.tokenizer_files import check_token_ids
 from colibri_format.convert.verify import keep_journaled_pieces, verify_all
 from colibri_format.errors import InvalidInput, ResumeError, UnusedTensors, WriteError
@@ -42,6 +42,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZE_MODES = ("expert", "none")
 MAX_WORKERS = 64
 UNUSED_NAMES_SHOWN = 5
+# What the converter reads beside the weight files (an output path may never be one of them).
+SOURCE_METADATA_FILES = ("config.json", ST_INDEX, PT_INDEX, *describe.TOKENIZER_FILES)
 
 # progress(done_pieces, total_pieces, done_source_bytes, total_source_bytes); called on the caller's thread
 Progress = Callable[[int, int, int, int], None]
@@ -225,7 +227,7 @@ def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dt
         raise InvalidInput("the output folder does not exist", field="output_path", value=str(dest.parent))
     start = time.perf_counter()
     with open_checkpoint(model_path, allow_pickle=allow_pickle) as src:
-        sources = source_file_ids(Path(src.root), [f.name for f in src.files])
+        sources = source_file_ids(Path(src.root), [f.name for f in src.files] + list(SOURCE_METADATA_FILES))
         check_output_path(dest, sources, force=force)
         job = plan_job(src, options, num_experts, top_k)
         job.sources = sources

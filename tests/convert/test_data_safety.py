@@ -73,14 +73,22 @@ def test_an_unrelated_file_is_never_replaced(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["model-00001-of-00009.safetensors", "config.json",
-                                  "model.safetensors.index.json"])
+                                  "model.safetensors.index.json", "tokenizer.json", "generation_config.json"])
 def test_the_checkpoints_own_files_are_never_replaced(ckpt, name):
+    add_tokenizer(ckpt)
     target = ckpt / name
     before = target.read_bytes()
     for force in (False, True):
         with pytest.raises(OutputPathRefused, match=f"checkpoint's own {name}"):
             convert(ckpt, target, force=force)
     assert target.read_bytes() == before
+
+
+def test_a_colibri_inside_the_checkpoint_folder_is_not_a_source(ckpt, clean):
+    out = ckpt / "m.colibri"
+    convert(ckpt, out)
+    convert(ckpt, out, force=True)
+    assert _digest(out) == clean[0]
 
 
 def test_a_source_reached_through_a_hard_link_or_a_linked_folder_is_refused(ckpt, tmp_path):
