@@ -74,9 +74,10 @@ def describe(src: Any, span: RowSpan, row0: int, chunk: np.ndarray, target: str,
     bad = ~np.isfinite(flat)
     bad |= _converted_bad(np.where(bad, 0.0, flat), target)
     where = int(np.argmax(bad)) if bad.any() else 0
-    local = np.unravel_index(where, values.shape)
-    index = (*(() if span.index is None else (span.index,)), *((row0 + int(local[0]), *map(int, local[1:]))
-                                                                 if values.ndim > 1 else (int(local[0]),)))
+    local = [int(i) for i in np.unravel_index(where, values.shape)]
+    if values.ndim > 1:
+        local[0] += row0  # the chunk's rows start at row0 of the tensor (or of its expert)
+    index = tuple(local) if span.index is None else (span.index, *local)
     value = float(flat[where])
     offset = src.element_offset(span.hf_name, index) if hasattr(src, "element_offset") else None
     name = span.hf_name
