@@ -32,6 +32,8 @@ def make_small(folder: Path, *, dtype: str = "float32", seed: int = 0, **config:
 
 
 def shard_of(ckpt: Path, name: str) -> Path:
+    if not (ckpt / INDEX).exists():
+        return ckpt / "model.safetensors"
     return ckpt / json.loads((ckpt / INDEX).read_text())["weight_map"][name]
 
 

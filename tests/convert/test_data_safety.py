@@ -350,6 +350,15 @@ def test_non_finite_expert_weights_are_refused_with_name_index_and_offset(ckpt, 
     assert not (tmp_path / "m.colibri").exists()
 
 
+def test_non_finite_in_a_fused_expert_tensor_names_expert_row_and_column(tiny_checkpoint, tmp_path):
+    ckpt = Path(shutil.copytree(tiny_checkpoint("qwen3_moe", fused=True), tmp_path / "fused"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H]
+    offset = poke(ckpt, name, (2, 3, 4), float("inf"))
+    with pytest.raises(NonFiniteWeight, match=r"holds \+inf at index \[2, 3, 4\]") as info:
+        convert(ckpt, tmp_path / "m.colibri")
+    assert info.value.field == name and info.value.offset == offset
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_non_finite_dense_weights_are_refused_unless_allowed(ckpt, tmp_path, dtype):
     poke(ckpt, "model.layers.1.self_attn.k_proj.weight", (2, 3), float("nan"))
