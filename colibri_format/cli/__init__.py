@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=args, standalone_mode=False, prog_name="colibri")
     except BaseException as exc:  # noqa: BLE001 - errors.report re-raises what it does not map
-        return report(exc, args)
+        return report(exc, args, app)
     return rc if isinstance(rc, int) else 0
 
 

@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
 from ..errors import InvalidInput
+from .console import err, out  # noqa: F401 (re-exported: the commands print through common)
 from .errors import MissingDependency
 
-out = Console(highlight=False, soft_wrap=True)       # results: tables, generated text
-err = Console(stderr=True, highlight=False)          # errors, progress bars, statistics
 
 FileArg = Annotated[Path, typer.Argument(help="A .colibri file.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]

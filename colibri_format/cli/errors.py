@@ -121,14 +121,14 @@ class Failure(NamedTuple):
     prefix: str = "error"
 
 
-def report(exc: BaseException, argv: list[str] | None = None) -> int:
+def report(exc: BaseException, argv: list[str] | None = None, app=None) -> int:
     """The exit code for an exception that left the app, after telling the user (as JSON when `argv` asks for
     --json); re-raises what is not ours to map (a bug keeps its traceback), and library and OS errors under
-    COLIBRI_DEBUG=1."""
+    COLIBRI_DEBUG=1. `app` (the typer app) lets the command line be parsed for --json and the notes."""
     exit_code = _exit_code(exc)
     if exit_code is not None:
         return exit_code
-    command, params = invocation(argv)
+    command, params = invocation(argv, app)
     failure = describe(exc, command, params)
     if failure is None:
         raise exc
@@ -228,7 +228,7 @@ def _print_line(failure: Failure) -> None:
         return
     from rich.markup import escape
 
-    from .common import err
+    from .console import err
 
     colour = "yellow" if failure.code == EXIT_INTERRUPTED else "bold red"
     err.print(f"[{colour}]{failure.prefix}:[/] {escape(safe_line(failure.message))}", soft_wrap=True)
@@ -260,7 +260,7 @@ def _print_json(failure: Failure) -> None:
 
 
 # --- what was asked ------------------------------------------------------------------------------------------
-def invocation(argv: list[str] | None) -> tuple[str | None, dict[str, Any]]:
+def invocation(argv: list[str] | None, app=None) -> tuple[str | None, dict[str, Any]]:
     """The command name and its parameters as far as `argv` parses (never raises): what --json and the
     interrupt notes need, also after a usage error."""
     if argv is None:
@@ -269,12 +269,11 @@ def invocation(argv: list[str] | None) -> tuple[str | None, dict[str, Any]]:
     name = next((a for a in args if not a.startswith("-")), None)
     cut = args.index("--") if "--" in args else len(args)
     fallback = {"as_json": "--json" in args[:cut]}
-    if name is None:
-        return None, fallback
+    if name is None or app is None:
+        return name, fallback
     try:
         from typer.main import get_command
 
-        from . import app
         group = get_command(app)
         root = group.context_class(group, info_name="colibri", resilient_parsing=True)
         command = group.get_command(root, name)

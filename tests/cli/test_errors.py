@@ -7,6 +7,7 @@ import pytest
 import typer
 
 from colibri_format import errors as E
+from colibri_format.cli import app
 from colibri_format.cli.errors import (EXIT_INTERRUPTED, EXIT_INVALID, EXIT_UNREADABLE, exit_code_for,
                                        message_for, report)
 
@@ -94,18 +95,18 @@ def test_click_exit_and_abort_of_either_flavour():
 
 def test_errors_as_json_with_their_fields(capsys):
     exc = E.BadMagic("not a .colibri file", field="magic", value=b"GGUF", offset=0)
-    assert report(exc, ["inspect", "x.colibri", "--json"]) == EXIT_INVALID
+    assert report(exc, ["inspect", "x.colibri", "--json"], app) == EXIT_INVALID
     captured = capsys.readouterr()
     assert captured.err == ""
     assert json.loads(captured.out) == {"error": {"type": "BadMagic", "message": "not a .colibri file",
                                                   "field": "magic", "value": "b'GGUF'", "offset": 0}}
-    assert report(E.InvalidInput("x", value=float("nan")), ["infer", "f", "--json"]) == EXIT_INVALID
+    assert report(E.InvalidInput("x", value=float("nan")), ["infer", "f", "--json"], app) == EXIT_INVALID
     assert json.loads(capsys.readouterr().out)["error"]["value"] == "nan"          # still valid JSON
 
 
 def test_json_is_read_from_the_parsed_command_line(capsys):
     # "--json" as the value of --prompt is a prompt, not the flag
-    assert report(E.InvalidInput("bad"), ["infer", "f", "--prompt", "--json"]) == EXIT_INVALID
+    assert report(E.InvalidInput("bad"), ["infer", "f", "--prompt", "--json"], app) == EXIT_INVALID
     assert capsys.readouterr().out == ""
 
 
@@ -118,10 +119,10 @@ def test_os_errors_are_one_line_with_the_hint(capsys, monkeypatch):
 
 def test_interrupt_notes_say_what_was_kept(capsys):
     argv = ["convert", "--model-path", "ckpt", "--output-path", "out/model.colibri"]
-    assert report(KeyboardInterrupt(), argv) == EXIT_INTERRUPTED
+    assert report(KeyboardInterrupt(), argv, app) == EXIT_INTERRUPTED
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("interrupted: ") and ".model.colibri.part" in line and "--restart" in line
-    assert report(KeyboardInterrupt(), ["infer", "m.colibri", "--ids", "1", "--trace", "t.jsonl"]) == 130
+    assert report(KeyboardInterrupt(), ["infer", "m.colibri", "--ids", "1", "--trace", "t.jsonl"], app) == 130
     assert "routing trace so far is kept in t.jsonl" in capsys.readouterr().err
 
 
@@ -130,7 +131,7 @@ def test_a_command_can_register_its_interrupt_note(capsys, monkeypatch):
 
     monkeypatch.setitem(errors.INTERRUPT_NOTES, "convert", errors.INTERRUPT_NOTES["convert"])
     errors.on_interrupt("convert", lambda params: f"resume {Path(str(params['output_path'])).name}")
-    assert report(KeyboardInterrupt(), ["convert", "--output-path", "o.colibri"]) == 130
+    assert report(KeyboardInterrupt(), ["convert", "--output-path", "o.colibri"], app) == 130
     assert capsys.readouterr().err.strip() == "interrupted: resume o.colibri"
 
 
