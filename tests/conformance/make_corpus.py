@@ -1,6 +1,6 @@
 """Write the `.colibri` v1 conformance corpus (deterministic: the same bytes on every run).
 
-    python tests/conformance/make_corpus.py [--out DIR]      # default: tests/conformance/corpus
+    python -m tests.conformance.make_corpus [--out DIR]      # default: tests/conformance/corpus
 
 Valid files come with `<name>.inspect.json` (what `colibri inspect --json` prints, without "path").
 Invalid files are named `bad_<ErrorClass>_<case>.colibri`; `manifest.json` lists every file with what a
@@ -15,14 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from colibri_format import spec as S  # noqa: E402
-from colibri_format.inspect import inspect_file  # noqa: E402
-from colibri_format.synthetic import synthetic_model, write_synthetic  # noqa: E402
-from tests.spec import craft  # noqa: E402
+from colibri_format import spec as S
+from colibri_format.inspect import inspect_file
+from colibri_format.synthetic import synthetic_model, write_synthetic
+from tests.spec import craft
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "corpus"
 

@@ -95,4 +95,4 @@ def test_regenerated_corpus_is_byte_identical(tmp_path: Path) -> None:
     assert sorted(fresh) == sorted(committed)
     differing = [n for n in fresh if fresh[n] != committed[n]]
     assert not differing, f"regenerated files differ from the committed corpus: {differing} " \
-                          f"(if the format changed on purpose, run tests/conformance/make_corpus.py)"
+                          f"(if the format changed on purpose, run python -m tests.conformance.make_corpus)"

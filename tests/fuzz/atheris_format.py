@@ -1,8 +1,8 @@
 """Coverage-guided fuzzing of the `.colibri` reader with atheris (optional: `pip install atheris`).
 
-    python tests/fuzz/atheris_format.py -atheris_runs=200000 -max_len=131072 -rss_limit_mb=4096 -timeout=5 \
+    python -m tests.fuzz.atheris_format -atheris_runs=200000 -max_len=131072 -rss_limit_mb=4096 -timeout=5 \
         -artifact_prefix=tests/fuzz/crashes/ [CORPUS_DIR ...]
-    python tests/fuzz/atheris_format.py tests/fuzz/crashes/crash-...        # replay one input
+    python -m tests.fuzz.atheris_format tests/fuzz/crashes/crash-...        # replay one input
 
 libFuzzer drives the bytes; a fraction of inputs are re-sealed (section checksums recomputed) so coverage
 can grow past the checksums. Only ColibriFormatError is caught: anything else is a crash that libFuzzer
@@ -22,9 +22,6 @@ from pathlib import Path
 
 import atheris
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 with atheris.instrument_imports():
     import colibri_format
@@ -32,7 +29,7 @@ with atheris.instrument_imports():
     from colibri_format.inspect import validate_file
     from colibri_format.reader import load_tables
 
-from tests.spec import craft  # noqa: E402
+from tests.spec import craft
 
 _SCRATCH = tempfile.mkdtemp(prefix="colibri-atheris-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
 _PATH = os.path.join(_SCRATCH, "input.colibri")
@@ -76,7 +73,7 @@ def main() -> None:
     if not any(not a.startswith("-") for a in argv[1:]):
         corpus = Path(tempfile.mkdtemp(prefix="colibri-atheris-corpus-"))
         atexit.register(shutil.rmtree, corpus, True)
-        from fuzz_format import make_seeds
+        from tests.fuzz.fuzz_format import make_seeds
         for i, seed in enumerate(make_seeds()):
             (corpus / f"seed{i}.colibri").write_bytes(seed)
         argv.append(str(corpus))
@@ -85,5 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -1,7 +1,7 @@
 """Mutation fuzzer for the `.colibri` reader, inspector and validator (no extra dependencies).
 
-    python tests/fuzz/fuzz_format.py --iterations 100000 --seed 1 [--json]
-    python tests/fuzz/fuzz_format.py --replay tests/fuzz/crashes/*.colibri
+    python -m tests.fuzz.fuzz_format --iterations 100000 --seed 1 [--json]
+    python -m tests.fuzz.fuzz_format --replay tests/fuzz/crashes/*.colibri
 
 Each input is a seed file (small valid synthetic files of every expert format) after one to three
 mutations: bit flips, byte sets, boundary values written into fields found through the spec's field
@@ -31,18 +31,15 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import colibri_format  # noqa: E402
-from colibri_format import errors as E  # noqa: E402
-from colibri_format import spec as S  # noqa: E402
-from colibri_format.inspect import inspect_file, validate_file  # noqa: E402
-from colibri_format.reader import load_tables  # noqa: E402
-from tests.spec import craft  # noqa: E402
+import colibri_format
+from colibri_format import errors as E
+from colibri_format import spec as S
+from colibri_format.inspect import inspect_file, validate_file
+from colibri_format.reader import load_tables
+from tests.spec import craft
 
 CRASH_DIR = Path(__file__).resolve().parent / "crashes"
 MEMORY_LIMIT = 4 << 30
