@@ -9,13 +9,14 @@ is below `TINY_GROUP_MAX` = 127 x the smallest normal float32 (~1.5e-36: subnorm
 values) gets a subnormal scale, which float32 holds with fewer bits: it is rounded *up* from the exact
 `max|w| / 127`, so `|w / scale|` never passes 127 and the half-step bound holds for the stored scale (the
 relative error may then exceed 0.5/127 by the scale's rounding, at most 2**-149 / max|w|). NaN or
-infinity anywhere is refused (`NonFiniteWeight`): int8 cannot hold them.
+infinity anywhere is refused (`NonFiniteWeight`, naming the first one's row and column): int8 cannot hold them.
 
 Reported error, per element: `|w - q*scale| / max|w[row]|`, computed as
 `|w/scale - q| * scale / max|w[row]|` (exact arithmetic, i.e. without the
 float32 rounding of the dequantized product, at most 2**-24 relative).
 `max_rel_err` is its maximum, `mean_rel_err` its mean over all elements (zero
-rows count as error 0). Per-row quantization therefore reports at most
+rows and zero groups count as error 0; both stay finite for any finite input,
+subnormal rows included). Per-row quantization therefore reports at most
 0.5/127 ~ 0.0039. These are what docs/design.md stores under `quantization.error`.
 
 Speed: rows are processed in ~1 MiB blocks through two reused float32 buffers,
@@ -73,18 +74,19 @@ def quantize_int8(w: np.ndarray, group_size: int | None = None) -> Quantized:
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         block_max, block_sum = _quantize_block(w3[start:stop], q[start:stop], scale[start:stop],
-                                               x[:stop - start], r[:stop - start])
+                                               x[:stop - start], r[:stop - start], start)
         err_max, err_sum = max(err_max, block_max), err_sum + block_sum
     return Quantized(q.reshape(n_out, n_in), scale, err_max, err_sum / max(1, w.size))
 
 
-def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray,
-                    r: np.ndarray) -> tuple[float, float]:
-    """Fill q and scale for a block of rows; return (max, sum) of the relative error."""
+def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray, r: np.ndarray,
+                    row0: int) -> tuple[float, float]:
+    """Fill q and scale for a block of rows (`row0`.. of the matrix); return (max, sum) of the relative error."""
     amax = _reduce_groups(np.maximum, np.abs(w3, out=x))  # [rows, G]; NaN propagates
     if not np.isfinite(amax).all():
-        raise NonFiniteWeight("weight holds NaN or infinity, which int8 cannot hold", field="weight")
+        raise _non_finite(w3, row0)
     np.divide(amax, np.float32(QMAX), out=scale)
+    err_scale = scale  # what a group's error is measured in (below: a zero group's error is exactly 0)
     tiny = amax < TINY_GROUP_MAX
     if tiny.any():  # rare: zero groups, and groups whose scale is subnormal (module docstring)
         small = amax[tiny]
@@ -92,6 +94,9 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
         rounded = exact.astype(np.float32)
         rounded = np.where(rounded.astype(np.float64) < exact, np.nextafter(rounded, np.float32(1)), rounded)
         scale[tiny] = np.where(small == 0, np.float32(1), rounded)  # zero group: q = 0, exact
+        # A zero group's scale 1.0 over the max of a row of tiny values (below ~3e-39) would overflow float32
+        # to inf, and 0 * inf is NaN: measure zero groups with scale 0 instead (their error is 0).
+        err_scale = np.where(amax > 0, scale, np.float32(0))
     np.divide(w3, scale[:, :, None], out=x)  # w in units of its scale, |x| <= 127
     np.rint(x, out=r)
     np.copyto(q, r, casting="unsafe")
@@ -99,10 +104,23 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
     np.subtract(x, r, out=x)
     np.abs(x, out=x)
     row_max = amax.max(axis=1, keepdims=True)
-    weight = scale / np.where(row_max > 0, row_max, np.float32(1))  # zero rows: error 0
+    # err_scale <= row_max (a group's scale is at most its max / 127, or the smallest subnormal when that max is
+    # itself that subnormal), so the weight is at most 1: finite whatever the row's magnitude
+    weight = err_scale / np.where(row_max > 0, row_max, np.float32(1))  # zero rows: error 0
     group_max = _reduce_groups(np.maximum, x) * weight
     group_sum = _reduce_groups(np.add, x) * weight
     return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
+
+
+def _non_finite(w3: np.ndarray, row0: int) -> NonFiniteWeight:
+    """The error for the first NaN or infinity of a block (searched only once the block failed)."""
+    rows, groups, g = w3.shape
+    flat = w3.reshape(rows, groups * g)
+    row, col = (int(i) for i in np.argwhere(~np.isfinite(flat))[0])
+    value = float(flat[row, col])
+    what = "NaN" if np.isnan(value) else f"{'+' if value > 0 else '-'}inf"
+    return NonFiniteWeight(f"weight holds {what} at index [{row0 + row}, {col}], which int8 cannot hold",
+                           field="weight", value=value)
 
 
 def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -124,3 +126,67 @@ def test_both_group_reductions_agree(monkeypatch: pytest.MonkeyPatch, group: int
     assert np.array_equal(results[0].q, results[1].q) and np.array_equal(results[0].scale, results[1].scale)
     assert results[0].max_rel_err == pytest.approx(results[1].max_rel_err, rel=1e-6)
     assert results[0].mean_rel_err == pytest.approx(results[1].mean_rel_err, rel=1e-5)
+
+
+# --- tiny, subnormal and zero rows: the error statistics stay finite and exact -------------------------
+def _reference_errors(w: np.ndarray, q: np.ndarray, scale: np.ndarray) -> tuple[float, float]:
+    """(max, mean) of |w - q*scale| / max|w[row]| in float64 (zero rows: 0)."""
+    err = np.abs(w.astype(np.float64) - q.astype(np.float64) * expanded(scale, w.shape[1]).astype(np.float64))
+    row_max = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True)
+    rel = np.divide(err, row_max, out=np.zeros_like(err), where=row_max > 0)
+    return float(rel.max()), float(rel.mean())
+
+
+def _tiny_rows(magnitude: float) -> np.ndarray:
+    """Rows of one magnitude: whole, with zero groups, mixed with a normal value, all zero, and subnormal
+    patterns of alternating sign."""
+    v = np.float32(magnitude)
+    w = np.zeros((6, 64), np.float32)
+    w[0] = v * np.where(np.arange(64) % 3, 1, -0.5).astype(np.float32)
+    w[1, :16] = v                      # one tiny group, three zero groups
+    w[2, 16:20] = -v                   # a tiny group among zeros, the others zero
+    w[3, :32] = v
+    w[3, 40] = 0.75                    # tiny and zero groups in a row whose max is normal
+    w[5, ::7] = v                      # row 4 stays all zero
+    return w
+
+
+@pytest.mark.parametrize("magnitude", [1.4e-45, 3e-45, 1e-44, 1e-42, 1e-40, 2e-39, 1e-38, 1.2e-36])
+@pytest.mark.parametrize("group", [None, 16, 32])
+def test_tiny_and_zero_groups_give_finite_exact_errors(magnitude: float, group: int | None) -> None:
+    w = _tiny_rows(magnitude)
+    with np.errstate(over="raise", invalid="raise"):  # no overflow to inf, no 0 * inf on the way
+        q, scale, max_rel, mean_rel = quantize_int8(w, group)
+    assert np.isfinite([max_rel, mean_rel]).all() and np.isfinite(scale).all() and (scale > 0).all()
+    ref_max, ref_mean = _reference_errors(w, q, scale)
+    assert max_rel == pytest.approx(ref_max, rel=1e-4, abs=1e-7)  # the reference rounds q*scale to float64
+    assert mean_rel == pytest.approx(ref_mean, rel=1e-4, abs=1e-7)  # the reference rounds q*scale to float64
+    assert not q[4].any() and not q[1, 16:].any()
+
+
+TINY = st.floats(-2.0**-120, 2.0**-120, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([None, 4, 8]), st.data())
+def test_subnormal_rows_with_zero_groups_report_what_a_float64_reference_says(group: int | None,
+                                                                               data: st.DataObject) -> None:
+    w = data.draw(arrays(np.float32, (data.draw(st.integers(1, 5)), 16), elements=TINY))
+    for row, col in data.draw(st.lists(st.tuples(st.integers(0, w.shape[0] - 1), st.integers(0, 3)), max_size=4)):
+        w[row, col * 4:(col + 1) * 4] = 0.0  # zero groups (or zero stretches of a row)
+    q, scale, max_rel, mean_rel = quantize_int8(w, group)
+    ref_max, ref_mean = _reference_errors(w, q, scale)
+    assert max_rel == pytest.approx(ref_max, rel=1e-4, abs=1e-7)  # the reference rounds q*scale to float64
+    assert mean_rel == pytest.approx(ref_mean, rel=1e-4, abs=1e-7)  # the reference rounds q*scale to float64
+
+
+@pytest.mark.parametrize("value, word", [(np.nan, "NaN"), (np.inf, "+inf"), (-np.inf, "-inf")])
+def test_a_non_finite_value_is_named_by_row_and_column_in_any_block(value: float, word: str) -> None:
+    from colibri_format.errors import NonFiniteWeight
+
+    w = np.ones((200, 4096), np.float32)  # 64 rows per block: row 150 is in the third
+    w[150, 4000] = value
+    w[170, 3] = np.nan
+    for group in (None, 64):
+        with pytest.raises(NonFiniteWeight, match=rf"weight holds {re.escape(word)} at index \[150, 4000\]"):
+            quantize_int8(w, group)
