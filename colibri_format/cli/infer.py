@@ -1,9 +1,10 @@
 """`colibri infer FILE`: generate text (or token ids) from a .colibri file; text streams as it is generated.
 
 Every input is checked before anything is printed: the prompt (from --prompt, --file, standard input with
-`--prompt -`, or --ids; valid UTF-8), the sampling values (at parse time), the --trace path, the pinning trace's
-shape, the packages --device cuda and the chat template need. Ctrl-C during the generation stops it at the next
-token and exits 130 with one line of what was done so far; a second Ctrl-C stops at once.
+`--prompt -`, or --ids; valid UTF-8), the sampling values (at parse time), the --trace path (a new regular file,
+or with --force an existing one; never the model itself, a link, a FIFO or a device), the pinning trace's shape,
+the packages --device cuda and the chat template need. Ctrl-C during the generation stops it at the next token
+and exits 130 with one line of what was done so far; a second Ctrl-C stops at once.
 
 The generation is `runtime.infer.run_infer` (one process) or `runtime.parallel.run.run_infer_parallel` (one rank
 of `--devices`); with several devices the parent process only launches the ranks and exits with their status.
@@ -60,8 +61,11 @@ def command(ctx: typer.Context, path: FileArg,
                 "--pin-from-trace", help="For --cache-policy static: pin the most used experts of this trace.")] = None,
             stats: Annotated[bool, typer.Option("--stats",
                                                 help="Print tokens/s, experts touched, cache hits/misses.")] = False,
-            trace: Annotated[Optional[Path], typer.Option("--trace", help="Write the routing trace (JSON Lines) here.")]
-            = None,
+            trace: Annotated[Optional[Path], typer.Option(
+                "--trace", help="Write the routing trace (JSON Lines) to this new file.")] = None,
+            force: Annotated[bool, typer.Option(
+                "--force", help="Let --trace replace an existing file (never the model, a link or a FIFO).")]
+            = False,
             as_json: JsonOpt = False) -> None:
     """Generate text from a .colibri file; text streams as it is generated."""
     stops = stop_strings(stop)
@@ -70,13 +74,17 @@ def command(ctx: typer.Context, path: FileArg,
     chat = chat or system is not None
     extra = {"system": system, "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
              "stop_strings": stops}
-    if trace is not None:
-        check_output_file(trace, "--trace")
+    worker = devices is not None and _is_worker()      # a rank of --devices: the parent checked --trace
+    if trace is not None and not worker:
+        check_trace(trace, path, force)
     if device == "cuda":
         need_cupy("--device cuda")
     if chat:
         need_jinja2("--chat" if system is None else "--system")
     pinned = static_pins(path, cache_policy, pin_from_trace, max_cached_experts, cache_scope)
+    if trace is not None and force and not worker:    # the old trace goes once every input is checked
+        from ..runtime.cache.trace import clear_trace_path
+        clear_trace_path(trace, protect=[path], option="--trace")
     run, ranks = _runner(ctx, path, devices, device, extra, prompt_override=text if prompt == "-" else None)
     stream = None if as_json else _Stream()
     if ranks:                                         # a rank of several devices: the old contract, echo first
@@ -116,6 +124,21 @@ def command(ctx: typer.Context, path: FileArg,
             render_infer_stats(err, result)
     if interrupted:
         raise Interrupted(interrupted_note(result, trace))
+
+
+def check_trace(trace: Path, model: Path, force: bool) -> None:
+    """Refuse a --trace path before any work: the model itself (also through a link), a link, a FIFO, a device,
+    a folder, a missing folder, or an existing file without --force (runtime/cache/trace.py)."""
+    from ..runtime.cache.trace import check_trace_path
+
+    check_trace_path(trace, overwrite=force, protect=[model], option="--trace",
+                     replace_hint="pass --force to replace it")
+    check_output_file(trace, "--trace")
+
+
+def _is_worker() -> bool:
+    from ..runtime.parallel.dist import is_worker
+    return is_worker()
 
 
 class _Stream:

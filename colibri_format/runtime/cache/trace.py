@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from typing import IO, Any, NamedTuple
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, OutputPathRefused, WriteError
 
 TRACE_VERSION = 1
 MAX_TRACE_BYTES = 4 << 30       # whole file
@@ -327,6 +328,96 @@ def _record_json(rec: TraceRecord) -> dict[str, Any]:
     return obj
 
 
+# --- opening the output: a new regular file, never the model, never through a link -----------------------
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def check_trace_path(path: str | os.PathLike[str], *, overwrite: bool = False,
+                     protect: Iterable[str | os.PathLike[str]] = (), field: str = "trace",
+                     option: str = "the trace path",
+                     replace_hint: str = "remove it or choose another path") -> bool:
+    """Refuse a path a routing trace must not be written to; True when a regular file is there to replace.
+
+    Refused: a symbolic link (a trace is never written through one), a folder, anything not a regular file
+    (a FIFO would block the writer, a device is no file), a file that is one of `protect` (the same device and
+    inode, so also through a hard link: the model being run, which truncating would kill with SIGBUS), and
+    without `overwrite` any existing file. `option` names the path in the messages ("--trace"), `replace_hint`
+    says how to replace an existing file ("pass --force to replace it").
+
+    Raises:
+        OutputPathRefused: one of the above, naming `field` and the path.
+    """
+    def refuse(why: str) -> OutputPathRefused:
+        return OutputPathRefused(f"{option} {why}", field=field, value=os.fspath(path))
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise refuse(f"cannot be checked: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse("is a symbolic link; a trace is never written through one: give the real path")
+    if stat.S_ISDIR(st.st_mode):
+        raise refuse("is a folder; give a file name")
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse("exists and is not a regular file (a FIFO, device or socket); give a file name")
+    for other in protect:
+        try:
+            mine = os.stat(other)
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+            raise refuse("is the model file being run (the same file, maybe through a link); refusing to "
+                         "overwrite it")
+    if not overwrite:
+        raise refuse(f"already exists; {replace_hint}")
+    return True
+
+
+def clear_trace_path(path: str | os.PathLike[str], *, protect: Iterable[str | os.PathLike[str]] = (),
+                     field: str = "trace", option: str = "the trace path") -> None:
+    """Remove the regular file at `path` (after `check_trace_path` with overwrite) so that a new trace can be
+    created there. Only the name goes: a process reading or mapping the old file keeps its bytes."""
+    if check_trace_path(path, overwrite=True, protect=protect, field=field, option=option):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise WriteError(f"cannot replace {option}: {exc.strerror}", field=field, value=os.fspath(path)) from None
+
+
+def create_trace_file(path: str | os.PathLike[str], *, overwrite: bool = False,
+                      protect: Iterable[str | os.PathLike[str]] = (), field: str = "trace",
+                      option: str = "the trace path") -> IO[str]:
+    """A new, empty trace file at `path`, open for writing text.
+
+    Created with O_CREAT | O_EXCL | O_NOFOLLOW: it never truncates a file in place, never follows a link and
+    never blocks on a FIFO; whatever appears at the name between the checks and the creation makes it fail.
+    An existing regular file is replaced (its name unlinked first) only with `overwrite`; see
+    `check_trace_path` for what is refused.
+
+    Raises:
+        OutputPathRefused: the path is refused, or something appeared there meanwhile.
+        WriteError: the file cannot be created (permission, missing folder, read-only disk).
+    """
+    protect = list(protect)
+    if overwrite:
+        clear_trace_path(path, protect=protect, field=field, option=option)
+    else:
+        check_trace_path(path, protect=protect, field=field, option=option)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+    except FileExistsError:
+        raise OutputPathRefused(f"{option} was taken by another file while the trace was being created",
+                                field=field, value=os.fspath(path)) from None
+    except OSError as exc:
+        raise WriteError(f"cannot create {option}: {exc.strerror}", field=field, value=os.fspath(path)) from None
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
 class TraceWriter:
     """Writes a trace while an engine runs.
 
@@ -335,13 +426,18 @@ class TraceWriter:
     pass (``[P, k]``, in position order). Repeated calls for the same ``(token_step, seq, layer)``
     continue with the next token. Lines of a forward pass are written when the next pass starts, on
     ``flush()`` or on ``close()``. Use as a context manager.
+
+    The file is created new (see :func:`create_trace_file`): an existing file is replaced only with
+    ``overwrite``, and never when it is one of ``protect`` (the model being run); a link, FIFO, device or folder
+    at ``path`` is refused either way.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, num_layers: int, moe_layers: Iterable[int],
-                 num_experts: int, top_k: int, model: str = "unknown") -> None:
+                 num_experts: int, top_k: int, model: str = "unknown", overwrite: bool = False,
+                 protect: Iterable[str | os.PathLike[str]] = ()) -> None:
         self.header = make_header(num_layers, moe_layers, num_experts, top_k, model)
         self._moe = frozenset(self.header.moe_layers)
-        self._fh: IO[str] | None = open(path, "w", encoding="utf-8")
+        self._fh: IO[str] | None = create_trace_file(path, overwrite=overwrite, protect=protect)
         self._fh.write(_dump(self.header.to_json()))
         self._step: int | None = None
         self._rows: dict[int, list[dict[str, Any]]] = {}       # seq -> token rows of this pass
