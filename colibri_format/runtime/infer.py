@@ -56,29 +56,60 @@ def chat_stop_ids(tokenizer) -> list[int]:
 
 class TextStream:
     """A generate() callback that hands `stream` each newly decoded piece of text: never a partial UTF-8
-    character, never a stop string or what could be its start. `finish(text)` writes what is still held back."""
+    character, never a stop string or what could be its start. `finish(text)` writes what is still held back.
+
+    Incremental detokenization: each token decodes only a short window of ids (from the token before the last
+    piece taken, for context such as a leading space, to the end), and the new text is taken once it no longer
+    ends in U+FFFD, the mark of a character whose bytes are split across tokens and not all here yet. What is
+    written is a prefix of the final decode for every decoder whose text only grows at the end as ids are added
+    (byte-level BPE, byte-fallback SentencePiece), and the work per token does not grow with the output (while
+    the output is valid UTF-8). Stop strings are searched in the text not yet written only: a match cannot begin
+    in written text, since the end of the text that could begin one is always held back.
+    """
 
     def __init__(self, tokenizer, stream: Callable[[str], Any], stop_strings: Sequence[str] = ()) -> None:
         self.tokenizer, self.stream, self.stop = tokenizer, stream, tuple(stop_strings)
         self.ids: list[int] = []
-        self.shown = ""
+        self.prefix = 0          # the window starts here: the ids before the last piece taken (context)
+        self.read = 0            # the ids before this are decoded into `pieces`
+        self.pieces: list[str] = []
+        self.pending = ""        # decoded, not written: a possible start of a stop string
+        self.shown = 0           # characters written to `stream`
+        self.stopped = False     # a stop string was found: nothing more is written but by finish
+
+    @property
+    def text(self) -> str:
+        """The text decoded so far (complete characters only)."""
+        return "".join(self.pieces)
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")    # a partial character decodes as U+FFFD
-        if self.stop:
-            at = find_stop(text, self.stop)
-            text = text[:at] if at >= 0 else text[:len(text) - partial_stop(text, self.stop)]
-        self._show(text)
+        self.ids.append(int(token))
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return                               # nothing new yet, or a character still incomplete
+        self.pieces.append(after[len(before):])
+        self.prefix, self.read = self.read, len(self.ids)
+        if not self.stopped:
+            self._pass(self.pending + self.pieces[-1])
 
-    def _show(self, text: str) -> None:
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            self.stream(text[len(self.shown):])
-            self.shown = text
+    def _pass(self, pending: str) -> None:
+        ready = len(pending)
+        if self.stop:
+            at = find_stop(pending, self.stop)
+            self.stopped = at >= 0
+            ready = at if self.stopped else ready - partial_stop(pending, self.stop)
+        if ready > 0:
+            self.stream(pending[:ready])
+            self.shown += ready
+        self.pending = pending[ready:]
 
     def finish(self, text: str | None) -> None:
-        if text is not None:
-            self._show(text)
+        """Write the rest of `text` (the generation's final decode, cut at a stop string) after what was written:
+        a character cut short at the end of the output appears here, as the final decode has it (U+FFFD)."""
+        if text is not None and len(text) > self.shown:
+            self.stream(text[self.shown:])
+            self.shown = len(text)
 
 
 def text_streamer(engine: Engine, stream: Callable[[str], Any] | None,

@@ -3,6 +3,7 @@ error naming the install command), engine text I/O."""
 
 from __future__ import annotations
 
+import random
 import resource
 import sys
 import time
@@ -238,3 +239,93 @@ def test_bounded_rendering_equals_plain_sandbox_rendering():
     expected = plain.from_string(template).render(messages=messages, add_generation_prompt=True)
     assert render_chat_template(template, TemplateLimits(), messages=messages,
                                 add_generation_prompt=True) == expected
+
+
+# --- streamed text: incremental detokenization on a byte-level BPE that splits characters across tokens ---------
+
+STREAM_TEXTS = ['="€"', "中文字", "café déjà", "😀😀🎉 end", 'a="€" 中文 é 😀🎉 字', "€€€", "ok"]
+
+
+def _byte_tokenizer():
+    from tests.cli.byte_bpe import byte_level_bpe
+
+    hf = byte_level_bpe()
+    return hf, Tokenizer(hf.to_str())
+
+
+def _stream(tok, ids, stop_strings=(), final=None):
+    """(pieces written while the ids came, every piece written) of a TextStream fed `ids`, then finished with
+    `final` (default: the decode of all the ids)."""
+    from colibri_format.runtime.infer import TextStream
+
+    pieces: list[str] = []
+    stream = TextStream(tok, pieces.append, stop_strings)
+    for token in ids:
+        stream(token)
+    live = list(pieces)
+    stream.finish(tok.decode(ids) if final is None else final)
+    return live, pieces
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_streamed_text_equals_the_final_decode_at_every_length(text):
+    from tests.cli.byte_bpe import splits_a_character
+
+    hf, tok = _byte_tokenizer()
+    ids = hf.encode(text).ids
+    assert hf.decode(ids) == text
+    if text != "ok":
+        assert splits_a_character(hf, ids)             # the case under test: a character across tokens
+    for cut in range(1, len(ids) + 1):                 # every length, so also ending mid-character
+        live, pieces = _stream(tok, ids[:cut])
+        assert "".join(pieces) == tok.decode(ids[:cut]), (text, cut, pieces)
+        assert not any("\ufffd" in p for p in live), (text, cut, live)   # no partial character while streaming
+
+
+def test_a_sequence_ending_mid_character_shows_what_the_final_decode_shows():
+    hf, tok = _byte_tokenizer()
+    ids = hf.encode("x😀").ids[:-1]                     # x, then f0 9f: half an emoji
+    live, pieces = _stream(tok, ids)
+    assert "".join(live) == "x" and "".join(pieces) == tok.decode(ids) == "x\ufffd"
+
+
+def test_streamed_text_equals_the_final_decode_on_random_bytes():
+    """Random valid UTF-8 (1- to 4-byte characters) and random bytes (invalid sequences too), one token per byte or
+    through the merges: the streamed text is the lossy final decode."""
+    hf, tok = _byte_tokenizer()
+    rng = random.Random(7)
+    alphabet = "aé中文字€😀🎉ñ\u0301 \n\"="
+    for _ in range(60):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        for ids in (hf.encode(text).ids, list(text.encode())):            # merged tokens; single bytes (id = byte)
+            _, pieces = _stream(tok, ids)
+            assert "".join(pieces) == text
+        raw = [rng.randrange(256) for _ in range(rng.randint(1, 30))]     # anything, invalid UTF-8 included
+        _, pieces = _stream(tok, raw)
+        assert "".join(pieces) == tok.decode(raw)
+
+
+@pytest.mark.parametrize("text, stop", [('a="€" b', "€"), ("中文字 x", "文字"), ("😀😀🎉 end", "🎉"),
+                                        ("café déjà", "é d"), ("abc", "zz")])
+def test_streamed_text_stops_before_a_stop_string(text, stop):
+    from colibri_format.runtime.sampling import find_stop
+
+    hf, tok = _byte_tokenizer()
+    ids = hf.encode(text).ids
+    full = tok.decode(ids)
+    at = find_stop(full, [stop])
+    final = full[:at] if at >= 0 else full                                  # what Engine.generate returns
+    live, pieces = _stream(tok, ids, [stop], final)
+    assert "".join(pieces) == final and stop not in "".join(live)
+
+
+def test_streaming_decodes_a_short_window_per_token():
+    """The work per token does not grow with the output: each decode call sees a few ids only."""
+    hf, tok = _byte_tokenizer()
+    ids = hf.encode('a="€" 中文 é 😀🎉 字 ' * 200).ids
+    sizes: list[int] = []
+    plain = tok.decode
+    tok.decode = lambda window, **kw: sizes.append(len(window)) or plain(window, **kw)
+    _, pieces = _stream(tok, ids)
+    assert "".join(pieces) == hf.decode(ids)
+    assert len(ids) > 2000 and max(sizes[:-1]) <= 8                         # the last call: the final decode
