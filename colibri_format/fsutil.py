@@ -1,5 +1,6 @@
 """Crash-safe file primitives: checked positional writes, fsync, atomic rename with a directory fsync, and
-opening the converter's own files (`.part`, journal, lock) without following a link planted at their name.
+opening the converter's own files (`.part`, journal, lock) without following a link planted at their name, and
+removing them only while the name still holds the file we opened.
 
 A symbolic link (or a hard link) put where one of our temporary files belongs must never make us write into
 its target: a fresh file replaces whatever name is there (unlinking a link removes the link, not its target)
@@ -98,3 +99,27 @@ def open_private(path: Path, flags: int = os.O_RDWR) -> int | None:
         return None
     os.set_blocking(fd, True)
     return fd
+
+
+
+def file_id(fd: int) -> tuple[int, int]:
+    """(device, inode) of an open file: what `unlink_if_ours` compares the name against."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def unlink_if_ours(path: Path, ident: tuple[int, int]) -> bool:
+    """Remove `path` only while it still names the regular file `ident` (`file_id` of a file this process created
+    or took over): a file that someone else put at the name meanwhile is left alone. Returns whether it was
+    removed."""
+    try:
+        there = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(there.st_mode) or (there.st_dev, there.st_ino) != ident:
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True

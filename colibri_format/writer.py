@@ -26,7 +26,7 @@ import xxhash
 from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_storage
 from .errors import InvalidInput, WriteError
-from .fsutil import atomic_replace, create_fresh, fsync_fd, open_private, pwrite_all
+from .fsutil import atomic_replace, create_fresh, file_id, fsync_fd, open_private, pwrite_all, unlink_if_ours
 from .spec.checksum import dense_seed, digest, expert_seed, section_seed
 
 PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
@@ -115,6 +115,7 @@ class ColibriWriter:
         self._read_buffers = threading.local()
         self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
+        self._part_id = file_id(self._fd)
 
     # --- setup ------------------------------------------------------------------------------------
     def _check_dims(self) -> None:
@@ -254,7 +255,8 @@ class ColibriWriter:
                                field="quantization.experts", value=metadata["quantization"]["experts"])
         meta_raw = S.encode_metadata(metadata)
         if len(meta_raw) > S.MAX_METADATA_BYTES:
-            raise InvalidInput("metadata too large", field="metadata_size", value=len(meta_raw))
+            raise InvalidInput(f"the metadata takes {len(meta_raw):,} bytes, over the {S.MAX_METADATA_BYTES:,}-byte "
+                               "limit of the .colibri metadata section", field="metadata_size", value=len(meta_raw))
         header = self._write_sections(meta_raw)
         pwrite_all(self._fd, header.pack(), 0)
         fsync_fd(self._fd)
@@ -295,12 +297,13 @@ class ColibriWriter:
             wsit_offset=wsit_off, wsit_size=wsit_size,
             wsit_checksum=digest(wsit, section_seed(S.Section.WSIT, wsit_off)))
 
-    def abort(self, remove_part: bool = False) -> None:
+    def abort(self, remove_part: bool = False) -> bool:
+        """Close the `.part`; with `remove_part`, also remove it, but only while its name still holds the file
+        this writer opened (never a file put there by someone else meanwhile). Returns whether it was removed."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if remove_part:
-            self.part_path.unlink(missing_ok=True)
+        return remove_part and unlink_if_ours(self.part_path, self._part_id)
 
     def __enter__(self) -> ColibriWriter:
         return self

@@ -17,9 +17,8 @@ import xxhash
 from colibri_format import __version__
 from colibri_format import spec as S
 from colibri_format.convert import tokenizer_files
-from colibri_format.convert.safe_paths import read_capped, resolve_member
+from colibri_format.convert.safe_paths import resolve_member
 
-TOKENIZER_JSON_MAX = 48 << 20       # the metadata section is capped at 64 MiB in all
 SAFETENSORS_HEADER_MAX = 100 << 20
 JOURNAL_FORMAT = "colibri-convert-journal/1"
 
@@ -34,8 +33,8 @@ def read_tokenizer(root: Path, vocab_size: int | None = None) -> tuple[dict[str,
     tokenizer = tokenizer_files.read_tokenizer(root, vocab_size=vocab_size)
     hashes = {}
     for name in TOKENIZER_FILES:
-        if (root / name).exists():
-            raw = read_capped(resolve_member(root, name, field=name), max_bytes=TOKENIZER_JSON_MAX, field=name)
+        raw = tokenizer_files.read_file(root, name)
+        if raw is not None:
             hashes[name] = xxhash.xxh3_64_hexdigest(raw)
     return tokenizer, hashes
 

@@ -51,15 +51,17 @@ def _stored_chunk(chunk: np.ndarray, target: S.DType) -> np.ndarray:
 class _Checked:
     """Converts chunks to a float storage dtype, refusing (or, allowed, noting) non-finite results."""
 
-    def __init__(self, src: Any, target: S.DType, allow_non_finite: bool) -> None:
-        self.src, self.target, self.allow = src, target, allow_non_finite
+    def __init__(self, src: Any, target: S.DType, allow_non_finite: bool,
+                 expert: tuple[int, int] | None = None) -> None:
+        self.src, self.target, self.allow, self.expert = src, target, allow_non_finite, expert
         self.non_finite = False
 
     def __call__(self, span: RowSpan, row0: int, chunk: np.ndarray) -> np.ndarray:
         out = _stored_chunk(chunk, self.target)
         if not finite.all_finite(out):
             if not self.allow:
-                raise finite.describe(self.src, span, row0, chunk, DTYPE_NAME[self.target], ALLOW_HINT)
+                raise finite.describe(self.src, span, row0, chunk, DTYPE_NAME[self.target], ALLOW_HINT,
+                                      self.expert)
             self.non_finite = True
         return out
 
@@ -105,14 +107,15 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
     source = SourceHash()
     quantized = blob.expert_format in S.QUANTIZED_FORMATS
     group = blob.group_size or None
-    convert = None if quantized else _Checked(src, S.DType(int(blob.expert_format)), allow_non_finite)
+    expert = stream.slot.key
+    convert = None if quantized else _Checked(src, S.DType(int(blob.expert_format)), allow_non_finite, expert)
     for arr in blob.arrays:
         if arr.name.endswith("_scale"):
             continue  # written right after its matrix
         stream.pad_to(arr.offset)
         scale = None
         if convert is None:
-            scale = _quantized_matrix(stream, src, arr.name, matrices[arr.name], group, stats, source)
+            scale = _quantized_matrix(stream, src, arr.name, matrices[arr.name], group, stats, source, expert)
         else:
             for span, row0, chunk in iter_span_chunks(src, matrices[arr.name]):
                 source.update(arr.name, chunk)
@@ -131,7 +134,7 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
 
 
 def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[RowSpan, ...], group: int | None,
-                      stats: ErrorStats, source: SourceHash) -> np.ndarray:
+                      stats: ErrorStats, source: SourceHash, expert: Any) -> np.ndarray:
     """Quantize and write a matrix row chunk by row chunk; returns its float32 scales (small)."""
     scales = []
     buf = None
@@ -144,7 +147,7 @@ def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[R
         try:
             q = quantize_int8(w, group)
         except NonFiniteWeight:
-            raise finite.describe(src, span, row0, chunk, "float32", INT8_HINT) from None
+            raise finite.describe(src, span, row0, chunk, "float32", INT8_HINT, expert) from None
         stream.put(q.q)
         scales.append(q.scale)
         stats.add(q.max_rel_err, q.mean_rel_err, w.size)

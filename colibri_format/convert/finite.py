@@ -66,9 +66,11 @@ def _converted_bad(values: np.ndarray, target: str) -> np.ndarray:
         return ~np.isfinite(as32)
 
 
-def describe(src: Any, span: RowSpan, row0: int, chunk: np.ndarray, target: str, hint: str) -> NonFiniteWeight:
+def describe(src: Any, span: RowSpan, row0: int, chunk: np.ndarray, target: str, hint: str,
+             expert: tuple[int, int] | None = None) -> NonFiniteWeight:
     """The error for the first element of `chunk` (rows `row0`.. of `span`) that is NaN, infinite, or beyond
-    the range of `target` ('float16' | 'bfloat16' | 'float32')."""
+    the range of `target` ('float16' | 'bfloat16' | 'float32'): the tensor, the element's index in it, the
+    (layer, expert) when the chunk belongs to an expert, and the element's byte offset in its shard."""
     values = _as_float64(chunk)
     flat = values.reshape(-1)
     bad = ~np.isfinite(flat)
@@ -88,4 +90,5 @@ def describe(src: Any, span: RowSpan, row0: int, chunk: np.ndarray, target: str,
     else:
         what = (f"tensor {name!r} holds {value:.6g} at index {list(index)}, beyond the {target} range "
                 f"(largest {LARGEST[target]:.6g})")
-    return NonFiniteWeight(f"{what}; {hint}", field=name, value=value, offset=offset)
+    where = "" if expert is None else f", in expert {expert[1]} of layer {expert[0]}"
+    return NonFiniteWeight(f"{what}{where}; {hint}", field=name, value=value, offset=offset)

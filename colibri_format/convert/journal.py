@@ -30,7 +30,7 @@ import xxhash
 
 from colibri_format.convert import crashpoint
 from colibri_format.errors import ResumeError, WriteError
-from colibri_format.fsutil import create_fresh, fsync_dir, fsync_fd
+from colibri_format.fsutil import create_fresh, file_id, fsync_dir, fsync_fd, unlink_if_ours
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_RECORD_BYTES = 16 << 20     # a record describes one piece; anything bigger is garbage
@@ -48,7 +48,12 @@ def lock_path_for(path: Path) -> Path:
 
 # --- framing --------------------------------------------------------------------------------------
 def frame(payload: dict[str, Any]) -> bytes:
-    body = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    try:
+        body = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except ValueError:  # NaN or infinity: JSON has no spelling for them, and a journal must read back
+        what = payload.get("name", [payload.get("layer"), payload.get("expert")])
+        raise WriteError(f"cannot journal the {payload.get('kind')} record {what}: it holds a non-finite number",
+                         field="journal") from None
     head = struct.pack("<Q", len(body))
     return (_LEN.pack(len(body), xxhash.xxh3_64_intdigest(head)) + body
             + _SUM.pack(xxhash.xxh3_64_intdigest(body)))
@@ -86,6 +91,7 @@ class JournalState:
 
     header: dict[str, Any] | None
     pieces: list[dict[str, Any]]
+    ident: tuple[int, int] | None = None  # (device, inode) of the journal read, to remove no other file later
 
 
 def read_journal(path: Path, max_bytes: int = 1 << 30) -> JournalState:
@@ -115,7 +121,8 @@ def read_journal(path: Path, max_bytes: int = 1 << 30) -> JournalState:
     records, _ = parse_records(data)
     if not records or records[0].get("kind") != "header":
         return JournalState(None, [])
-    return JournalState(records[0], [r for r in records[1:] if r.get("kind") in ("dense", "expert")])
+    return JournalState(records[0], [r for r in records[1:] if r.get("kind") in ("dense", "expert")],
+                        (st.st_dev, st.st_ino))
 
 
 class Journal:
@@ -127,6 +134,7 @@ class Journal:
         # A fresh file written whole and renamed in: the old journal stays valid until the rename. Appends go
         # through the same descriptor, so the name is never opened again (nothing planted there is followed).
         fd = create_fresh(tmp, os.O_WRONLY | os.O_APPEND)
+        self._id = file_id(fd)
         try:
             _write_all(fd, b"".join(frame(r) for r in [header, *pieces]))
             crashpoint.hit("journal-fsync")
@@ -139,8 +147,10 @@ class Journal:
             fsync_dir(path.parent)
         except BaseException:
             os.close(fd)
+            unlink_if_ours(tmp, self._id)  # the old journal (if any) is still in place; the new one never was
             raise
         self._fd = fd
+        self.pieces = len(pieces)  # piece records durably in the journal
 
     def append(self, pieces: list[dict[str, Any]]) -> None:
         """Append records for pieces whose data is already fsynced, then make them durable."""
@@ -150,15 +160,18 @@ class Journal:
         _write_all(self._fd, b"".join(frame(p) for p in pieces))
         crashpoint.hit("journal-fsync")
         fsync_fd(self._fd)
+        self.pieces += len(pieces)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Close and remove the journal, only while its name still holds the file written here. Returns whether
+        it was removed."""
         self.close()
-        self.path.unlink(missing_ok=True)
+        return unlink_if_ours(self.path, self._id)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -10,6 +10,11 @@ model size. Completed pieces are made durable in batches:
 fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against the
 checksums, check the output path once more, write the sections and header, fsync, rename over the
 destination, fsync the folder.
+
+Everything that can be checked without converting is checked before the first piece: the checkpoint's
+shards and headers (convert/source.py), the dtypes of the tensors read, the tokenizer files and the size of
+the metadata. A refusal after that keeps the `.part` and its journal only when a resume can reuse them, and
+says so; otherwise it removes them (`_after_refusal`).
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from colibri_format.convert.rows import source_digest, span_bytes
 from colibri_format.convert.source import PT_INDEX, ST_INDEX, open_checkpoint
 from colibri_format.convert.tokenizer_files import check_token_ids
 from colibri_format.convert.verify import keep_journaled_pieces, verify_all
-from colibri_format.errors import InvalidInput, ResumeError, UnusedTensors, WriteError
+from colibri_format.errors import (ColibriFormatError, InvalidInput, NonFiniteWeight, OutputPathRefused, ResumeError,
+                                   UnsupportedModel, UnusedTensors, WriteError)
+from colibri_format.fsutil import unlink_if_ours
 from colibri_format.writer import ColibriWriter, PieceKey
 
 DTYPES = ("float16", "bfloat16", "float32")
+SOURCE_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a checkpoint tensor may hold
 QUANTIZE_MODES = ("expert", "none")
 MAX_WORKERS = 64
 UNUSED_NAMES_SHOWN = 5
@@ -133,6 +141,8 @@ class Job:
 
     def __post_init__(self) -> None:
         self._pieces_by_key = {p.key: p for p in self.pieces}
+        # the checkpoint tensors stored as dense tensors (always a float dtype, whatever the expert format)
+        self.dense_sources = {span.hf_name for p in self.pieces if p.is_dense for span in p.rows["dense"]}
 
 
 @dataclass
@@ -183,9 +193,47 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
             pieces.append(Piece((layer, e), span_bytes(src, spans.gate_up) + span_bytes(src, spans.down),
                                 {"gate_up": spans.gate_up, "down": spans.down}))
     skipped, unused = _unused_tensors(src, model, adapter, pieces, options.allow_unused_tensors)
+    _check_source_dtypes(src, pieces)
     tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root), model["vocab_size"])
     header = describe.journal_header(describe.input_fingerprint(src, tok_hashes), options.journal_options())
-    return Job(src, adapter.model_type, model, options, pieces, tokenizer, header, skipped, unused)
+    job = Job(src, adapter.model_type, model, options, pieces, tokenizer, header, skipped, unused)
+    _check_metadata_room(job)
+    return job
+
+
+def _check_source_dtypes(src: Any, pieces: list[Piece]) -> None:
+    """Every tensor a piece reads holds floats (an FP8 or integer weight would otherwise be refused only when
+    its piece is reached, after the pieces before it were converted)."""
+    for name in sorted({span.hf_name for p in pieces for spans in p.rows.values() for span in spans}):
+        dtype = src.dtype(name)
+        if dtype not in SOURCE_DTYPES:
+            raise UnsupportedModel(f"tensor {name!r} is stored as {dtype}; only {', '.join(SOURCE_DTYPES)} weights "
+                                   "can be converted", field=name, value=dtype)
+
+
+# Stands in for each expert's quantization error when the metadata is sized before converting: as long as any
+# float's repr (a real error is a shorter number).
+_WIDEST_FLOAT = -2.2250738585072014e-308
+
+
+def metadata_size_bound(job: Job) -> int:
+    """At least the size of the metadata the job will write: built now with placeholder quantization errors as
+    wide as any float's repr."""
+    run = Progressive()
+    if job.options.expert_format in S.QUANTIZED_FORMATS:
+        run.stats = {p.key: ErrorStats(_WIDEST_FLOAT, _WIDEST_FLOAT, 1) for p in job.pieces if not p.is_dense}
+    return len(S.encode_metadata(_metadata(job, run)))
+
+
+def _check_metadata_room(job: Job) -> None:
+    """The file's metadata (model, tokenizer, quantization errors, provenance) must fit the metadata section:
+    checked here, before converting, rather than at finalize."""
+    size = metadata_size_bound(job)
+    if size > S.MAX_METADATA_BYTES:
+        tokenizer = len(S.encode_metadata(job.tokenizer)) if job.tokenizer else 0
+        raise InvalidInput(f"the .colibri metadata would take {size:,} bytes ({tokenizer:,} of them the tokenizer "
+                           f"files), over the {S.MAX_METADATA_BYTES:,}-byte limit of the metadata section",
+                           field="metadata_size", value=size)
 
 
 def _unused_tensors(src: Any, model: dict[str, Any], adapter: Any, pieces: list[Piece], allow: bool
@@ -252,7 +300,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
     writer = ColibriWriter(dest, job.model, dense_dtype=S.DTYPE_NAMES[job.options.dtype],
                            expert_format=job.options.expert_format, group_size=job.options.group_size or 0,
                            resume=resuming, before_piece_write=lambda: crashpoint.hit("data-write"))
-    journal = None
+    journal: Journal | None = None
     try:
         _check_free_space(writer, job)
         kept = keep_journaled_pieces(writer, state.pieces, job.options.workers,
@@ -272,18 +320,58 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         crashpoint.hit("journal-remove")
         journal.remove()
         return _summary(job, dest, writer, run, len(kept), time.perf_counter() - start)
+    except ColibriFormatError as exc:
+        _after_refusal(exc, job, writer, journal, state, journal_file)
+        raise
     finally:
         if journal is not None:
             journal.close()
         writer.abort(remove_part=False)
 
 
+# --- after a refusal --------------------------------------------------------------------------------
+def _resume_helps(exc: ColibriFormatError, job: Job) -> bool:
+    """Whether a run after this refusal can reuse the pieces already written: after a disk or I/O failure
+    (disk full, file size limit, a failed fsync or read-back), something that appeared at the output path, or a
+    NaN/inf that --allow-non-finite will store (float storage; the journal does not record the allow_* flags).
+    Any other refusal is mended by editing the checkpoint or changing an option, which the journal's
+    fingerprint sees: its pieces could never be reused."""
+    if isinstance(exc, (WriteError, OutputPathRefused)):
+        return True
+    if isinstance(exc, NonFiniteWeight) and not job.options.allow_non_finite:
+        return job.options.quantize == "none" or exc.field in job.dense_sources
+    return False
+
+
+def _after_refusal(exc: ColibriFormatError, job: Job, writer: ColibriWriter, journal: Journal | None,
+                   state: JournalState, journal_file: Path) -> None:
+    """Keep the `.part` and its journal when a resume can reuse what they hold, and say so in the message;
+    otherwise remove them (only the very files this run opened or read: never one put there meanwhile)."""
+    durable = journal.pieces if journal is not None else len(state.pieces)
+    if durable and _resume_helps(exc, job):
+        _add_note(exc, f"{durable} converted pieces are kept ({writer.part_path.name}, {journal_file.name}): run "
+                       "the same command again to resume, or add --restart to start over")
+        return
+    writer.abort(remove_part=True)
+    if journal is not None:
+        journal.remove()
+    elif state.ident is not None:
+        unlink_if_ours(journal_file, state.ident)  # an earlier run's journal, listing nothing a resume could use
+
+
+def _add_note(exc: ColibriFormatError, note: str) -> None:
+    """Append `note` to the message, before its `(field=..., value=...)` tail."""
+    text, tail = str(exc), exc._render("").strip()
+    bare = text[:-len(tail)].rstrip() if tail and text.endswith(tail) else text
+    exc.args = (f"{bare}; {note}" + (f" {tail}" if tail else ""),)
+
+
 def _finalize(writer: ColibriWriter, metadata: dict[str, Any], before_rename: Callable[[], None]) -> None:
     try:
         writer.finalize(metadata, before_rename)
     except OSError as exc:  # e.g. EFBIG when sizing the file for its tables under a file size limit
-        raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}; the journal "
-                         "is kept, run again to finish", field="finalize") from None
+        raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}",
+                         field="finalize") from None
 
 
 # --- disk space -------------------------------------------------------------------------------------

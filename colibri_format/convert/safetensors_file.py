@@ -92,6 +92,15 @@ def _check_tiling(entries: list[TensorEntry], data_size: int, where: str) -> Non
                            offset=cursor)
 
 
+def declared_header_bytes(path: Path) -> int:
+    """The header length a safetensors file declares in its first 8 bytes, at most the bytes the file has after
+    them (0 for a file too short to say): what opening it would read. Nothing else is read."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+    return 0 if len(head) < 8 else min(struct.unpack("<Q", head)[0], size - 8)
+
+
 class SafetensorsFile:
     """One `.safetensors` file: parsed header, lazily memory-mapped data."""
 

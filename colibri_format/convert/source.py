@@ -23,12 +23,15 @@ import xxhash
 
 from colibri_format.convert.hf_config import HFConfig, load_config, parse_json_object
 from colibri_format.convert.safe_paths import check_basename, read_capped, resolve_member, short_repr
-from colibri_format.convert.safetensors_file import SafetensorsFile
+from colibri_format.convert.safetensors_file import SafetensorsFile, declared_header_bytes
 from colibri_format.dtypes import to_float32
 from colibri_format.errors import InvalidInput, UnsupportedModel
 
 INDEX_MAX_BYTES = 64 << 20
-MAX_SHARDS = 100_000
+MAX_SHARDS = 16_384  # weight files one index may name (the largest public checkpoints have a few thousand)
+# The safetensors headers of all shards together (each is also capped, at safetensors_file.HEADER_MAX_BYTES):
+# parsed headers are held in memory for the whole conversion.
+MAX_TOTAL_HEADER_BYTES = 256 << 20
 ST_INDEX, ST_SINGLE = "model.safetensors.index.json", "model.safetensors"
 PT_INDEX, PT_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 
@@ -59,10 +62,12 @@ def _weight_map(raw: dict[str, Any], what: str) -> dict[str, str]:
     wm = raw.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         raise InvalidInput(f"{what}: 'weight_map' must be a non-empty object", field="weight_map")
+    shards = len(set(map(str, wm.values())))  # before any shard is looked at
+    if shards > MAX_SHARDS:
+        raise InvalidInput(f"{what} names {shards:,} weight files, over the limit of {MAX_SHARDS:,}",
+                           field="weight_map", value=shards)
     for tensor, shard in wm.items():
         check_basename(shard, field=f"{what} weight_map[{short_repr(tensor)}]")
-    if len(set(wm.values())) > MAX_SHARDS:
-        raise InvalidInput(f"{what}: more than {MAX_SHARDS} shards", field="weight_map")
     return wm
 
 
@@ -154,10 +159,20 @@ def _open_files(root: Path, names: set[str], opener: Any) -> dict[str, _File]:
     return {n: opener(resolve_member(root, n, field=f"shard {n!r}"), n) for n in sorted(names)}
 
 
+def _check_header_total(root: Path, names: set[str]) -> None:
+    """The shards' safetensors headers together stay under MAX_TOTAL_HEADER_BYTES: summed from each file's
+    8-byte length field before any header is read."""
+    total = sum(declared_header_bytes(resolve_member(root, n, field=f"shard {n!r}")) for n in sorted(names))
+    if total > MAX_TOTAL_HEADER_BYTES:
+        raise InvalidInput(f"the safetensors headers of the {len(names):,} shards take {total:,} bytes together, "
+                           f"over the limit of {MAX_TOTAL_HEADER_BYTES:,}", field="safetensors headers", value=total)
+
+
 def _open_safetensors(root: Path, config: HFConfig) -> SourceCheckpoint:
     index_xxh3 = None
     if (root / ST_INDEX).exists():
         weight_map, index_xxh3 = _read_index(root, ST_INDEX)
+        _check_header_total(root, set(weight_map.values()))
         files = _open_files(root, set(weight_map.values()), SafetensorsFile)
     else:
         files = _open_files(root, {ST_SINGLE}, SafetensorsFile)

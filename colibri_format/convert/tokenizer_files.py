@@ -15,6 +15,7 @@ and the whole block must be metadata the `.colibri` reader accepts (nesting, Uni
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +24,49 @@ from colibri_format.convert.hf_config import parse_json_object
 from colibri_format.convert.safe_paths import read_capped, resolve_member, short_repr
 from colibri_format.errors import InvalidInput, InvalidMetadata, InvalidTokenizer
 
-TOKENIZER_JSON_MAX_BYTES = 64 << 20
+METADATA_ROOM = 4 << 20  # what the rest of the metadata (model, quantization errors, provenance) may need
+# Each file's cap, checked on its size before it is read: all of them end up in the file's metadata section.
+TOKENIZER_JSON_MAX_BYTES = S.MAX_METADATA_BYTES - METADATA_ROOM
 CONFIG_MAX_BYTES = 16 << 20
 TEMPLATE_MAX_BYTES = 1 << 20
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_ID_LIST = 1024
-METADATA_ROOM = 4 << 20  # what the rest of the metadata (model, quantization errors, provenance) may need
 
 
-def _read_text(root: Path, name: str, cap: int) -> str | None:
+def max_bytes(name: str) -> int:
+    """The cap on one tokenizer file (tokenizer.json, its two configs, chat_template.jinja)."""
+    return {"tokenizer.json": TOKENIZER_JSON_MAX_BYTES, "chat_template.jinja": TEMPLATE_MAX_BYTES}.get(
+        name, CONFIG_MAX_BYTES)
+
+
+def read_file(root: Path, name: str) -> bytes | None:
+    """The bytes of one tokenizer file, or None when the checkpoint has none; a file over its cap is refused
+    on its size, before anything is read or parsed."""
     if not (root / name).exists():
         return None
-    data = read_capped(resolve_member(root, name, field=name), max_bytes=cap, field=name)
+    path = resolve_member(root, name, field=name)
+    size, cap = os.stat(path).st_size, max_bytes(name)
+    if size > cap:
+        raise InvalidTokenizer(f"{name} is {size:,} bytes, over the {cap:,}-byte cap on it (the tokenizer files "
+                               f"are stored in the .colibri metadata, {S.MAX_METADATA_BYTES:,} bytes in all)",
+                               field=name, value=size)
+    return read_capped(path, max_bytes=cap, field=name)
+
+
+def _read_text(root: Path, name: str) -> str | None:
+    data = read_file(root, name)
+    if data is None:
+        return None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"{name} is not UTF-8", field=name) from exc
 
 
-def _read_object(root: Path, name: str, cap: int) -> dict[str, Any] | None:
-    text = _read_text(root, name, cap)
+def _read_object(root: Path, name: str) -> dict[str, Any] | None:
+    text = _read_text(root, name)
     return None if text is None else parse_json_object(text.encode("utf-8"), what=name)
 
 
@@ -52,17 +74,17 @@ def read_tokenizer(checkpoint_dir: str | Path, *, vocab_size: int | None = None)
     """`{"tokenizer_json", "tokenizer_config", "generation_config"}`, or None without tokenizer.json.
     Every part is checked (module docstring); `vocab_size` bounds `eos_token_id` when given."""
     root = Path(checkpoint_dir)
-    tokenizer_json = _read_text(root, "tokenizer.json", TOKENIZER_JSON_MAX_BYTES)
+    tokenizer_json = _read_text(root, "tokenizer.json")
     if tokenizer_json is None:
         return None
     parse_json_object(tokenizer_json.encode("utf-8"), what="tokenizer.json")
     check_loads(tokenizer_json)
-    config = _read_object(root, "tokenizer_config.json", CONFIG_MAX_BYTES) or {}
+    config = _read_object(root, "tokenizer_config.json") or {}
     if config.get("chat_template") is None:
-        template = _read_text(root, "chat_template.jinja", TEMPLATE_MAX_BYTES)
+        template = _read_text(root, "chat_template.jinja")
         if template is not None:
             config["chat_template"] = template
-    generation = _read_object(root, "generation_config.json", CONFIG_MAX_BYTES) or {}
+    generation = _read_object(root, "generation_config.json") or {}
     check_tokenizer_config(config)
     check_token_ids(config, "tokenizer_config.json", vocab_size)
     check_token_ids(generation, "generation_config.json", vocab_size)

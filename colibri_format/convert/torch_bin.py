@@ -61,14 +61,21 @@ class TorchBinFile:
         return _FLOAT_NAMES.get(str(self._state[name].dtype), str(self._state[name].dtype))
 
     def native_view(self, name: str) -> np.ndarray:
-        """A copy in the stored dtype (bfloat16 as uint16 bit patterns), never aliasing torch's mapping."""
+        """The tensor in its stored dtype (bfloat16 as uint16 bit patterns): a read-only NumPy view of the tensor
+        torch mapped, copying nothing, so slicing it reads only those rows, as with safetensors. (A copy per call
+        would copy a fused [E, 2I, H] expert tensor once per expert: E times the tensor for each one.)"""
         torch = _torch()
         tensor = self._state[name]
-        if tensor.dtype == torch.bfloat16:
-            return tensor.view(torch.int16).numpy().view(np.uint16).copy()
         if str(tensor.dtype) not in _FLOAT_NAMES:
             raise UnsupportedModel(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}", field=name)
-        return tensor.numpy().copy()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+        view = tensor.numpy()
+        if tensor.dtype == torch.int16:
+            view = view.view(np.uint16)
+        view = view.view()  # a view of our own: marking it read-only leaves torch's array as it was
+        view.flags.writeable = False
+        return view
 
     def close(self) -> None:
         self._state = {}

@@ -75,5 +75,5 @@ def verify_all(writer: ColibriWriter, workers: int) -> None:
         ok = list(ex.map(lambda k: writer.checksum_on_disk(writer.slot(k)) == writer.checksums[k], keys))
     bad = [k if isinstance(k, str) else f"expert {k}" for k, good in zip(keys, ok) if not good]
     if bad:
-        raise WriteError(f"the .part file does not read back as written ({len(bad)} pieces, first {bad[0]}); "
-                         "run again with --restart", field="verify", value=bad[:3])
+        raise WriteError(f"the .part file does not read back as written ({len(bad)} pieces, first {bad[0]}; a "
+                         "resume re-checks every piece and converts those again)", field="verify", value=bad[:3])

@@ -1,8 +1,8 @@
 """Small synthetic checkpoints with one thing wrong, for the data-safety tests (no torch needed).
 
 `make_small` writes a float32 Mixtral-layout checkpoint (2 layers x 4 experts, hidden 64, a few shards);
-the other helpers damage it the way a real checkpoint can be damaged: a value poked in place (optionally
-keeping the shard's mtime), extra tensors in an extra shard, a JSON file replaced by raw text.
+the other helpers damage it the way a real checkpoint can be damaged: a value or whole rows poked in place
+(optionally keeping the shard's mtime), extra tensors in an extra shard, a JSON file replaced by raw text.
 """
 
 from __future__ import annotations
@@ -58,6 +58,17 @@ def poke(ckpt: Path, name: str, index: tuple[int, ...], value: float, *, keep_mt
     if keep_mtime:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     return offset
+
+
+def poke_rows(ckpt: Path, name: str, rows: dict[int, np.ndarray]) -> None:
+    """Overwrite whole rows of a 2-D tensor in place (values cast to its storage dtype; float32/float64 only)."""
+    shard, offset, dtype = element_offset(ckpt, name, (0, 0))
+    f = SafetensorsFile(shard, shard.name)
+    width = f.entries[name].shape[1]
+    with open(shard, "r+b") as fh:
+        for row, values in rows.items():
+            fh.seek(offset + row * width * dtype.itemsize)
+            fh.write(np.asarray(values, dtype).reshape(width).tobytes())
 
 
 def read_element(ckpt: Path, name: str, index: tuple[int, ...]) -> bytes:
