@@ -5,13 +5,17 @@ output.
 
 Families: the output path (an unrelated file, the checkpoint's own files, a symlink, an existing .colibri without
 and with --force); symlinks planted at the temporary names; resume after a same-size in-place edit with the mtime
-kept; tensors nothing uses; NaN/inf, float16 overflow and float64 beyond float32; huge numbers in every JSON file
-the converter reads; tokenizer files that do not load or carry odd types.
+kept; tensors nothing uses; NaN/inf, float16 overflow and float64 beyond float32 (named by tensor, index, layer and
+expert); huge numbers in every JSON file the converter reads; tokenizer files that do not load or carry odd types;
+rows of ~1e-44 beside zero groups (finite error statistics, through a crash and resume); what a refusal leaves
+behind (nothing, unless a resume can reuse it); weights that are not floats; an index naming too many shards and
+shard headers adding up over the cap; an oversized tokenizer.json.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -23,11 +27,15 @@ import numpy as np
 import pytest
 import xxhash
 
+import colibri_format
 from colibri_format.cli.errors import DEBUG_HINT
 from colibri_format.convert import crashpoint
 from colibri_format.convert.pipeline import convert
-from tests.convert.edge_checkpoints import (add_tensors, add_tokenizer, edit_config, make_small, poke, shard_of,
-                                            to_float64)
+from colibri_format.convert.safetensors_file import HEADER_MAX_BYTES
+from colibri_format.convert.source import MAX_SHARDS, MAX_TOTAL_HEADER_BYTES
+from colibri_format.convert.tokenizer_files import TOKENIZER_JSON_MAX_BYTES
+from tests.convert.edge_checkpoints import (INDEX, add_tensors, add_tokenizer, edit_config, make_small, poke,
+                                            poke_rows, shard_of, to_float64)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if k not in ("COLIBRI_DEBUG", "COLIBRI_CRASH_AT", "COLUMNS")}
@@ -162,8 +170,9 @@ def test_skipped_tensors_convert(ckpt, tmp_path):
 def test_non_finite_weights(ckpt, tmp_path):
     poke(ckpt, EXPERT, (5, 9), float("nan"))
     out = tmp_path / "m.colibri"
-    assert_one_error(convert_cli(ckpt, out), f"tensor '{EXPERT}' holds NaN at index [5, 9]", "offset=")
-    assert_one_error(convert_cli(ckpt, out, "--allow-non-finite"), "int8 experts cannot hold it")
+    assert_one_error(convert_cli(ckpt, out), f"tensor '{EXPERT}' holds NaN at index [5, 9], in expert 1 of layer 0;",
+                     "offset=")
+    assert_one_error(convert_cli(ckpt, out, "--allow-non-finite"), "int8 experts cannot hold it", "expert 1 of layer 0")
     assert_ok(convert_cli(ckpt, tmp_path / "f.colibri", "--quantize", "none", "--allow-non-finite"))
     assert not out.exists()
 
@@ -226,3 +235,94 @@ def test_tokenizer_json_that_does_not_load(ckpt, tmp_path):
     add_tokenizer(ckpt)
     (ckpt / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
     assert_one_error(convert_cli(ckpt, tmp_path / "m.colibri"), "tokenizer.json does not load as a tokenizer")
+
+
+# --- error statistics of tiny rows -------------------------------------------------------------------------
+def test_tiny_rows_with_zero_groups_convert_and_resume(ckpt, tmp_path):
+    v = np.float32(1e-44)
+    poke_rows(ckpt, EXPERT, {0: np.where(np.arange(64) < 16, v, 0), 1: np.zeros(64), 2: np.full(64, v),
+                             3: np.where(np.arange(64) == 3, 1.0, v)})
+    fresh = tmp_path / "fresh.colibri"
+    crashpoint.reset()
+    convert(ckpt, fresh, group_size=16, workers=1)
+    late = crashpoint.count() - 2
+    out = tmp_path / "out" / "m.colibri"
+    out.parent.mkdir()
+    done = convert_cli(ckpt, out, "--group-size", "16", env={**ENV, "COLIBRI_CRASH_AT": str(late)})
+    assert done.returncode == -signal.SIGKILL, lines(done.stderr)
+    assert_ok(convert_cli(ckpt, out, "--group-size", "16"))
+    assert digest(out) == digest(fresh)
+    with colibri_format.open(out) as f:
+        error = f.metadata["quantization"]["error"]
+    assert all(math.isfinite(x) for row in error["per_expert"] for x in row[2:])
+
+
+# --- what a refused conversion leaves behind ---------------------------------------------------------------
+def hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_a_refusal_no_resume_can_mend_leaves_nothing(ckpt, tmp_path):
+    out = tmp_path / "out" / "m.colibri"
+    out.parent.mkdir()
+    poke(ckpt, "model.layers.1.block_sparse_moe.experts.3.w2.weight", (0, 0), float("inf"))  # the last piece
+    line = assert_one_error(convert_cli(ckpt, out), "holds +inf", "in expert 3 of layer 1", "int8 experts")
+    assert "kept" not in line and hidden(out.parent) == []
+
+
+def test_a_refusal_a_resume_gets_past_keeps_the_pieces_and_says_so(ckpt, tmp_path):
+    out = tmp_path / "out" / "m.colibri"
+    out.parent.mkdir()
+    poke(ckpt, "model.layers.1.self_attn.k_proj.weight", (0, 0), float("nan"))
+    assert_one_error(convert_cli(ckpt, out), "holds NaN", "converted pieces are kept (.m.colibri.part, "
+                     ".m.colibri.journal): run the same command again to resume, or add --restart to start over")
+    assert hidden(out.parent) == [".m.colibri.journal", ".m.colibri.part"]
+    assert_ok(convert_cli(ckpt, out, "--allow-non-finite"))
+    assert hidden(out.parent) == []
+
+
+def test_a_weight_that_is_not_a_float_is_refused_before_converting(ckpt, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shard = shard_of(ckpt, EXPERT)
+    tensors = load_file(str(shard))
+    tensors[EXPERT] = tensors[EXPERT].astype(np.int8)
+    save_file(tensors, str(shard))
+    out = tmp_path / "out" / "m.colibri"
+    out.parent.mkdir()
+    assert_one_error(convert_cli(ckpt, out), f"tensor '{EXPERT}' is stored as i8; only float32, float16")
+    assert hidden(out.parent) == []
+
+
+# --- shards and their headers ------------------------------------------------------------------------------
+def test_an_index_naming_too_many_shards(ckpt, tmp_path):
+    index = json.loads((ckpt / INDEX).read_text())
+    index["weight_map"].update({f"x.{i}": f"s-{i:06d}.safetensors" for i in range(MAX_SHARDS + 1)})
+    (ckpt / INDEX).write_text(json.dumps(index))
+    count = len(set(index["weight_map"].values()))
+    assert_one_error(convert_cli(ckpt, tmp_path / "m.colibri"),
+                     f"{INDEX} names {count:,} weight files, over the limit of {MAX_SHARDS:,}")
+
+
+def test_shard_headers_adding_up_over_the_cap(ckpt, tmp_path):
+    index = json.loads((ckpt / INDEX).read_text())
+    for i in range(MAX_TOTAL_HEADER_BYTES // (HEADER_MAX_BYTES - 1) + 1):
+        with open(ckpt / f"big-{i}.safetensors", "wb") as fh:  # sparse: a declared header, never read
+            fh.write((HEADER_MAX_BYTES - 1).to_bytes(8, "little"))
+            fh.truncate(HEADER_MAX_BYTES + 7)
+        index["weight_map"][f"big.{i}"] = f"big-{i}.safetensors"
+    (ckpt / INDEX).write_text(json.dumps(index))
+    assert_one_error(convert_cli(ckpt, tmp_path / "m.colibri"), "safetensors headers of the",
+                     f"bytes together, over the limit of {MAX_TOTAL_HEADER_BYTES:,}")
+
+
+# --- an oversized tokenizer file -------------------------------------------------------------------------
+def test_an_oversized_tokenizer_json_is_refused_first(ckpt, tmp_path):
+    add_tokenizer(ckpt)
+    with open(ckpt / "tokenizer.json", "r+b") as fh:
+        fh.truncate(TOKENIZER_JSON_MAX_BYTES + 1)  # sparse
+    out = tmp_path / "out" / "m.colibri"
+    out.parent.mkdir()
+    assert_one_error(convert_cli(ckpt, out), f"tokenizer.json is {TOKENIZER_JSON_MAX_BYTES + 1:,} bytes, over the "
+                     f"{TOKENIZER_JSON_MAX_BYTES:,}-byte cap on it")
+    assert hidden(out.parent) == []
