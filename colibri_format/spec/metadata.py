@@ -30,19 +30,29 @@ def encode_metadata(meta: dict) -> bytes:
         raw = text.encode("utf-8")           # a lone surrogate fails here (UnicodeEncodeError is a ValueError)
     except (TypeError, ValueError) as exc:
         raise InvalidMetadata(f"metadata cannot be encoded as strict JSON: {exc}", field="metadata") from None
-    _check_element_count(text, None)
+    _check_element_count(raw, None)
     return raw
 
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_COUNT_CHUNK = 1 << 16
 
 
-def _check_element_count(text: str, offset: int | None) -> None:
-    """At most MAX_JSON_ELEMENTS arrays, objects and members, counted on the text before parsing (strings
+def _check_element_count(raw: bytes, offset: int | None) -> None:
+    """At most MAX_JSON_ELEMENTS arrays, objects and members, counted on the UTF-8 bytes before parsing (strings
     removed, then every `[`, `{` and `,` counted): a within-size file of `[{},{},...]` would otherwise cost
-    gigabytes and minutes to parse."""
-    structure = _JSON_STRING.sub("", text)
-    count = structure.count("[") + structure.count("{") + structure.count(",")
+    gigabytes and minutes to parse.
+
+    The escapes go first (`\\\\` before `\\"`), so every quote left opens or closes a string (no byte of a
+    multi-byte character is a quote or a backslash), and the text outside strings is every other piece between
+    quotes, taken a chunk at a time: linear time, memory bounded by the bytes. (A regex over the strings kept a
+    backtracking mark per escape: 60 MiB of escaped text took 0.8 GB.)"""
+    bare = bytes(raw).replace(b"\\\\", b"").replace(b'\\"', b"")
+    count, inside = 0, False
+    for start in range(0, len(bare), _COUNT_CHUNK):
+        pieces = bare[start:start + _COUNT_CHUNK].split(b'"')
+        outside = b"".join(pieces[1 if inside else 0::2])
+        count += outside.count(b"[") + outside.count(b"{") + outside.count(b",")
+        inside ^= len(pieces) % 2 == 0                 # an odd number of quotes in the chunk
     if count > C.MAX_JSON_ELEMENTS:
         raise InvalidMetadata(f"metadata holds more than {C.MAX_JSON_ELEMENTS} JSON elements", field="metadata",
                               value=count, offset=offset)
@@ -114,7 +124,7 @@ def decode_metadata(raw: bytes, offset: int | None = None) -> dict:
     except UnicodeDecodeError as exc:
         raise InvalidMetadata(f"metadata is not UTF-8 (byte {exc.start})", field="metadata",
                               offset=None if offset is None else offset + exc.start) from None
-    _check_element_count(text, offset)
+    _check_element_count(raw, offset)
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
                          parse_float=_finite_float)
