@@ -207,8 +207,12 @@ class WriterLock:
                 continue
             except OSError as exc:
                 raise WriteError(f"cannot create the lock file {self.path.name}: {exc.strerror}") from None
+            self._id = file_id(fd)
             try:
                 _write_all(fd, f"{os.getpid()}\n".encode())
+            except BaseException:
+                unlink_if_ours(self.path, self._id)  # a lock without a pid would hold others off for a while
+                raise
             finally:
                 os.close(fd)
             self._held = True
@@ -238,7 +242,7 @@ class WriterLock:
 
     def release(self) -> None:
         if self._held:
-            self.path.unlink(missing_ok=True)
+            unlink_if_ours(self.path, self._id)  # only the lock this writer made, never one put there since
             self._held = False
 
 
