@@ -6,6 +6,7 @@ Each function takes a result the library returned (a dict, a report, a summary) 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from typing import Any
 
@@ -22,32 +23,54 @@ def safe(text) -> str:
     return escape(_CONTROL.sub("?", str(text)))
 
 
-def _kv_table(title: str, rows: dict) -> Table:
+# A file's metadata may hold up to MAX_METADATA_BYTES of free-form JSON (provenance above all): the human view
+# shows each value cut to BRIEF_CHARS characters with the size of the whole, and at most MAX_ROWS rows of a table
+# with a count of the rest, so rendering costs the same whatever the file holds (--json prints everything).
+BRIEF_CHARS = 160
+MAX_ROWS = 64
+
+
+def brief(value: Any, limit: int = BRIEF_CHARS) -> str:
+    """`value` as one escaped table cell: cut to `limit` characters, then the size of the whole in bytes."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return safe(text)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return f"{safe(text[:limit])}[dim]... ({size:,} bytes in all)[/]"
+
+
+def _kv_table(title: str, rows: dict, max_rows: int = MAX_ROWS) -> Table:
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column("field", style="cyan")
     t.add_column("value")
-    for k, v in rows.items():
-        t.add_row(safe(k), safe(v))
+    for k, v in itertools.islice(rows.items(), max_rows):
+        t.add_row(brief(k, 64), brief(v))
+    if len(rows) > max_rows:
+        t.add_row("...", f"[dim]{len(rows) - max_rows:,} more (use --json for all)[/]")
     return t
 
 
-def render_inspect(out: Console, info: dict, max_expert_rows: int = 64) -> None:
+def render_inspect(out: Console, info: dict, max_expert_rows: int = 64, max_dense_rows: int = 256) -> None:
     h = info["header"]
-    out.print(f"[bold]{safe(info['path'])}[/]  {info['file_size']:,} bytes")
+    out.print(f"[bold]{brief(info['path'], 1024)}[/]  {info['file_size']:,} bytes")
     out.print(_kv_table("Header", h))
     meta = info["metadata"]
     summary = {"architecture": meta["architecture"], "spec_version": meta["spec_version"],
-               "quantization": meta["quantization"], "tokenizer": meta["tokenizer"],
-               "provenance": {k: v for k, v in (meta.get("provenance") or {}).items() if k != "source_files"}}
+               "quantization": meta["quantization"], "tokenizer": meta["tokenizer"]}
     out.print(_kv_table("Metadata", summary))
+    provenance = meta.get("provenance")
+    out.print(_kv_table("Provenance", provenance if isinstance(provenance, dict) else {"value": provenance}))
     out.print(_kv_table("Model", meta["model"]))
-    t = Table(title=f"Dense tensors ({len(info['dense_tensors'])})", title_justify="left")
+    dense = info["dense_tensors"]
+    t = Table(title=f"Dense tensors ({len(dense)})", title_justify="left")
     for col in ("name", "dtype", "shape", "offset", "size", "checksum"):
         t.add_column(col, justify="right" if col in ("offset", "size") else "left")
-    for d in info["dense_tensors"]:
+    for d in dense[:max_dense_rows]:
         t.add_row(safe(d["name"]), d["dtype"], "x".join(map(str, d["shape"])), f"{d['offset']:,}",
                   f"{d['size']:,}", d["checksum"])
     out.print(t)
+    if len(dense) > max_dense_rows:
+        out.print(f"[dim]... {len(dense) - max_dense_rows} more dense tensors (use --json for all)[/]")
     _render_experts(out, info["experts"], max_expert_rows)
 
 
