@@ -6,7 +6,6 @@ Each function takes a result the library returned (a dict, a report, a summary) 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import re
 from typing import Any
 
@@ -43,7 +42,9 @@ def _kv_table(title: str, rows: dict, max_rows: int = MAX_ROWS) -> Table:
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column("field", style="cyan")
     t.add_column("value")
-    for k, v in itertools.islice(rows.items(), max_rows):
+    for i, (k, v) in enumerate(rows.items()):
+        if i == max_rows:
+            break
         t.add_row(brief(k, 64), brief(v))
     if len(rows) > max_rows:
         t.add_row("...", f"[dim]{len(rows) - max_rows:,} more (use --json for all)[/]")
