@@ -165,7 +165,7 @@ def _check_header_total(root: Path, names: set[str]) -> None:
     total = sum(declared_header_bytes(resolve_member(root, n, field=f"shard {n!r}")) for n in sorted(names))
     if total > MAX_TOTAL_HEADER_BYTES:
         raise InvalidInput(f"the safetensors headers of the {len(names):,} shards take {total:,} bytes together, "
-                           f"over the limit of {MAX_TOTAL_HEADER_BYTES:,}", field="safetensors headers", value=total)
+                           f"over the limit of {MAX_TOTAL_HEADER_BYTES:,}", field="safetensors_headers", value=total)
 
 
 def _open_safetensors(root: Path, config: HFConfig) -> SourceCheckpoint:
