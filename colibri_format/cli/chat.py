@@ -4,7 +4,8 @@ One message per line of standard input (UTF-8), so a script can pipe a conversat
 standard output and ends with a newline. `/exit` or the end of input (Ctrl-D) leaves. Ctrl-C during a reply ends
 that reply (what was shown stays in the history) and prints its timings; Ctrl-C while typing drops the line; a
 second Ctrl-C during a reply leaves at once (exit 130). A message that cannot be answered (not UTF-8, longer than
-the model's context) prints one error line and the conversation goes on.
+the model's context, found on its size before it is tokenized, a line over 64 MiB) prints one error line and the
+conversation goes on.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def command(path: FileArg,
     if device == "cuda":
         need_cupy("--device cuda")
     need_jinja2("chat")
-    from ..errors import ColibriFormatError
+    from ..errors import ColibriFormatError, InvalidInput
     from ..runtime import Engine, EngineConfig
+    from ..runtime.inputs import MAX_PROMPT_BYTES
     from ..runtime.infer import ChatSession, StopRequest
 
     interactive = sys.stdin.isatty()
@@ -57,6 +59,10 @@ def command(path: FileArg,
                 line = _read_line(interactive)
                 if line is None:
                     break
+                if line is TOO_LONG:
+                    print_error(InvalidInput(f"the message is over {MAX_PROMPT_BYTES:,} bytes; it was skipped",
+                                             field="message"))
+                    continue
                 text = line.rstrip(b"\r\n")
                 if text.strip() in (w.encode() for w in EXIT_WORDS):
                     break
@@ -75,14 +81,24 @@ def command(path: FileArg,
                               f"({s['decode_tokens_per_s']:.1f} tokens/s)", soft_wrap=True)
 
 
+TOO_LONG = b"<a line over MAX_PROMPT_BYTES>"   # _read_line's answer for a line it skipped (compared by identity)
+
+
 def _read_line(interactive: bool) -> bytes | None:
-    """The next line of standard input (None at its end); a Ctrl-C while typing drops the line."""
+    """The next line of standard input (None at its end, TOO_LONG for a line over MAX_PROMPT_BYTES, read past
+    in bounded pieces); a Ctrl-C while typing drops the line."""
+    from ..runtime.inputs import MAX_PROMPT_BYTES
+
     while True:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
         try:
-            line = sys.stdin.buffer.readline()
+            line = sys.stdin.buffer.readline(MAX_PROMPT_BYTES + 1)
+            if len(line) > MAX_PROMPT_BYTES and not line.endswith(b"\n"):
+                while (rest := sys.stdin.buffer.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                return TOO_LONG
         except KeyboardInterrupt:
             if interactive:
                 sys.stderr.write("\n")

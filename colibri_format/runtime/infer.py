@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from colibri_format.errors import InvalidInput, SequenceTooLong
 from colibri_format.runtime import Engine, EngineConfig
-from colibri_format.runtime.inputs import check_ids, utf8_text
+from colibri_format.runtime.inputs import check_ids, check_text_fits, utf8_text
 from colibri_format.runtime.sampling import StopStrings, check_sampling, find_stop, partial_stop
 
 # Special tokens that end a turn in the chat templates in use; stops for chat prompts when the vocabulary has them.
@@ -38,9 +38,10 @@ def prompt_token_ids(engine: Engine, prompt: str | None, ids: list[int] | None, 
     if engine.tokenizer is None:
         raise InvalidInput("this file embeds no tokenizer: pass token ids instead of text", field="prompt")
     prompt = utf8_text(prompt, "prompt")
+    system = None if system is None else utf8_text(system, "system")
+    check_text_fits(prompt if system is None else prompt + system, engine.tokenizer, engine.config.max_seq_len)
     if chat or system is not None:
-        return engine.tokenizer.encode_chat(chat_messages(prompt, None if system is None
-                                                          else utf8_text(system, "system")))
+        return engine.tokenizer.encode_chat(chat_messages(prompt, system))
     return engine.tokenizer.encode(prompt)
 
 
@@ -226,7 +227,9 @@ class ChatSession:
     def reply(self, message: str | bytes, stream: Callable[[str], Any] | None = None,
               stop_request: StopRequest | None = None) -> dict[str, Any]:
         """Answer `message`; the reply (or its part before a Ctrl-C) joins the history."""
-        history, ids = self._fit(self.history + [{"role": "user", "content": utf8_text(message, "message")}])
+        message = utf8_text(message, "message")
+        check_text_fits(message, self.engine.tokenizer, self.engine.config.max_seq_len, "message")
+        history, ids = self._fit(self.history + [{"role": "user", "content": message}])
         streamer = text_streamer(self.engine, stream, self.stops)
         seed = None if self.seed is None else self.seed + self.turns
         result = _generate(self.engine, ids, streamer, stop_request, stop_ids=self.stop_ids,

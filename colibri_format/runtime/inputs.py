@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,12 +49,89 @@ def check_batch(batch: object, vocab_size: int, max_batch_size: int, max_seq_len
 
 
 def prompt_ids(prompt: Sequence[int] | str, tokenizer, vocab_size: int, max_seq_len: int) -> np.ndarray:
-    """A generate() prompt: token ids, or text encoded with the file's tokenizer."""
+    """A generate() prompt: token ids, or text encoded with the file's tokenizer (after the cheap size bound)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidInput("a text prompt needs a tokenizer, and this file embeds none", field="prompt")
+        check_text_fits(prompt, tokenizer, max_seq_len)
         prompt = tokenizer.encode(prompt)
     return check_ids(prompt, vocab_size, max_seq_len)
+
+
+# --- a cheap bound before tokenizing ----------------------------------------------------------------------------
+# Tokenizing costs about 200 bytes of memory and 1 us per byte of text (a 5 MB prompt: 1 GB, 4 s), so a text that
+# cannot fit in max_seq_len tokens is refused on its size first: one token stands for at most as many bytes as
+# the vocabulary's longest entry (times a margin for normalizers that merge characters, NFC/NFKC). Vocabularies
+# where one token may stand for a run of any length (an unknown-word token: WordLevel, WordPiece, fused
+# unknowns) or whose normalizer may delete text have no such bound: their texts are tokenized as before.
+NORMALIZER_MARGIN = 2
+_DELETING_NORMALIZERS = frozenset({"StripAccents", "Strip", "Replace", "BertNormalizer", "Precompiled"})
+_per_token_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token of `tokenizer` (runtime.tokenizer.Tokenizer) can stand for, or
+    None when there is no such bound. Computed once per tokenizer."""
+    try:
+        return _per_token_cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    bound = _max_bytes_per_token(getattr(tokenizer, "_tok", tokenizer))
+    try:
+        _per_token_cache[tokenizer] = bound
+    except TypeError:            # not weakly referenceable: not cached
+        pass
+    return bound
+
+
+def _max_bytes_per_token(hf) -> int | None:
+    try:
+        model = hf.model
+        kind = type(model).__name__
+        normalizer = json.loads(hf.normalizer.__getstate__()) if hf.normalizer is not None else {}
+        vocab = hf.get_vocab(with_added_tokens=True)
+    except Exception:            # noqa: BLE001 - not a `tokenizers` tokenizer: no bound
+        return None
+    if kind in ("WordLevel", "WordPiece", "Unigram") or (getattr(model, "unk_token", None) is not None
+                                                        and getattr(model, "fuse_unk", False)):
+        return None
+    if _normalizer_types(normalizer) & _DELETING_NORMALIZERS:
+        return None
+    longest = max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=0)
+    return max(4, longest) * NORMALIZER_MARGIN
+
+
+def _normalizer_types(state) -> set[str]:
+    types: set[str] = set()
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                types.add(node["type"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return types
+
+
+def check_text_fits(text: str, tokenizer, max_seq_len: int, field: str = "prompt", what: str | None = None) -> None:
+    """Refuse, before tokenizing it, a text too big for max_seq_len tokens of `tokenizer` (see above).
+
+    Raises:
+        SequenceTooLong: the text holds more bytes than max_seq_len tokens can stand for.
+    """
+    per_token = max_bytes_per_token(tokenizer)
+    if per_token is None:
+        return
+    limit = max_seq_len * per_token
+    if 4 * len(text) <= limit:   # at most 4 bytes a character: most texts stop here, nothing encoded
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise SequenceTooLong(f"the {what or field} is {size:,} bytes, more than max_seq_len={max_seq_len} tokens "
+                              f"can hold (at most {per_token} bytes a token in this vocabulary); it was not "
+                              "tokenized", field=field, value=size)
 
 
 # --- text prompts -------------------------------------------------------------------------------------------

@@ -329,3 +329,68 @@ def test_streaming_decodes_a_short_window_per_token():
     _, pieces = _stream(tok, ids)
     assert "".join(pieces) == hf.decode(ids)
     assert len(ids) > 2000 and max(sizes[:-1]) <= 8                         # the last call: the final decode
+
+
+# --- a cheap size bound before tokenizing ------------------------------------------------------------------------
+
+def test_the_size_bound_never_refuses_a_text_that_fits():
+    """For a byte-level BPE the bound is the longest entry times the margin: a text of as many longest tokens
+    as max_seq_len allows passes, one byte more than the bound does not, and encode is never called then."""
+    from colibri_format.errors import SequenceTooLong
+    from colibri_format.runtime.inputs import NORMALIZER_MARGIN, check_text_fits, max_bytes_per_token
+
+    hf, tok = _byte_tokenizer()
+    longest = max(hf.get_vocab(), key=lambda t: len(t))
+    per_token = max_bytes_per_token(tok)
+    assert per_token == max(4, len(longest.encode())) * NORMALIZER_MARGIN
+    rng = random.Random(3)
+    alphabet = "aé中文字€😀🎉 \"="
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 200)))
+        n = len(hf.encode(text).ids)
+        check_text_fits(text, tok, n)                                  # fits in its own token count: never refused
+    encode = tok.encode
+    tok.encode = lambda *a, **k: pytest.fail("tokenized a text over the bound")
+    limit = 1000 // per_token                                          # tokens that hold at most 1000 bytes
+    check_text_fits("é" * (limit * per_token // 2), tok, limit)        # at the bound: passes
+    with pytest.raises(SequenceTooLong, match=rf"the prompt is 1,001 bytes, more than max_seq_len={limit} tokens"):
+        check_text_fits("é" * 500 + "a", tok, limit)                   # 501 characters, 1001 bytes
+    tok.encode = encode
+
+
+@pytest.mark.parametrize("kind", ["wordlevel", "unigram", "fused-unknowns", "strip-accents"])
+def test_no_size_bound_where_one_token_may_stand_for_any_length(kind):
+    """An unknown-word token (WordLevel, Unigram, BPE fusing unknowns) or a normalizer that deletes text: a long
+    text may be few tokens, so it is tokenized, never refused on its size."""
+    from tokenizers import Tokenizer as HF, models, normalizers, pre_tokenizers
+
+    from colibri_format.runtime.inputs import check_text_fits, max_bytes_per_token
+
+    if kind == "wordlevel":
+        hf = HF(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    elif kind == "unigram":
+        hf = HF(models.Unigram([("<unk>", 0.0), ("a", -1.0)], unk_id=0))
+    elif kind == "fused-unknowns":
+        hf = HF(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>", fuse_unk=True))
+    else:
+        hf = HF(models.BPE({"a": 0}, []))
+        hf.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])
+    tok = Tokenizer(hf.to_str())
+    assert max_bytes_per_token(tok) is None
+    long = "b" * 100_000 if kind != "strip-accents" else "a" + "\u0301" * 100_000
+    check_text_fits(long, tok, 4)
+    assert len(tok.encode(long, add_special_tokens=False)) <= 4
+
+
+def test_engine_refuses_a_huge_text_prompt_before_tokenizing(tmp_path):
+    from colibri_format.errors import SequenceTooLong
+    from colibri_format.runtime import EngineConfig
+    from tests.cli.byte_bpe import write_chain_model
+
+    hf, _ = _byte_tokenizer()
+    path = write_chain_model(tmp_path / "chain.colibri", hf, {120: 61})
+    with Engine(path, EngineConfig(max_seq_len=64)) as eng:
+        eng.tokenizer.encode = lambda *a, **k: pytest.fail("tokenized a prompt over the bound")
+        with pytest.raises(SequenceTooLong, match="it was not tokenized"):
+            eng.generate("x" * 1_000_000, max_new_tokens=1)
