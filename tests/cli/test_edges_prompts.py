@@ -82,3 +82,14 @@ def test_a_prompt_under_the_bound_is_still_counted_in_tokens(chat_file, tmp_path
     prompt.write_bytes(_big_text(100_000))
     assert_one_error(colibri("infer", chat_file, "--file", str(prompt)), 1, "tokens, over max_seq_len=2048",
                      hint=True)
+
+
+def test_a_chat_line_over_64_mib_is_read_past_in_pieces(chat_file):
+    from colibri_format.runtime.inputs import MAX_PROMPT_BYTES
+
+    done = colibri("chat", chat_file, "--max-new-tokens", "2",
+                   stdin=b"a" * (MAX_PROMPT_BYTES + 3_000_000) + b"\nhello\n")
+    err = lines(done.stderr)
+    assert done.returncode == 0, err
+    assert err == [f"error: the message is over {MAX_PROMPT_BYTES:,} bytes; it was skipped (field=message)"]
+    assert len(lines(done.stdout)) == 1
