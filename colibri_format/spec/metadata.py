@@ -25,6 +25,7 @@ EXPERT_QUANT_NAMES = frozenset(C.EXPERT_FORMAT_NAMES.values())
 
 def encode_metadata(meta: dict) -> bytes:
     """Deterministic encoding: sorted keys, no spaces, UTF-8, NaN refused; never what a reader would refuse."""
+    _check_depth(meta, None)                 # the reader's nesting bound (checked without recursion, first)
     try:
         text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         raw = text.encode("utf-8")           # a lone surrogate fails here (UnicodeEncodeError is a ValueError)

@@ -68,9 +68,9 @@ def long_list(size: int) -> dict:
     return {"files": [pad + str(i) for i in range(n)]}
 
 
-def deep(size: int, depth: int = S.MAX_JSON_DEPTH - 3) -> dict:
-    """Objects nested as deep as the spec allows (the whole metadata counts its own levels too), each level a
-    share of `size` as strings."""
+def deep(size: int, depth: int = S.MAX_JSON_DEPTH - 2) -> dict:
+    """Objects nested as deep as the spec allows (`depth` + 2 levels with the metadata object and the provenance
+    key: MAX_JSON_DEPTH by default), each level a share of `size` as strings."""
     share = max(1, size // depth // 66)
     node: Any = ["x" * 64] * share
     for level in range(depth - 1):
