@@ -72,16 +72,10 @@ class TextStream:
         self.tokenizer, self.stream, self.stop = tokenizer, stream, tuple(stop_strings)
         self.ids: list[int] = []
         self.prefix = 0          # the window starts here: the ids before the last piece taken (context)
-        self.read = 0            # the ids before this are decoded into `pieces`
-        self.pieces: list[str] = []
+        self.read = 0            # the ids before this are decoded (their text taken)
         self.pending = ""        # decoded, not written: a possible start of a stop string
         self.shown = 0           # characters written to `stream`
         self.stopped = False     # a stop string was found: nothing more is written but by finish
-
-    @property
-    def text(self) -> str:
-        """The text decoded so far (complete characters only)."""
-        return "".join(self.pieces)
 
     def __call__(self, token: int) -> None:
         self.ids.append(int(token))
@@ -89,10 +83,9 @@ class TextStream:
         after = self.tokenizer.decode(self.ids[self.prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return                               # nothing new yet, or a character still incomplete
-        self.pieces.append(after[len(before):])
         self.prefix, self.read = self.read, len(self.ids)
         if not self.stopped:
-            self._pass(self.pending + self.pieces[-1])
+            self._pass(self.pending + after[len(before):])
 
     def _pass(self, pending: str) -> None:
         ready = len(pending)
