@@ -70,20 +70,20 @@ class TextStream:
 
     def __init__(self, tokenizer, stream: Callable[[str], Any], stop_strings: Sequence[str] = ()) -> None:
         self.tokenizer, self.stream, self.stop = tokenizer, stream, tuple(stop_strings)
-        self.ids: list[int] = []
-        self.prefix = 0          # the window starts here: the ids before the last piece taken (context)
-        self.read = 0            # the ids before this are decoded (their text taken)
+        self.ids: list[int] = []  # the window: the ids of the last piece taken (context), then those pending
+        self.read = 0             # the ids before this are the context (their text taken)
         self.pending = ""        # decoded, not written: a possible start of a stop string
         self.shown = 0           # characters written to `stream`
         self.stopped = False     # a stop string was found: nothing more is written but by finish
 
     def __call__(self, token: int) -> None:
         self.ids.append(int(token))
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[:self.read])
+        after = self.tokenizer.decode(self.ids)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return                               # nothing new yet, or a character still incomplete
-        self.prefix, self.read = self.read, len(self.ids)
+        del self.ids[:self.read]                 # the new window starts at the piece just taken
+        self.read = len(self.ids)
         if not self.stopped:
             self._pass(self.pending + after[len(before):])
 
