@@ -29,6 +29,8 @@ def run_infer_parallel(path: str | os.PathLike, prompt: str | None = None, *, id
         pdist.shutdown()
     if me.rank != 0:
         return None
+    if on_token is not None:
+        on_token.finish(result.text)              # what the stream still held back (a partial character)
     stats = result.stats.as_dict()
     stats["world_size"] = me.world_size
     return {"prompt_ids": prompt_ids, "output_ids": result.output_ids, "text": result.text,
