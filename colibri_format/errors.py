@@ -112,8 +112,9 @@ class WriteError(ColibriFormatError):
 
 
 class OutputPathRefused(InvalidInput):
-    """The output path holds something the converter must not replace: a file it did not write, one of the
-    checkpoint's own files, a symbolic link, or (without --force) an existing `.colibri`."""
+    """An output path (convert's `--output-path`, infer's `--trace`) holds something the tool must not replace: a
+    file it did not write, the model or one of the checkpoint's own files, a link, a FIFO or device, or (without
+    --force) an existing file."""
 
 
 class UnusedTensors(InvalidInput):

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .common import FileArg, JsonOpt, err, out, print_json
-from .errors import EXIT_INVALID, EXIT_OK, EXIT_UNREADABLE
+from .errors import EXIT_INVALID, EXIT_OK
 
 QuickOpt = Annotated[bool, typer.Option("--quick", help="Structure only: skip data checksums.")]
 
@@ -26,6 +26,4 @@ def command(path: FileArg, quick: QuickOpt = False, as_json: JsonOpt = False) ->
         print_json(report.to_dict())
     else:
         render_validation(out, err, report)
-    if not report.readable:
-        raise typer.Exit(EXIT_UNREADABLE)
     raise typer.Exit(EXIT_OK if report.valid else EXIT_INVALID)

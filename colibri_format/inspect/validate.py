@@ -42,7 +42,6 @@ class Fault:
 class ValidationReport:
     path: str
     valid: bool = True
-    readable: bool = True   # always True: a path that cannot be read raises NotARegularFile instead
     quick: bool = False
     faults: list[Fault] = field(default_factory=list)
     bytes_checked: int = 0
