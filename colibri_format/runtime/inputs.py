@@ -76,7 +76,7 @@ def max_bytes_per_token(tokenizer) -> int | None:
         return _per_token_cache[tokenizer]
     except (KeyError, TypeError):
         pass
-    bound = _max_bytes_per_token(getattr(tokenizer, "_tok", tokenizer))
+    bound = _max_bytes_per_token(getattr(tokenizer, "library_tokenizer", tokenizer))
     try:
         _per_token_cache[tokenizer] = bound
     except TypeError:            # not weakly referenceable: not cached

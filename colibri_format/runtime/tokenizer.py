@@ -79,6 +79,11 @@ class Tokenizer:
             return None
         return cls(entry["tokenizer_json"], entry.get("tokenizer_config"), entry.get("generation_config"))
 
+    @property
+    def library_tokenizer(self):
+        """The `tokenizers` library's object (vocabulary, model, normalizer: what size bounds are computed from)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
