@@ -5,7 +5,9 @@ written by `colibri_format.synthetic.write_synthetic` to tmpfs; every expert res
 
 Each tree is a folder holding a `colibri_format` package; it is measured in a subprocess of its own through the
 public API only (`Engine`, `generate`, `generate_batch`, `infer`), trees alternating, `--rounds` times:
-    python benchmarks/redesign_ab.py --tree before=.before --tree after=. --out ab.json
+    mkdir .before && git archive 7c14c88 colibri_format | tar -x -C .before     # the tree before the redesign
+    PYTHONPATH=. python benchmarks/redesign_ab.py --tree before=.before --tree after=. --out ab.json
+(`.before` is listed in .git/info/exclude and travels to the GPU machine with `carry`.)
 Decode b1: `generate` (16-token prompt, 128 new tokens), the engine's own decode tokens/s. Decode b8:
 (generate_batch with 65 new tokens - with 1) over 8 x 64 tokens. Prefill: median `infer` time of one 512-token
 prompt. Each figure is the median of 3 repetitions inside the subprocess.
