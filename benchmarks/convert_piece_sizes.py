@@ -1,0 +1,276 @@
+"""What `colibri convert` costs per source GB as the expert matrices shrink (project issue 20, measurement half).
+
+Run from the repository root (the benchmark imports the library, nothing else):
+
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py            # ~1.2 GB per shape
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 0.3 --json
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --dry-run  # tiny, a few seconds
+
+For each shape (synthetic bf16 Mixtral-layout checkpoints of about --gb source GB each, written once into
+--dir by `colibri_format.synthetic.write_mixtral_checkpoint` and reused):
+
+  small   hidden 2048, expert FFN 768    (3.1 MB matrices, the Qwen3-30B-A3B width, up to 128 experts/layer)
+  medium  hidden 4096, expert FFN 3584   (29 MB matrices)
+  large   hidden 4096, expert FFN 14336  (117 MB matrices, Mixtral-8x7B)
+
+1. reads every shard once (warm page cache);
+2. converts in a child process: `colibri_format.convert.pipeline.convert(ckpt, out, quantize="expert",
+   workers=N, resume=False)` (what `colibri convert --quantize expert --workers N --restart` runs), output on
+   /dev/shm when it exists; --repeats runs, the best wall time is reported. CPU user/sys come from
+   `os.wait4` of that child, peak RSS from the child's own VmHWM;
+3. one in-process conversion under cProfile with the pieces run on the calling thread, self time
+   aggregated to stages (builtins and library-external frames are charged to the colibri function that
+   called them): reads/upcast, quantize, checksum, writes, fsync/journal, other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from colibri_format.synthetic import mixtral_checkpoint_config, write_mixtral_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # name: (hidden, expert FFN, most experts per layer, heads, kv heads)
+    "small": (2048, 768, 128, 16, 4),
+    "medium": (4096, 3584, 64, 32, 8),
+    "large": (4096, 14336, 8, 32, 8),
+}
+TINY = {"small": (256, 96, 16, 4, 2), "medium": (256, 384, 8, 4, 2), "large": (256, 1536, 4, 4, 2)}
+STAGES = ("reads/upcast", "quantize", "checksum", "writes", "fsync/journal", "other")
+
+CHILD = ("import json, sys\n"
+         "from colibri_format.convert.pipeline import convert\n"
+         "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False)\n"
+         "print(json.dumps(s.to_dict()))\n"
+         "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
+
+
+def shape_config(dims: tuple, gb: float, vocab: int) -> dict:
+    hidden, inter, most, heads, kv = dims
+    expert_bytes = 3 * hidden * inter * 2
+    total = max(2, round(gb * 1e9 / expert_bytes))
+    layers = -(-total // most)
+    experts = max(2, round(total / layers))
+    return mixtral_checkpoint_config(vocab=vocab, hidden=hidden, layers=layers, experts=experts, inter=inter,
+                                     heads=heads, kv_heads=kv)
+
+
+def ensure_checkpoint(path: Path, cfg: dict) -> int:
+    stamp = path / "bench.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("config") == cfg:
+        return json.loads(stamp.read_text())["bytes"]
+    shutil.rmtree(path, ignore_errors=True)
+    start = time.perf_counter()
+    total = write_mixtral_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=2 << 30)
+    stamp.write_text(json.dumps({"config": cfg, "bytes": total}))
+    print(f"  wrote {total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return total
+
+
+def warm(path: Path) -> None:
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def run_child(ckpt: Path, out: Path, workers: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(out), str(workers)], env=env,
+                                stdout=so, stderr=se, text=True)
+        _, status, ru = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        so.seek(0), se.seek(0)
+        stdout, stderr = so.read(), se.read()
+    out.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"conversion failed ({proc.returncode}): {stderr[-3000:]}")
+    return {"wall_s": wall, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
+            "vm_hwm": int(stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024, "summary": json.loads(stdout)}
+
+
+# Stage of a colibri_format function, by (file, function) -- read off convert/, writer.py, fsutil.py, dtypes.py.
+def _colibri_stage(path: str, func: str) -> str | None:
+    p = path.replace(os.sep, "/")
+    if "/colibri_format/" not in p:
+        return None
+    mod = p.rsplit("/colibri_format/", 1)[1]
+    if mod == "convert/quantize.py":
+        return "quantize"
+    if mod in ("dtypes.py", "convert/safetensors_file.py", "convert/source.py") or \
+            (mod == "convert/rows.py" and func in ("iter_chunks", "iter_span_chunks", "release_pages",
+                                                   "_backing_map")):
+        return "reads/upcast"
+    if mod == "convert/verify.py" or (mod == "convert/rows.py" and func in ("update", "intdigest",
+                                                                             "source_digest")) \
+            or func == "checksum_on_disk":
+        return "checksum"
+    if mod == "fsutil.py" and func == "pwrite_all" or func in ("_write_at", "put", "pad_to"):
+        return "writes"
+    if mod in ("convert/journal.py", "convert/schedule.py") or func in ("fsync_fd", "fsync_dir", "sync",
+                                                                       "atomic_replace"):
+        return "fsync/journal" if func != "run_bounded" else None
+    return "other" if func not in ("convert", "_convert_locked", "_convert_pieces", "_do_piece", "<lambda>",
+                                   "sequential", "done") else None
+
+
+def _builtin_stage(name: str) -> str | None:
+    if "xxhash" in name or "xxh3" in name:
+        return "checksum"
+    if "pwrite" in name:
+        return "writes"
+    if "fsync" in name:
+        return "fsync/journal"
+    if "madvise" in name:
+        return "reads/upcast"
+    return None
+
+
+def stage_profile(stats: dict) -> dict[str, float]:
+    """Self time per stage: a frame outside colibri_format (NumPy, builtins) is charged to its callers'
+    stages in proportion to the time each caller spent in it, recursively."""
+    memo: dict = {}
+
+    def stages_of(func: tuple, depth: int = 0) -> dict[str, float]:  # fractions summing to 1
+        if func in memo:
+            return memo[func]
+        path, _, name = func
+        own = _builtin_stage(name) if path == "~" else _colibri_stage(path, name)
+        if own is not None:
+            res = {own: 1.0}
+        else:
+            callers = stats[func][4] if func in stats else {}
+            weights = {c: v[2] + 1e-12 for c, v in callers.items() if c != func}
+            total = sum(weights.values())
+            res = {}
+            if not weights or depth > 40:
+                res = {"other": 1.0}
+            else:
+                memo[func] = {"other": 1.0}  # cycle guard
+                for c, w in weights.items():
+                    for st, frac in stages_of(c, depth + 1).items():
+                        res[st] = res.get(st, 0.0) + frac * w / total
+        memo[func] = res
+        return res
+
+    out = dict.fromkeys(STAGES, 0.0)
+    for func, row in stats.items():
+        for st, frac in stages_of(func).items():
+            out[st] += row[2] * frac
+    return out
+
+
+def profile_run(ckpt: Path, out: Path) -> dict:
+    import cProfile
+    import pstats
+
+    from colibri_format.convert import pipeline, schedule
+
+    def sequential(items, work, workers, on_done):
+        for item in items:
+            on_done(work(item))
+
+    real = schedule.run_bounded
+    schedule.run_bounded = sequential
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    try:
+        prof.runcall(pipeline.convert, ckpt, out, quantize="expert", workers=1, resume=False)
+    finally:
+        schedule.run_bounded = real
+        out.unlink(missing_ok=True)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "stages_s": stage_profile(pstats.Stats(prof).stats)}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| shape | expert matrix | source GB | wall s | source GB/s (wall / converter timer) | CPU user / sys s per GB | "
+            "CPU s per GB | peak RSS | profile (1 thread): s per GB " + " / ".join(STAGES) + " |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        gb, c, p = r["source_bytes"] / 1e9, r["best"], r["profile"]
+        prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
+        rows.append(f"| {r['shape']} | {r['hidden']}x{r['inter']} ({r['matrix_bytes'] / 1e6:.1f} MB), "
+                    f"{r['experts']} experts x {r['layers']} layers | {gb:.2f} | {c['wall_s']:.2f} | "
+                    f"{gb / c['wall_s']:.2f} / {c['summary']['gb_per_s']:.2f} | {c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | "
+                    f"{(c['user_s'] + c['sys_s']) / gb:.2f} | {c['vm_hwm'] / 2**20:.0f} MiB | "
+                    f"{prof} (total {p['wall_s'] / gb:.2f}) |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "colibri-piece-bench")
+    ap.add_argument("--gb", type=float, default=1.2, help="source GB per shape (default 1.2)")
+    ap.add_argument("--shapes", default="small,medium,large")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--repeats", type=int, default=2, help="child conversions per shape; the best is reported")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
+    ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
+    args = ap.parse_args()
+    shapes, vocab, gb = SHAPES, 1024, args.gb
+    tmp = None
+    if args.dry_run:
+        tmp = tempfile.TemporaryDirectory()
+        shapes, vocab, gb, args.dir, args.repeats = TINY, 64, 0.003, Path(tmp.name), 1
+    out_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else args.dir
+    load = os.getloadavg()
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
+            "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "gb": gb,
+            "output_dir": str(out_dir), "command": " ".join(["benchmarks/convert_piece_sizes.py", *sys.argv[1:]])}
+    results = []
+    try:
+        for name in args.shapes.split(","):
+            dims = shapes[name]
+            cfg = shape_config(dims, gb, vocab)
+            ckpt = args.dir / name
+            print(f"{name}: hidden {dims[0]}, FFN {dims[1]}, {cfg['num_local_experts']} experts x "
+                  f"{cfg['num_hidden_layers']} layers", file=sys.stderr, flush=True)
+            total = ensure_checkpoint(ckpt, cfg)
+            out = out_dir / f"colibri-piece-bench-{os.getpid()}-{name}.colibri"
+            runs = []
+            for _ in range(args.repeats):
+                warm(ckpt)
+                runs.append(run_child(ckpt, out, args.workers))
+                print(f"  convert: {runs[-1]['wall_s']:.2f} s", file=sys.stderr, flush=True)
+            best = min(runs, key=lambda r: r["wall_s"])
+            r = {"shape": name, "hidden": dims[0], "inter": dims[1], "experts": cfg["num_local_experts"],
+                 "layers": cfg["num_hidden_layers"], "matrix_bytes": dims[0] * dims[1] * 2, "source_bytes": total,
+                 "runs": runs, "best": best}
+            if not args.no_profile:
+                warm(ckpt)
+                r["profile"] = profile_run(ckpt, out)
+                print(f"  profile: {r['profile']['wall_s']:.2f} s", file=sys.stderr, flush=True)
+            else:
+                r["profile"] = {"wall_s": float("nan"), "stages_s": dict.fromkeys(STAGES, float("nan"))}
+            results.append(r)
+            if args.clean:
+                shutil.rmtree(ckpt, ignore_errors=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    head = (f"{meta['date']}, nproc {meta['nproc']}, load average at start {meta['load_avg_at_start']}, "
+              f"workers {args.workers}, output on {out_dir}")
+    if args.json:  # the table goes to stderr, the JSON alone to stdout
+        print(head + "\n" + table(results), file=sys.stderr)
+        print(json.dumps({"machine": meta, "results": results}, indent=1))
+    else:
+        print(head + "\n" + table(results))
+
+
+if __name__ == "__main__":
+    main()
