@@ -176,8 +176,9 @@ PROFILE_NAMES = {"_quantize_block": "int8 quantizer (quantize_int8 blocks)", "to
                  "reduce": "int8 quantizer (quantize_int8 blocks)"}  # its ufunc reductions
 
 
-def profile_single_thread(ckpt: Path, out: Path) -> dict:
-    """cProfile of one conversion with the pieces run on the calling thread (so the profiler sees them)."""
+def profiled_conversion(ckpt: Path, out: Path, **options) -> tuple[float, dict]:
+    """(wall seconds, pstats table) of one conversion under cProfile, its pieces run on the calling thread (so the
+    profiler sees them); the output is removed afterwards. Also used by benchmarks/convert_piece_sizes.py."""
     import cProfile
     import pstats
 
@@ -192,12 +193,16 @@ def profile_single_thread(ckpt: Path, out: Path) -> dict:
     prof = cProfile.Profile()
     start = time.perf_counter()
     try:
-        prof.runcall(pipeline.convert, ckpt, out, workers=1, resume=False)
+        prof.runcall(pipeline.convert, ckpt, out, workers=1, resume=False, **options)
     finally:
         schedule.run_bounded = real
         out.unlink(missing_ok=True)
-    wall = time.perf_counter() - start
-    stats = pstats.Stats(prof).stats
+    return time.perf_counter() - start, pstats.Stats(prof).stats
+
+
+def profile_single_thread(ckpt: Path, out: Path) -> dict:
+    """Where one single-thread conversion spends its time, by the named functions of PROFILE_NAMES."""
+    wall, stats = profiled_conversion(ckpt, out)
     tottime = {}
     for (_, _, fname), row in stats.items():
         for key, label in PROFILE_NAMES.items():

@@ -1,6 +1,6 @@
 """What `colibri convert` costs per source GB as the expert matrices shrink (project issue 20, measurement half).
 
-Run from the repository root (the benchmark imports the library, nothing else):
+Run from the repository root (the benchmark imports the library, and benchmarks/convert.py's profiled run):
 
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py            # ~1.2 GB per shape
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 0.3 --json
@@ -173,26 +173,10 @@ def stage_profile(stats: dict) -> dict[str, float]:
 
 
 def profile_run(ckpt: Path, out: Path) -> dict:
-    import cProfile
-    import pstats
+    from benchmarks.convert import profiled_conversion   # the same single-thread profiled run as convert.py
 
-    from colibri_format.convert import pipeline, schedule
-
-    def sequential(items, work, workers, on_done):
-        for item in items:
-            on_done(work(item))
-
-    real = schedule.run_bounded
-    schedule.run_bounded = sequential
-    prof = cProfile.Profile()
-    start = time.perf_counter()
-    try:
-        prof.runcall(pipeline.convert, ckpt, out, quantize="expert", workers=1, resume=False)
-    finally:
-        schedule.run_bounded = real
-        out.unlink(missing_ok=True)
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "stages_s": stage_profile(pstats.Stats(prof).stats)}
+    wall, stats = profiled_conversion(ckpt, out, quantize="expert")
+    return {"wall_s": wall, "stages_s": stage_profile(stats)}
 
 
 def table(results: list[dict]) -> str:

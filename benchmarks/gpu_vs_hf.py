@@ -129,34 +129,15 @@ def hf_bench(model, device: str, n: int, seq_len: int) -> dict:
 
 
 def host_bench(eng: Engine, batch: int, seq_len: int, n: int, warmup: int, prefill: bool, seed: int = 0) -> dict:
-    """run_bench's prefill and decode figures through the public step API, for a backend without CUDA events
-    (device="cpu"): no kernel profile, no copy ceiling, so no roofline."""
+    """run_bench's prefill and decode phases alone, for a backend without CUDA events (device="cpu"): no kernel
+    profile, no copy ceiling, so no roofline."""
+    from colibri_format.runtime.cuda.bench import decode_bench, prefill_bench
+
     rng = np.random.default_rng(seed)
     out: dict = {"roofline": {"roofline_tokens_per_s": None, "share_of_roofline": None}}
     if prefill:
-        prompt = rng.integers(0, eng.vocab_size, seq_len).tolist()
-        times = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            eng.infer([prompt])
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times[1:])
-        out["prefill"] = {"tokens": seq_len, "ms": 1e3 * t, "tokens_per_s": seq_len / t}
-    chunks = [rng.integers(0, eng.vocab_size, PROMPT) for _ in range(batch)]
-    runner = eng.decode_runner(batch, PROMPT + warmup + n + 1)
-    tok = eng.argmax(eng.prefill_into(runner, chunks))
-    pos = np.full(batch, PROMPT)
-    for _ in range(warmup):
-        tok = eng.argmax(runner.step(np.array(tok), pos))
-        pos = pos + 1
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = eng.argmax(runner.step(np.array(tok), pos))
-        pos = pos + 1
-    wall = time.perf_counter() - t0
-    out["decode"] = {"batch": batch, "steps": n, "tokens_per_s": batch * n / wall, "ms_per_step": 1e3 * wall / n,
-                     "host_ms_per_step": 1e3 * wall / n,      # synchronous backend: all of it is host time
-                     "graph": "captured" if runner.graph is not None else runner.reason}
+        out["prefill"] = prefill_bench(eng, seq_len, rng)
+    out["decode"] = decode_bench(eng, batch, n, warmup, rng, prompt_len=PROMPT)[0]
     return out
 
 

@@ -109,46 +109,13 @@ def copy_ceiling(device: str, nbytes: int) -> dict:
     return {"d2d_copy_gbps": 2 * gbps, "h2d_pinned_gbps": gbps, "note": "host memcpy (NumPy backend)"}
 
 
-_DELTA = ("hits", "misses", "loads", "prefetch_loads", "prefetch_hits", "bytes_paged", "stall_seconds",
-          "copy_seconds", "predicted_correct", "actual_next")
-
-
 def decode_steps(eng: Engine, batch: int, n: int, warmup: int, seed: int = 0) -> dict:
     """Prefill `batch` random prompts, `warmup` steps, then `n` timed greedy steps: tokens/s and paging."""
-    rng = np.random.default_rng(seed)
-    chunks = [rng.integers(0, eng.vocab_size, PROMPT) for _ in range(batch)]
-    runner = eng.decode_runner(batch, PROMPT + warmup + n + 1)
-    tok = eng.argmax(eng.prefill_into(runner, chunks))
-    pos = np.full(batch, PROMPT)
-    for _ in range(warmup):
-        tok = eng.argmax(runner.step(np.array(tok), pos))
-        pos = pos + 1
-    ex = eng.experts
-    c0 = ex.counters.as_dict()
-    ex.time_copies = True
-    ex.copy_bandwidth()                           # forget the copies before the timed steps
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = eng.argmax(runner.step(np.array(tok), pos))
-        pos = pos + 1
-    wall = time.perf_counter() - t0
-    ex.time_copies = False
-    copy_s, copies = ex.copy_bandwidth()
-    c1 = ex.counters.as_dict()
-    out = {"tokens_per_s": batch * n / wall, "ms_per_step": 1e3 * wall / n,
-           "graph": "captured" if runner.graph is not None else runner.reason}
-    if not ex.resident:
-        d = {k: c1[k] - c0[k] for k in _DELTA}
-        tokens, acc = batch * n, d["hits"] + d["misses"]
-        copy_s = copy_s or d["copy_seconds"]      # no copy-stream timing (NumPy backend): the copies' host time
-        out.update({"hit_rate": d["hits"] / acc if acc else 0.0, "misses_per_token": d["misses"] / tokens,
-                    "loads_per_token": d["loads"] / tokens, "prefetch_loads": d["prefetch_loads"],
-                    "prefetch_hits": d["prefetch_hits"],
-                    "prefetch_recall": d["predicted_correct"] / d["actual_next"] if d["actual_next"] else None,
-                    "gb_paged": d["bytes_paged"] / 1e9, "copies": copies,
-                    "paging_gbps": d["bytes_paged"] / copy_s / 1e9 if copy_s else None,
-                    "stall_ms_per_token": 1e3 * d["stall_seconds"] / tokens})
-    return out
+    from colibri_format.runtime.cuda.bench import decode_bench
+
+    res, _ = decode_bench(eng, batch, n, warmup, np.random.default_rng(seed), prompt_len=PROMPT)
+    return {"tokens_per_s": res["tokens_per_s"], "ms_per_step": res["ms_per_step"], "graph": res["graph"],
+            **res.get("paging", {})}
 
 
 def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, device):

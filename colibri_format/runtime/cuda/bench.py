@@ -145,7 +145,8 @@ def profile_step(eng, runner) -> dict:
 
 
 # --- phases -------------------------------------------------------------------------------------------------------
-def _prefill_bench(eng, seq_len: int, rng) -> dict:
+def prefill_bench(eng, seq_len: int, rng) -> dict:
+    """Median time of a `seq_len`-token `infer` (after one warm-up): any backend."""
     prompt = rng.integers(0, eng.vocab_size, seq_len).tolist()
     times = []
     for _ in range(4):
@@ -156,7 +157,9 @@ def _prefill_bench(eng, seq_len: int, rng) -> dict:
     return {"tokens": seq_len, "ms": 1e3 * t, "tokens_per_s": seq_len / t}
 
 
-def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
+def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
+    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences after `warmup`, with the paging
+    counters of the timed steps when experts are paged: any backend."""
     chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
     runner = eng.decode_runner(batch, prompt_len + warmup + num_iters + 1)
     tok = eng.argmax(eng.prefill_into(runner, chunks))
@@ -188,8 +191,9 @@ def _decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len:
 
 def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -> dict:
     d = {k: c1[k] - c0[k] for k in ("hits", "misses", "loads", "prefetch_loads", "prefetch_hits", "bytes_paged",
-                                   "stall_seconds", "predicted_correct", "actual_next")}
+                                   "stall_seconds", "copy_seconds", "predicted_correct", "actual_next")}
     acc = d["hits"] + d["misses"]
+    copy_s = copy_s or d["copy_seconds"]      # no copy-stream timing (NumPy backend): the copies' host time
     return {"hit_rate": d["hits"] / acc if acc else 0.0, "misses_per_token": d["misses"] / tokens,
             "loads_per_token": d["loads"] / tokens, "prefetch_loads": d["prefetch_loads"],
             "prefetch_hits": d["prefetch_hits"],
@@ -248,8 +252,8 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         result["ceilings"] = copy_ceilings(eng.be, eng.stream, ceiling_bytes)
         result["engine"] = {k: v for k, v in eng.stats().items() if k not in ("paging", "graphs", "cache")}
         if prefill:
-            result["prefill"] = _prefill_bench(eng, seq_len, rng)
-        decode, runner = _decode_bench(eng, batch_size, num_iters, warmup_iters, rng)
+            result["prefill"] = prefill_bench(eng, seq_len, rng)
+        decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng)
         result["decode"] = decode
         if profile:
             kernels = profile_step(eng, runner)

@@ -1,0 +1,50 @@
+"""The benchmark library's phases on the CPU engine (they time through the public step API on any backend), and
+`run_bench` on a GPU: every section, the MoE block in the kernel profile, paging figures only when paged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.runtime import Engine, EngineConfig
+from colibri_format.runtime.cuda.bench import decode_bench, prefill_bench, render, run_bench
+from colibri_format.synthetic import synthetic_model, write_synthetic
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    model = synthetic_model(layers=3, experts=8, top_k=2, hidden=128, heads=2, kv_heads=1)
+    model["head_dim"] = 64
+    return write_synthetic(tmp_path_factory.mktemp("bench") / "m.colibri", model)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_phases_on_the_cpu_engine(path, capacity):
+    with Engine(path, EngineConfig(max_cached_experts=capacity)) as eng:
+        rng = np.random.default_rng(0)
+        pre = prefill_bench(eng, 24, rng)
+        dec, runner = decode_bench(eng, 2, 5, 1, rng)
+    assert pre["tokens"] == 24 and pre["ms"] > 0 and pre["tokens_per_s"] > 0
+    assert dec["batch"] == 2 and dec["steps"] == 5 and dec["tokens_per_s"] > 0
+    assert dec["graph"] == "the numpy backend has no graphs" and runner.batch == 2
+    assert ("paging" in dec) == (capacity is not None)
+    if capacity is not None:
+        p = dec["paging"]
+        assert p["misses_per_token"] > 0 and 0.0 <= p["hit_rate"] <= 1.0
+        assert p["paging_gbps"] is not None and p["paging_gbps"] > 0     # the copies' host time stands in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_run_bench_reports_every_section(path, capacity):
+    from tests.runtime.cuda.conftest import gpu_available
+
+    if not gpu_available():
+        pytest.skip("no CUDA GPU / CuPy available")
+    r = run_bench(path, batch_size=2, seq_len=8, num_iters=3, warmup_iters=1, max_cached_experts=capacity,
+                  ceiling_bytes=1 << 20)
+    assert {"ceilings", "prefill", "decode", "kernels", "roofline"} <= set(r)
+    assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_experts"]["calls"] >= 3
+    assert r["kernels"]["moe_experts"]["bytes"] > 0          # the roofline counts the experts read
+    assert ("paging" in r["decode"]) == (capacity is not None)
+    assert "decode batch 2" in render(r)
