@@ -267,7 +267,6 @@ class ExpertPool:
         """Pool index for a routed expert (after the cache's decision); queues nothing yet."""
         c = self.counters
         resident = self.cache.contains(layer, e)
-        self._evicted_index = None
         self._need_copy = not resident
         src = self.cache.get(layer, e, lambda: self.source.blob_addr(layer, e), nbytes=self.blob_size)
         self._src = src
@@ -343,7 +342,6 @@ class ExpertPool:
         if len(missing) > room // 2:
             missing = missing[:room // 2]          # never let a prefetch churn most of the cache
         for e in missing:
-            self._evicted_index = None
             src = self.cache.get(layer, e, lambda e=e: self.source.blob_addr(layer, e), nbytes=self.blob_size)
             slot = self.cache.slot_of(layer, e)
             if slot is None:
