@@ -355,7 +355,7 @@ class Engine:
             pos = pos + 1
         return outs
 
-    # --- step-level access (generate_batch, benchmarks) ----------------------------------------------------------
+    # --- step-level access (generate_batch, benchmarks, colibri serve) -------------------------------------------
     @_serialized
     def decode_runner(self, batch: int, length: int) -> DecodeRunner:
         """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph)."""
@@ -369,9 +369,27 @@ class Engine:
         return self._runners[key]
 
     @_serialized
-    def prefill_into(self, runner: DecodeRunner, chunks: list[np.ndarray]):
-        """Prefill sequence s of the runner with chunks[s] from position 0; device logits [S, V] of their last rows."""
-        return self._prefill(chunks, runner.kv, list(range(len(chunks))), [0] * len(chunks))
+    def prefill_into(self, runner: DecodeRunner, chunks: list[np.ndarray], seqs: Sequence[int] | None = None,
+                     starts: Sequence[int] | None = None):
+        """Write chunks[i] into the runner's sequence seqs[i] (default i) from position starts[i] (default 0), in one
+        packed pass; device logits [S, V] of each chunk's last row. Positions before starts[i] must hold that
+        sequence's earlier tokens; what lies beyond a sequence's end is never read (a serving loop reuses slots and
+        extends only some of them). Raises InvalidInput for a slot outside the runner, a slot named twice, or a
+        chunk that is empty or would pass the runner's capacity."""
+        seqs = list(range(len(chunks))) if seqs is None else [int(s) for s in seqs]
+        starts = [0] * len(chunks) if starts is None else [int(p) for p in starts]
+        if len(seqs) != len(chunks) or len(starts) != len(chunks) or len(set(seqs)) != len(seqs):
+            raise InvalidInput("seqs and starts must name one distinct slot and position per chunk", field="seqs",
+                               value=seqs)
+        for s, p, c in zip(seqs, starts, chunks):
+            if len(c) == 0:
+                raise InvalidInput(f"the chunk for slot {s} is empty", field="chunks", value=s)
+            if not 0 <= s < runner.batch:
+                raise InvalidInput(f"slot {s} is outside the runner's {runner.batch}", field="seqs", value=s)
+            if p < 0 or p + len(c) > runner.capacity:
+                raise InvalidInput(f"positions {p}..{p + len(c) - 1} pass the runner's capacity {runner.capacity}",
+                                   field="starts", value=p)
+        return self._prefill(chunks, runner.kv, seqs, starts)
 
     @_serialized
     def argmax(self, logits) -> list[int]:
