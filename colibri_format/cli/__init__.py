@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 from typer.core import TyperGroup
 
-from . import bench, cache_sim, chat, convert, infer, inspect, validate
+from . import bench, cache_sim, chat, convert, infer, inspect, serve, validate
 from .common import out
 from .errors import Interrupted, report
 
@@ -42,6 +42,7 @@ app.command("infer")(infer.command)
 app.command("chat")(chat.command)
 app.command("cache-sim")(cache_sim.command)
 app.command("bench")(bench.command)
+app.command("serve")(serve.command)
 
 
 def _version_callback(value: bool) -> None:

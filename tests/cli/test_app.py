@@ -16,7 +16,7 @@ from colibri_format.cli import app, main
 
 PACKAGE = Path(colibri_format.__file__).resolve().parent
 COMMANDS = {"convert": "convert", "inspect": "inspect", "validate": "validate", "infer": "infer", "chat": "chat",
-            "cache-sim": "cache_sim", "bench": "bench"}            # command name: module under colibri_format.cli
+            "cache-sim": "cache_sim", "bench": "bench", "serve": "serve"}  # name: module under colibri_format.cli
 
 
 def test_every_command_module_is_registered_once():

@@ -1,0 +1,160 @@
+"""What `/metrics` shows, in the Prometheus text format: request outcomes, tokens and tokens/s, queue depth and
+running batch size, time to first token, and from the engine's `stats()` (a snapshot the scheduler thread takes
+about once a second) the expert cache hit rate and the rate experts are paged in (PCIe GB/s on the CUDA engine).
+
+Counters only grow; gauges are the latest value. Everything is updated from the scheduler thread and the event
+loop and read from the event loop, under one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OUTCOMES = ("finished", "cancelled", "failed", "rejected_queue_full", "rejected_invalid")
+RATE_WINDOW = 10.0            # seconds of generated tokens behind the tokens/s gauge
+
+
+class Metrics:
+    def __init__(self, max_batch_size: int = 0, max_queue: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.queue_depth = 0
+        self.running = 0
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefill_passes = 0
+        self.prefill_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self.decode_seconds = 0.0
+        self.ttft_buckets = [0] * len(TTFT_BUCKETS)
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.engine: dict[str, Any] = {}
+        self.paging_gb_per_s = 0.0
+        self._paged: tuple[float, int] | None = None
+
+    # --- updates ------------------------------------------------------------------------------------------------
+    def count(self, outcome: str, n: int = 1) -> None:
+        with self._lock:
+            self.outcomes[outcome] += n
+
+    def prefill(self, prompt_tokens: int, first_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prefill_passes += 1
+            self.prefill_seconds += seconds
+            self.prompt_tokens += prompt_tokens
+            self._tokens(first_tokens)
+
+    def decode_step(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.decode_steps += 1
+            self.decode_rows += rows
+            self.decode_seconds += seconds
+            self._tokens(rows)
+
+    def _tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.generation_tokens += n
+        self._recent.append((now, n))
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+            self._recent.popleft()
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft_sum += seconds
+            self.ttft_count += 1
+            for i, bound in enumerate(TTFT_BUCKETS):
+                if seconds <= bound:
+                    self.ttft_buckets[i] += 1
+
+    def engine_stats(self, stats: dict[str, Any], now: float) -> None:
+        """A new engine.stats() snapshot; the paging rate is taken between this snapshot and the previous one."""
+        paged = int(stats.get("paging", {}).get("bytes_paged", 0))
+        with self._lock:
+            if self._paged is not None and now > self._paged[0]:
+                self.paging_gb_per_s = (paged - self._paged[1]) / (now - self._paged[0]) / 1e9
+            self._paged = (now, paged)
+            self.engine = stats
+
+    # --- reading ------------------------------------------------------------------------------------------------
+    def tokens_per_s(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            return sum(n for t, n in self._recent if t >= now - RATE_WINDOW) / RATE_WINDOW
+
+    def snapshot(self) -> dict[str, Any]:
+        """The figures as one dict (what `render` formats)."""
+        rate = self.tokens_per_s()
+        with self._lock:
+            paging = self.engine.get("paging", {})
+            accesses = paging.get("hits", 0) + paging.get("misses", 0)
+            resident = bool(self.engine.get("resident", True))
+            hit_rate = paging.get("hits", 0) / accesses if accesses else (1.0 if resident else 0.0)
+            return {"queue_depth": self.queue_depth, "running": self.running, "max_batch_size": self.max_batch_size,
+                    "max_queue": self.max_queue, "outcomes": dict(self.outcomes),
+                    "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                    "tokens_per_s": rate, "prefill_passes": self.prefill_passes,
+                    "prefill_seconds": self.prefill_seconds, "decode_steps": self.decode_steps,
+                    "decode_rows": self.decode_rows, "decode_seconds": self.decode_seconds,
+                    "ttft_buckets": list(self.ttft_buckets), "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
+                    "experts_resident": resident, "expert_hit_rate": hit_rate,
+                    "expert_hits": paging.get("hits", 0), "expert_misses": paging.get("misses", 0),
+                    "bytes_paged": paging.get("bytes_paged", 0), "paging_gb_per_s": self.paging_gb_per_s}
+
+    def render(self) -> str:
+        """The Prometheus text exposition (version 0.0.4)."""
+        s = self.snapshot()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP colibri_{name} {help_text}")
+            lines.append(f"# TYPE colibri_{name} {kind}")
+            lines.extend(f"colibri_{name}{labels} {_number(value)}" for labels, value in samples)
+
+        metric("requests_total", "counter", "Requests by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in s["outcomes"].items()])
+        metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", s["queue_depth"])])
+        metric("queue_limit", "gauge", "Waiting requests beyond which a request is refused (429).",
+               [("", s["max_queue"])])
+        metric("running_requests", "gauge", "Requests in the running batch.", [("", s["running"])])
+        metric("max_batch_size", "gauge", "Slots of the running batch.", [("", s["max_batch_size"])])
+        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prompt_tokens"])])
+        metric("generation_tokens_total", "counter", "Tokens generated.", [("", s["generation_tokens"])])
+        metric("generation_tokens_per_second", "gauge", f"Tokens generated per second over the last "
+               f"{RATE_WINDOW:g} s.", [("", s["tokens_per_s"])])
+        metric("prefill_passes_total", "counter", "Prefill passes.", [("", s["prefill_passes"])])
+        metric("prefill_seconds_total", "counter", "Seconds spent in prefill passes.", [("", s["prefill_seconds"])])
+        metric("decode_steps_total", "counter", "Decode steps.", [("", s["decode_steps"])])
+        metric("decode_rows_total", "counter", "Running requests summed over decode steps (mean batch size = "
+               "rows / steps).", [("", s["decode_rows"])])
+        metric("decode_seconds_total", "counter", "Seconds spent in decode steps.", [("", s["decode_seconds"])])
+        cumulative = [(f'{{le="{b:g}"}}', n) for b, n in zip(TTFT_BUCKETS, s["ttft_buckets"])]
+        lines.append("# HELP colibri_time_to_first_token_seconds From arrival to the first generated token.")
+        lines.append("# TYPE colibri_time_to_first_token_seconds histogram")
+        lines.extend(f"colibri_time_to_first_token_seconds_bucket{labels} {n}" for labels, n in cumulative)
+        lines.append(f'colibri_time_to_first_token_seconds_bucket{{le="+Inf"}} {s["ttft_count"]}')
+        lines.append(f"colibri_time_to_first_token_seconds_sum {_number(s['ttft_sum'])}")
+        lines.append(f"colibri_time_to_first_token_seconds_count {s['ttft_count']}")
+        metric("experts_resident", "gauge", "1 when every expert is resident, 0 when experts are paged.",
+               [("", int(s["experts_resident"]))])
+        metric("expert_cache_hit_rate", "gauge", "Expert cache hits / accesses (1 when every expert is resident).",
+               [("", s["expert_hit_rate"])])
+        metric("expert_cache_hits_total", "counter", "Expert accesses served from the cache.", [("", s["expert_hits"])])
+        metric("expert_cache_misses_total", "counter", "Expert accesses that paged the expert in.",
+               [("", s["expert_misses"])])
+        metric("expert_bytes_paged_total", "counter", "Bytes of experts copied in (host to device on CUDA).",
+               [("", s["bytes_paged"])])
+        metric("expert_paging_gb_per_second", "gauge", "Expert bytes paged per second between the last two engine "
+               "snapshots (PCIe GB/s on the CUDA engine).", [("", s["paging_gb_per_s"])])
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
