@@ -76,7 +76,7 @@ class Metrics:
 
     def engine_stats(self, stats: dict[str, Any], now: float) -> None:
         """A new engine.stats() snapshot; the paging rate is taken between this snapshot and the previous one."""
-        paged = int(stats.get("paging", {}).get("bytes_paged", 0))
+        paged = _pcie_bytes(stats.get("paging", {}))
         with self._lock:
             if self._paged is not None and now > self._paged[0]:
                 self.paging_gb_per_s = (paged - self._paged[1]) / (now - self._paged[0]) / 1e9
@@ -106,7 +106,7 @@ class Metrics:
                     "ttft_buckets": list(self.ttft_buckets), "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
                     "experts_resident": resident, "expert_hit_rate": hit_rate,
                     "expert_hits": paging.get("hits", 0), "expert_misses": paging.get("misses", 0),
-                    "bytes_paged": paging.get("bytes_paged", 0), "paging_gb_per_s": self.paging_gb_per_s}
+                    "bytes_paged": _pcie_bytes(paging), "paging_gb_per_s": self.paging_gb_per_s}
 
     def render(self) -> str:
         """The Prometheus text exposition (version 0.0.4)."""
@@ -149,11 +149,16 @@ class Metrics:
         metric("expert_cache_hits_total", "counter", "Expert accesses served from the cache.", [("", s["expert_hits"])])
         metric("expert_cache_misses_total", "counter", "Expert accesses that paged the expert in.",
                [("", s["expert_misses"])])
-        metric("expert_bytes_paged_total", "counter", "Bytes of experts copied in (host to device on CUDA).",
-               [("", s["bytes_paged"])])
-        metric("expert_paging_gb_per_second", "gauge", "Expert bytes paged per second between the last two engine "
-               "snapshots (PCIe GB/s on the CUDA engine).", [("", s["paging_gb_per_s"])])
+        metric("expert_bytes_paged_total", "counter", "Bytes of experts brought from host memory (copied into cache "
+               "slots, or read in place by the kernels): PCIe traffic on the CUDA engine.", [("", s["bytes_paged"])])
+        metric("expert_paging_gb_per_second", "gauge", "Expert bytes brought from host memory per second between "
+               "the last two engine snapshots (PCIe GB/s on the CUDA engine).", [("", s["paging_gb_per_s"])])
         return "\n".join(lines) + "\n"
+
+
+def _pcie_bytes(paging: dict[str, Any]) -> int:
+    """Expert bytes brought from host memory: copied into slots, plus read in place where the engine does that."""
+    return int(paging.get("bytes_paged", 0)) + int(paging.get("bytes_zero_copy", 0))
 
 
 def _number(value: float) -> str:
