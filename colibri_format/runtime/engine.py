@@ -5,9 +5,10 @@
         eng.generate([1, 2, 3], max_new_tokens=32)       # GenerationResult(output_ids, text, stats)
 
 Dense weights are loaded once as the backend keeps them. Experts live in an `ExpertPool`: all resident when they
-fit in `max_cached_experts` (or it is None), else paged from the file mapping through the `ExpertCache`. Prefill
-is one eager packed pass; decode steps go through a `DecodeRunner`, captured as a CUDA graph when the backend has
-graphs and nothing in the step needs the host (`stats()["graphs"]` says why not otherwise).
+fit in `max_cached_experts` / `gpu_memory` (or neither is set), else paged: the kernels read a missing expert
+from the registered file mapping and the `ExpertCache` runs between passes. Prefill is one eager packed pass;
+decode steps go through a `DecodeRunner`, captured as a CUDA graph when the backend has graphs and nothing in the
+step needs the host (`stats()["graphs"]` says why not otherwise), paged or not.
 `colibri_init` / `colibri_infer` / `colibri_free` are the C-style names users know from the original project.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.args import ModelArgs
-from colibri_format.runtime.expert_pool import ExpertPool
+from colibri_format.runtime.expert_pool import MEMORY_RESERVE, ExpertPool, capacity_from_budget, parse_memory
 from colibri_format.runtime.forward import Decoder, KVBuffers, StepInputs, Workspace, host_step
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
@@ -43,6 +44,8 @@ class EngineConfig:
     max_batch_size: int = 32
     max_seq_len: int = 2048
     max_cached_experts: int | None = None     # None: keep every expert once loaded
+    gpu_memory: int | str | None = None       # a device memory budget ("20GiB"): sizes the expert cache from what
+                                              # dense weights, one sequence's KV cache and a workspace leave
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
@@ -64,6 +67,11 @@ class EngineConfig:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
         if self.device not in ("cpu", "cuda"):
             raise InvalidInput("device must be 'cpu' or 'cuda'", field="device", value=self.device)
+        if self.gpu_memory is not None:
+            if self.max_cached_experts is not None:
+                raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
+                                   value=self.gpu_memory)
+            object.__setattr__(self, "gpu_memory", parse_memory(self.gpu_memory))
         if self.precision not in ("float32", "float64") or (self.device == "cuda" and self.precision != "float32"):
             raise InvalidInput("precision must be 'float32', or 'float64' on device='cpu'", field="precision",
                                value=self.precision)
@@ -82,8 +90,9 @@ class GenerationStats:
     cache_hits: int = 0
     cache_misses: int = 0
     expert_loads: int = 0
-    bytes_paged: int = 0
-    stall_seconds: float = 0.0                # CUDA engine: compute idle, waiting for expert copies
+    bytes_paged: int = 0                      # copied into device slots
+    bytes_zero_copy: int = 0                  # read by the kernels straight from host memory (misses)
+    stall_seconds: float = 0.0                # host time waiting for route totals and copies
     finish_reason: str = "length"             # length | stop | callback | max_seq_len
 
     def set_rates(self) -> None:
@@ -100,7 +109,7 @@ class GenerationStats:
         seconds = self.prefill_seconds + self.decode_seconds
         d["hit_rate"] = self.cache_hits / accesses if accesses else 0.0
         d["misses_per_token"] = self.cache_misses / tokens if tokens else 0.0
-        d["paged_gb_per_s"] = self.bytes_paged / seconds / 1e9 if seconds else 0.0
+        d["paged_gb_per_s"] = (self.bytes_paged + self.bytes_zero_copy) / seconds / 1e9 if seconds else 0.0
         d["stall_ms_per_token"] = 1e3 * self.stall_seconds / tokens if tokens else 0.0
         return d
 
@@ -128,11 +137,11 @@ def _check_pinned(pinned, moe_layers, num_experts: int) -> None:
                                value=repr(pair)[:64])
 
 
-def make_cache(config: EngineConfig, on_evict=None):
+def make_cache(config: EngineConfig, capacity: int | None, on_evict=None):
     from colibri_format.runtime.cache.expert_cache import ExpertCache
 
     pinned = [tuple(p) for p in config.pinned_experts] if config.pinned_experts is not None else None
-    cache = ExpertCache(config.max_cached_experts, policy=config.cache_policy, scope=config.cache_scope,
+    cache = ExpertCache(capacity, policy=config.cache_policy, scope=config.cache_scope,
                         decay=config.decay_factor, clock=config.cache_clock, pinned=pinned,
                         history=config.cache_history and config.cache_policy in ("lfu", "lrfu"))
     cache.on_evict = on_evict
@@ -234,8 +243,10 @@ class Engine:
         t0 = time.perf_counter()
         with self.stream:
             self.dense = self.be.dense(self.reader)
+            capacity = self._cache_capacity()
             self.experts = ExpertPool(self.reader, self.args, cfg, self.be, self.stream,
-                                      lambda on_evict: make_cache(cfg, on_evict), prefetch=cfg.prefetch)
+                                      lambda on_evict: make_cache(cfg, capacity, on_evict), capacity,
+                                      prefetch=cfg.prefetch)
         self.be.synchronize()        # uploads made outside the compute stream are done before it runs
         self.load_seconds = time.perf_counter() - t0
         self.cache = self.experts.cache
@@ -244,6 +255,16 @@ class Engine:
         self._runners: dict[tuple[int, int], DecodeRunner] = {}
         self._tokenizer: Any = None
         self._step = 0
+
+    def _cache_capacity(self) -> int | None:
+        """max_cached_experts, or what the gpu_memory budget leaves for experts (None: all resident)."""
+        cfg, a = self.config, self.args
+        if cfg.gpu_memory is None or not a.moe_layers:
+            return cfg.max_cached_experts
+        kv_one_sequence = 2 * a.num_layers * cfg.max_seq_len * a.n_kv_heads * a.head_dim * self.be.dtype.itemsize
+        return capacity_from_budget(cfg.gpu_memory, self.dense.nbytes, kv_one_sequence + MEMORY_RESERVE,
+                                    int(self.reader.blob_layout.size), cfg.cache_scope, len(a.moe_layers),
+                                    int(self.reader.model.get("num_experts") or 0))
 
     # --- properties -------------------------------------------------------------------------------------
     @property
@@ -265,8 +286,6 @@ class Engine:
             return f"the {self.be.name} backend has no graphs"
         if not self.config.use_graphs:
             return "graphs disabled"
-        if not self.experts.resident:
-            return "experts are paged: routing must reach the host every layer"
         if self.decoder.forced_routes is not None:
             return "routing is replayed from the host (benchmark)"
         return self.be.graph_blocker(self.args, batch)
@@ -276,8 +295,9 @@ class Engine:
         """Engine-level state: expert residency and paging counters, graph status, memory."""
         graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason) for (b, c), r in self._runners.items()}
         ex = self.experts
+        ex.flush()
         out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
-               "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
+               "capacity": ex.capacity, "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
                "host_source": ex.source.mode, "host_source_note": ex.source.reason,
                "load_seconds": self.load_seconds, "graphs": graphs, "paging": ex.counters.as_dict()}
         if self.cache is not None:
@@ -414,9 +434,11 @@ class Engine:
             rows = None if all_logits else self.be.to_device(host.out_rows)
             self._begin(seqs, chunks, starts, T)
             try:
-                return self.decoder.run(inp, kv, Workspace(self.be), T, rows, max_len=int(host.pos.max()) + 1)
+                logits = self.decoder.run(inp, kv, Workspace(self.be), T, rows, max_len=int(host.pos.max()) + 1)
             finally:
                 self.decoder.route_hook = None
+            self.experts.after_pass()
+            return logits
 
     def _begin(self, seqs, chunks, starts, rows: int) -> None:
         """Bookkeeping of one pass: trace rows, the expert cache's token clock, the route hook if routes are read."""
@@ -463,12 +485,15 @@ class Engine:
             self.decoder.route_hook = None
 
     def _counts(self) -> tuple:
+        self.experts.flush()
         c = self.experts.counters
-        return c.hits, c.misses, c.loads, c.bytes_paged, set(c.touched), c.stall_seconds
+        return c.hits, c.misses, c.loads, c.bytes_paged, set(c.touched), c.stall_seconds, c.bytes_zero_copy
 
     def _finish_stats(self, stats: GenerationStats, c0: tuple) -> None:
+        self.experts.flush()
         c = self.experts.counters
         stats.cache_hits, stats.cache_misses = c.hits - c0[0], c.misses - c0[1]
+        stats.bytes_zero_copy = c.bytes_zero_copy - c0[6]
         stats.expert_loads, stats.bytes_paged = c.loads - c0[2], c.bytes_paged - c0[3]
         stats.experts_touched = len(c.touched - c0[4])
         stats.stall_seconds = c.stall_seconds - c0[5]

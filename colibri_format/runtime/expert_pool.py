@@ -1,30 +1,42 @@
-"""Where each MoE layer's experts are: a fixed pool of blob-sized slots in a backend's memory, filled once
-(all resident) or paged from the file on demand. The pool answers residency only; the decoder computes.
+"""Where each MoE layer's experts are: a table of blob addresses per layer that the expert kernels read, filled
+once (all resident) or kept up to date by a cache that runs beside the computation (paged).
 
 Resident: every blob is placed once at start, layer by layer (one copy per layer: a layer's blobs are contiguous
-in the file; a backend whose device is host memory points straight into the file mapping instead). The tables
-never change and routing never leaves the device, so a CUDA decode step can be captured in a graph.
+in the file; a backend whose device is host memory points straight into the file mapping instead).
 
-Paged (`max_cached_experts` below the total): the router's choices reach the host once per MoE layer;
-`runtime.cache.expert_cache.ExpertCache` decides residency and its slot ids index the pool, so every backend
-evicts alike. A miss is one copy of the whole blob from the file mapping into its slot, on a copy stream separate
-from compute. On CUDA the mapping is pinned in place with `cudaHostRegister(..., ReadOnly)` (~55 GB/s on the
-H200, against ~43 GB/s for a pinned staging ring, which also costs a host memcpy per miss); if registration
-fails, copies go through a double-buffered pinned staging ring. With verification on, a blob is hashed on the
-host by the reader before its first copy, so a corrupt expert never reaches a kernel.
+Paged (`max_cached_experts` or `gpu_memory` below what all experts need): the table entry of an expert is its
+device slot when the cache holds it, otherwise the blob's address in the host mapping, which the kernels read
+over PCIe themselves (the mapping is pinned with `cudaHostRegister`; with unified addressing the host address is
+the device address). So a pass never waits for the host: the decode step stays one CUDA graph and routing
+never leaves the device. The kernels count the pairs routed to each expert (`route_totals`, cumulative).
 
-When a layer needs more distinct experts than the pool holds, its experts run in several passes: each pass
-points the experts of other passes at an all-zero blob (which contributes exactly zero) and accumulates into
-the residual. Ordering between the streams uses events: a copy into a slot waits for the last pass that read
-the slot; a pass waits for the copies before it.
+After each pass the host runs the cache off the critical path (`after_pass`):
+1. it queues a copy of the route totals to pinned memory (event-ordered behind the pass);
+2. it reads the previous pass's totals (complete by then: the host has read that pass's logits) and hands each
+   routed expert to `runtime.cache.expert_cache.ExpertCache` (lrfu, lru, lfu, static: the simulator's code);
+   an access is a hit when the table pointed at a slot during that pass, else a miss read over PCIe;
+3. evictions point their entries back at the mapping at once; an admitted expert is copied into its freed
+   slot on a copy stream that first waits for the table write (no pass reads the slot any more), and its entry
+   is published one pass later, after the copy's event: a kernel sees a valid old or new address, never a
+   half-copied slot.
+Table writes are ordered on the compute stream between passes (the whole host mirror, when it changed).
+
+Checksums: on a device that reads the mapping directly, every blob is verified on the host at open (a thread
+pool; `verify="never"` skips it), before any address is published to a table: no corrupt byte reaches a kernel.
+The NumPy backend keeps verifying each blob on first read. When the mapping cannot be registered, the expert
+section is copied once into pinned host memory (verified on the way) and read from there.
 
 Prefetch (optional): the decoder applies the next MoE layer's router to the current layer's normalised hidden
-state; its predicted experts that are not resident are paged in while the current layer computes.
+state and the kernels count its predictions; the host scores them (recall, precision) and admits predicted
+experts through the same cache.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -32,24 +44,45 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
-STAGING_BUFFERS = 2
+VERIFY_THREADS = 8            # host threads hashing blobs at open (xxhash releases the GIL on large inputs)
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+              "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+MAX_MEMORY_BYTES = 1 << 50    # a budget beyond this is a typo
+
+
+def parse_memory(value) -> int:
+    """Bytes of a budget given as an integer or a string like '20GiB', '512MB', '1.5G' (binary for bare K/M/G)."""
+    if isinstance(value, bool):
+        raise InvalidInput("gpu_memory must be a size such as 20GiB", field="gpu_memory", value=value)
+    if isinstance(value, int):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in SIZE_UNITS or len(m.group(1)) > 20:
+            raise InvalidInput("gpu_memory must be a size such as 20GiB, 512MB or a byte count", field="gpu_memory",
+                               value=value)
+        size = int(float(m.group(1)) * SIZE_UNITS[unit])
+    if not 0 < size <= MAX_MEMORY_BYTES:
+        raise InvalidInput("gpu_memory must be positive and at most 1 PiB", field="gpu_memory", value=value)
+    return size
 
 
 @dataclass
 class PagingCounters:
-    """Demand accesses (one per routed expert per layer per forward pass) and what paging moved."""
-    hits: int = 0
-    misses: int = 0
-    loads: int = 0                # blob copies (demand + prefetch)
-    prefetch_loads: int = 0
-    prefetch_hits: int = 0        # demand accesses served by a prefetched blob
-    predicted: int = 0            # experts the prefetch router predicted (distinct per layer)
-    predicted_correct: int = 0    # of the next layer's actually routed experts, how many were predicted
-    actual_next: int = 0          # the next layer's routed experts (distinct), for recall
-    bytes_paged: int = 0
-    copy_seconds: float = 0.0     # host time spent issuing copies (staging memcpy included)
-    stall_seconds: float = 0.0    # compute idle, waiting for copies (measured on the host)
-    passes: int = 0
+    """Demand accesses (one per routed expert per layer per pass) and the bytes paging moved."""
+    hits: int = 0                 # accesses served from a device slot
+    misses: int = 0               # accesses the kernels read over PCIe from the host mapping
+    loads: int = 0                # blob copies into slots (admissions)
+    prefetch_loads: int = 0       # of those, admitted because the prefetch router predicted them
+    bytes_paged: int = 0          # bytes copied into slots
+    bytes_zero_copy: int = 0      # bytes the kernels read from host memory (a whole blob per miss)
+    predicted: int = 0            # experts the prefetch router predicted (distinct per layer and pass)
+    predicted_correct: int = 0    # of those, routed in that layer in the same pass
+    actual_next: int = 0          # routed experts (distinct) of the layers that had a prediction
+    copy_seconds: float = 0.0     # host time spent issuing copies
+    stall_seconds: float = 0.0    # host time waiting for route totals and copies
+    verify_seconds: float = 0.0   # host time verifying blobs at open
     tokens: int = 0
     touched: set = field(default_factory=set)
 
@@ -59,8 +92,10 @@ class PagingCounters:
         acc = self.hits + self.misses
         d["hit_rate"] = self.hits / acc if acc else 0.0
         d["misses_per_token"] = self.misses / self.tokens if self.tokens else 0.0
+        d["pcie_bytes_per_token"] = (self.bytes_paged + self.bytes_zero_copy) / self.tokens if self.tokens else 0.0
         d["stall_ms_per_token"] = 1e3 * self.stall_seconds / self.tokens if self.tokens else 0.0
         d["prefetch_recall"] = self.predicted_correct / self.actual_next if self.actual_next else 0.0
+        d["prefetch_precision"] = self.predicted_correct / self.predicted if self.predicted else 0.0
         return d
 
 
@@ -75,13 +110,27 @@ def pool_plan(capacity: int | None, scope: str, num_layers: int, num_experts: in
     return False, capacity * num_layers if per_layer else capacity
 
 
+def capacity_from_budget(budget: int, used: int, reserve: int, blob_size: int, scope: str, num_layers: int,
+                         num_experts: int) -> int:
+    """The max_cached_experts a GPU memory budget leaves room for after `used` (dense weights) and `reserve`
+    (KV cache of one sequence and workspace); refused with the smallest budget that would run."""
+    slots = (budget - used - reserve) // blob_size
+    per_layer = slots // num_layers if scope == "per_layer" else slots
+    if per_layer < 1:
+        least = used + reserve + blob_size * (num_layers if scope == "per_layer" else 1)
+        raise InvalidInput(f"gpu_memory {budget / 2**30:.2f} GiB leaves no room for experts after "
+                           f"{used / 2**30:.2f} GiB of dense weights and a {reserve / 2**30:.2f} GiB reserve; "
+                           f"at least {least / 2**30:.2f} GiB is needed", field="gpu_memory", value=budget)
+    return int(min(per_layer, num_experts if scope == "per_layer" else num_layers * num_experts))
+
+
 def check_budget(slots: int, blob_size: int, free: int, scope: str, num_layers: int, resident: bool) -> None:
     """A pool that cannot fit is refused with the largest max_cached_experts that would."""
-    need = (slots + 2) * blob_size          # + the zero blob and one scratch slot
+    need = slots * blob_size
     usable = free - MEMORY_RESERVE
     if need <= usable:
         return
-    fit = max(0, usable // blob_size - 2)
+    fit = max(0, usable // blob_size)
     largest = fit // num_layers if scope == "per_layer" else fit
     what = "all experts" if resident else f"{slots} expert slots"
     raise InvalidInput(f"{what} need {need / 2**30:.2f} GiB of device memory but {max(usable, 0) / 2**30:.2f} GiB "
@@ -91,45 +140,60 @@ def check_budget(slots: int, blob_size: int, free: int, scope: str, num_layers: 
 
 
 class HostSource:
-    """Where blob bytes come from: the registered mapping, or a pinned staging ring when registration fails."""
+    """Device-readable host addresses of every blob: the file mapping pinned in place, or, when registration
+    fails, one copy of the expert section in pinned host memory (made once, verified on the way)."""
 
-    def __init__(self, reader, be, base_addr: int, size: int) -> None:
+    def __init__(self, reader, be, layers: list[int], num_experts: int, verify: bool) -> None:
         self.reader, self.be = reader, be
-        self.base, self.size = base_addr, size
+        self.base, self.size = _mapping(reader)
         self.registered = False
         self.reason = ""
+        self._pinned = None
         try:
-            be.register_host(base_addr, size)
+            be.register_host(self.base, self.size)
             self.registered = True
             self.mode = "registered"
-        except Exception as exc:  # noqa: BLE001 -- any failure: use the staging ring instead
-            self.mode = "staging"
-            self.reason = f"cudaHostRegister of the file mapping failed ({exc}); using a pinned staging ring"
-        self._staging: list = []
-        self._staging_events: list = [None] * STAGING_BUFFERS
-        self._next = 0
+        except Exception as exc:  # noqa: BLE001 -- any failure: read a pinned copy instead
+            self.mode = "pinned copy"
+            self.reason = (f"cudaHostRegister of the file mapping failed ({exc}); the experts are read from a "
+                           f"pinned copy in host memory")
+        plan = reader.tables.plan
+        self.first = plan.blob_offset(layers[0], 0) if layers else 0
+        end = plan.blob_offset(layers[-1], num_experts - 1) + int(reader.blob_layout.size) if layers else 0
+        if not self.registered:
+            self._pinned = be.pinned_empty(max(end - self.first, 1))
+        self.verify_seconds = self._verify_and_fill(layers, num_experts, verify)
 
-    def blob_addr(self, layer: int, expert: int) -> int:
-        """Host address of a blob; the reader verifies it on first use (per its policy) before we copy."""
-        view = self.reader.expert_blob(layer, expert)
-        return int(np.frombuffer(view, np.uint8).ctypes.data)
-
-    def copy(self, dst: int, src: int, nbytes: int, stream) -> None:
+    def addr(self, layer: int, expert: int) -> int:
+        offset = self.reader.blob_offset(layer, expert)
         if self.registered:
-            self.be.copy_htod(dst, src, nbytes, stream)
-            return
-        if not self._staging:
-            self._staging = [self.be.pinned_empty(nbytes) for _ in range(STAGING_BUFFERS)]
-        i = self._next
-        self._next = (i + 1) % STAGING_BUFFERS
-        if self._staging_events[i] is not None:
-            self.be.sync_event(self._staging_events[i])     # the buffer's previous copy has left it
-        buf = self._staging[i]
-        buf[:nbytes] = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * nbytes).from_address(src))
-        self.be.copy_htod(dst, int(buf.ctypes.data), nbytes, stream)
-        self._staging_events[i] = self.be.record(stream)
+            return self.base + offset
+        return int(self._pinned.ctypes.data) + offset - self.first
+
+    def _verify_and_fill(self, layers: list[int], num_experts: int, verify: bool) -> float:
+        """Hash every blob (when asked) and fill the pinned copy (when there is one), before any table exists."""
+        if not verify and self.registered:
+            return 0.0
+        t0 = time.perf_counter()
+        view = np.frombuffer(memoryview(self.reader._map()), np.uint8)
+        size = int(self.reader.blob_layout.size)
+
+        def one(pair):
+            layer, e = pair
+            if verify:
+                self.reader.verify_expert(layer, e)
+            if not self.registered:
+                off = self.reader.blob_offset(layer, e)
+                self._pinned[off - self.first:off - self.first + size] = view[off:off + size]
+
+        pairs = [(layer, e) for layer in layers for e in range(num_experts)]
+        with ThreadPoolExecutor(min(VERIFY_THREADS, os.cpu_count() or 1)) as pool:
+            for _ in pool.map(one, pairs):
+                pass
+        return time.perf_counter() - t0
 
     def close(self) -> None:
+        self._pinned = None
         if self.registered:
             self.registered = False
             try:
@@ -138,224 +202,249 @@ class HostSource:
                 pass
 
 
+def _mapping(reader) -> tuple[int, int]:
+    """(address, size) of the whole file mapping, found through a (verified) dense tensor's view of it."""
+    entry = reader.tables.dense[0]
+    view = reader.dense(entry.name)
+    return int(view.ctypes.data) - int(entry.offset), int(reader.tables.file_size)
+
+
+@dataclass
+class _Snapshot:
+    """The route totals copied behind one pass, and the residency the pass saw."""
+    totals: np.ndarray
+    event: object
+    predicted: np.ndarray | None
+    resident: np.ndarray
+
+
 class ExpertPool:
-    def __init__(self, reader, args, config, be, compute_stream, cache_factory, prefetch: bool = False) -> None:
+    def __init__(self, reader, args, config, be, compute_stream, cache_factory, capacity: int | None = None,
+                 prefetch: bool = False) -> None:
         self.reader, self.a, self.be = reader, args, be
-        layout = reader.blob_layout
-        self.layout, self.blob_size = layout, int(layout.size)
+        self.layout, self.blob_size = reader.blob_layout, int(reader.blob_layout.size)
         self.layers = sorted(args.moe_layers)
         self.E = int(reader.tables.plan.num_experts)
-        self.scope = config.cache_scope
-        self.capacity = config.max_cached_experts
-        self.resident, self.slots = pool_plan(self.capacity, self.scope, len(self.layers), self.E)
+        self.scope, self.capacity = config.cache_scope, capacity
+        self.resident, self.slots = pool_plan(capacity, self.scope, len(self.layers), self.E)
         check_budget(self.slots, self.blob_size, be.free_memory(), self.scope, len(self.layers), self.resident)
-        self.compute = compute_stream
-        self.copy_stream = be.new_stream()
+        self.compute, self.copy_stream = compute_stream, be.new_stream()
         in_place = self.resident and be.host_is_device     # point into the file mapping: nothing to copy
-        self.pool = be.empty(0 if in_place else (self.slots + 1) * self.blob_size, np.uint8)   # + a scratch slot
+        self.pool = be.empty(0 if in_place else self.slots * self.blob_size, np.uint8)
         self.base = be.ptr(self.pool)
-        self.zero = be.zeros(self.blob_size, np.uint8)
-        self.zero_ptr = be.ptr(self.zero)
-        self.source = HostSource(reader, be, *self._mapping(reader))
         self.counters = PagingCounters()
         self.prefetch = bool(prefetch) and not self.resident
-        self.scratch_index = self.slots
-        self._slot_busy: dict[int, object] = {}
-        self._last_copy = None
-        self._copy_pending = False
-        self._prefetched: set = set()
-        self._predicted: dict[int, set] = {}
-        self.resident_tables: dict[int, object] = {}
+        self.tracking = not self.resident or be.host_is_device     # count routes (host-side stats, the cache)
+        self.cache = None
         self.time_copies = False          # bracket each copy with timing events (paging GB/s)
         self._copy_times: list = []
-        self.cache = None
+        self.source = None
         try:
+            verify = config.verify != "never" and not be.host_is_device and not self.resident
+            self.source = HostSource(reader, be, self.layers, self.E, verify)
+            self.counters.verify_seconds = self.source.verify_seconds
+            self.host = np.array([[self.source.addr(layer, e) for e in range(self.E)] for layer in self.layers],
+                                 np.uint64).reshape(len(self.layers), self.E)
+            self.mirror = self.host.copy()                    # what the device table says, entry by entry
             if in_place:
-                self._map_all()
+                self.load_seconds = 0.0
             elif self.resident:
                 self._load_all(config.verify)
             else:
                 self.cache = cache_factory(on_evict=self._on_evict)
+            self._make_tables()
         except BaseException:      # e.g. a corrupt blob: never leave the file mapping registered behind us
             self.close()
             raise
-        self.bytes_on_device = 0 if in_place else (self.slots + 2) * self.blob_size
+        self.bytes_on_device = 0 if in_place else self.slots * self.blob_size
 
-    @staticmethod
-    def _mapping(reader) -> tuple[int, int]:
-        """(address, size) of the whole file mapping, found through a (verified) dense tensor's view of it."""
-        entry = reader.tables.dense[0]
-        view = reader.dense(entry.name)
-        return int(view.ctypes.data) - int(entry.offset), int(reader.tables.file_size)
+    # --- tables ---------------------------------------------------------------------------------------------
+    def _make_tables(self) -> None:
+        L, be = len(self.layers), self.be
+        self.entries = be.to_device(self.mirror)
+        self.totals = be.zeros((L, self.E), np.uint32) if self.tracking else None
+        self.predictions = be.zeros((L, self.E), np.uint32) if self.prefetch else None
+        check = (lambda layer: (lambda e: self.reader.expert_blob(layer, e))) if be.host_is_device else None
+        self.layer_tables = {
+            layer: be.expert_table(self.entries[li], self.layout, check=check(layer) if check else None,
+                                   route_totals=self.totals[li] if self.tracking else None)
+            for li, layer in enumerate(self.layers)}
+        self._seen = np.zeros((L, self.E), np.uint32)
+        self._seen_predicted = np.zeros((L, self.E), np.uint32)
+        self._snapshot: _Snapshot | None = None
+        self._spare: list[np.ndarray] = [be.pinned_empty(L * self.E * 4).view(np.uint32).reshape(L, self.E)
+                                         for _ in range(4 if self.prefetch else 2)] if self.tracking else []
+        self._pending: dict[tuple[int, int], int] = {}     # copied, not yet published: (li, e) -> slot address
+        self._admitting: dict[tuple[int, int], int] = {}   # admitted by the cache, copy not yet queued -> index
+        self._pending_event = None
+        self._dirty = False
+        self._uploads = [(be.pinned_empty(self.mirror.nbytes).view(np.uint64).reshape(self.mirror.shape), None)
+                         for _ in range(2)] if self.cache is not None else []
+        self._upload_next = 0
 
-    # --- tables -----------------------------------------------------------------------------------------
-    def table(self, ptrs):
-        return self.be.expert_table(ptrs, self.layout, self.zero_ptr)
+    def table(self, layer: int):
+        """The expert table the kernels of `layer` read (a fixed device array; its entries change between passes)."""
+        return self.layer_tables[layer]
 
     def _slot_addr(self, index: int) -> int:
         return self.base + index * self.blob_size
 
+    def resident_mask(self) -> np.ndarray:
+        """[layers, E] True where a pass now reads the expert from the device's own memory (or the backend's)."""
+        if self.resident:
+            return np.ones(self.mirror.shape, bool)
+        return self.mirror != self.host
+
+    def _upload(self) -> None:
+        """The whole mirror into the device table, on the compute stream, from a pinned buffer of a pair (the
+        other may still be in flight; the one reused here was queued two uploads ago)."""
+        buf, event = self._uploads[self._upload_next]
+        if event is not None:
+            self.be.sync_event(event)
+        buf[...] = self.mirror
+        self.be.copy_htod(self.be.ptr(self.entries), int(buf.ctypes.data), buf.nbytes, self.compute)
+        self._uploads[self._upload_next] = (buf, self.be.record(self.compute))
+        self._upload_next ^= 1
+
     # --- resident -----------------------------------------------------------------------------------------
     def _load_all(self, verify: str) -> None:
         """One copy per layer (its blobs are contiguous in the file), after verifying each blob on the host."""
-        plan = self.reader.tables.plan
         t0 = time.perf_counter()
         for li, layer in enumerate(self.layers):
             if verify != "never":
                 for e in range(self.E):
                     self.reader.verify_expert(layer, e)
-            src = self.source.base + plan.blob_offset(layer, 0)
-            dst = self._slot_addr(li * self.E)
-            if self.source.registered:
-                self.be.copy_htod(dst, src, self.E * self.blob_size, self.copy_stream)
-            else:
-                for e in range(self.E):
-                    self.source.copy(dst + e * self.blob_size, src + e * self.blob_size, self.blob_size,
-                                     self.copy_stream)
-            ptrs = np.array([self._slot_addr(li * self.E + e) for e in range(self.E)], np.uint64)
-            self.resident_tables[layer] = self.table(self.be.to_device(ptrs))
+            self.be.copy_htod(self._slot_addr(li * self.E), self.source.addr(layer, 0), self.E * self.blob_size,
+                              self.copy_stream)
+            self.mirror[li] = [self._slot_addr(li * self.E + e) for e in range(self.E)]
         self.be.sync_event(self.be.record(self.copy_stream))
         self.load_seconds = time.perf_counter() - t0
         self.counters.bytes_paged += len(self.layers) * self.E * self.blob_size
+        self.source.close()            # a pinned copy made for this load is not needed any more
+        if self.source.mode == "registered":
+            self.source.mode = "registered (released after loading)"
 
-    def _map_all(self) -> None:
-        """Tables that point straight at the blobs in the file mapping (a backend whose device is host memory);
-        each blob is checked by the reader's policy when first read, so an expert never routed is never read."""
-        for layer in self.layers:
-            ptrs = np.array([self.source.base + self.reader.blob_offset(layer, e) for e in range(self.E)], np.uint64)
-            self.resident_tables[layer] = self.be.expert_table(
-                ptrs, self.layout, self.zero_ptr, check=lambda e, layer=layer: self.reader.expert_blob(layer, e))
-        self.load_seconds = 0.0
-
-    # --- residency ------------------------------------------------------------------------------------------
+    # --- prefetch -----------------------------------------------------------------------------------------------
     def prefetch_layer(self, layer: int) -> int | None:
         """The MoE layer whose experts to predict while `layer` computes (None: no prefetch)."""
-        return self._next_layer(layer) if self.prefetch else None
-
-    def tables(self, layer: int, ids, ws, predicted=None):
-        """Yields the expert tables of `layer` for the routed `ids` [T, k]: one when resident; when paged, one per
-        pass, each after the copies it needs (the caller runs the pass before asking for the next table)."""
-        if self.resident:
-            if self.be.host_is_device:        # the routing is on the host already: counting it costs no sync
-                self.counters.touched.update((layer, int(e)) for e in np.unique(ids))
-            yield self.resident_tables[layer]
-            return
-        ids_h = self.be.to_host(ids)                                  # the one sync of a paged layer
-        uniq = np.unique(ids_h)
-        self._score_prediction(layer, uniq)
-        self.counters.touched.update((layer, int(e)) for e in uniq)
-        members: dict[int, int] = {}
-        for e in uniq:
-            index = self._demand(layer, int(e))
-            if index in members.values():         # this layer already uses that slot: run what we have first
-                yield self._pass_table(members, ws)
-                self._pass_done(members)
-                members = {}
-            self._fill(layer, int(e), index)
-            members[int(e)] = index
-        if members:
-            yield self._pass_table(members, ws)
-            self._pass_done(members)
-        if predicted is not None:
-            self._prefetch(self._next_layer(layer), np.unique(self.be.to_host(predicted)), set(members.values()))
-
-    def _next_layer(self, layer: int) -> int | None:
+        if not self.prefetch:
+            return None
         i = self.layers.index(layer)
         return self.layers[i + 1] if i + 1 < len(self.layers) else None
 
-    def _demand(self, layer: int, e: int) -> int:
-        """Pool index for a routed expert (after the cache's decision); queues nothing yet."""
-        c = self.counters
-        resident = self.cache.contains(layer, e)
-        self._need_copy = not resident
-        src = self.cache.get(layer, e, lambda: self.source.blob_addr(layer, e), nbytes=self.blob_size)
-        self._src = src
-        if resident:
-            c.hits += 1
-            if (layer, e) in self._prefetched:
-                c.prefetch_hits += 1
-                self._prefetched.discard((layer, e))
-        else:
-            c.misses += 1
-        slot = self.cache.slot_of(layer, e)
-        if slot is None:                          # served without admission (static policy): scratch slot
-            self._need_copy = True
-            return self.scratch_index
-        return self._pool_index(layer, slot)
+    def predict(self, layer: int, ids) -> None:
+        """Count the prefetch router's choices for `layer` (read by the host with the pass's route totals)."""
+        self.be.count_routes(ids, self.predictions[self.layers.index(layer)])
 
-    def _pool_index(self, layer: int, slot: int) -> int:
-        if self.scope == "per_layer":
-            return self.layers.index(layer) * self.capacity + slot
-        return slot
+    # --- the cache, between passes ------------------------------------------------------------------------------
+    def after_pass(self) -> None:
+        """Queue this pass's route totals, then run the cache on the previous pass's (see the module docstring)."""
+        if not self.tracking:
+            return
+        be, previous = self.be, self._snapshot
+        buf = self._spare.pop()
+        be.copy_to_host_async(buf, self.totals, self.compute)
+        pred = None
+        if self.prefetch:
+            pred = self._spare.pop()
+            be.copy_to_host_async(pred, self.predictions, self.compute)
+        self._snapshot = _Snapshot(buf, be.record(self.compute), pred, self.resident_mask())
+        if previous is not None:
+            self._account(previous)
+
+    def flush(self) -> None:
+        """Account for the last pass now (stats): waits for it."""
+        if self._snapshot is not None:
+            snap, self._snapshot = self._snapshot, None
+            self._account(snap)
+
+    def _account(self, snap: _Snapshot) -> None:
+        t0 = time.perf_counter()
+        self.be.sync_event(snap.event)
+        self.counters.stall_seconds += time.perf_counter() - t0
+        routed = (snap.totals - self._seen) != 0            # uint32: the difference wraps like the totals
+        self._seen[...] = snap.totals
+        self._spare.append(snap.totals)
+        predicted = None
+        if snap.predicted is not None:
+            predicted = (snap.predicted - self._seen_predicted) != 0
+            self._seen_predicted[...] = snap.predicted
+            self._spare.append(snap.predicted)
+            self._score(predicted, routed)
+        li, ex = np.nonzero(routed)
+        c = self.counters
+        c.touched.update(zip((self.layers[i] for i in li.tolist()), ex.tolist()))
+        if self.cache is None:                # all resident: nothing is paged, only what was touched is counted
+            return
+        hit = snap.resident[li, ex]
+        c.hits += int(hit.sum())
+        c.misses += int((~hit).sum())
+        c.bytes_zero_copy += int((~hit).sum()) * self.blob_size
+        for i, e in zip(li.tolist(), ex.tolist()):
+            self._access(i, e)
+        if predicted is not None:
+            for i, e in zip(*np.nonzero(predicted & ~self.resident_mask())):
+                c.prefetch_loads += self._access(int(i), int(e))
+        self._apply()
+
+    def _score(self, predicted: np.ndarray, routed: np.ndarray) -> None:
+        layers = predicted.any(axis=1)
+        c = self.counters
+        c.predicted += int(predicted.sum())
+        c.actual_next += int(routed[layers].sum())
+        c.predicted_correct += int((predicted & routed).sum())
+
+    def _access(self, li: int, e: int) -> int:
+        """One access for the cache; 1 when it admits the expert into a slot (copied in `_apply`)."""
+        layer = self.layers[li]
+        held = self.cache.contains(layer, e)
+        self.cache.get(layer, e, lambda: None, nbytes=self.blob_size)
+        slot = self.cache.slot_of(layer, e)
+        if held or slot is None:              # a hit, or served without admission (static policy)
+            return 0
+        self._admitting[(li, e)] = li * self.capacity + slot if self.scope == "per_layer" else slot
+        return 1
 
     def _on_evict(self, layer: int, expert: int, slot: int, value) -> None:
-        self._prefetched.discard((layer, expert))
+        """The victim's entry points back at the host at the next table write; a copy of it not yet published (or
+        not yet queued: admitted and evicted between two passes) is dropped, as its slot now belongs to another."""
+        li = self.layers.index(layer)
+        self._pending.pop((li, expert), None)
+        self._admitting.pop((li, expert), None)
+        self.mirror[li, expert] = self.host[li, expert]
+        self._dirty = True
 
-    def _fill(self, layer: int, e: int, index: int) -> None:
-        if not self._need_copy:
+    def _apply(self) -> None:
+        """Publish last pass's finished copies and this pass's evictions in one table write, then copy the newly
+        admitted experts into their slots behind it."""
+        be = self.be
+        if self._pending:
+            be.wait(self.compute, self._pending_event)       # usually long done: copies are small beside a pass
+            for (li, e), addr in self._pending.items():
+                self.mirror[li, e] = addr
+            self._dirty = True
+        self._pending = {}
+        if self._dirty:
+            self._upload()
+            self._dirty = False
+        admitted, self._admitting = self._admitting, {}
+        if not admitted:
             return
-        self._copy(index, self._src)
+        be.wait(self.copy_stream, be.record(self.compute))   # nothing reads the freed slots after this point
+        for (li, e), index in admitted.items():
+            self._copy(index, int(self.host[li, e]))
+            self._pending[(li, e)] = self._slot_addr(index)
+        self._pending_event = be.record(self.copy_stream)
 
     def _copy(self, index: int, src: int) -> None:
-        busy = self._slot_busy.get(index)
-        if busy is not None:
-            self.be.wait(self.copy_stream, busy)           # the last pass reading this slot is done
         t0 = time.perf_counter()
         start = self.be.timing_event(self.copy_stream) if self.time_copies else None
-        self.source.copy(self._slot_addr(index), src, self.blob_size, self.copy_stream)
+        self.be.copy_htod(self._slot_addr(index), src, self.blob_size, self.copy_stream)
         if start is not None:
             self._copy_times.append((start, self.be.timing_event(self.copy_stream)))
         self.counters.copy_seconds += time.perf_counter() - t0
-        self._last_copy = self.be.record(self.copy_stream)
-        self._copy_pending = True
         self.counters.loads += 1
         self.counters.bytes_paged += self.blob_size
-
-    def _pass_table(self, members: dict[int, int], ws):
-        """The table of one pass: its members' slots, every other expert at the zero blob."""
-        if self._copy_pending:
-            t0 = time.perf_counter()
-            self.be.sync_event(self._last_copy)               # compute is idle here: this wait is the stall
-            self.counters.stall_seconds += time.perf_counter() - t0
-            self.be.wait(self.compute, self._last_copy)
-            self._copy_pending = False
-        ptrs = np.full(self.E, self.zero_ptr, np.uint64)
-        for e, index in members.items():
-            ptrs[e] = self._slot_addr(index)
-        dev = ws.buf("pass_ptrs", (self.E,), np.uint64)
-        self.be.set_from_host(dev, ptrs, self.compute)
-        return self.table(dev)
-
-    def _pass_done(self, members: dict[int, int]) -> None:
-        done = self.be.record(self.compute)
-        for index in members.values():
-            self._slot_busy[index] = done
-        self.counters.passes += 1
-
-    # --- prefetch -----------------------------------------------------------------------------------------------
-    def _prefetch(self, layer: int, predicted: np.ndarray, in_use: set[int]) -> None:
-        """Page in the predicted experts of `layer` that are not resident (never evicting this layer's slots)."""
-        self._predicted[layer] = {int(e) for e in predicted}
-        self.counters.predicted += len(predicted)
-        room = (self.capacity if self.scope == "per_layer" else self.slots) - len(in_use)
-        missing = [int(e) for e in predicted if not self.cache.contains(layer, int(e))]
-        if len(missing) > room // 2:
-            missing = missing[:room // 2]          # never let a prefetch churn most of the cache
-        for e in missing:
-            src = self.cache.get(layer, e, lambda e=e: self.source.blob_addr(layer, e), nbytes=self.blob_size)
-            slot = self.cache.slot_of(layer, e)
-            if slot is None:
-                continue
-            self._copy(self._pool_index(layer, slot), src)
-            self._prefetched.add((layer, e))
-            self.counters.prefetch_loads += 1
-
-    def _score_prediction(self, layer: int, actual: np.ndarray) -> None:
-        predicted = self._predicted.pop(layer, None)
-        if predicted is None:
-            return
-        self.counters.actual_next += len(actual)
-        self.counters.predicted_correct += sum(int(e) in predicted for e in actual)
 
     def copy_bandwidth(self) -> tuple[float, int]:
         """(seconds the copy stream spent copying, copies) since the last call (needs time_copies)."""
@@ -372,6 +461,7 @@ class ExpertPool:
 
     def close(self) -> None:
         self.be.sync_event(self.be.record(self.copy_stream))
-        self.source.close()
-        self.pool = self.zero = None
-        self.resident_tables = {}
+        if self.source is not None:
+            self.source.close()
+        self.pool = None
+        self.layer_tables = {}

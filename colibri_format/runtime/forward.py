@@ -4,8 +4,8 @@ norms and multipliers, over the ops of a backend (`numpy_backend.NumpyBackend` o
 A pass packs the new tokens of all sequences into T rows without padding: per-token work (norms, products,
 experts) runs on the T rows; attention reads each row's own sequence from the KV buffers. Buffers come from a
 `Workspace` (made once, reused by every pass of a runner, so a CUDA pass can be captured as a graph). The expert
-pool answers only "where are this layer's experts"; one or more passes over its tables add the routed experts'
-output to the residual.
+pool answers only "where are this layer's experts" (a table of addresses that changes between passes, never
+within one); the backend's moe op adds the routed experts' output to the residual.
 """
 
 from __future__ import annotations
@@ -176,11 +176,11 @@ class Decoder:
             self.be.residual_add(h, self.shared(i, x, ws), alpha=float(a.residual_mult), out=h)
 
     def routed(self, i: int, x, ids, weights, h, ws) -> None:
-        """h += residual_mult * the routed experts' weighted sum: one pass per table the expert pool gives."""
+        """h += residual_mult * the routed experts' weighted sum, each expert read where the pool's table says."""
         nxt = self.experts.prefetch_layer(i)
-        predicted = self.route(nxt, x, ws, "pf")[0] if nxt is not None else None
-        for table in self.experts.tables(i, ids, ws, predicted):
-            self.be.moe(x, ids, weights, table, residual=h, alpha=float(self.a.residual_mult), ws=ws)
+        if nxt is not None:
+            self.experts.predict(nxt, self.route(nxt, x, ws, "pf")[0])
+        self.be.moe(x, ids, weights, self.experts.table(i), residual=h, alpha=float(self.a.residual_mult), ws=ws)
 
     def route(self, layer: int, x, ws, tag: str):
         """(expert ids [T, k] int32, weights [T, k]) of `layer`'s router applied to x."""

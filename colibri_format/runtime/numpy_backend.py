@@ -169,18 +169,24 @@ def expert_ffn(x, gate_up, down):
 def moe(x, ids, weights, experts, *, residual, alpha: float = 1.0):
     """residual += alpha * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), slots summed in order j = 0..k-1.
 
-    `experts(e)` gives (gate_up, down) in x's dtype, or None for an expert outside this pass (contributes zero).
+    `experts(e)` gives (gate_up, down) in x's dtype.
     """
     T, k = ids.shape
     ypair = np.zeros((T, k, x.shape[1]), x.dtype)
     for e in np.unique(ids):
         arrays = experts(int(e))
-        if arrays is None:
-            continue
         rows, slot = np.nonzero(ids == e)          # a token picks an expert at most once: rows are unique
         ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays)
     residual += residual.dtype.type(alpha) * ypair.sum(1)
     return residual
+
+
+def count_routes(ids, totals):
+    """totals[e] += the pairs of ids routed to expert e (uint32, wrapping; ids outside [0, E) ignored)."""
+    flat = np.asarray(ids).reshape(-1)
+    flat = flat[(flat >= 0) & (flat < totals.size)]
+    np.add.at(totals, flat, np.uint32(1))
+    return totals
 
 
 def dequantize(q, scale, dtype=np.float64) -> np.ndarray:
@@ -204,17 +210,16 @@ def blob_arrays(address: int, layout, dtype) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ExpertTable:
-    """Where one MoE layer's experts are for one pass: blob addresses (host memory here), `zero_ptr` for none.
-    `check(e)`, when given, runs before an expert is read (the reader's checksum policy for blobs read in place)."""
+    """Where one MoE layer's experts are: blob addresses (host memory here). `check(e)`, when given, runs before
+    an expert is read (the reader's checksum policy for blobs read in place); `route_totals` [E] uint32, when
+    given, counts the pairs routed to each expert (paged experts: the pool's cache policy reads it)."""
 
-    def __init__(self, blob_ptrs: np.ndarray, layout, zero_ptr: int, check=None) -> None:
-        self.blob_ptrs, self.layout, self.zero_ptr, self.check = blob_ptrs, layout, zero_ptr, check
+    def __init__(self, blob_ptrs: np.ndarray, layout, check=None, route_totals=None) -> None:
+        self.blob_ptrs, self.layout, self.check, self.route_totals = blob_ptrs, layout, check, route_totals
 
     def experts(self, dtype):
         def arrays(e: int):
             ptr = int(self.blob_ptrs[e])
-            if ptr == self.zero_ptr:
-                return None
             if self.check is not None:
                 self.check(e)
             return blob_arrays(ptr, self.layout, dtype)
@@ -263,8 +268,8 @@ class NumpyBackend:
     def dense(self, reader) -> NumpyDense:
         return NumpyDense(reader, self.dtype)
 
-    def expert_table(self, blob_ptrs, layout, zero_ptr: int, check=None) -> ExpertTable:
-        return ExpertTable(np.asarray(blob_ptrs, np.uint64), layout, zero_ptr, check)
+    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None) -> ExpertTable:
+        return ExpertTable(blob_ptrs, layout, check, route_totals)
 
     def embedding(self, ids, table, *, mult: float, out):
         return embedding(ids, table, mult=mult, out=out, dtype=self.dtype.type)
@@ -282,6 +287,8 @@ class NumpyBackend:
         return router(x, w, k, out_ids=out_ids, out_weights=out_weights, **how)
 
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws):
+        if table.route_totals is not None:
+            count_routes(ids, table.route_totals)
         return moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha)
 
     # --- memory ------------------------------------------------------------------------------------------------
@@ -308,6 +315,12 @@ class NumpyBackend:
 
     def copy_htod(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+    def copy_to_host_async(self, dst: np.ndarray, src, stream) -> None:
+        dst[...] = src
+
+    def count_routes(self, ids, totals):
+        return count_routes(ids, totals)
 
     def register_host(self, addr: int, nbytes: int) -> None:
         pass

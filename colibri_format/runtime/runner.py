@@ -42,11 +42,13 @@ class DecodeRunner:
             eng.experts.begin_token(B)
             if self.graph is not None and eng.decoder.route_hook is None:   # routes wanted: the eager pass
                 eng.be.launch(self.graph, eng.stream)
-                return self.ws.buf("logits", (B, eng.args.vocab_size))
-            logits = self.run_eager()
-            self.eager_steps += 1
-            if self.reason is None and eng.decoder.route_hook is None:
-                self._capture()
+                logits = self.ws.buf("logits", (B, eng.args.vocab_size))
+            else:
+                logits = self.run_eager()
+                self.eager_steps += 1
+                if self.reason is None and eng.decoder.route_hook is None:
+                    self._capture()
+            eng.experts.after_pass()       # the expert cache's turn, while the GPU runs the step
             return logits
 
     def run_eager(self):

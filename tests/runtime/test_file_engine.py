@@ -133,7 +133,8 @@ def test_bytes_paged_counts_whole_blobs(small_file):
         stats = engine.generate([1, 2], max_new_tokens=3, stop_ids=[]).stats
         assert stats.expert_loads > 0
         assert stats.bytes_paged == stats.expert_loads * blob and blob % 4096 == 0
-        assert engine.cache.stats().bytes_paged == stats.bytes_paged
+        assert engine.cache.stats().bytes_paged >= stats.bytes_paged    # an expert admitted and evicted between
+        #                                                   two passes counts for the cache but is never copied
         assert engine.stats()["paging"]["bytes_paged"] == stats.bytes_paged
     with Engine(small_file) as engine:                  # resident, read in place: nothing is paged
         stats = engine.generate([1, 2], max_new_tokens=3, stop_ids=[]).stats

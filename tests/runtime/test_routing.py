@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.numpy_backend import expert_ffn, moe, router, silu, softmax
+from colibri_format.runtime.numpy_backend import count_routes, expert_ffn, moe, router, silu, softmax
 
 LOGITS = np.array([[2.0, 0.5, 1.0, -1.0]])   # one token, four experts
 EYE = np.eye(4)
@@ -68,8 +68,9 @@ def test_moe_adds_the_weighted_routed_experts_to_the_residual():
     expected = h0 + 0.5 * np.stack([sum(weights[t, j] * expert_ffn(x[t:t + 1], *arrays[ids[t, j]])[0]
                                         for j in range(2)) for t in range(3)])
     np.testing.assert_allclose(h, expected, rtol=1e-12)
-    # an expert outside this pass (None) contributes exactly zero
-    skip = moe(x, ids, weights, lambda e: None if e == 2 else arrays[e], residual=h0.copy(), alpha=0.5)
-    only2 = np.stack([sum(weights[t, j] * expert_ffn(x[t:t + 1], *arrays[2])[0]
-                          for j in range(2) if ids[t, j] == 2) if 2 in ids[t] else np.zeros(2) for t in range(3)])
-    np.testing.assert_allclose(h - skip, 0.5 * only2, rtol=1e-12, atol=1e-15)
+
+
+def test_count_routes_counts_pairs_per_expert_and_wraps():
+    totals = np.array([0, 2**32 - 1, 5, 0], np.uint32)
+    count_routes(np.array([[1, 2], [1, 0], [7, -1]], np.int32), totals)     # 7 and -1: outside [0, E), ignored
+    np.testing.assert_array_equal(totals, np.array([1, 1, 6, 0], np.uint32))  # expert 1 wrapped modulo 2^32

@@ -16,6 +16,7 @@ from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_s
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
+MEMCPY_DEVICE_TO_HOST = 2       # cudaMemcpyDeviceToHost
 CUDA_R_32F, CUDA_R_16BF = 0, 14         # cudaDataType
 CUBLAS_COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -127,8 +128,8 @@ class CupyBackend:
 
         return DeviceDense(reader, self)
 
-    def expert_table(self, blob_ptrs, layout, zero_ptr: int, check=None):
-        return self.ops.ExpertTable.from_layout(blob_ptrs, layout)
+    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None):
+        return self.ops.ExpertTable.from_layout(blob_ptrs, layout, route_totals)
 
     # --- the decoder's ops ------------------------------------------------------------------------------------
     def embedding(self, ids, table, *, mult: float, out):
@@ -177,6 +178,8 @@ class CupyBackend:
         """Routed experts of one pass added to the residual (buffers from the workspace: capturable)."""
         ops, (T, k) = self.ops, ids.shape
         P, E = T * k, table.num_experts
+        if table.route_totals is not None:
+            ops.count_routes(ids, table.route_totals)
         key = ("dispatch", P, E)
         if key not in ws.extra:
             ws.extra[key] = ops.dispatch_buffers(P, E)
@@ -184,6 +187,9 @@ class CupyBackend:
                                out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)))
+
+    def count_routes(self, ids, totals):
+        return self.ops.count_routes(ids, totals)
 
     # --- profiling --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -236,6 +242,11 @@ class CupyBackend:
 
     def copy_htod(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
         self.xp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_HOST_TO_DEVICE, stream.ptr)
+
+    def copy_to_host_async(self, dst: np.ndarray, src, stream) -> None:
+        """dst (pinned host memory) <- src, ordered on `stream`; read dst after an event recorded behind it."""
+        self.xp.cuda.runtime.memcpyAsync(int(dst.ctypes.data), self.ptr(src), src.nbytes, MEMCPY_DEVICE_TO_HOST,
+                                         stream.ptr)
 
     # --- graphs ---------------------------------------------------------------------------------------------
     def capture(self, stream, fn):

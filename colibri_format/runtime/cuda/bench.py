@@ -167,6 +167,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
     for _ in range(warmup):
         tok = eng.argmax(runner.step(np.array(tok), pos))
         pos = pos + 1
+    eng.experts.flush()                # the cache accounts one pass late: settle it outside the timed steps
     c0 = eng.experts.counters.as_dict()
     eng.experts.time_copies = True
     eng.experts.copy_bandwidth()
@@ -180,6 +181,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
     wall = time.perf_counter() - t0
     eng.experts.time_copies = False
     copy_s, copies = eng.experts.copy_bandwidth()
+    eng.experts.flush()
     c1 = eng.experts.counters.as_dict()
     res = {"batch": batch, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
            "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
@@ -190,16 +192,18 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
 
 
 def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -> dict:
-    d = {k: c1[k] - c0[k] for k in ("hits", "misses", "loads", "prefetch_loads", "prefetch_hits", "bytes_paged",
-                                   "stall_seconds", "copy_seconds", "predicted_correct", "actual_next")}
+    d = {k: c1[k] - c0[k] for k in ("hits", "misses", "loads", "prefetch_loads", "bytes_paged", "bytes_zero_copy",
+                                   "stall_seconds", "copy_seconds", "predicted", "predicted_correct",
+                                   "actual_next")}
     acc = d["hits"] + d["misses"]
     copy_s = copy_s or d["copy_seconds"]      # no copy-stream timing (NumPy backend): the copies' host time
     return {"hit_rate": d["hits"] / acc if acc else 0.0, "misses_per_token": d["misses"] / tokens,
             "loads_per_token": d["loads"] / tokens, "prefetch_loads": d["prefetch_loads"],
-            "prefetch_hits": d["prefetch_hits"],
             "prefetch_recall": d["predicted_correct"] / d["actual_next"] if d["actual_next"] else None,
-            "gb_paged": d["bytes_paged"] / 1e9, "copies": copies,
-            "paging_gbps": d["bytes_paged"] / copy_s / 1e9 if copy_s else None,
+            "prefetch_precision": d["predicted_correct"] / d["predicted"] if d["predicted"] else None,
+            "gb_copied": d["bytes_paged"] / 1e9, "gb_zero_copy": d["bytes_zero_copy"] / 1e9,
+            "pcie_mb_per_token": (d["bytes_paged"] + d["bytes_zero_copy"]) / tokens / 1e6, "copies": copies,
+            "copy_gbps": d["bytes_paged"] / copy_s / 1e9 if copy_s else None,
             "stall_ms_per_token": 1e3 * d["stall_seconds"] / tokens}
 
 

@@ -31,7 +31,8 @@ def test_phases_on_the_cpu_engine(path, capacity):
     if capacity is not None:
         p = dec["paging"]
         assert p["misses_per_token"] > 0 and 0.0 <= p["hit_rate"] <= 1.0
-        assert p["paging_gbps"] is not None and p["paging_gbps"] > 0     # the copies' host time stands in
+        assert p["copy_gbps"] is not None and p["copy_gbps"] > 0     # the copies' host time stands in
+        assert p["pcie_mb_per_token"] > 0
 
 
 @pytest.mark.gpu

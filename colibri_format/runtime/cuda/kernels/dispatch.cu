@@ -139,3 +139,13 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
         }
     }
 }
+
+// Route counting for paged experts: totals[e] += the pairs routed to expert e (ids outside [0, E) ignored). The
+// totals are cumulative and wrap modulo 2^32; the host reads them after each pass to run its cache policy off
+// the critical path (runtime/expert_pool.py), so routing never has to reach the host inside a pass.
+extern "C" __global__ void count_routes(const int* __restrict__ ids, int P, int E, unsigned int* __restrict__ totals) {
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < P; p += gridDim.x * blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < E) atomicAdd(totals + e, 1u);
+    }
+}

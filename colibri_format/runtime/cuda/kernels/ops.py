@@ -239,12 +239,27 @@ def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | No
     return out
 
 
+COUNT_THREADS = 256
+
+
+def count_routes(ids, totals):
+    """totals[e] += the pairs of ids [T, k] (int32) routed to expert e; totals uint32 [E], wrapping modulo 2^32."""
+    _check("ids", ids, dtype=np.int32)
+    _check("totals", totals, dtype=np.uint32, ndim=1)
+    P, E = int(ids.size), int(totals.size)
+    if P:
+        kernel("dispatch", "count_routes")((-(-P // COUNT_THREADS),), (COUNT_THREADS,),
+                                           (ids, np.int32(P), np.int32(E), totals))
+    return totals
+
+
 # ---- experts ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ExpertTable:
-    """Where one MoE layer's resident experts are: blob device addresses and the array offsets inside a blob."""
+    """Where one MoE layer's experts are: blob addresses the kernels read (a device slot, or the blob in the
+    registered host mapping, read over PCIe) and the array offsets inside a blob."""
 
-    blob_ptrs: Any          # cupy uint64 [E]: device address of each expert's blob
+    blob_ptrs: Any          # cupy uint64 [E]: device-visible address of each expert's blob
     hidden_size: int
     intermediate_size: int
     off_gate_up: int
@@ -252,13 +267,14 @@ class ExpertTable:
     off_down: int
     off_down_scale: int
     group_size: int = 0     # 0: one scale per row
+    route_totals: Any = None    # cupy uint32 [E] counted by the backend's moe (paged experts), or None
 
     @classmethod
-    def from_layout(cls, blob_ptrs, layout) -> "ExpertTable":
+    def from_layout(cls, blob_ptrs, layout, route_totals=None) -> "ExpertTable":
         """From a `colibri_format.spec.BlobLayout` (the only place blob offsets are computed)."""
         return cls(blob_ptrs, layout.hidden_size, layout.intermediate_size, layout.array("gate_up").offset,
                    layout.array("gate_up_scale").offset, layout.array("down").offset,
-                   layout.array("down_scale").offset, int(layout.group_size or 0))
+                   layout.array("down_scale").offset, int(layout.group_size or 0), route_totals)
 
     @property
     def num_experts(self) -> int:
