@@ -1,31 +1,27 @@
-"""Expert paging on one GPU: decode tokens/s with the expert cache at 10/25/50/100% of the experts.
+"""Expert paging on one GPU at full depth: the cases of the paging issue, with the PCIe bound beside each.
 
-Model: a Qwen3-30B-A3B-shaped int8 file with FEWER LAYERS (4 of 48; hidden 2048, 128 experts top-8, expert FFN
-768, 32/4 heads of 128, bf16 dense) and a 32,000-token vocabulary instead of 151,936 (so the output head does
-not hide the experts), written by `colibri_format.synthetic.write_synthetic` (one random blob repeated: content
-does not matter for paging) to tmpfs. Cache: global scope, lru, lrfu and lrfu + next-layer-router prefetch;
-batch 1 and 8; routing either random (random router weights: near-uniform, little reuse) or replayed from a
-synthetic Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2: the assumption
-benchmarks/cache_policies.py makes for fine-grained shapes). Prefetch is measured with random routing only:
-with a replayed trace the router's prediction is unrelated to the replayed choices.
+Models (full depth: every layer, the real vocabulary; bf16 dense, int8 experts, one random blob repeated,
+written by `colibri_format.synthetic.write_synthetic(reuse_expert=True)` to tmpfs):
+  Qwen3-30B-A3B: 48 layers, vocab 151,936, hidden 2048, 128 experts top-8 of FFN 768, 32/4 heads of 128;
+  Mixtral-8x7B: 32 layers, vocab 32,000, hidden 4096, 8 experts top-2 of FFN 14,336, 32/8 heads of 128.
+Cases: all resident; the cache at 50% / 25% of the experts (global scope; Mixtral: 4 of 8 per layer), lrfu;
+batch 1 and 8; routing random (random router weights: near-uniform, little reuse) or replayed from a synthetic
+Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2; the replayed routes are copied on
+the device from static buffers, so the step stays one CUDA graph); a budget so small that nothing is resident
+(one slot: every expert streams from the host mapping) for the streaming rate; lrfu + prefetch on random routing.
 
-Beside each run: the PCIe bound implied by its measured misses, tokens/s <= 1 / (misses per token x blob bytes /
-measured pinned host-to-device bandwidth). Also: the Mixtral-8x7B shape (2 of 32 layers, vocab 32,000) with
-max_cached_experts=5 of 8 per layer.
+Each run opens one `Engine(path, EngineConfig(device="cuda", max_cached_experts=..., ...))` and goes through
+`runtime.cuda.bench.decode_bench` (warm-up steps fill the cache, then timed steps). Beside each run: the PCIe
+bound of its measured misses, tokens/s <= pinned host-to-device GB/s / (misses per token x blob bytes), and the
+bound of all its PCIe bytes (zero-copy reads + admission copies). The pinned rate is
+`runtime.cuda.bench.copy_ceilings`.
 
-Each run opens one `Engine(path, EngineConfig(device="cuda", max_cached_experts=..., cache_policy=...,
-prefetch=...))` and drives it through the public step API: `eng.decode_runner`, `eng.prefill_into`,
-`runner.step`, `eng.argmax`; replayed routes go to `eng.decoder.forced_routes`; paging figures are the
-difference of `eng.experts.counters` over the timed steps, copy-stream time from `eng.experts.copy_bandwidth()`.
-The pinned host-to-device ceiling is `runtime.cuda.bench.copy_ceilings`.
-
-Run from the repository root (the benchmark imports the library, nothing else):
+Run from the repository root:
 
     PYTHONPATH=. python benchmarks/paging.py --out paging.json [--dry-run]
 
-`--dry-run` runs the same flow on the CPU (`EngineConfig(device="cpu")`, the NumPy backend) with tiny
-dimensions and a few steps: it checks the script, not speed (the copy ceiling is then a host memcpy, and the
-copy time is the host time of the copies, which are synchronous there).
+`--dry-run` runs the same flow on the CPU (the NumPy backend) with tiny dimensions and a few steps: it checks the
+script, not speed.
 """
 
 from __future__ import annotations
@@ -42,11 +38,11 @@ from colibri_format.runtime.engine import Engine, EngineConfig
 
 PROMPT = 16      # prompt tokens per sequence before the decode steps
 
-QWEN3 = dict(vocab=32000, hidden=2048, layers=4, heads=32, kv_heads=4, experts=128, top_k=8, expert_inter=768,
+QWEN3 = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8, expert_inter=768,
              qk_norm="per_head", head_dim=128)
-MIXTRAL = dict(vocab=32000, hidden=4096, layers=2, heads=32, kv_heads=8, experts=8, top_k=2, expert_inter=14336,
+MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, expert_inter=14336,
                head_dim=128)
-TINY = dict(vocab=256, hidden=128, heads=2, kv_heads=1, expert_inter=32, head_dim=64)
+TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, expert_inter=32, head_dim=64)
 
 
 def log(msg: str) -> None:
@@ -69,28 +65,31 @@ def write_model(path: Path, shape: dict, dry: bool) -> Path:
 
 
 class TraceRoutes:
-    """Replayed routes for eng.decoder.forced_routes: decode rows replay the trace step by step; prefill rows
-    cycle through it."""
+    """Replayed routes for eng.decoder.forced_routes: one static device buffer [batch, k] per MoE layer, refilled
+    from the trace before each decode step (`advance`), so a captured step replays them; prefill rows cycle
+    through the trace (eager)."""
 
-    def __init__(self, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
+    def __init__(self, eng, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
         from colibri_format.runtime.cache.cachesim import synthetic_trace
 
         trace = synthetic_trace(len(layers), experts, k, steps, skew=1.0, locality=0.2, seed=seed, batch=batch)
-        self.choices = np.zeros((steps, batch, len(layers), k), np.int32)
+        self.choices = np.zeros((steps, len(layers), batch, k), np.int32)
         for rec in trace.records:
             for li, (_, chosen) in enumerate(rec.experts):
-                self.choices[rec.t, rec.seq, li] = chosen
-        self.layers, self.batch, self.step = list(layers), batch, 0
+                self.choices[rec.t, li, rec.seq] = chosen
+        self.be, self.layers, self.batch, self.step = eng.be, list(layers), batch, 0
+        self.buffers = eng.be.zeros((len(layers), batch, k), np.int32)
 
-    def __call__(self, layer: int, rows: int) -> np.ndarray:
+    def advance(self) -> None:
+        self.be.set_from_host(self.buffers, self.choices[self.step % len(self.choices)], None)
+        self.step += 1
+
+    def __call__(self, layer: int, rows: int):
         li = self.layers.index(layer)
         if rows == self.batch:
-            out = self.choices[self.step % len(self.choices), :, li]
-            if li == len(self.layers) - 1:
-                self.step += 1
-            return out
-        flat = self.choices[:, :, li].reshape(-1, self.choices.shape[-1])
-        return flat[np.arange(rows) % len(flat)]
+            return self.buffers[li]
+        flat = self.choices[:, li].reshape(-1, self.choices.shape[-1])
+        return self.be.to_device(flat[np.arange(rows) % len(flat)])
 
 
 def copy_ceiling(device: str, nbytes: int) -> dict:
@@ -109,148 +108,122 @@ def copy_ceiling(device: str, nbytes: int) -> dict:
     return {"d2d_copy_gbps": 2 * gbps, "h2d_pinned_gbps": gbps, "note": "host memcpy (NumPy backend)"}
 
 
-def decode_steps(eng: Engine, batch: int, n: int, warmup: int, seed: int = 0) -> dict:
-    """Prefill `batch` random prompts, `warmup` steps, then `n` timed greedy steps: tokens/s and paging."""
+def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="global", policy="lrfu",
+            prefetch=False, device="cuda") -> dict:
+    import colibri_format
     from colibri_format.runtime.cuda.bench import decode_bench
 
-    res, _ = decode_bench(eng, batch, n, warmup, np.random.default_rng(seed), prompt_len=PROMPT)
-    return {"tokens_per_s": res["tokens_per_s"], "ms_per_step": res["ms_per_step"], "graph": res["graph"],
-            **res.get("paging", {})}
-
-
-def one_run(path, layers, E, k, *, batch, capacity, policy, prefetch, routing, n, warmup, ceilings, scope, device):
+    with colibri_format.open(path, verify="never") as f:
+        layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
     cfg = EngineConfig(device=device, max_batch_size=batch, max_seq_len=max(64, PROMPT + warmup + n + 1),
                        verify="never", max_cached_experts=capacity, cache_policy=policy, cache_scope=scope,
                        prefetch=prefetch)
+    t0 = time.perf_counter()
     with Engine(path, cfg) as eng:
+        opened = time.perf_counter() - t0
+        advance = None
         if routing == "trace":
-            eng.decoder.forced_routes = TraceRoutes(layers, E, k, batch, n + warmup + 64)
-        d = decode_steps(eng, batch, n, warmup)
+            routes = TraceRoutes(eng, layers, E, k, batch, n + warmup + 64)
+            eng.decoder.forced_routes, advance = routes, routes.advance
+        res, _ = decode_bench(eng, batch, n, warmup, np.random.default_rng(0), prompt_len=PROMPT,
+                              before_step=advance)
         blob = eng.experts.blob_size
-    row = {"batch": batch, "capacity": capacity, "policy": policy + ("+prefetch" if prefetch else ""),
-           "routing": routing, **d}
-    if "misses_per_token" in d:
-        bw = ceilings["h2d_pinned_gbps"] * 1e9
-        row["pcie_bound_tokens_per_s"] = bw / (d["misses_per_token"] * blob) if d["misses_per_token"] else None
+        source = eng.stats()["host_source"]
+    row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": policy + ("+prefetch" if prefetch else ""),
+           "routing": routing, "open_s": opened, "host_source": source, "blob_bytes": blob,
+           **{k: res[k] for k in ("tokens_per_s", "ms_per_step", "host_ms_per_step", "graph")},
+           **res.get("paging", {})}
+    if "misses_per_token" in row:
+        rate = ceilings["h2d_pinned_gbps"] * 1e9
+        miss_bytes = row["misses_per_token"] * blob
+        row["pcie_bound_tokens_per_s"] = rate / miss_bytes if miss_bytes else None
+        row["share_of_bound"] = row["tokens_per_s"] / row["pcie_bound_tokens_per_s"] if miss_bytes else None
+        pcie = row["pcie_mb_per_token"] * 1e6
+        row["all_pcie_bound_tokens_per_s"] = rate / pcie if pcie else None
+        row["zero_copy_gbps"] = row["gb_zero_copy"] * 1e9 / (n * batch / row["tokens_per_s"]) / 1e9
     return row
 
 
-def verify_cost(path: Path) -> dict:
-    """Host time to hash one blob before its first copy (what verify='first-use' adds to a first miss)."""
+def qwen3_cases(path: Path, args, ceilings: dict) -> list[dict]:
     import colibri_format
 
     with colibri_format.open(path, verify="never") as f:
-        t0 = time.perf_counter()
-        for e in range(8):
-            f.verify_expert(f.model["moe_layers"][0], e)
-        ms = 1e3 * (time.perf_counter() - t0) / 8
-        blob = len(f.expert_blob(f.model["moe_layers"][0], 0))
-    return {"ms_per_blob": ms, "blob_bytes": blob, "gbps": blob / (ms / 1e3) / 1e9}
+        total = len(f.model["moe_layers"]) * f.model["num_experts"]
+    half, quarter = total // 2, total // 4
+    cases = [dict(batch=1, capacity=None, routing="trace"), dict(batch=1, capacity=half, routing="trace"),
+             dict(batch=1, capacity=half, routing="random"), dict(batch=1, capacity=quarter, routing="random"),
+             dict(batch=8, capacity=None, routing="trace"), dict(batch=8, capacity=half, routing="trace"),
+             dict(batch=1, capacity=1, routing="random"),
+             dict(batch=1, capacity=half, routing="random", prefetch=True)]
+    return [run_case(path, case, args, ceilings, "qwen3", total) for case in cases]
 
 
-def qwen3_sweep(path: Path, args, ceilings: dict) -> list[dict]:
-    import colibri_format
-
-    with colibri_format.open(path) as f:
-        layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
-    total = len(layers) * E
-    rows = []
-    for routing in ("random", "trace"):
-        for batch in (1, 8):
-            base = one_run(path, layers, E, k, batch=batch, capacity=None, policy="lrfu", prefetch=False,
-                              routing=routing, n=args.steps, warmup=args.warmup, ceilings=ceilings,
-                              scope="global", device=args.device)
-            base["fraction"] = 1.0
-            rows.append(base)
-            log(f"resident {routing} b{batch}: {base['tokens_per_s']:.1f} tok/s")
-            for frac in (0.10, 0.25, 0.50):
-                cap = max(1, round(frac * total))
-                for policy, prefetch in (("lru", False), ("lrfu", False), ("lrfu", True)):
-                    if prefetch and routing == "trace":
-                        continue
-                    row = one_run(path, layers, E, k, batch=batch, capacity=cap, policy=policy,
-                                     prefetch=prefetch, routing=routing, n=args.steps, warmup=args.warmup,
-                                     ceilings=ceilings, scope="global", device=args.device)
-                    row["fraction"] = frac
-                    row["vs_resident"] = row["tokens_per_s"] / base["tokens_per_s"]
-                    rows.append(row)
-                    log(f"{routing} b{batch} {frac:.0%} {row['policy']}: {row['tokens_per_s']:.1f} tok/s, hit "
-                        f"{row['hit_rate']:.1%}, {row['paging_gbps'] or 0:.1f} GB/s, stall "
-                        f"{row['stall_ms_per_token']:.2f} ms/tok")
-    return rows
+def mixtral_cases(path: Path, args, ceilings: dict) -> list[dict]:
+    cases = [dict(batch=1, capacity=None, routing="random", scope="per_layer"),
+             dict(batch=1, capacity=4, routing="random", scope="per_layer")]
+    return [run_case(path, case, args, ceilings, "mixtral", 8) for case in cases]
 
 
-def mixtral_runs(path: Path, args, ceilings: dict) -> list[dict]:
-    import colibri_format
-
-    with colibri_format.open(path) as f:
-        layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
-    rows = []
-    for capacity, policy, prefetch in ((None, "lrfu", False), (5, "lru", False), (5, "lrfu", False),
-                                       (5, "lrfu", True)):
-        row = one_run(path, layers, E, k, batch=1, capacity=capacity, policy=policy, prefetch=prefetch,
-                         routing="random", n=max(4, args.steps // 2), warmup=2, ceilings=ceilings,
-                         scope="per_layer", device=args.device)
-        row["fraction"] = 1.0 if capacity is None else capacity / E
-        rows.append(row)
-        log(f"mixtral cap {capacity} {row['policy']}: {row['tokens_per_s']:.2f} tok/s")
-    return rows
+def run_case(path: Path, case: dict, args, ceilings: dict, model: str, total: int) -> dict:
+    row = one_run(path, n=args.steps, warmup=args.warmup, ceilings=ceilings, device=args.device, **case)
+    row["model"] = model
+    row["fraction"] = 1.0 if case["capacity"] is None else case["capacity"] / total
+    log(f"{model} b{row['batch']} {row['routing']} cache {row['fraction']:.1%} {row['policy']}: "
+        f"{row['tokens_per_s']:.1f} tok/s, hit {row.get('hit_rate', 1):.1%}, misses/tok "
+        f"{row.get('misses_per_token', 0):.1f}, share of bound {row.get('share_of_bound') or 0:.2f}, "
+        f"graph {row['graph']}")
+    return row
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| routing | batch | cache | policy | tok/s | vs resident | hit rate | misses/tok | GB/s | stall ms/tok "
-          "| prefetch recall | PCIe bound tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | routing | batch | cache | tok/s | hit rate | misses/tok | loads/tok | PCIe MB/tok | "
+          "zero-copy GB/s | bound from misses | share | graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cache = "100%" if r.get("capacity") is None else f"{r.get('fraction', 0):.1%} ({r['capacity']})"
+        cache = "100%" if r.get("capacity") is None else f"{r['fraction']:.1%} ({r['capacity']})"
+
         def f(key, fmt):
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
-        print(f"| {r['routing']} | {r['batch']} | {cache} | {r['policy']} | {r['tokens_per_s']:.1f} | "
-              f"{f('vs_resident', '.2f')} | {f('hit_rate', '.1%')} | {f('misses_per_token', '.2f')} | "
-              f"{f('paging_gbps', '.1f')} | {f('stall_ms_per_token', '.2f')} | {f('prefetch_recall', '.2f')} | "
-              f"{f('pcie_bound_tokens_per_s', '.0f')} |")
+        print(f"| {r['model']} | {r['routing']} | {r['batch']} | {cache} {r['policy']} | {r['tokens_per_s']:.1f} | "
+              f"{f('hit_rate', '.3f')} | {f('misses_per_token', '.1f')} | {f('loads_per_token', '.2f')} | "
+              f"{f('pcie_mb_per_token', '.0f')} | {f('zero_copy_gbps', '.1f')} | "
+              f"{f('pcie_bound_tokens_per_s', '.0f')} | {f('share_of_bound', '.2f')} | {r['graph']} |")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=64, help="steps that fill the cache before the timed ones")
     ap.add_argument("--skip-mixtral", action="store_true")
     ap.add_argument("--work-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     args.device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
-        args.steps, args.warmup = 3, 1
+        args.steps, args.warmup = 3, 2
     ceilings = copy_ceiling(args.device, 1 << 20 if args.dry_run else 1 << 30)
     log(f"ceilings {ceilings}")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "ceilings": ceilings, "qwen3": [],
-              "mixtral": []}
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "ceilings": ceilings, "rows": []}
 
     def save():
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
-        path = write_model(Path(tmp) / "qwen3.colibri", dict(QWEN3), args.dry_run)
-        log(f"qwen3-shaped file {path.stat().st_size / 1e9:.2f} GB")
-        try:
-            result["verify_cost"] = verify_cost(path)
-            log(f"verification on first use: {result['verify_cost']}")
-            result["qwen3"] = qwen3_sweep(path, args, ceilings)
-        finally:
-            path.unlink()
-            save()
-        if not args.skip_mixtral:
-            path = write_model(Path(tmp) / "mixtral.colibri", dict(MIXTRAL), args.dry_run)
+        for name, shape, cases in (("qwen3", QWEN3, qwen3_cases), ("mixtral", MIXTRAL, mixtral_cases)):
+            if name == "mixtral" and args.skip_mixtral:
+                continue
+            t0 = time.perf_counter()
+            path = write_model(Path(tmp) / f"{name}.colibri", dict(shape), args.dry_run)
+            log(f"{name} file {path.stat().st_size / 1e9:.2f} GB written in {time.perf_counter() - t0:.1f} s")
             try:
-                result["mixtral"] = mixtral_runs(path, args, ceilings)
+                result["rows"] += cases(path, args, ceilings)
             finally:
                 path.unlink()
                 save()
-    print_table(result["qwen3"] + result["mixtral"])
+    print_table(result["rows"])
     return 0
 
 

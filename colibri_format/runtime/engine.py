@@ -286,8 +286,6 @@ class Engine:
             return f"the {self.be.name} backend has no graphs"
         if not self.config.use_graphs:
             return "graphs disabled"
-        if self.decoder.forced_routes is not None:
-            return "routing is replayed from the host (benchmark)"
         return self.be.graph_blocker(self.args, batch)
 
     @_serialized

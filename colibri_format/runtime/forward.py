@@ -109,7 +109,8 @@ class Decoder:
     def __init__(self, args, dense, experts, be) -> None:
         self.a, self.w, self.experts, self.be = args, dense, experts, be
         self.route_hook: RouteHook | None = None    # set when routing must reach the host (traces)
-        self.forced_routes = None                   # benchmarks: (layer, rows) -> int32 [rows, k] replaces routing
+        self.forced_routes = None                   # benchmarks: (layer, rows) -> a backend int32 [rows, k] array
+                                                    # copied over the routing (static buffers: graphs replay it)
 
     # --- the pass -------------------------------------------------------------------------------------------
     def run(self, inp: StepInputs, kv: KVBuffers, ws: Workspace, T: int, out_rows=None, max_len: int = 0):
@@ -168,7 +169,7 @@ class Decoder:
         a = self.a
         ids, weights = self.route(i, x, ws, "r")
         if self.forced_routes is not None:
-            self.be.set_from_host(ids, self.forced_routes(i, x.shape[0]), None)
+            self.be.xp.copyto(ids, self.forced_routes(i, x.shape[0]))
         if self.route_hook is not None:
             self.route_hook(i, ids)
         self.routed(i, x, ids, weights, h, ws)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -157,14 +157,18 @@ def prefill_bench(eng, seq_len: int, rng) -> dict:
     return {"tokens": seq_len, "ms": 1e3 * t, "tokens_per_s": seq_len / t}
 
 
-def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16) -> tuple[dict, Any]:
+def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16,
+                 before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
     """(figures, runner): `num_iters` timed greedy steps of `batch` sequences after `warmup`, with the paging
-    counters of the timed steps when experts are paged: any backend."""
+    counters of the timed steps when experts are paged: any backend. `before_step` runs before every step (e.g.
+    a replayed trace filling the decoder's forced-route buffers)."""
+    step = before_step or (lambda: None)
     chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
     runner = eng.decode_runner(batch, prompt_len + warmup + num_iters + 1)
     tok = eng.argmax(eng.prefill_into(runner, chunks))
     pos = np.full(batch, prompt_len)
     for _ in range(warmup):
+        step()
         tok = eng.argmax(runner.step(np.array(tok), pos))
         pos = pos + 1
     eng.experts.flush()                # the cache accounts one pass late: settle it outside the timed steps
@@ -174,6 +178,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
     host, t0 = 0.0, time.perf_counter()
     for _ in range(num_iters):
         h0 = time.perf_counter()
+        step()
         logits = runner.step(np.array(tok), pos)
         host += time.perf_counter() - h0
         tok = eng.argmax(logits)
