@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
 
 _COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256)
@@ -40,6 +40,13 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
                          dict(intermediate_size=16, shared_intermediate_size=24, num_local_experts=4,
                               embedding_multiplier=12.0, residual_multiplier=0.22,
                               attention_multiplier=0.0625, logits_scaling=6.0)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(num_hidden_layers=3, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                      n_routed_experts=4, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                      routed_scaling_factor=2.5)),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(head_dim=16, intermediate_size=16, num_local_experts=4, rotary_dim=8, bos_token_id=1,
+                        eos_token_id=2)),
 }
 
 
@@ -75,6 +82,9 @@ def _randomize_vectors(model: Any, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             elif param.ndim == 1 and name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a zero buffer at init
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
 def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, fused: bool = False, sharded: bool = False,

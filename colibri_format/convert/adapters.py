@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from colibri_format.convert.hf_config import (ConfigDefaults, Fields, common_model, finish_model, model_type_of,
-                                              moe_layer_indices, sliding_window)
+from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
+                                              finish_model, model_type_of, moe_layer_indices, sliding_window)
 from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
@@ -95,6 +95,52 @@ def _granitemoeshared(f: Fields, model: Model) -> None:
     model["shared_expert"] = {"intermediate_size": size, "gate": "none"} if size else None
 
 
+def _sigmoid_router(f: Fields, model: Model, *, normalize: bool, scale: float) -> None:
+    """DeepSeek-V3-style routing: sigmoid scores, the correction bias steering the selection only."""
+    scoring = f.text("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedModel(f"{model_type_of(f.raw)} with scoring_func {short_repr(scoring)} is not supported "
+                               "(only 'sigmoid')", field="scoring_func", value=scoring)
+    model["router"] = {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": normalize, "bias": True,
+                       "scale": scale}
+
+
+def _glm4_moe(f: Fields, model: Model) -> None:
+    n = model["num_layers"]
+    model.update(qkv_bias=f.flag("attention_bias", False),  # q/k/v only; o_proj never has a bias
+                 qk_norm="per_head" if f.flag("use_qk_norm", False) else "none")
+    first_moe = f.integer("first_k_dense_replace", 1, lo=0, hi=MAX_LAYERS)
+    if first_moe >= n:
+        raise UnsupportedModel(f"first_k_dense_replace {first_moe} leaves no MoE layer in {n} layers",
+                               field="first_k_dense_replace", value=first_moe)
+    model["moe_layers"] = list(range(first_moe, n))
+    model["dense_intermediate_size"] = f.integer("intermediate_size", None)
+    _sigmoid_router(f, model, normalize=f.flag("norm_topk_prob", True),
+                    scale=f.number("routed_scaling_factor", 1.0, lo=0.0, lo_open=True))
+    # grouped top-k (n_group = topk_group = 1 in the published GLM-4.5/4.6/4.7: plain top-k)
+    model["router"]["n_group"] = f.integer("n_group", 1, hi=MAX_EXPERTS)
+    model["router"]["topk_group"] = f.integer("topk_group", 1, hi=MAX_EXPERTS)
+    shared = f.integer("n_shared_experts", 1, lo=0, hi=MAX_EXPERTS)  # ungated, n x the routed width
+    model["shared_expert"] = ({"intermediate_size": shared * model["expert_intermediate_size"], "gate": "none"}
+                              if shared else None)
+
+
+def _minimax_m2(f: Fields, model: Model) -> None:
+    # q/k RMSNorm over the whole projection (before the head split); no biases, no window, no shared expert
+    if f.flag("use_qk_norm", True) is False:
+        raise UnsupportedModel("minimax_m2 without q/k norm (use_qk_norm false) is not supported",
+                               field="use_qk_norm", value=False)
+    norm_type = f.text("qk_norm_type", "per_layer")
+    if norm_type != "per_layer":
+        raise UnsupportedModel(f"minimax_m2 qk_norm_type {short_repr(norm_type)} is not supported (only "
+                               "'per_layer': one norm over all heads)", field="qk_norm_type", value=norm_type)
+    if f.integer("shared_intermediate_size", 0, lo=0):
+        raise UnsupportedModel("minimax_m2 with a shared expert (shared_intermediate_size) is not supported",
+                               field="shared_intermediate_size")
+    model["qk_norm"] = "full"
+    _sigmoid_router(f, model, normalize=True, scale=1.0)  # top-k weights always renormalised, never scaled
+
+
 # --- the records ----------------------------------------------------------------------------------
 
 _QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
@@ -159,7 +205,35 @@ GRANITEMOESHARED = Adapter(
     fields=_granitemoeshared,
 )
 
-ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED)}
+GLM4_MOE = Adapter(
+    model_type="glm4_moe",
+    names=HFNames(
+        routers=("{p}.mlp.gate.weight",),
+        router_bias=("{p}.mlp.gate.e_score_correction_bias",),
+        experts=_QWEN_EXPERTS,
+        shared=("{p}.mlp.shared_experts.gate_proj.weight", "{p}.mlp.shared_experts.up_proj.weight",
+                "{p}.mlp.shared_experts.down_proj.weight")),
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                            expert_width_key="moe_intermediate_size", partial_rotary_factor=0.5),
+    fields=_glm4_moe,
+)
+MINIMAX_M2 = Adapter(
+    model_type="minimax_m2",
+    names=HFNames(
+        # released checkpoints keep the MoE under block_sparse_moe (w1 gate, w3 up, w2 down); v5 fused under mlp
+        routers=("{p}.block_sparse_moe.gate.weight", "{p}.mlp.gate.weight"),
+        router_bias=("{p}.block_sparse_moe.e_score_correction_bias", "{p}.mlp.e_score_correction_bias"),
+        experts=(PerExpert("{p}.block_sparse_moe.experts.{e}.w1.weight",
+                           "{p}.block_sparse_moe.experts.{e}.w3.weight",
+                           "{p}.block_sparse_moe.experts.{e}.w2.weight"),
+                 FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))),
+    defaults=ConfigDefaults(rope_theta=5e6, rms_norm_eps=1e-6, max_position_embeddings=196608,
+                            expert_width_key="intermediate_size"),
+    fields=_minimax_m2,
+)
+
+ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
+                                      MINIMAX_M2)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.
@@ -171,7 +245,6 @@ NOT_YET = {
     "phimoe": "sparsemixer routing and LayerNorm",
     "llama4": "input-scaled routing and chunked attention",
     "llama4_text": "input-scaled routing and chunked attention",
-    "glm4_moe": "sigmoid+bias grouped routing and partial RoPE",
     "granitemoehybrid": "Mamba layers",
     "qwen3_next": "linear-attention layers",
     "jamba": "Mamba layers",

@@ -50,6 +50,8 @@ MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", 
               "qk_norm", "clip_qkv", "sliding_window", "tie_word_embeddings", "hidden_act", "moe_layers",
               "dense_intermediate_size", "num_experts", "top_k", "expert_intermediate_size", "router",
               "shared_expert", "multipliers")
+# Keys written after those, and only by the architectures that use them (absent = the default; docs/design.md).
+OPTIONAL_MODEL_KEYS = ("attention_sinks", "sliding_layers", "expert_bias", "expert_act")
 
 _REQUIRED = object()
 _MAX_DOUBLE = 1.7976931348623157e308
@@ -63,6 +65,7 @@ class ConfigDefaults:
     rms_norm_eps: float
     max_position_embeddings: int
     expert_width_key: str  # the config.json key of the routed experts' intermediate size
+    partial_rotary_factor: float = 1.0  # when config.json names none (GLM-4.5: 0.5)
 
 
 @dataclass(frozen=True)
@@ -213,15 +216,20 @@ class Fields:
         return value
 
 
+# quantization_config methods whose weights the converter dequantizes while reading (convert/dequant.py)
+DEQUANTIZED_METHODS = ("fp8", "mxfp4")
+
+
 def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
     """Features no adapter handles, whatever the model_type claims."""
     quant = raw.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise UnsupportedModel(f"pre-quantized checkpoints are not supported (quantization_config, "
-                               f"quant_method={short_repr(method)}: FP8/MXFP4/GPTQ/AWQ...); "
-                               "use the bf16/fp16/fp32 release",
-                               field="quantization_config", value=method)
+        if method not in DEQUANTIZED_METHODS:
+            raise UnsupportedModel(f"pre-quantized checkpoints are not supported (quantization_config, "
+                                   f"quant_method={short_repr(method)}: only {', '.join(DEQUANTIZED_METHODS)} "
+                                   "sources are dequantized; GPTQ/AWQ/...); use the bf16/fp16/fp32 release",
+                                   field="quantization_config", value=method)
     for key in ("kv_lora_rank", "q_lora_rank"):
         if raw.get(key) is not None:
             raise UnsupportedModel(f"multi-head latent attention ({key!r}) is not supported", field=key)
@@ -267,8 +275,29 @@ def _rope_source(f: Fields) -> tuple[Mapping[str, Any], Any]:
     return f.mapping("rope_scaling") or {}, f.raw.get("rope_theta")
 
 
-def rope(f: Fields, default_theta: float) -> dict[str, Any]:
-    """The design-doc `rope` object: type, theta and the HF scaling parameters under their HF names."""
+def _partial_rotary_factor(f: Fields, p: Fields, default: float) -> float:
+    """The share of head_dim that RoPE rotates: `partial_rotary_factor` (rope parameters, else top level), or
+    `rotary_dim` / head_dim (MiniMax), else `default`; the rotated width must be even and non-zero."""
+    hd = head_dim(f, f.integer("hidden_size"), f.integer("num_attention_heads", hi=MAX_HEADS))
+    if p.has("partial_rotary_factor"):
+        factor = p.number("partial_rotary_factor", lo=0.0, hi=1.0, lo_open=True)
+    elif f.has("partial_rotary_factor"):
+        factor = f.number("partial_rotary_factor", lo=0.0, hi=1.0, lo_open=True)
+    elif f.has("rotary_dim"):
+        factor = f.integer("rotary_dim", hi=hd) / hd
+    else:
+        factor = default
+    width = int(hd * factor)
+    if width < 2 or width % 2:
+        raise InvalidInput(f"{f.where}: partial_rotary_factor {factor} rotates {width} of head_dim {hd} "
+                           "channels; RoPE needs an even, non-zero number", field="partial_rotary_factor",
+                           value=factor)
+    return factor
+
+
+def rope(f: Fields, default_theta: float, default_partial: float = 1.0) -> dict[str, Any]:
+    """The design-doc `rope` object: type, theta, the HF scaling parameters under their HF names, and
+    `partial_rotary_factor` when RoPE rotates only part of each head."""
     params, theta = _rope_source(f)
     p = Fields(params, where=f"{f.where} rope")
     if any(isinstance(v, dict) for v in params.values()):  # v5 per-layer-type rope (Gemma-style)
@@ -285,6 +314,11 @@ def rope(f: Fields, default_theta: float) -> dict[str, Any]:
     for key in ROPE_NUMBERS:
         if p.has(key):
             out[key] = p.number(key)
+    if kind == "yarn" and p.has("truncate"):  # gpt-oss: false (an unrounded correction range)
+        out["truncate"] = p.flag("truncate")
+    partial = _partial_rotary_factor(f, p, default_partial)
+    if partial != 1.0:
+        out["partial_rotary_factor"] = partial
     if kind == "longrope":
         for key in ROPE_LISTS:
             if p.has(key):
@@ -327,7 +361,7 @@ def common_model(f: Fields, defaults: ConfigDefaults) -> dict[str, Any]:
         "rms_norm_eps": f.number("rms_norm_eps", defaults.rms_norm_eps, lo=0.0, hi=1.0, lo_open=True),
         "max_position_embeddings": f.integer("max_position_embeddings", defaults.max_position_embeddings,
                                              hi=MAX_POSITIONS),
-        "rope": rope(f, defaults.rope_theta),
+        "rope": rope(f, defaults.rope_theta, defaults.partial_rotary_factor),
         "qkv_bias": False, "o_bias": False, "qk_norm": "none", "clip_qkv": None,
         "sliding_window": None,
         "tie_word_embeddings": f.flag("tie_word_embeddings", False),
@@ -347,7 +381,7 @@ def common_model(f: Fields, defaults: ConfigDefaults) -> dict[str, Any]:
 def finish_model(model: dict[str, Any]) -> dict[str, Any]:
     """Check cross-field invariants and return the dict in design-doc key order."""
     missing = [k for k in MODEL_KEYS if k not in model]
-    extra = [k for k in model if k not in MODEL_KEYS]
+    extra = [k for k in model if k not in MODEL_KEYS and k not in OPTIONAL_MODEL_KEYS]
     if missing or extra:  # a bug in an adapter, not in the input
         raise RuntimeError(f"adapter produced a bad model dict: missing {missing}, extra {extra}")
     heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
@@ -361,7 +395,7 @@ def finish_model(model: dict[str, Any]) -> dict[str, Any]:
         model["dense_intermediate_size"] = None  # no dense layer uses it
     elif model["dense_intermediate_size"] is None:
         raise InvalidInput("config.json: dense layers need 'intermediate_size'", field="intermediate_size")
-    ordered = {k: model[k] for k in MODEL_KEYS}
+    ordered = {k: model[k] for k in MODEL_KEYS + OPTIONAL_MODEL_KEYS if k in model}
     try:
         check_model(ordered)  # the format's own limits, so a bad config fails here, not at write time
     except InvalidMetadata as exc:

@@ -74,6 +74,8 @@ class HFNames:
     shared: tuple[str, str, str] | None = None  # gate, up, down of a separate shared expert
     shared_fused: tuple[str, str] | None = None  # gate_up [2Is, H] (gate rows first), down [H, Is]
     shared_gate: str | None = None
+    router_bias: tuple[str, ...] = ()  # spellings of the router bias ([E]; model.router.bias)
+    expert_bias: tuple[str, str] | None = None  # gate_up [E, 2I] (gate first), down [E, H] (model.expert_bias)
     skip: tuple[Skip, ...] = ()  # what this architecture's checkpoints carry that the format leaves out
 
 
@@ -124,6 +126,8 @@ def _attention(model: Model, i: int) -> list[_Wanted]:
         out.append(_Wanted(f"{c}.attn.o_bias", f"{p}.self_attn.o_proj.bias"))
     if model["qk_norm"] != "none":
         out += [_Wanted(f"{c}.attn.{x}_norm", f"{p}.self_attn.{x}_norm.weight") for x in "qk"]
+    if model.get("attention_sinks"):
+        out.append(_Wanted(f"{c}.attn.sinks", f"{p}.self_attn.sinks"))
     return out
 
 
@@ -131,6 +135,12 @@ def _moe(src: Any, model: Model, names: HFNames, i: int) -> list[_Wanted]:
     p, c = layer_prefix(i), f"layers.{i}.moe"
     router = _first_present(src, tuple(r.format(p=p) for r in names.routers), f"router of layer {i}")
     out = [_Wanted(f"{c}.router", router)]
+    if model["router"]["bias"]:
+        bias = _first_present(src, tuple(b.format(p=p) for b in names.router_bias), f"router bias of layer {i}")
+        out.append(_Wanted(f"{c}.router_bias", bias))
+    if model.get("expert_bias") and names.expert_bias is not None:
+        gate_up, down = (n.format(p=p) for n in names.expert_bias)
+        out += [_Wanted(f"{c}.expert_gate_up_bias", gate_up), _Wanted(f"{c}.expert_down_bias", down)]
     shared = model["shared_expert"]
     if shared is None:
         return out

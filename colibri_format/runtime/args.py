@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibri_format.errors import UnsupportedModel
+from colibri_format.runtime.rope import rotary_dim
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ class ModelArgs:
     residual_mult: float
     attention_scale: float
     logits_div: float
+    attention_sinks: bool = False          # one learned logit per head joins each softmax (layers.{i}.attn.sinks)
+    sliding_layers: frozenset | None = None    # layers that use sliding_window (None: all of them)
+    expert_bias: bool = False              # moe.expert_gate_up_bias [E, 2I] / expert_down_bias [E, H]
+    expert_act: dict | None = None         # None: silu(gate) * up; else the clamped SwiGLU {alpha, limit, up_offset}
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full attention)."""
+        if not self.sliding_window or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return 0
+        return int(self.sliding_window)
 
     @classmethod
     def from_dict(cls, m: dict[str, Any]) -> "ModelArgs":
@@ -53,7 +64,10 @@ class ModelArgs:
             tied=bool(m.get("tie_word_embeddings")), moe_layers=frozenset(m.get("moe_layers") or ()),
             top_k=m.get("top_k") or 0, router=m.get("router") or {}, shared_expert=m.get("shared_expert"),
             embedding_mult=mult["embedding"], residual_mult=mult["residual"],
-            attention_scale=mult["attention"] or 1.0 / math.sqrt(head_dim), logits_div=mult["logits"])
+            attention_scale=mult["attention"] or 1.0 / math.sqrt(head_dim), logits_div=mult["logits"],
+            attention_sinks=bool(m.get("attention_sinks")),
+            sliding_layers=frozenset(m["sliding_layers"]) if m.get("sliding_layers") is not None else None,
+            expert_bias=bool(m.get("expert_bias")), expert_act=m.get("expert_act"))
 
 
 def _check_supported(m: dict[str, Any]) -> None:
@@ -65,3 +79,13 @@ def _check_supported(m: dict[str, Any]) -> None:
         if value not in allowed:
             raise UnsupportedModel(f"model.{name} = {value!r} is not supported (expected one of {sorted(allowed)})",
                                    field=f"model.{name}", value=value)
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+    rot = rotary_dim(m.get("rope") or {}, head_dim)
+    if rot < 2 or rot % 2 or rot > head_dim:
+        raise UnsupportedModel(f"model.rope.partial_rotary_factor rotates {rot} of head_dim {head_dim} channels "
+                               "(needs an even number in [2, head_dim])", field="model.rope.partial_rotary_factor",
+                               value=(m.get("rope") or {}).get("partial_rotary_factor"))
+    router = m.get("router") or {}
+    if router.get("n_group", 1) > 1 and router.get("order", "softmax_topk") != "softmax_topk":
+        raise UnsupportedModel("grouped top-k (model.router.n_group) needs router.order softmax_topk",
+                               field="model.router.n_group", value=router["n_group"])

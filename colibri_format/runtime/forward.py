@@ -158,8 +158,9 @@ class Decoder:
                                 inp.cos[:T], inp.sin[:T], norm=a.qk_norm, eps=a.eps, clip=a.clip_qkv,
                                 q_out=ws.buf("q3", (T, nh, hd)), **norms)
         att = ws.buf("att", (T, nh, hd))
+        sinks = {"sinks": self.w.f32(f"{p}.sinks")} if a.attention_sinks else {}
         self.be.attention(q, kv.keys[i], kv.values[i], inp.seq[:T], inp.qlen[:T], float(a.attention_scale),
-                          window=int(a.sliding_window or 0), out=att, ws=ws, max_len=max_len)
+                          window=a.window(i), out=att, ws=ws, max_len=max_len, **sinks)
         o = ws.buf("o", (T, a.hidden_size))
         return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
 
@@ -188,9 +189,11 @@ class Decoder:
         a, T, r = self.a, x.shape[0], self.a.router
         p = f"layers.{layer}.moe"
         bias = self.w.f32(f"{p}.router_bias") if r.get("bias") else None
+        groups = r.get("n_group", 1), r.get("topk_group", 1)
+        grouped = {"groups": groups} if groups[1] < groups[0] else {}   # only when groups are masked
         return self.be.router(x, self.w[f"{p}.router"], a.top_k, bias=bias, scoring=r.get("scoring", "softmax"),
                               order=r.get("order", "softmax_topk"), normalize=bool(r.get("normalize_topk")),
-                              scale=float(r.get("scale", 1.0)), ws=ws,
+                              scale=float(r.get("scale", 1.0)), ws=ws, **grouped,
                               out_ids=ws.buf(f"{tag}_ids", (T, a.top_k), np.int32),
                               out_weights=ws.buf(f"{tag}_w", (T, a.top_k)))
 

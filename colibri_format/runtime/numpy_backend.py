@@ -116,9 +116,11 @@ def qkv_rope_kv(qkv, heads: int, kv_heads: int, k_cache, v_cache, seq, pos, rpos
     return _store(q_out, q)
 
 
-def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, out=None, xp=np):
+def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None, xp=np):
     """Row n of q [NQ, heads, hd] attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n]
-    (window <= 0: all). `xp` lets the CUDA backend run this for head sizes its kernel is not built for."""
+    (window <= 0: all). sinks [heads]: a learned logit per head that joins the softmax as one more column whose
+    value is dropped (gpt-oss), so the weights of the keys sum to less than one. `xp` lets the CUDA backend run this
+    for head sizes its kernel is not built for."""
     seq_h, len_h = np.asarray(q_seq).astype(np.int64), np.asarray(q_len).astype(np.int64)
     nq, nh, hd = q.shape
     nkv = k_cache.shape[2]
@@ -135,23 +137,50 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         if window > 0:
             allowed &= kv >= lens[:, None] - window
         scores = xp.where(xp.asarray(allowed), scores, q.dtype.type(-np.inf))
-        p = xp.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+        m = scores.max(-1, keepdims=True)
+        if sinks is not None:                                                   # [nh] -> [nkv, g, 1, 1]
+            sink = xp.asarray(widen(sinks, q.dtype) if xp is np else sinks.astype(q.dtype)).reshape(nkv, nh // nkv, 1, 1)
+            m = xp.maximum(m, sink)
+        p = xp.exp(scores - m)
+        den = p.sum(-1, keepdims=True)
+        if sinks is not None:
+            den = den + xp.exp(sink - m)
+        p /= den
         o[rows] = (p @ vals.transpose(1, 0, 2)[:, None]).transpose(2, 0, 1, 3).reshape(len(rows), nh, hd)
     return o
 
 
 # ---- routing and experts ---------------------------------------------------------------------------------------
+def group_mask(key, groups: tuple[int, int]):
+    """Grouped top-k (DeepSeek-V3, GLM): experts in n equal groups; a group's score is the sum of its two best keys;
+    the keys of all but the `keep` best groups become -inf (ties to the lower group index)."""
+    n, keep = groups
+    T, E = key.shape
+    best2 = -np.sort(-key.reshape(T, n, E // n), axis=-1)[..., :2]
+    kept = np.argsort(-best2.sum(-1), axis=-1, kind="stable")[:, :keep]     # [T, keep]
+    mask = np.zeros((T, n), bool)
+    np.put_along_axis(mask, kept, True, -1)
+    return np.where(np.repeat(mask, E // n, axis=1), key, key.dtype.type(-np.inf))
+
+
 def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk", normalize: bool = False,
-           scale: float = 1.0, out_ids=None, out_weights=None):
-    """Router logits -> (expert ids [T, k] int32, weights [T, k]); ties go to the lower expert index."""
+           scale: float = 1.0, groups: tuple[int, int] | None = None, out_ids=None, out_weights=None):
+    """Router logits -> (expert ids [T, k] int32, weights [T, k]); ties go to the lower expert index.
+
+    bias: with order softmax_topk it steers the selection only (scores + bias pick, the scores weigh: DeepSeek-V3,
+    GLM, MiniMax); with topk_softmax it is part of the logits (gpt-oss's biased router). groups: (n_group, topk_group)
+    for grouped top-k on the selection keys."""
     logits = x @ widen(w, x.dtype).T
-    if order == "topk_softmax":                          # Granite: top-k on the logits, softmax over the k
+    if order == "topk_softmax":                          # Granite, gpt-oss: top-k on the logits, softmax over the k
+        if bias is not None:
+            logits = logits + widen(bias, x.dtype)
         ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
         weights = softmax(np.take_along_axis(logits, ids, -1))
     else:
         scores = softmax(logits) if scoring == "softmax" else 1.0 / (1.0 + np.exp(-logits))
         key = scores if bias is None else scores + widen(bias, x.dtype)  # a router bias steers selection only
+        if groups is not None:
+            key = group_mask(key, groups)
         ids = np.argsort(-key, axis=-1, kind="stable")[:, :k]
         weights = np.take_along_axis(scores, ids, -1)
         if normalize:
@@ -280,8 +309,9 @@ class NumpyBackend:
     silu_mul = staticmethod(silu_mul)
     qkv_rope_kv = staticmethod(qkv_rope_kv)
 
-    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int):
-        return attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, out=out)
+    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
+                  sinks=None):
+        return attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out)
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
         return router(x, w, k, out_ids=out_ids, out_weights=out_weights, **how)

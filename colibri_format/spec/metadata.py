@@ -194,6 +194,8 @@ def _dict(obj, key, path):
 def _check_rope(rope: dict) -> None:
     _choice(rope, "type", "model.rope", ROPE_TYPES)
     _num(rope, "theta", "model.rope", 0, 1e12, exclusive_lo=True)
+    if "partial_rotary_factor" in rope:      # RoPE on the first factor * head_dim channels of a head only
+        _num(rope, "partial_rotary_factor", "model.rope", 0, 1.0, exclusive_lo=True)
     for key, value in rope.items():
         if key == "type":
             continue
@@ -249,6 +251,7 @@ def check_model(model: dict) -> dict:
     _bool(router, "normalize_topk", "model.router")
     _bool(router, "bias", "model.router")
     _num(router, "scale", "model.router", 0, 1e6, exclusive_lo=True)
+    _check_groups(router, experts, model["top_k"])
     shared = _get(model, "shared_expert", p)
     if shared is not None:
         if not isinstance(shared, dict):
@@ -259,7 +262,45 @@ def check_model(model: dict) -> dict:
     for key in ("embedding", "residual", "logits"):
         _num(mult, key, "model.multipliers", 0, 1e9, exclusive_lo=True)
     _num(mult, "attention", "model.multipliers", 0, 1e9, allow_none=True, exclusive_lo=True)
+    _check_optional(model)
     return model
+
+
+def _check_groups(router: dict, experts: int, top_k: int) -> None:
+    """Grouped top-k (optional keys, absent = one group): experts split into n_group equal groups, a token keeps
+    the topk_group groups whose two best selection keys sum highest, and picks its top_k among their experts."""
+    if "n_group" not in router and "topk_group" not in router:
+        return
+    groups = _int(router, "n_group", "model.router", 1, experts)
+    keep = _int(router, "topk_group", "model.router", 1, groups)
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        raise InvalidMetadata("n_group must divide num_experts into groups of at least 2 experts",
+                              field="model.router.n_group", value=groups)
+    if top_k > keep * (experts // groups):
+        raise InvalidMetadata("top_k exceeds the experts of the topk_group kept groups",
+                              field="model.router.topk_group", value=keep)
+
+
+def _check_optional(model: dict) -> None:
+    """Keys a file carries only when its model uses them (absent: the default in brackets)."""
+    n = model["num_layers"]
+    if "attention_sinks" in model:            # [false] one learned logit per head in every softmax
+        _bool(model, "attention_sinks", "model")
+    layers = model.get("sliding_layers")      # [null: every layer] the layers sliding_window applies to
+    if layers is not None:
+        if (not isinstance(layers, list) or len(layers) > n or any(type(x) is not int or not 0 <= x < n for x in layers)
+                or any(b <= a for a, b in zip(layers, layers[1:])) or model["sliding_window"] is None):
+            raise InvalidMetadata("sliding_layers must be an increasing list of layer indices, with a sliding_window",
+                                  field="model.sliding_layers", value=layers)
+    if "expert_bias" in model:                # [false] moe.expert_gate_up_bias / expert_down_bias per MoE layer
+        _bool(model, "expert_bias", "model")
+    act = model.get("expert_act")             # [null: silu(gate) * up] the clamped SwiGLU of gpt-oss
+    if act is not None:
+        if not isinstance(act, dict):
+            raise InvalidMetadata("must be null or an object", field="model.expert_act")
+        _num(act, "alpha", "model.expert_act", 0, 1e6, exclusive_lo=True)
+        _num(act, "limit", "model.expert_act", 0, 1e9, allow_none=True, exclusive_lo=True)
+        _num(act, "up_offset", "model.expert_act", -1e9, 1e9)
 
 
 def check_metadata(meta: dict) -> dict:

@@ -25,6 +25,8 @@ def _attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]
         out += [(p + "q_norm", (hd,)), (p + "k_norm", (hd,))]
     elif model["qk_norm"] == "full":
         out += [(p + "q_norm", (q,)), (p + "k_norm", (kv,))]
+    if model.get("attention_sinks"):
+        out.append((p + "sinks", (model["num_attention_heads"],)))
     return out
 
 
@@ -38,6 +40,9 @@ def _ffn_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
     out = [(p + "router", (model["num_experts"], h))]
     if model["router"]["bias"]:
         out.append((p + "router_bias", (model["num_experts"],)))
+    if model.get("expert_bias"):
+        e, i_e = model["num_experts"], model["expert_intermediate_size"]
+        out += [(p + "expert_gate_up_bias", (e, 2 * i_e)), (p + "expert_down_bias", (e, h))]
     shared = model["shared_expert"]
     if shared is not None:
         s = shared["intermediate_size"]

@@ -39,14 +39,16 @@ def reference_dense(arch: str, name: str, model: dict[str, Any], ref: dict[str, 
     _, i, rest = name.split(".", 2)
     p = f"model.layers.{i}"
     simple = {"input_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
-              "moe.shared_gate": "mlp.shared_expert_gate.weight"}
+              "moe.shared_gate": "mlp.shared_expert_gate.weight",
+              "moe.router_bias": {"glm4_moe": "mlp.gate.e_score_correction_bias",
+                                  "minimax_m2": "mlp.e_score_correction_bias"}.get(arch)}
     for x in ("q", "k", "v", "o"):
         simple[f"attn.{x}_proj"] = f"self_attn.{x}_proj.weight"
         simple[f"attn.{x}_bias"] = f"self_attn.{x}_proj.bias"
         simple[f"attn.{x}_norm"] = f"self_attn.{x}_norm.weight"
     for x in ("gate_proj", "up_proj", "down_proj"):
         simple[f"mlp.{x}"] = f"mlp.{x}.weight"
-        simple[f"moe.shared.{x}"] = f"mlp.shared_expert.{x}.weight"
+        simple[f"moe.shared.{x}"] = f"mlp.{'shared_experts' if arch == 'glm4_moe' else 'shared_expert'}.{x}.weight"
     if rest == "moe.router":
         return ref[f"{moe_prefix(arch, int(i))}.{'router' if arch in GRANITE else 'gate'}.weight"]
     if arch == "granitemoeshared" and rest.startswith("moe.shared."):

@@ -41,10 +41,32 @@ def _configs():
                                                               shared_intermediate_size=24, num_local_experts=4,
                                                               embedding_multiplier=2.0, residual_multiplier=0.7,
                                                               attention_multiplier=0.2, logits_scaling=1.5),
+        # GLM-4.5: a leading dense layer, q/k/v bias, per-head q/k norm, partial RoPE 0.5, sigmoid routing with a
+        # selection-only bias, renormalised and scaled, one ungated shared expert
+        "glm4_moe": lambda: tf.Glm4MoeConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, intermediate_size=40,
+                                             moe_intermediate_size=16, n_routed_experts=4, first_k_dense_replace=1,
+                                             attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5),
+        # grouped top-k (4 groups of 2, keep 2), no dense layer, no q/k norm, odd vocabulary, two shared experts'
+        # width, top-k weights not renormalised, YaRN over the partial rotary dims
+        "glm4_moe-groups": lambda: tf.Glm4MoeConfig(**{**SMALL, "vocab_size": 97, "num_experts_per_tok": 3},
+                                                    head_dim=12, intermediate_size=40, moe_intermediate_size=16,
+                                                    n_routed_experts=8, n_group=4, topk_group=2,
+                                                    first_k_dense_replace=0, n_shared_experts=2,
+                                                    norm_topk_prob=False, routed_scaling_factor=1.5,
+                                                    rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0,
+                                                                     "factor": 4.0, "partial_rotary_factor": 0.5,
+                                                                     "original_max_position_embeddings": 16}),
+        # MiniMax-M2: q/k RMSNorm over the whole projection, partial RoPE through rotary_dim, sigmoid + bias
+        "minimax_m2": lambda: tf.MiniMaxM2Config(**SMALL, head_dim=16, intermediate_size=16, num_local_experts=6,
+                                                 rotary_dim=8, rope_theta=5000.0),
     }
 
 
 ARCHS = list(_configs())
+
+
+def _sigmoid_routed(config) -> bool:
+    return config.model_type in ("glm4_moe", "minimax_m2")
 
 
 def build_hf(arch: str, seed: int = 0):
@@ -60,9 +82,13 @@ def build_hf(arch: str, seed: int = 0):
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif ".gate.weight" in name or "router" in name:
-                p.copy_(0.6 * noise)          # decisive routing: no near-ties between fp32 implementations
+                # decisive routing: no near-ties between fp32 implementations (sigmoid scores kept off saturation)
+                p.copy_((0.2 if _sigmoid_routed(config) else 0.6) * noise)
             else:
                 p.copy_(0.2 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):     # a buffer, zero at init: make it steer the choice
+                b.copy_(torch.randn(b.shape, generator=gen))
     return model
 
 
@@ -85,10 +111,14 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 def _rope(cfg) -> dict:
     params = dict(cfg.rope_parameters)
     out = {"type": params.pop("rope_type", "default"), "theta": params.pop("rope_theta")}
+    if params.get("partial_rotary_factor") == 1.0:      # written only when RoPE rotates part of a head
+        params.pop("partial_rotary_factor")
     return {**out, **params}
 
 
 def _moe_layers(arch: str, cfg) -> list[int]:
+    if arch == "glm4_moe":
+        return list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
     if arch not in ("qwen2_moe", "qwen3_moe"):
         return list(range(cfg.num_hidden_layers))
     return [i for i in range(cfg.num_hidden_layers)
@@ -96,6 +126,11 @@ def _moe_layers(arch: str, cfg) -> list[int]:
 
 
 def _router(arch: str, cfg) -> dict:
+    if arch == "glm4_moe":
+        return {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": cfg.norm_topk_prob, "bias": True,
+                "scale": cfg.routed_scaling_factor, "n_group": cfg.n_group, "topk_group": cfg.topk_group}
+    if arch == "minimax_m2":
+        return {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True, "scale": 1.0}
     if arch.startswith("granite"):
         return {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": False, "scale": 1.0}
     normalize = True if arch == "mixtral" else bool(cfg.norm_topk_prob)
@@ -107,6 +142,8 @@ def _shared(arch: str, cfg):
         return {"intermediate_size": cfg.shared_expert_intermediate_size, "gate": "sigmoid"}
     if arch == "granitemoeshared":
         return {"intermediate_size": cfg.shared_intermediate_size, "gate": "none"}
+    if arch == "glm4_moe":
+        return {"intermediate_size": cfg.moe_intermediate_size * cfg.n_shared_experts, "gate": "none"}
     return None
 
 
@@ -127,8 +164,9 @@ def model_dict(arch: str, cfg) -> dict:
         "head_dim": head_dim, "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings, "rope": _rope(cfg),
         "qkv_bias": bool(getattr(cfg, "qkv_bias", False)) if arch == "qwen2_moe" else attn_bias,
-        "o_bias": attn_bias and arch != "qwen2_moe",
-        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(arch, "none"),
+        "o_bias": attn_bias and arch not in ("qwen2_moe", "glm4_moe"),
+        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "minimax_m2": "full",
+                    "glm4_moe": "per_head" if getattr(cfg, "use_qk_norm", False) else "none"}.get(arch, "none"),
         "clip_qkv": getattr(cfg, "clip_qkv", None),
         "sliding_window": getattr(cfg, "sliding_window", None) if arch == "mixtral" else None,
         "tie_word_embeddings": bool(cfg.tie_word_embeddings), "hidden_act": cfg.hidden_act,
@@ -159,6 +197,10 @@ def _layer_tensor(i: int, rest: str, t: np.ndarray, dense: dict, experts: dict) 
         dense[f"{p}.post_attn_norm"] = t
     elif rest in ("mlp.gate.weight", "mlp.router.weight"):
         dense[f"{p}.moe.router"] = t
+    elif rest in ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"):
+        dense[f"{p}.moe.router_bias"] = t
+    elif rest.startswith("mlp.shared_experts."):
+        dense[f"{p}.moe.shared.{rest.split('.')[2]}"] = t
     elif rest.startswith("mlp.experts."):
         part = 0 if rest.endswith("gate_up_proj") else 1
         for e in range(t.shape[0]):

@@ -22,7 +22,7 @@ from colibri_format.errors import CorruptExpert, InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
 from colibri_format.runtime.expert_pool import MEMORY_RESERVE
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head_dim 64
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [40, 41, 42]]
 TOLERANCE = {"cpu": 1e-5, "cuda": 2e-3}        # relative logit error against the float64 reference
@@ -49,7 +49,7 @@ def make_file(tmp_path_factory, arch: str, dtype: str = "float32", **overrides):
     from tests.hf_models import make_tiny_checkpoint
 
     out = tmp_path_factory.mktemp(f"{arch}-{dtype}")
-    if arch == "qwen3_moe" and "hidden_size" in overrides:
+    if arch in ("qwen3_moe", "glm4_moe", "minimax_m2") and "hidden_size" in overrides:   # explicit head_dim
         overrides = {**overrides, "head_dim": overrides["hidden_size"] // overrides["num_attention_heads"]}
     make_tiny_checkpoint(arch, out / "hf", **overrides)
     path = out / "model.colibri"

@@ -116,8 +116,29 @@ def check_cuda_support(model: dict, blob_layout) -> None:
     norm = model.get("qk_norm", "none")
     if norm not in QK_NORM_MODES:
         raise _refuse(f"qk_norm {norm!r}; the kernels implement {sorted(QK_NORM_MODES)}", "model.qk_norm", norm)
+    _check_semantics(model)
     if blob_layout is not None:
         _check_experts(model, blob_layout)
+
+
+def _check_semantics(model: dict) -> None:
+    """Model features the NumPy engine computes and these kernels do not yet (each names what the kernel lacks)."""
+    router = model.get("router") or {}
+    groups, keep = router.get("n_group", 1), router.get("topk_group", 1)
+    if keep < groups:
+        raise _refuse(f"grouped top-k routing (n_group {groups}, topk_group {keep}); router.cu selects a plain "
+                      "top-k", "model.router.n_group", groups)
+    if router.get("bias") and router.get("order") == "topk_softmax":
+        raise _refuse("a router bias added to the logits (order topk_softmax); router.cu adds a bias to the "
+                      "selection keys of softmax_topk only", "model.router.bias", True)
+    if model.get("expert_act") is not None:
+        raise _refuse("the clamped SwiGLU of the experts (expert_act); moe_gemv.cu / moe_gemm.cu compute "
+                      "silu(gate) * up", "model.expert_act", model["expert_act"])
+    if model.get("expert_bias"):
+        raise _refuse("expert biases (expert_bias); the expert kernels add none", "model.expert_bias", True)
+    if model.get("attention_sinks"):
+        raise _refuse("attention sinks (attention_sinks); the attention kernel has no sink logit",
+                      "model.attention_sinks", True)
 
 
 def _check_experts(model: dict, blob_layout) -> None:

@@ -1,0 +1,54 @@
+"""`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss features (CPU only): what the kernels compute runs,
+what they do not yet compute is refused at open with one line naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibri_format import errors as E
+from colibri_format import spec as S
+from colibri_format.runtime.cuda import limits as L
+from colibri_format.synthetic import synthetic_model
+
+ROW = S.ExpertFormat.INT8_ROW
+
+
+def model(**changes) -> dict:
+    m = {**synthetic_model(), **changes}
+    S.check_model(m)
+    return m
+
+
+def blob(m: dict) -> S.BlobLayout:
+    return S.blob_layout(m["hidden_size"], m["expert_intermediate_size"], ROW, 0)
+
+
+SIGMOID = {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True, "scale": 2.5}
+
+
+@pytest.mark.parametrize("changes", [
+    {"router": {**SIGMOID, "n_group": 1, "topk_group": 1}},                # GLM-4.5: plain top-k
+    {"router": {**SIGMOID, "n_group": 2, "topk_group": 2}},                # every group kept: plain top-k
+    {"router": {**SIGMOID, "scale": 1.0}, "qk_norm": "full"},               # MiniMax-M2
+    {"rope": {"type": "default", "theta": 1e4, "partial_rotary_factor": 0.5}},
+    {"sliding_window": 4, "sliding_layers": [0]},                           # a window on some layers: per call
+])
+def test_glm_and_minimax_features_run(changes):
+    m = model(**changes)
+    L.check_cuda_support(m, blob(m))
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"router": {**SIGMOID, "n_group": 2, "topk_group": 1}}, "model.router.n_group"),
+    ({"router": {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
+                 "scale": 1.0}}, "model.router.bias"),
+    ({"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}, "model.expert_act"),
+    ({"expert_bias": True}, "model.expert_bias"),
+    ({"attention_sinks": True}, "model.attention_sinks"),
+])
+def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
+    m = model(**changes)
+    with pytest.raises(E.UnsupportedModel) as info:
+        L.check_cuda_support(m, blob(m))
+    assert info.value.field == field
+    assert "\n" not in str(info.value) and "the CUDA kernels cannot run this model" in str(info.value)
