@@ -109,7 +109,7 @@ def copy_ceiling(device: str, nbytes: int) -> dict:
 
 
 def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="global", policy="lrfu",
-            prefetch=False, device="cuda") -> dict:
+            prefetch=False, admission="frequency", device="cuda") -> dict:
     import colibri_format
     from colibri_format.runtime.cuda.bench import decode_bench
 
@@ -117,7 +117,7 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
     cfg = EngineConfig(device=device, max_batch_size=batch, max_seq_len=max(64, PROMPT + warmup + n + 1),
                        verify="never", max_cached_experts=capacity, cache_policy=policy, cache_scope=scope,
-                       prefetch=prefetch)
+                       prefetch=prefetch, cache_admission=admission)
     t0 = time.perf_counter()
     with Engine(path, cfg) as eng:
         opened = time.perf_counter() - t0
@@ -129,7 +129,8 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
                               before_step=advance)
         blob = eng.experts.blob_size
         source = eng.stats()["host_source"]
-    row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": policy + ("+prefetch" if prefetch else ""),
+    name = policy + ("+prefetch" if prefetch else "") + ("" if admission == "frequency" else f" ({admission})")
+    row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": name,
            "routing": routing, "open_s": opened, "host_source": source, "blob_bytes": blob,
            **{k: res[k] for k in ("tokens_per_s", "ms_per_step", "host_ms_per_step", "graph")},
            **res.get("paging", {})}
@@ -154,13 +155,16 @@ def qwen3_cases(path: Path, args, ceilings: dict) -> list[dict]:
              dict(batch=1, capacity=half, routing="random"), dict(batch=1, capacity=quarter, routing="random"),
              dict(batch=8, capacity=None, routing="trace"), dict(batch=8, capacity=half, routing="trace"),
              dict(batch=1, capacity=1, routing="random"),
-             dict(batch=1, capacity=half, routing="random", prefetch=True)]
+             dict(batch=1, capacity=half, routing="random", prefetch=True),
+             dict(batch=1, capacity=half, routing="trace", admission="always"),
+             dict(batch=8, capacity=half, routing="trace", admission="always")]
     return [run_case(path, case, args, ceilings, "qwen3", total) for case in cases]
 
 
 def mixtral_cases(path: Path, args, ceilings: dict) -> list[dict]:
     cases = [dict(batch=1, capacity=None, routing="random", scope="per_layer"),
-             dict(batch=1, capacity=4, routing="random", scope="per_layer")]
+             dict(batch=1, capacity=4, routing="random", scope="per_layer"),
+             dict(batch=1, capacity=4, routing="random", scope="per_layer", admission="always")]
     return [run_case(path, case, args, ceilings, "mixtral", 8) for case in cases]
 
 
@@ -198,6 +202,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=64, help="steps that fill the cache before the timed ones")
     ap.add_argument("--skip-mixtral", action="store_true")
     ap.add_argument("--work-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ap.add_argument("--qwen3-file", help="an existing full-depth Qwen3-30B-A3B-shaped file to use (kept)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     args.device = "cpu" if args.dry_run else "cuda"
@@ -216,12 +221,14 @@ def main() -> int:
             if name == "mixtral" and args.skip_mixtral:
                 continue
             t0 = time.perf_counter()
-            path = write_model(Path(tmp) / f"{name}.colibri", dict(shape), args.dry_run)
-            log(f"{name} file {path.stat().st_size / 1e9:.2f} GB written in {time.perf_counter() - t0:.1f} s")
+            given = Path(args.qwen3_file) if name == "qwen3" and args.qwen3_file else None
+            path = given or write_model(Path(tmp) / f"{name}.colibri", dict(shape), args.dry_run)
+            log(f"{name} file {path.stat().st_size / 1e9:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
             try:
                 result["rows"] += cases(path, args, ceilings)
             finally:
-                path.unlink()
+                if given is None:
+                    path.unlink()
                 save()
     print_table(result["rows"])
     return 0

@@ -56,6 +56,8 @@ class EngineConfig:
     cache_clock: str = "access"               # LRFU clock: per expert access (design) or per token
     cache_history: bool = True                # lfu/lrfu keep an evicted expert's count (best online policy
                                               # on the demo model's real traces, docs/cache.md)
+    cache_admission: str = "frequency"        # lfu/lrfu with history: admit a missed expert only when its count
+                                              # beats the weakest resident's (else it is read over PCIe); always
     verify: str = "first-use"                 # never | first-use | always (expert and tensor checksums)
     trace_path: str | None = None             # write a routing trace (JSON Lines) here
     pinned_experts: tuple | None = None       # (layer, expert) pairs for cache_policy="static"
@@ -67,6 +69,9 @@ class EngineConfig:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
         if self.device not in ("cpu", "cuda"):
             raise InvalidInput("device must be 'cpu' or 'cuda'", field="device", value=self.device)
+        if self.cache_admission not in ("always", "frequency"):
+            raise InvalidInput("cache_admission must be 'always' or 'frequency'", field="cache_admission",
+                               value=self.cache_admission)
         if self.gpu_memory is not None:
             if self.max_cached_experts is not None:
                 raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
@@ -141,9 +146,10 @@ def make_cache(config: EngineConfig, capacity: int | None, on_evict=None):
     from colibri_format.runtime.cache.expert_cache import ExpertCache
 
     pinned = [tuple(p) for p in config.pinned_experts] if config.pinned_experts is not None else None
+    history = config.cache_history and config.cache_policy in ("lfu", "lrfu")
     cache = ExpertCache(capacity, policy=config.cache_policy, scope=config.cache_scope,
-                        decay=config.decay_factor, clock=config.cache_clock, pinned=pinned,
-                        history=config.cache_history and config.cache_policy in ("lfu", "lrfu"))
+                        decay=config.decay_factor, clock=config.cache_clock, pinned=pinned, history=history,
+                        admission=config.cache_admission if history else "always")
     cache.on_evict = on_evict
     return cache
 

@@ -18,7 +18,9 @@ After each pass the host runs the cache off the critical path (`after_pass`):
 3. evictions point their entries back at the mapping at once; an admitted expert is copied into its freed
    slot on a copy stream that first waits for the table write (no pass reads the slot any more), and its entry
    is published one pass later, after the copy's event: a kernel sees a valid old or new address, never a
-   half-copied slot.
+   half-copied slot. At most COPY_BYTES_PER_PASS of copies are queued a pass; by default (`cache_admission=
+   "frequency"`) a full cache admits a missed expert only when its count beats the weakest resident's, so a
+   stable hot set is not churned by experts read once (each admission is a second trip over the bus).
 Table writes are ordered on the compute stream between passes (the whole host mirror, when it changed).
 
 Checksums: on a device that reads the mapping directly, every blob is verified on the host at open (a thread
@@ -44,6 +46,8 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
+COPY_BYTES_PER_PASS = 64 << 20  # admission copies queued per pass (at least one blob): a burst of admissions
+                                # must not take the bus from the kernels' own reads for long
 VERIFY_THREADS = 8            # host threads hashing blobs at open (xxhash releases the GIL on large inputs)
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
               "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
@@ -427,13 +431,14 @@ class ExpertPool:
         if self._dirty:
             self._upload()
             self._dirty = False
-        admitted, self._admitting = self._admitting, {}
-        if not admitted:
+        if not self._admitting:
             return
         be.wait(self.copy_stream, be.record(self.compute))   # nothing reads the freed slots after this point
-        for (li, e), index in admitted.items():
-            self._copy(index, int(self.host[li, e]))
-            self._pending[(li, e)] = self._slot_addr(index)
+        budget = max(1, COPY_BYTES_PER_PASS // self.blob_size)
+        for key in list(self._admitting)[:budget]:        # the rest wait for the next passes (read from the host)
+            index = self._admitting.pop(key)
+            self._copy(index, int(self.host[key]))
+            self._pending[key] = self._slot_addr(index)
         self._pending_event = be.record(self.copy_stream)
 
     def _copy(self, index: int, src: int) -> None:

@@ -56,6 +56,7 @@ T = TypeVar("T")
 POLICIES = ("lru", "lfu", "lrfu", "static", "belady", "random")
 SCOPES = ("global", "per_layer")
 CLOCKS = ("access", "token")
+ADMISSIONS = ("always", "frequency")
 
 
 # --- argument checks ------------------------------------------------------------------------------
@@ -174,11 +175,21 @@ class _HeapPolicy(CachePolicy):
     ``history=False`` (in-cache counts): a key's count restarts at 1 each time it is inserted.
     ``history=True`` ("perfect" counts): the count of an evicted key is remembered and continues when
     it comes back (memory: one int per distinct key ever seen).
+
+    ``admission="frequency"`` (needs ``history``): a full cache admits a missing key only when its priority
+    with this access beats the lowest resident's; a refused key is served without caching and its access still
+    counts, so a key that keeps coming back gets in. It keeps a stable hot set from being churned by one-off
+    keys, which matters when every admission is a copy that competes with demand reads for the bus.
     """
 
-    def __init__(self, capacity: int | None, history: bool = False) -> None:
+    def __init__(self, capacity: int | None, history: bool = False, admission: str = "always") -> None:
         super().__init__(capacity)
         self.history = bool(history)
+        self.admission = _check_choice(admission, ADMISSIONS, "admission")
+        if self.admission == "frequency" and not self.history:
+            raise InvalidInput("admission='frequency' needs history=True (a refused key's count must survive)",
+                               field="admission", value=admission)
+        self._now = 0.0
         self._entries: dict[Hashable, list[Any]] = {}
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
@@ -188,6 +199,7 @@ class _HeapPolicy(CachePolicy):
         raise NotImplementedError
 
     def touch(self, key: Hashable, now: float) -> bool:
+        self._now = now
         entry = self._entries.get(key)
         if entry is None:
             return False
@@ -210,6 +222,25 @@ class _HeapPolicy(CachePolicy):
         self._entries[key] = [count, self._seq, prio]
         heapq.heappush(self._heap, (prio, self._seq, key))
         return victim
+
+    def admits(self, key: Hashable) -> bool:
+        if self.admission == "always" or not self._full():
+            return True
+        count = self._past.get(key, 0) + 1
+        if self._priority(count, self._now) > self._min_record()[0]:
+            return True
+        self._past[key] = count              # refused: this access still counts towards the next chance
+        return False
+
+    def _min_record(self) -> tuple[float, int, Hashable]:
+        """The live heap record of lowest priority (stale records on top are dropped)."""
+        heap, entries = self._heap, self._entries
+        while True:
+            prio, seq, key = heap[0]
+            entry = entries.get(key)
+            if entry is not None and entry[1] == seq:
+                return heap[0]
+            heapq.heappop(heap)
 
     def _pop_min(self) -> Hashable:
         heap, entries = self._heap, self._entries
@@ -252,8 +283,9 @@ class LRFUPolicy(_HeapPolicy):
 
     name = "lrfu"
 
-    def __init__(self, capacity: int | None, decay: float = 0.999, history: bool = False) -> None:
-        super().__init__(capacity, history)
+    def __init__(self, capacity: int | None, decay: float = 0.999, history: bool = False,
+                 admission: str = "always") -> None:
+        super().__init__(capacity, history, admission)
         self.decay = check_decay(decay)
         self._lam = -math.log(self.decay)  # >= 0; 0 when decay == 1 (pure LFU)
 
@@ -428,20 +460,23 @@ class RandomPolicy(CachePolicy):
 
 def make_policy(policy: str, capacity: int | None, *, decay: float = 0.999,
                 pinned: Iterable[Hashable] | None = None, future: Sequence[Hashable] | None = None,
-                seed: int = 0, history: bool = False) -> CachePolicy:
+                seed: int = 0, history: bool = False, admission: str = "always") -> CachePolicy:
     """Build one policy instance by name; ``pinned`` is for ``static``, ``future`` for ``belady``,
-    ``history`` (counts survive eviction) for ``lfu`` and ``lrfu``."""
+    ``history`` (counts survive eviction) and ``admission`` for ``lfu`` and ``lrfu``."""
     _check_choice(policy, POLICIES, "policy")
     if history and policy not in ("lfu", "lrfu"):
         raise InvalidInput("history applies to the lfu and lrfu policies only", field="history")
+    if _check_choice(admission, ADMISSIONS, "admission") != "always" and policy not in ("lfu", "lrfu"):
+        raise InvalidInput(f"admission={admission!r} applies to the lfu and lrfu policies only",
+                           field="admission", value=admission)
     if pinned is not None and policy != "static":
         raise InvalidInput("pinned experts are only used by the static policy", field="pinned")
     if policy == "lru":
         return LRUPolicy(capacity)
     if policy == "lfu":
-        return LFUPolicy(capacity, history)
+        return LFUPolicy(capacity, history, admission)
     if policy == "lrfu":
-        return LRFUPolicy(capacity, decay, history)
+        return LRFUPolicy(capacity, decay, history, admission)
     if policy == "static":
         if pinned is None:
             raise InvalidInput("the static policy needs a set of pinned experts", field="pinned")
@@ -513,14 +548,16 @@ class ExpertCache(Generic[T]):
         seed: for the ``random`` policy.
         history: ``lfu``/``lrfu`` only: an evicted expert's access count is remembered and resumes when
             it is loaded again (default False: counts restart at 1 on every insertion).
+        admission: ``always``, or ``frequency`` (``lfu``/``lrfu`` with ``history``): a full cache admits a
+            missing expert only when its count (decayed for ``lrfu``) beats the lowest resident's.
 
     Raises:
         InvalidInput: capacity < 1, an unknown policy, scope or clock, decay outside (0, 1], a static
             policy without pins or with more pins than slots, belady without ``future``.
 
     Slots: every resident entry has a slot id in ``[0, capacity)`` of its partition (per layer for
-    ``per_layer``); the slot an eviction frees is the one the incoming entry receives. ``static`` and
-    ``belady`` may serve a miss without inserting it: ``get`` returns the loaded value and
+    ``per_layer``); the slot an eviction frees is the one the incoming entry receives. ``static``,
+    ``belady`` and frequency admission may serve a miss without inserting it: ``get`` returns the loaded value and
     ``slot_of`` returns None for it, so an engine needs one scratch buffer for such experts.
     """
 
@@ -528,7 +565,8 @@ class ExpertCache(Generic[T]):
                  decay: float = 0.999, clock: str = "access",
                  pinned: Iterable[tuple[int, int]] | None = None, *,
                  future: Sequence[tuple[int, int]] | None = None,
-                 on_evict: EvictHook | None = None, seed: int = 0, history: bool = False) -> None:
+                 on_evict: EvictHook | None = None, seed: int = 0, history: bool = False,
+                 admission: str = "always") -> None:
         self.capacity = check_capacity(capacity)
         self.policy = _check_choice(policy, POLICIES, "policy")
         self.scope = _check_choice(scope, SCOPES, "scope")
@@ -537,6 +575,10 @@ class ExpertCache(Generic[T]):
         self.on_evict = on_evict
         self._seed = seed
         self.history = bool(history)
+        self.admission = _check_choice(admission, ADMISSIONS, "admission")
+        if admission != "always" and (policy not in ("lfu", "lrfu") or not history):
+            raise InvalidInput(f"admission={admission!r} applies to the lfu and lrfu policies with history",
+                               field="admission", value=admission)
         if history and policy not in ("lfu", "lrfu"):
             raise InvalidInput("history applies to the lfu and lrfu policies only", field="history")
         self._pinned = self._split(pinned, "pinned")
@@ -577,7 +619,8 @@ class ExpertCache(Generic[T]):
             pinned = self._pinned.get(pid, []) if self.policy == "static" else None
             future = self._future.get(pid, []) if self.policy == "belady" else None
             part = _Partition(make_policy(self.policy, self.capacity, decay=self.decay, pinned=pinned,
-                                          future=future, seed=self._seed, history=self.history))
+                                          future=future, seed=self._seed, history=self.history,
+                                          admission=self.admission))
             self._parts[pid] = part
         return part
 

@@ -403,3 +403,32 @@ def test_many_accesses_are_fast():
     for l, e in itertools.islice(pairs, 20000):
         cache.get(l, e, loader=lambda: None)
     assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lrfu"])
+def test_frequency_admission_keeps_a_hot_set_from_one_off_keys(policy):
+    cache = ExpertCache(2, policy=policy, history=True, admission="frequency", decay=0.9999)
+    for _ in range(3):                       # two hot experts, three accesses each
+        for e in (0, 1):
+            cache.get(0, e, lambda: "v", nbytes=1)
+    cache.get(0, 7, lambda: "v", nbytes=1)   # a one-off: served, not admitted
+    assert not cache.contains(0, 7) and cache.slot_of(0, 7) is None
+    assert cache.contains(0, 0) and cache.contains(0, 1) and cache.stats().evictions == 0
+    for _ in range(4):                       # a key that keeps coming back gets in, evicting a hot one
+        cache.get(0, 7, lambda: "v", nbytes=1)
+    assert cache.contains(0, 7) and cache.stats().evictions == 1
+
+
+def test_always_admission_admits_every_miss():
+    cache = ExpertCache(2, policy="lfu", history=True)
+    for e in (0, 1, 0, 1, 7):
+        cache.get(0, e, lambda: "v")
+    assert cache.contains(0, 7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(policy="lru", admission="frequency"),
+                                    dict(policy="lfu", admission="frequency", history=False),
+                                    dict(policy="lfu", admission="sometimes", history=True)])
+def test_frequency_admission_needs_lfu_or_lrfu_with_history(kwargs):
+    with pytest.raises(InvalidInput, match="admission"):
+        ExpertCache(2, **kwargs)
