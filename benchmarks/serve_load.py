@@ -20,6 +20,8 @@ rate and the paging GB/s, for `--cache` below 100%).
 --qwen3-30b PATH: a full-depth Qwen3-30B-A3B-shaped synthetic file (48 layers, 128 experts top-8, hidden 2048,
   vocabulary 151,936; random weights, one expert blob repeated: ~30 GB), written to PATH when it is not there.
 --cache all,50%: one server per value (`--max-cached-experts`: a count, a share of all experts, or all).
+--blas-threads N: OPENBLAS_NUM_THREADS of the server (the CPU engine). On a small machine a multi-threaded BLAS
+  fights the server's HTTP thread and the clients for the cores: compare the default with --blas-threads 1.
 Bounded: each level stops after --timeout seconds (the requests left are counted as not finished).
 """
 
@@ -93,9 +95,13 @@ def cache_capacity(path: Path, value: str) -> int | None:
 
 
 # --- the server ------------------------------------------------------------------------------------------------
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "PYTHONUNBUFFERED": "1"}
+def child_env(blas_threads: int | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
+    if blas_threads is not None:
+        env.update(OPENBLAS_NUM_THREADS=str(blas_threads), OMP_NUM_THREADS=str(blas_threads),
+                   MKL_NUM_THREADS=str(blas_threads))
+    return env
 
 
 def free_port() -> int:
@@ -115,9 +121,11 @@ class Server:
                "--max-queue", str(max(args.levels) * 2), "--max-seq-len", str(args.prompt_tokens + args.max_tokens)]
         if capacity is not None:
             cmd += ["--max-cached-experts", str(capacity)]
-        self.command = " ".join(cmd[1:])
+        prefix = f"OPENBLAS_NUM_THREADS={args.blas_threads} " if args.blas_threads is not None else ""
+        self.command = prefix + "colibri " + " ".join(cmd[3:])
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=child_env(args.blas_threads))
 
     def wait_ready(self, seconds: float) -> None:
         import httpx
@@ -267,6 +275,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch-size", type=int, default=None, help="server slots (default: the largest level)")
     ap.add_argument("--cache", default="all", help="--max-cached-experts per server: all, N or P%%; comma list")
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="OPENBLAS_NUM_THREADS (and OMP/MKL) of the server process (default: inherited)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per level at most")
     ap.add_argument("--startup", type=float, default=900.0, help="seconds the server may take to open the file")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -289,7 +299,7 @@ def main() -> None:
         try:
             t0 = time.perf_counter()
             server.wait_ready(args.startup)
-            log(f"server up in {time.perf_counter() - t0:.1f} s: colibri {server.command.split(' ', 2)[2]}")
+            log(f"server up in {time.perf_counter() - t0:.1f} s: {server.command}")
             asyncio.run(run_level(server.url, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}),
                                   prompts[-1:]))                                  # warm-up
             for clients in args.levels:
@@ -306,7 +316,7 @@ def main() -> None:
           f"({path.stat().st_size / 1e9:.2f} GB); device {args.device}")
     print(f"command: PYTHONPATH=. python benchmarks/serve_load.py {' '.join(sys.argv[1:])}")
     for c in commands:
-        print(f"server: colibri {c.split(' ', 2)[2]}")
+        print(f"server: {c}")
     print(f"load: levels {args.clients} clients x {args.requests_per_client} requests, {args.prompt_tokens} prompt "
           f"tokens, {args.max_tokens} generated tokens each (greedy, ignore_eos, streamed)\n")
     print(table(rows))
