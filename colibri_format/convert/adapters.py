@@ -13,6 +13,7 @@ from typing import Any
 
 from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
                                               finish_model, model_type_of, moe_layer_indices, sliding_window)
+from colibri_format.convert.derived import Derive, prepare_source
 from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
@@ -28,6 +29,11 @@ class Adapter:
     names: HFNames
     defaults: ConfigDefaults
     fields: Callable[[Fields, Model], None]  # sets the model fields this architecture changes
+    derive: Derive | None = None  # tensors computed from the checkpoint's (convert/derived.py)
+
+    def source(self, src: Any) -> Any:
+        """The checkpoint as the names table reads it: quantized weights dequantized, re-layouts applied."""
+        return prepare_source(src, self.derive)
 
     def normalize_config(self, raw: Mapping[str, Any]) -> Model:
         """The design-doc `model` dict for a config.json of this architecture."""

@@ -182,6 +182,7 @@ def check_expert_counts(model: dict[str, Any], num_experts: int | None, top_k: i
 def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | None) -> Job:
     adapter = get_adapter(src.config.model_type)
     model = adapter.normalize_config(src.config.raw)
+    src = adapter.source(src)  # FP8 / MXFP4 weights dequantized as they are read (convert/derived.py)
     check_expert_counts(model, num_experts, top_k)
     check_token_ids(dict(src.config.raw), "config.json", model["vocab_size"])
     pieces = []

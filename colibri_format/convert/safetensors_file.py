@@ -139,6 +139,14 @@ class SafetensorsFile:
                                    "weights can be converted", field=name, value=e.dtype)
         return self._data()[e.begin:e.end].view(STORAGE[FLOAT_DTYPES[e.dtype]]).reshape(e.shape)
 
+    def raw_view(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of a one-byte tensor (FP8 weights, FP4 blocks, E8M0 scales) as uint8."""
+        e = self.entries[name]
+        if _itemsize(e.dtype) != 1:
+            raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}, not a one-byte type",
+                                   field=name, value=e.dtype)
+        return self._data()[e.begin:e.end].reshape(e.shape)
+
     def element_offset(self, name: str, flat_index: int) -> int:
         """Byte offset in the file of element `flat_index` (row-major) of tensor `name`."""
         e = self.entries[name]

@@ -124,6 +124,14 @@ class SourceCheckpoint:
         safetensors mapping (slice it to read only some rows). Pickled sources return a copy."""
         return self._file(name).native_view(name)
 
+    def raw_view(self, name: str) -> np.ndarray:
+        """A one-byte tensor's stored bytes as uint8 (FP8 / FP4 sources, dequantized by convert/derived.py)."""
+        f = self._file(name)
+        if not hasattr(f, "raw_view"):
+            raise UnsupportedModel(f"tensor {name!r} is {f.dtype(name)} in a pickled file; quantized weights are "
+                                   "read from safetensors only", field=name)
+        return f.raw_view(name)
+
     def element_offset(self, name: str, index: tuple[int, ...]) -> int | None:
         """Byte offset in its file of one element of tensor `name` (None for pickled sources)."""
         f = self._file(name)

@@ -1,0 +1,302 @@
+"""Tensors the converter computes from checkpoint tensors while it reads them, a row range at a time.
+
+Two kinds, both seen by the rest of the converter as ordinary float32 checkpoint tensors under a name:
+- dequantized sources (`quantization_config`): FP8 e4m3 weights with a `weight_scale_inv` per block
+  (DeepSeek-V3, GLM-4.5, MiniMax-M2: `W[i, j] = fp8[i, j] * scale_inv[i // bm, j // bn]`, shapes that are not
+  multiples of the block included), and MXFP4 weights as `*_blocks` (uint8 [..., R, G, 16], two FP4 values a
+  byte, the low nibble first) with `*_scales` (uint8 [..., R, G], E8M0: 2^(s - 127)) (gpt-oss);
+- re-layouts an architecture needs (gpt-oss keeps its experts in-features first with gate and up columns
+  interleaved; the converter wants nn.Linear rows with the gate rows first).
+
+`prepare_source(src, derive)` wraps a `SourceCheckpoint`: the derived tensors replace the ones they are made
+of (which no longer count as checkpoint tensors, so they are neither converted nor reported unused). Rows are
+computed when `convert/rows.py` slices them; nothing holds a whole tensor, except the gpt-oss transpose of a
+bf16 checkpoint, which keeps one expert matrix per reading thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from colibri_format.convert.safe_paths import short_repr
+from colibri_format.dtypes import to_float32
+from colibri_format.errors import InvalidInput, UnsupportedModel
+
+
+class Derived(Protocol):
+    """A computed tensor: its shape, and float32 rows [start, stop) of it (of its `index`-th slice if set)."""
+
+    shape: tuple[int, ...]
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray: ...
+
+
+class _View:
+    """What convert/rows.py asks of a tensor: `view[i]` (one slice of a 3-D tensor), `view[a:b]` (rows), ndim, shape."""
+
+    def __init__(self, tensor: Derived, index: int | None = None) -> None:
+        self.tensor, self.index = tensor, index
+        self.shape = tensor.shape[1:] if index is not None else tensor.shape
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, np.integer)) and self.index is None and self.ndim == 3:
+            return _View(self.tensor, int(key))
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(self.shape[0])
+            return self.tensor.rows(self.index, start, stop)
+        raise TypeError(f"derived tensors are read by row ranges, not {key!r}")
+
+
+class DerivedSource:
+    """A checkpoint whose `derived` tensors are computed and whose `consumed` tensors are hidden; everything else
+    (files, config, fingerprints) is the wrapped checkpoint's."""
+
+    def __init__(self, src: Any, derived: dict[str, Derived], consumed: set[str]) -> None:
+        self._src, self._derived, self._consumed = src, derived, consumed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._src, name)
+
+    def has(self, name: str) -> bool:
+        return name in self._derived or (name not in self._consumed and self._src.has(name))
+
+    def is_derived(self, name: str) -> bool:
+        return name in self._derived or bool(getattr(self._src, "is_derived", lambda _: False)(name))
+
+    def tensor_names(self) -> list[str]:
+        return sorted({n for n in self._src.tensor_names() if n not in self._consumed} | set(self._derived))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._derived[name].shape) if name in self._derived else self._src.shape(name)
+
+    def dtype(self, name: str) -> str:
+        return "float32" if name in self._derived else self._src.dtype(name)
+
+    def native_view(self, name: str) -> Any:
+        t = self._derived.get(name)
+        if t is None:
+            return self._src.native_view(name)
+        return t.rows(None, 0, t.shape[0]) if len(t.shape) == 1 else _View(t)
+
+    def raw_view(self, name: str) -> np.ndarray:
+        return self._src.raw_view(name)
+
+    def element_offset(self, name: str, index: tuple[int, ...]) -> int | None:
+        return None if name in self._derived else self._src.element_offset(name, index)
+
+    def read(self, name: str) -> np.ndarray:
+        t = self._derived.get(name)
+        if t is None:
+            return self._src.read(name)
+        if len(t.shape) == 3:
+            return np.stack([t.rows(e, 0, t.shape[1]) for e in range(t.shape[0])])
+        return t.rows(None, 0, t.shape[0])
+
+    def __enter__(self) -> DerivedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._src.close()
+
+
+# --- FP8 e4m3 with block scales -----------------------------------------------------------------------------------
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN)."""
+    b = np.arange(256)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    value = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    value = np.where(b & 0x80, -value, value)
+    value[(b & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+E4M3 = _e4m3_table()
+
+
+class Fp8Blocks:
+    """`fp8 [..., R, C] * scale_inv [..., ceil(R / bm), ceil(C / bn)]`, one scale per bm x bn block."""
+
+    def __init__(self, src: Any, name: str, scale_name: str, block: tuple[int, int]) -> None:
+        self.q, self.scale, self.block = src.raw_view(name), src.native_view(scale_name), block
+        self.shape = tuple(self.q.shape)
+        if len(self.shape) not in (2, 3):
+            raise InvalidInput(f"FP8 tensor {name!r} has rank {len(self.shape)}; a matrix or a stack of them is needed",
+                               field=name, value=self.shape)
+        *lead, r, c = self.shape
+        expected = (*lead, -(-r // block[0]), -(-c // block[1]))
+        if tuple(self.scale.shape) != expected:
+            raise InvalidInput(f"{scale_name!r} has shape {tuple(self.scale.shape)}, expected {expected} for "
+                               f"{name!r} {self.shape} in blocks of {block[0]} x {block[1]}", field=scale_name,
+                               value=tuple(self.scale.shape))
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        q = self.q if index is None else self.q[index]
+        scale = self.scale if index is None else self.scale[index]
+        bm, bn = self.block
+        values = E4M3[q[start:stop]]
+        s = to_float32(np.asarray(scale[start // bm:(stop - 1) // bm + 1]))     # the blocks these rows fall in
+        s = np.repeat(s, bm, axis=0)[start - start // bm * bm:][:stop - start]
+        values *= np.repeat(s, bn, axis=1)[:, :values.shape[1]]
+        return values
+
+
+# --- MXFP4: FP4 (e2m1) values in blocks of 32 with an E8M0 scale -------------------------------------------------
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+class Mxfp4:
+    """`*_blocks` uint8 [..., R, G, 16] + `*_scales` uint8 [..., R, G] -> float32 [..., R, G * 32]."""
+
+    def __init__(self, src: Any, blocks: str, scales: str) -> None:
+        self.blocks, self.scales = src.raw_view(blocks), src.raw_view(scales)
+        if self.blocks.ndim < 3 or self.blocks.shape[-1] != 16 or self.scales.shape != self.blocks.shape[:-1]:
+            raise InvalidInput(f"MXFP4 tensors {blocks!r} {tuple(self.blocks.shape)} and {scales!r} "
+                               f"{tuple(self.scales.shape)} do not pair (blocks [..., R, G, 16], scales [..., R, G])",
+                               field=blocks, value=tuple(self.blocks.shape))
+        *lead, r, g, _ = self.blocks.shape
+        self.shape = (*lead, r, g * 32)
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        b = (self.blocks if index is None else self.blocks[index])[start:stop]
+        e = (self.scales if index is None else self.scales[index])[start:stop]
+        out = np.empty(b.shape[:-1] + (32,), np.float32)            # [n, G, 32]
+        out[..., 0::2] = FP4[b & 0x0F]
+        out[..., 1::2] = FP4[b >> 4]
+        out *= np.ldexp(np.float32(1.0), e.astype(np.int32) - 127)[..., None]
+        return out.reshape(out.shape[0], -1)
+
+
+# --- the sources of a checkpoint ----------------------------------------------------------------------------------
+def _block(quant: dict[str, Any]) -> tuple[int, int]:
+    block = quant.get("weight_block_size", [128, 128])
+    if (not isinstance(block, list) or len(block) != 2
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block)):
+        raise InvalidInput(f"quantization_config weight_block_size must be two positive integers, got "
+                           f"{short_repr(block)}", field="weight_block_size", value=block)
+    return block[0], block[1]
+
+
+def _fp8(src: Any, quant: dict[str, Any]) -> tuple[dict[str, Derived], set[str]]:
+    fmt = quant.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise UnsupportedModel(f"FP8 checkpoints in format {short_repr(fmt)} are not supported (only e4m3)",
+                               field="quantization_config.fmt", value=fmt)
+    block = _block(quant)
+    derived, consumed = {}, set()
+    for scale in src.tensor_names():
+        if not scale.endswith(".weight_scale_inv"):
+            continue
+        weight = scale[:-len("_scale_inv")]
+        if not src.has(weight) or src.dtype(weight) != "f8_e4m3":
+            raise InvalidInput(f"{scale!r} scales no FP8 e4m3 tensor {weight!r}", field=scale)
+        derived[weight] = Fp8Blocks(src, weight, scale, block)
+        consumed.add(scale)
+    return derived, consumed
+
+
+def _mxfp4(src: Any) -> tuple[dict[str, Derived], set[str]]:
+    derived, consumed = {}, set()
+    for blocks in src.tensor_names():
+        if not blocks.endswith("_blocks"):
+            continue
+        name = blocks[:-len("_blocks")]
+        scales = name + "_scales"
+        if not src.has(scales):
+            raise InvalidInput(f"MXFP4 tensor {blocks!r} has no {scales!r}", field=blocks)
+        derived[name] = Mxfp4(src, blocks, scales)
+        consumed |= {blocks, scales}
+    return derived, consumed
+
+
+Derive = Callable[[Any], tuple[dict[str, Derived], set[str]]]
+
+
+def prepare_source(src: Any, derive: Derive | None = None) -> Any:
+    """`src` with its quantized weights dequantized (per `quantization_config`) and the architecture's re-layouts
+    (`derive`) applied; `src` itself when there is nothing to derive."""
+    quant = src.config.raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        src = DerivedSource(src, *_fp8(src, quant))
+    elif isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        src = DerivedSource(src, *_mxfp4(src))
+    if derive is not None:
+        src = DerivedSource(src, *derive(src))
+    return src
+
+
+# --- gpt-oss experts ----------------------------------------------------------------------------------------------
+def _deinterleave(n: int) -> np.ndarray:
+    """Positions of [gate 0..n/2, up 0..n/2] in a vector that alternates gate, up."""
+    return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
+
+
+class _RowsOf:
+    """Rows of `base` (a derived or stored [E, R, C] tensor) in the order `order`."""
+
+    def __init__(self, src: Any, name: str, order: np.ndarray) -> None:
+        self.src, self.name, self.order = src, name, order
+        self.shape = tuple(src.shape(name))
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        view = self.src.native_view(self.name)[index]
+        pick = self.order[start:stop]
+        if isinstance(view, np.ndarray):
+            return to_float32(np.asarray(view[pick]))
+        first, last = int(pick.min()), int(pick.max()) + 1      # a derived tensor computes a row range
+        return view[first:last][pick - first]
+
+
+class _Transposed:
+    """[E, C, R] stored in-features first -> [E, R', C] rows in the order `order` of its columns; one transposed
+    expert kept per reading thread (a column read touches every row of it)."""
+
+    def __init__(self, src: Any, name: str, order: np.ndarray) -> None:
+        self.src, self.name, self.order = src, name, order
+        e, c, r = src.shape(name)
+        self.shape = (e, r, c)
+        self._last = threading.local()
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        last = getattr(self._last, "expert", None)
+        if last is None or last[0] != index:
+            m = to_float32(np.asarray(self.src.native_view(self.name)[index]))     # [C, R]
+            last = self._last.expert = (index, np.ascontiguousarray(m.T[self.order]))
+        return last[1][start:stop]
+
+
+class _Columns:
+    """[E, N] with its columns in the order `order` (gpt-oss's interleaved gate/up bias)."""
+
+    def __init__(self, src: Any, name: str, order: np.ndarray) -> None:
+        self.src, self.name, self.order = src, name, order
+        self.shape = tuple(src.shape(name))
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        return to_float32(np.asarray(self.src.native_view(self.name)[start:stop]))[:, self.order]
+
+
+def gpt_oss_experts(src: Any) -> tuple[dict[str, Derived], set[str]]:
+    """gpt-oss experts as nn.Linear rows, gate rows first: `mlp.experts.gate_up_proj` [E, 2I, H],
+    `down_proj` [E, H, I], `gate_up_proj_bias` [E, 2I]. The bf16 checkpoint stores them in-features first
+    (gate_up [E, H, 2I], down [E, I, H]) with gate and up columns interleaved; an MXFP4 one stores the blocks
+    out-features first (dequantized by `_mxfp4` to [E, 2I, H] and [E, H, I]), rows interleaved likewise."""
+    derived: dict[str, Derived] = {}
+    for name in src.tensor_names():
+        if not name.endswith(".mlp.experts.gate_up_proj"):
+            continue
+        down = name[:-len("gate_up_proj")] + "down_proj"
+        _, a, b = src.shape(name)
+        if getattr(src, "is_derived", lambda _: False)(name):
+            derived[name] = _RowsOf(src, name, _deinterleave(a))           # MXFP4: [E, 2I, H], rows interleaved
+        else:
+            derived[name] = _Transposed(src, name, _deinterleave(b))       # bf16: [E, H, 2I], columns interleaved
+            if src.has(down):
+                derived[down] = _Transposed(src, down, np.arange(src.shape(down)[2]))
+        if src.has(name + "_bias"):
+            derived[name + "_bias"] = _Columns(src, name + "_bias", _deinterleave(src.shape(name + "_bias")[1]))
+    return derived, set()

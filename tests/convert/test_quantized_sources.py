@@ -1,0 +1,103 @@
+"""FP8 block-scaled and MXFP4 checkpoints: the converter dequantizes them while reading.
+
+The decoding tables are checked against torch / transformers; checkpoints crafted from tiny models in the
+real on-disk layouts (tests/convert/quantized_checkpoints.py) convert to float32 files whose logits and greedy
+tokens match transformers' fp32 eager forward of the dequantized model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from colibri_format.convert.derived import E4M3, Mxfp4
+from colibri_format.convert.pipeline import convert
+from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.runtime import Engine
+from tests.convert.quantized_checkpoints import load_reference, mxfp4_blocks, to_fp8
+from tests.runtime.hf_tiny import build_hf, hf_logits, prompts, rel_err
+
+TOL = 1e-4
+
+
+def test_e4m3_table_is_torchs():
+    ref = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(np.isnan(E4M3), np.isnan(ref))
+    np.testing.assert_array_equal(E4M3[~np.isnan(ref)], ref[~np.isnan(ref)])
+
+
+def test_mxfp4_decoding_is_transformers():
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 10, 4), generator=gen, dtype=torch.uint8)
+    ref = _convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2).numpy()   # [3, 10, 128]
+
+    class Src:
+        def raw_view(self, name):
+            return (blocks if name == "b" else scales).numpy()
+
+    got = Mxfp4(Src(), "b", "s")
+    assert got.shape == (3, 10, 128)
+    for e in range(3):
+        np.testing.assert_array_equal(np.concatenate([got.rows(e, 0, 7), got.rows(e, 7, 10)]), ref[e])
+
+
+def test_mxfp4_crafting_round_trips():
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    blocks, scales, deq = mxfp4_blocks(w)
+
+    class Src:
+        def raw_view(self, name):
+            return (blocks if name == "b" else scales).numpy()
+
+    np.testing.assert_array_equal(Mxfp4(Src(), "b", "s").rows(None, 0, 4), deq.numpy())
+
+
+def _greedy(hf, prompt, n):
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(hf_logits(hf, ids)[-1].argmax()))
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("arch, block", [("glm4_moe", (24, 20)), ("minimax_m2", (128, 128)),
+                                          ("glm4_moe-groups", (8, 16))])
+def test_fp8_checkpoint_converts_to_the_dequantized_model(tmp_path, arch, block):
+    hf = build_hf(arch)
+    hf.save_pretrained(tmp_path / "hf")
+    fp8, dequantized = to_fp8(tmp_path / "hf", tmp_path, block)
+    ref = load_reference(dequantized)
+    convert(fp8, tmp_path / "f32.colibri", dtype="float32", quantize="none", workers=2)
+    batch = prompts(96, [11, 4], seed=5)
+    with Engine(tmp_path / "f32.colibri") as engine:
+        for ids, logits in zip(batch, engine.logits(batch)):
+            assert rel_err(logits, hf_logits(ref, ids)) < TOL
+        assert engine.generate(batch[0], max_new_tokens=8, stop_ids=[]).output_ids == _greedy(ref, batch[0], 8)
+    # the FP8 values really differ from the original weights: the test would not see a missing dequantization
+    assert rel_err(hf_logits(ref, batch[0]), hf_logits(hf, batch[0])) > 10 * TOL
+
+
+def test_fp8_scale_of_the_wrong_shape_is_named(tmp_path):
+    build_hf("minimax_m2").save_pretrained(tmp_path / "hf")
+    fp8, _ = to_fp8(tmp_path / "hf", tmp_path, (16, 16))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [8, 16]       # the scales were made for 16 x 16
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidInput, match=r"weight_scale_inv.*expected"):
+        convert(fp8, tmp_path / "x.colibri", dtype="float32", quantize="none", workers=1)
+
+
+def test_fp8_in_another_format_is_refused(tmp_path):
+    build_hf("minimax_m2").save_pretrained(tmp_path / "hf")
+    fp8, _ = to_fp8(tmp_path / "hf", tmp_path, (16, 16))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["fmt"] = "e5m2"
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="e5m2"):
+        convert(fp8, tmp_path / "x.colibri", dtype="float32", quantize="none", workers=1)
