@@ -287,14 +287,14 @@ class Scheduler:
 
     def _prefill(self, jobs: list[Job]) -> None:
         eng = self._engine
-        for job in jobs:
-            p = job.params
-            job.sampler = Sampler(p.temperature, p.top_p, p.seed, top_k=p.top_k, min_p=p.min_p,
-                                  repetition_penalty=p.repetition_penalty, context=job.prompt_ids)
-            if self.tokenizer is not None:
-                job.stream = TextStream(self.tokenizer, job._pieces.append, p.stop)
         t0 = time.perf_counter()
         try:
+            for job in jobs:
+                p = job.params
+                job.sampler = Sampler(p.temperature, p.top_p, p.seed, top_k=p.top_k, min_p=p.min_p,
+                                      repetition_penalty=p.repetition_penalty, context=job.prompt_ids)
+                if self.tokenizer is not None:
+                    job.stream = TextStream(self.tokenizer, job._pieces.append, p.stop)
             logits = eng.prefill_into(self._runner, [np.asarray(j.prompt_ids, np.int64) for j in jobs],
                                       seqs=[j.slot for j in jobs])
             tokens = self._pick(jobs, logits, range(len(jobs)))

@@ -186,3 +186,30 @@ def test_429_beyond_the_queue(demo_file):
         queued.close()
         assert wait_for(lambda: srv.scheduler.running == 0, 5)
         assert 'colibri_requests_total{outcome="rejected_queue_full"} 1' in httpx.get(srv.url + "/metrics").text
+
+
+def test_an_engine_fault_fails_the_request_not_the_server(demo_file, tmp_path):
+    import shutil
+
+    import colibri_format
+
+    bad = tmp_path / "corrupt.colibri"
+    shutil.copy(demo_file, bad)
+    with colibri_format.open(bad, verify="never") as f:
+        offsets = [f.blob_offset(0, e) for e in range(f.model["num_experts"])]
+    with open(bad, "r+b") as fh:                           # every expert of layer 0: any prompt reaches one
+        for offset in offsets:
+            fh.seek(offset + 5)
+            byte = fh.read(1)[0]
+            fh.seek(offset + 5)
+            fh.write(bytes([byte ^ 0x5A]))
+    with BackgroundServer(str(bad), EngineConfig(max_batch_size=2, max_seq_len=256)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as exc:
+            client.completions.create(model=srv.model, prompt="import os", max_tokens=4)
+        error = exc.value.response.json()["error"]
+        assert error["type"] == "server_error" and "checksum" in error["message"].lower()
+        with pytest.raises(openai.APIError, match="checksum"):                     # streamed: an error event
+            list(client.completions.create(model=srv.model, prompt="x", max_tokens=4, stream=True))
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"             # the server goes on
+        assert 'colibri_requests_total{outcome="failed"} 2' in httpx.get(srv.url + "/metrics").text
