@@ -47,6 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "colibri-demo-moe"
 DEMO_FILE = Path("/tmp/colibri_serve_load_demo.colibri")
+SETTLE = 1.5          # seconds: more than the server's engine-stats interval (serve/scheduler.py)
 QWEN3_30B = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
                  expert_inter=768, qk_norm="per_head")
 
@@ -303,8 +304,10 @@ def main() -> None:
             asyncio.run(run_level(server.url, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}),
                                   prompts[-1:]))                                  # warm-up
             for clients in args.levels:
+                time.sleep(SETTLE)                  # the server's engine snapshot is taken once it is idle
                 before = server.metrics()
                 row = asyncio.run(run_level(server.url, clients, args, prompts))
+                time.sleep(SETTLE)
                 row.update(level_metrics(before, server.metrics()), cache=cache if capacity is None
                            else f"{cache} ({capacity} experts)")
                 log(f"cache {cache}, {clients} clients: {row['throughput_tok_s']:.1f} tok/s, "

@@ -249,6 +249,8 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cv:
+                if not self.waiting and not self.running:
+                    self._refresh_stats(force=True)       # idle: /metrics shows the work just done
                 while not self._stopping and not self.waiting and not self.running:
                     self.cv.wait(STATS_INTERVAL)
                     self._refresh_stats()
