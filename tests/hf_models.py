@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2",
+         "gpt_oss")
 
 _COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256)
@@ -47,6 +48,8 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
                    dict(head_dim=16, intermediate_size=16, num_local_experts=4, rotary_dim=8, bos_token_id=1,
                         eos_token_id=2)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=16, intermediate_size=48, num_local_experts=4, sliding_window=8)),
 }
 
 

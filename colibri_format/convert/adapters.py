@@ -13,7 +13,7 @@ from typing import Any
 
 from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
                                               finish_model, model_type_of, moe_layer_indices, sliding_window)
-from colibri_format.convert.derived import Derive, prepare_source
+from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source
 from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
@@ -147,6 +147,33 @@ def _minimax_m2(f: Fields, model: Model) -> None:
     _sigmoid_router(f, model, normalize=True, scale=1.0)  # top-k weights always renormalised, never scaled
 
 
+def _gpt_oss(f: Fields, model: Model) -> None:
+    bias = f.flag("attention_bias", True)
+    model.update(qkv_bias=bias, o_bias=bias, attention_sinks=True)
+    if not f.has("rope_parameters") and not f.has("rope_scaling"):  # transformers' default for gpt-oss
+        model["rope"] = {"type": "yarn", "theta": model["rope"]["theta"], "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096.0}
+    window = f.integer("sliding_window", None, lo=0, hi=1 << 30) or None
+    # layer_types: sliding on the even layers by default (transformers' GptOssConfig)
+    kinds = f.raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(model["num_layers"])]
+    if (not isinstance(kinds, list) or len(kinds) != model["num_layers"]
+            or any(k not in ("sliding_attention", "full_attention") for k in kinds)):
+        raise UnsupportedModel(f"gpt_oss layer_types {short_repr(kinds)} is not supported (one of "
+                               "'sliding_attention' / 'full_attention' per layer)", field="layer_types")
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+    if window and sliding:
+        model["sliding_window"] = window
+        if len(sliding) < model["num_layers"]:
+            model["sliding_layers"] = sliding
+    # the router is a biased linear layer: top-k of logits + bias, softmax over the k
+    model["router"] = {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
+                       "scale": 1.0}
+    model["expert_bias"] = True
+    model["expert_act"] = {"alpha": f.number("swiglu_alpha", 1.702, lo=0.0, lo_open=True),
+                           "limit": f.number("swiglu_limit", 7.0, lo=0.0, lo_open=True), "up_offset": 1.0}
+
+
 # --- the records ----------------------------------------------------------------------------------
 
 _QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
@@ -238,13 +265,27 @@ MINIMAX_M2 = Adapter(
     fields=_minimax_m2,
 )
 
+GPT_OSS = Adapter(
+    model_type="gpt_oss",
+    names=HFNames(
+        routers=("{p}.mlp.router.weight",),
+        router_bias=("{p}.mlp.router.bias",),
+        # nn.Linear rows, gate first: re-laid out from the checkpoint's in-features-first interleaved tensors
+        # (or dequantized from MXFP4) by convert/derived.py::gpt_oss_experts
+        experts=(FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"),),
+        expert_bias=("{p}.mlp.experts.gate_up_proj_bias", "{p}.mlp.experts.down_proj_bias")),
+    defaults=ConfigDefaults(rope_theta=150000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                            expert_width_key="intermediate_size"),
+    fields=_gpt_oss,
+    derive=gpt_oss_experts,
+)
+
 ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
-                                      MINIMAX_M2)}
+                                      MINIMAX_M2, GPT_OSS)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.
 NOT_YET = {
-    "gpt_oss": "MXFP4 experts, interleaved clamped SwiGLU and attention sinks",
     "deepseek_v2": "multi-head latent attention and grouped routing",
     "deepseek_v3": "multi-head latent attention, sigmoid+bias routing and FP8 block scales",
     "kimi_k2": "the DeepSeek-V3 architecture",

@@ -182,7 +182,17 @@ class Decoder:
         nxt = self.experts.prefetch_layer(i)
         if nxt is not None:
             self.experts.predict(nxt, self.route(nxt, x, ws, "pf")[0])
-        self.be.moe(x, ids, weights, self.experts.table(i), residual=h, alpha=float(self.a.residual_mult), ws=ws)
+        self.be.moe(x, ids, weights, self.experts.table(i), residual=h, alpha=float(self.a.residual_mult), ws=ws,
+                    **self.expert_extras(i))
+
+    def expert_extras(self, i: int) -> dict:
+        """What the experts of `layer` compute beyond silu(gate) * up (gpt-oss): the clamped SwiGLU, the biases
+        (only passed when the model has them; the CUDA backend refuses such models at open)."""
+        a, p = self.a, f"layers.{i}.moe"
+        extras = {"act": a.expert_act} if a.expert_act is not None else {}
+        if a.expert_bias:
+            extras.update(gate_up_bias=self.w[f"{p}.expert_gate_up_bias"], down_bias=self.w[f"{p}.expert_down_bias"])
+        return extras
 
     def route(self, layer: int, x, ws, tag: str):
         """(expert ids [T, k] int32, weights [T, k]) of `layer`'s router applied to x."""

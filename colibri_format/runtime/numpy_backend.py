@@ -188,24 +188,42 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
     return _store(out_ids, ids.astype(np.int32)), _store(out_weights, weights * x.dtype.type(scale))
 
 
-def expert_ffn(x, gate_up, down):
-    """down(silu(gate x) * up x) with gate_up [2I, H]: rows [:I] gate, [I:] up."""
+def clamped_swiglu(gate, up, *, alpha: float, limit: float | None, up_offset: float):
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha g), g = min(gate,
+    limit) (limit None: no clamp)."""
+    if limit is not None:
+        gate = np.minimum(gate, gate.dtype.type(limit))
+        up = np.clip(up, -up.dtype.type(limit), up.dtype.type(limit))
+    return (up + up.dtype.type(up_offset)) * gate / (1.0 + np.exp(-gate.dtype.type(alpha) * gate))
+
+
+def expert_ffn(x, gate_up, down, *, act: dict | None = None, gate_up_bias=None, down_bias=None):
+    """down(silu(gate x) * up x) with gate_up [2I, H]: rows [:I] gate, [I:] up; with `act` (model.expert_act)
+    the clamped SwiGLU instead of silu(gate) * up, and the biases (model.expert_bias) after each product."""
     h = x @ gate_up.T
+    if gate_up_bias is not None:
+        h = h + gate_up_bias
     inter = gate_up.shape[0] // 2
-    return (silu(h[:, :inter]) * h[:, inter:]) @ down.T
+    a = silu(h[:, :inter]) * h[:, inter:] if act is None else clamped_swiglu(h[:, :inter], h[:, inter:], **act)
+    y = a @ down.T
+    return y if down_bias is None else y + down_bias
 
 
-def moe(x, ids, weights, experts, *, residual, alpha: float = 1.0):
+def moe(x, ids, weights, experts, *, residual, alpha: float = 1.0, act: dict | None = None, gate_up_bias=None,
+        down_bias=None):
     """residual += alpha * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), slots summed in order j = 0..k-1.
 
-    `experts(e)` gives (gate_up, down) in x's dtype.
+    `experts(e)` gives (gate_up, down) in x's dtype; act, gate_up_bias [E, 2I] and down_bias [E, H]: see
+    `expert_ffn` (gpt-oss).
     """
     T, k = ids.shape
     ypair = np.zeros((T, k, x.shape[1]), x.dtype)
     for e in np.unique(ids):
         arrays = experts(int(e))
         rows, slot = np.nonzero(ids == e)          # a token picks an expert at most once: rows are unique
-        ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays)
+        biases = {"gate_up_bias": None if gate_up_bias is None else widen(gate_up_bias[e], x.dtype),
+                  "down_bias": None if down_bias is None else widen(down_bias[e], x.dtype)}
+        ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays, act=act, **biases)
     residual += residual.dtype.type(alpha) * ypair.sum(1)
     return residual
 
@@ -316,10 +334,10 @@ class NumpyBackend:
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
         return router(x, w, k, out_ids=out_ids, out_weights=out_weights, **how)
 
-    def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws):
+    def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)
-        return moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha)
+        return moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
 
     # --- memory ------------------------------------------------------------------------------------------------
     def empty(self, shape, dtype=None):

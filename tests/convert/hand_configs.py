@@ -66,4 +66,15 @@ PUBLISHED = {
                    "quantization_config": {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
                                            "weight_block_size": [128, 128],
                                            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}},
+    "gpt-oss-20b": {"model_type": "gpt_oss", "attention_bias": True, "head_dim": 64, "hidden_act": "silu",
+                    "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12, "num_attention_heads": 64,
+                    "num_experts_per_tok": 4, "experts_per_token": 4, "num_hidden_layers": 24,
+                    "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+                    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+                    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+                    "vocab_size": 201088,
+                    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}},
 }

@@ -40,8 +40,12 @@ def reference_dense(arch: str, name: str, model: dict[str, Any], ref: dict[str, 
     p = f"model.layers.{i}"
     simple = {"input_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
               "moe.shared_gate": "mlp.shared_expert_gate.weight",
-              "moe.router_bias": {"glm4_moe": "mlp.gate.e_score_correction_bias",
-                                  "minimax_m2": "mlp.e_score_correction_bias"}.get(arch)}
+              "moe.router_bias": {"glm4_moe": "mlp.gate.e_score_correction_bias", "gpt_oss": "mlp.router.bias",
+                                  "minimax_m2": "mlp.e_score_correction_bias"}.get(arch),
+              "attn.sinks": "self_attn.sinks", "moe.expert_down_bias": "mlp.experts.down_proj_bias"}
+    if rest == "moe.expert_gate_up_bias":                     # gpt-oss: gate and up interleaved -> gate first
+        bias = ref[f"{p}.mlp.experts.gate_up_proj_bias"]
+        return np.concatenate([bias[:, 0::2], bias[:, 1::2]], axis=1)
     for x in ("q", "k", "v", "o"):
         simple[f"attn.{x}_proj"] = f"self_attn.{x}_proj.weight"
         simple[f"attn.{x}_bias"] = f"self_attn.{x}_proj.bias"
@@ -50,7 +54,7 @@ def reference_dense(arch: str, name: str, model: dict[str, Any], ref: dict[str, 
         simple[f"mlp.{x}"] = f"mlp.{x}.weight"
         simple[f"moe.shared.{x}"] = f"mlp.{'shared_experts' if arch == 'glm4_moe' else 'shared_expert'}.{x}.weight"
     if rest == "moe.router":
-        return ref[f"{moe_prefix(arch, int(i))}.{'router' if arch in GRANITE else 'gate'}.weight"]
+        return ref[f"{moe_prefix(arch, int(i))}.{'router' if arch in GRANITE + ('gpt_oss',) else 'gate'}.weight"]
     if arch == "granitemoeshared" and rest.startswith("moe.shared."):
         i_s = model["shared_expert"]["intermediate_size"]
         fused = ref[f"{p}.shared_mlp.input_linear.weight"]
@@ -62,7 +66,8 @@ def reference_dense(arch: str, name: str, model: dict[str, Any], ref: dict[str, 
 def open_and_normalize(folder: Path) -> tuple[Any, Any, dict[str, Any]]:
     src = open_checkpoint(folder)
     arch, model = normalize_config(src.config.raw)
-    return src, get_adapter(arch), model
+    adapter = get_adapter(arch)
+    return adapter.source(src), adapter, model
 
 
 LAYOUTS = [(arch, fused, sharded) for arch in ARCHS for fused, sharded in [(False, False), (True, True)]]
@@ -92,11 +97,15 @@ def test_expert_tensors_match_the_module(tiny_checkpoint: Any, tiny_reference: A
         for layer, expert in itertools.product(model["moe_layers"], range(model["num_experts"])):
             gate, up, down = expert_tensors(src, model, adapter, layer, expert)
             gate_up = ref[f"{moe_prefix(arch, layer)}.experts.gate_up_proj"][expert]
+            down_ref = ref[f"{moe_prefix(arch, layer)}.experts.down_proj"][expert]
+            if arch == "gpt_oss":     # in-features first, gate and up columns interleaved
+                gate_up = np.concatenate([gate_up[:, 0::2], gate_up[:, 1::2]], axis=1).T
+                down_ref = down_ref.T
             assert gate.shape == up.shape == (i_size, h) and down.shape == (h, i_size)
             assert all(a.dtype == np.float32 for a in (gate, up, down))
             np.testing.assert_array_equal(gate, gate_up[:i_size])
             np.testing.assert_array_equal(up, gate_up[i_size:])
-            np.testing.assert_array_equal(down, ref[f"{moe_prefix(arch, layer)}.experts.down_proj"][expert])
+            np.testing.assert_array_equal(down, down_ref)
 
 
 @pytest.mark.parametrize("arch", ["granitemoe", "mixtral"])

@@ -46,6 +46,14 @@ EXPECTED = {
                  "router": {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,
                             "scale": 2.5, "n_group": 1, "topk_group": 1},
                  "shared_expert": {"intermediate_size": 16, "gate": "none"}},
+    "gpt_oss": {"head_dim": 16, "rms_norm_eps": 1e-5, "qkv_bias": True, "o_bias": True, "sliding_window": 8,
+                "rope": {"type": "yarn", "theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096.0},
+                "expert_intermediate_size": 48,
+                "router": {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
+                           "scale": 1.0},
+                "sliding_layers": [0], "attention_sinks": True, "expert_bias": True,
+                "expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}},
     "minimax_m2": {"head_dim": 16, "qk_norm": "full", "rope": {"type": "default", "theta": 5e6,
                                                                "partial_rotary_factor": 0.5},
                    "router": {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,
@@ -61,7 +69,7 @@ def test_saved_config_normalizes_to_the_design_doc_model(arch: str, tiny_checkpo
     cfg = load_config(tiny_checkpoint(arch))
     architecture, model = normalize_config(cfg.raw)
     assert architecture == arch
-    assert list(model) == list(hf_config.MODEL_KEYS)
+    assert list(model) == [k for k in hf_config.MODEL_KEYS + hf_config.OPTIONAL_MODEL_KEYS if k in model]
     assert model == {**BASE, **EXPECTED[arch]}
 
 
@@ -197,7 +205,7 @@ def test_wrong_types_and_out_of_range_values_are_invalid_input(key: str, value: 
                                 "num_experts_per_tok", "rope_theta")
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "llama", "not_a_model"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "llama", "not_a_model"])
 def test_unknown_or_unsupported_model_type_names_it_and_lists_supported(model_type: str) -> None:
     with pytest.raises(UnsupportedModel) as info:
         normalize_config({**MIXTRAL, "model_type": model_type})
@@ -292,6 +300,11 @@ def test_error_messages_stay_short_for_huge_untrusted_values() -> None:
     ("GLM-4.5", {"moe_layers": list(range(3, 92)), "qk_norm": "per_head", "num_experts": 160,
                  "router": {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,
                             "scale": 2.5, "n_group": 1, "topk_group": 1}}),
+    ("gpt-oss-20b", {"num_experts": 32, "top_k": 4, "head_dim": 64, "qkv_bias": True, "o_bias": True,
+                     "sliding_window": 128, "sliding_layers": list(range(0, 24, 2)), "attention_sinks": True,
+                     "rope": {"type": "yarn", "theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "original_max_position_embeddings": 4096.0, "truncate": False},
+                     "expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}),
     ("MiniMax-M2", {"qk_norm": "full", "num_experts": 256, "top_k": 8, "expert_intermediate_size": 1536,
                     "shared_expert": None, "rope": {"type": "default", "theta": 5e6, "partial_rotary_factor": 0.5},
                     "router": {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,

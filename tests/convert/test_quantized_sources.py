@@ -17,7 +17,7 @@ from colibri_format.convert.derived import E4M3, Mxfp4
 from colibri_format.convert.pipeline import convert
 from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime import Engine
-from tests.convert.quantized_checkpoints import load_reference, mxfp4_blocks, to_fp8
+from tests.convert.quantized_checkpoints import load_reference, mxfp4_blocks, to_fp8, to_mxfp4
 from tests.runtime.hf_tiny import build_hf, hf_logits, prompts, rel_err
 
 TOL = 1e-4
@@ -101,3 +101,18 @@ def test_fp8_in_another_format_is_refused(tmp_path):
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="e5m2"):
         convert(fp8, tmp_path / "x.colibri", dtype="float32", quantize="none", workers=1)
+
+
+@pytest.mark.parametrize("options, tol", [(dict(dtype="float32", quantize="none"), TOL)])
+def test_mxfp4_gpt_oss_converts_to_the_dequantized_model(tmp_path, options, tol):
+    hf = build_hf("gpt_oss", intermediate_size=64)        # in-features multiples of 32 (H 32, I 64)
+    hf.save_pretrained(tmp_path / "hf")
+    mxfp4, dequantized = to_mxfp4(tmp_path / "hf", tmp_path)
+    ref = load_reference(dequantized)
+    convert(mxfp4, tmp_path / "out.colibri", workers=2, **options)
+    batch = prompts(96, [11, 4], seed=5)
+    with Engine(tmp_path / "out.colibri") as engine:
+        for ids, logits in zip(batch, engine.logits(batch)):
+            assert rel_err(logits, hf_logits(ref, ids)) < tol
+        assert engine.generate(batch[0], max_new_tokens=8, stop_ids=[]).output_ids == _greedy(ref, batch[0], 8)
+    assert rel_err(hf_logits(ref, batch[0]), hf_logits(hf, batch[0])) > 10 * TOL

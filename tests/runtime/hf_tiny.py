@@ -16,6 +16,10 @@ SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_h
              num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+_GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 16}
+
+
 def _configs():
     return {
         "mixtral": lambda: tf.MixtralConfig(**SMALL, intermediate_size=16, num_local_experts=4, sliding_window=5,
@@ -59,19 +63,36 @@ def _configs():
         # MiniMax-M2: q/k RMSNorm over the whole projection, partial RoPE through rotary_dim, sigmoid + bias
         "minimax_m2": lambda: tf.MiniMaxM2Config(**SMALL, head_dim=16, intermediate_size=16, num_local_experts=6,
                                                  rotary_dim=8, rope_theta=5000.0),
+        # gpt-oss: attention sinks, q/k/v/o biases, a window on the sliding layers of layer_types (layer 0 here),
+        # YaRN without truncation, a biased router (top-k of logits + bias, softmax over k), experts with biases
+        # and the clamped SwiGLU, stored in-features first with gate and up interleaved
+        "gpt_oss": lambda: tf.GptOssConfig(**SMALL, head_dim=16, intermediate_size=48, num_local_experts=4,
+                                           sliding_window=5, rope_parameters=_GPT_OSS_YARN),
+        # three layers, two of them sliding; a low clamp limit (the activations reach it), odd vocabulary
+        "gpt_oss-clamped": lambda: tf.GptOssConfig(**{**SMALL, "num_hidden_layers": 3, "vocab_size": 97},
+                                                   head_dim=16, intermediate_size=16, num_local_experts=5,
+                                                   sliding_window=3, swiglu_limit=0.5,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"],
+                                                   rope_parameters=_GPT_OSS_YARN),
     }
 
 
 ARCHS = list(_configs())
 
 
-def _sigmoid_routed(config) -> bool:
-    return config.model_type in ("glm4_moe", "minimax_m2")
+def _router_std(config) -> float:
+    """Sigmoid scores kept off saturation (GLM, MiniMax); gpt-oss's biased logits spread wider (its bf16 file
+    would otherwise flip a near-tie choice)."""
+    return {"glm4_moe": 0.2, "minimax_m2": 0.2, "gpt_oss": 1.2}.get(config.model_type, 0.6)
 
 
-def build_hf(arch: str, seed: int = 0):
-    """A seeded fp32 eager model whose every parameter is random (norms near 1, biases non-zero)."""
+def build_hf(arch: str, seed: int = 0, **overrides):
+    """A seeded fp32 eager model whose every parameter is random (norms near 1, biases non-zero); `overrides`
+    change fields of the architecture's config."""
     config = _configs()[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                 experts_implementation="eager").float().eval()
@@ -83,7 +104,7 @@ def build_hf(arch: str, seed: int = 0):
                 p.copy_(1.0 + 0.2 * noise)
             elif ".gate.weight" in name or "router" in name:
                 # decisive routing: no near-ties between fp32 implementations (sigmoid scores kept off saturation)
-                p.copy_((0.2 if _sigmoid_routed(config) else 0.6) * noise)
+                p.copy_(_router_std(config) * noise)
             else:
                 p.copy_(0.2 * noise)
         for name, b in model.named_buffers():
@@ -131,6 +152,8 @@ def _router(arch: str, cfg) -> dict:
                 "scale": cfg.routed_scaling_factor, "n_group": cfg.n_group, "topk_group": cfg.topk_group}
     if arch == "minimax_m2":
         return {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True, "scale": 1.0}
+    if arch == "gpt_oss":
+        return {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True, "scale": 1.0}
     if arch.startswith("granite"):
         return {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": False, "scale": 1.0}
     normalize = True if arch == "mixtral" else bool(cfg.norm_topk_prob)
@@ -176,7 +199,17 @@ def model_dict(arch: str, cfg) -> dict:
         "top_k": cfg.num_experts_per_tok,
         "expert_intermediate_size": getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
         "router": _router(arch, cfg), "shared_expert": _shared(arch, cfg), "multipliers": _multipliers(arch, cfg),
+        **(_gpt_oss_keys(cfg) if arch == "gpt_oss" else {}),
     }
+
+
+def _gpt_oss_keys(cfg) -> dict:
+    sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+    out = {"sliding_window": cfg.sliding_window if sliding else None, "attention_sinks": True}
+    if sliding and len(sliding) < cfg.num_hidden_layers:
+        out["sliding_layers"] = sliding
+    return {**out, "expert_bias": True,
+            "expert_act": {"alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, "up_offset": 1.0}}
 
 
 # --- HF state dict -> canonical tensors ----------------------------------------------------------------------
@@ -186,10 +219,30 @@ _ATTN = {"q_proj.weight": "q_proj", "k_proj.weight": "k_proj", "v_proj.weight": 
          "q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
 
 
-def _layer_tensor(i: int, rest: str, t: np.ndarray, dense: dict, experts: dict) -> None:
+def _gpt_oss_expert_tensor(p: str, rest: str, t: np.ndarray, i: int, dense: dict, experts: dict) -> None:
+    # in-features first, gate and up interleaved -> nn.Linear rows, gate rows first
+    gate_first = lambda n: np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # noqa: E731
+    if rest == "mlp.experts.gate_up_proj_bias":
+        dense[f"{p}.moe.expert_gate_up_bias"] = t[:, gate_first(t.shape[1])]
+    elif rest == "mlp.experts.down_proj_bias":
+        dense[f"{p}.moe.expert_down_bias"] = t
+    else:
+        part = 0 if rest.endswith("gate_up_proj") else 1
+        for e in range(t.shape[0]):
+            m = t[e].T
+            experts.setdefault((i, e), [None, None])[part] = m[gate_first(m.shape[0])] if part == 0 else m
+
+
+def _layer_tensor(i: int, rest: str, t: np.ndarray, dense: dict, experts: dict, arch: str = "") -> None:
     p = f"layers.{i}"
     rest = rest.replace("block_sparse_moe.", "mlp.")
-    if rest.startswith("self_attn."):
+    if arch == "gpt_oss" and rest.startswith("mlp.experts."):
+        _gpt_oss_expert_tensor(p, rest, t, i, dense, experts)
+    elif rest == "self_attn.sinks":
+        dense[f"{p}.attn.sinks"] = t
+    elif rest == "mlp.router.bias":
+        dense[f"{p}.moe.router_bias"] = t
+    elif rest.startswith("self_attn."):
         dense[f"{p}.attn.{_ATTN[rest[len('self_attn.'):]]}"] = t
     elif rest == "input_layernorm.weight":
         dense[f"{p}.input_norm"] = t
@@ -226,7 +279,7 @@ def to_canonical(arch: str, model) -> TinyWeights:
         t = tensor.detach().float().numpy().copy()
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers."):].split(".", 1)
-            _layer_tensor(int(i), rest, t, dense, experts)
+            _layer_tensor(int(i), rest, t, dense, experts, arch)
         elif name == "model.embed_tokens.weight":
             dense["embed_tokens"] = t
         elif name == "model.norm.weight":

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.engine import Engine, EngineConfig, GenerationResult
 from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelDecoder, ResidentExperts
 from colibri_format.runtime.parallel.placement import Placement, plan_placement
@@ -40,6 +40,11 @@ class ExpertParallelEngine(Engine):
         # Only rank 0 writes the routing trace: every rank routes the same tokens.
         super().__init__(source, replace(config, device="cpu",
                                          trace_path=config.trace_path if self.rank == 0 else None))
+        if self.args.expert_act is not None or self.args.expert_bias:
+            self.close()
+            raise UnsupportedModel("expert parallelism computes silu(gate) * up experts without biases; this "
+                                   "model's experts have biases or the clamped SwiGLU (gpt-oss): run it in one "
+                                   "process", field="devices")
         self.group = group
         self.placement = placement or self._plan(trace)
         self.owned_store = ResidentExperts(self.placement.owned(self.rank), device)

@@ -117,8 +117,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     from tests.hf_models import ARCHS, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ep-files")
-    out = {arch: str(root / f"{arch}.colibri") for arch in ARCHS}
-    for arch in ARCHS:
+    archs = [a for a in ARCHS if a != "gpt_oss"]   # its experts (biases, clamped SwiGLU) are refused by EP ranks
+    out = {arch: str(root / f"{arch}.colibri") for arch in archs}
+    for arch in archs:
         convert(make_tiny_checkpoint(arch, root / f"hf-{arch}"), out[arch], dtype="float32", quantize="none")
     out["qwen3_moe-int8"] = str(root / "qwen3_moe-int8.colibri")
     convert(root / "hf-qwen3_moe", out["qwen3_moe-int8"], dtype="float32", quantize="expert")
