@@ -86,6 +86,13 @@ class DerivedSource:
     def raw_view(self, name: str) -> np.ndarray:
         return self._src.raw_view(name)
 
+    def positional_reader(self, name: str, view: Any) -> Any:
+        """None for a computed tensor (convert/rows.py then slices its view); the checkpoint's answer otherwise."""
+        if name in self._derived:
+            return None
+        finder = getattr(self._src, "positional_reader", None)
+        return finder(name, view) if finder is not None else None
+
     def element_offset(self, name: str, index: tuple[int, ...]) -> int | None:
         return None if name in self._derived else self._src.element_offset(name, index)
 
