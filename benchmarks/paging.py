@@ -156,15 +156,13 @@ def qwen3_cases(path: Path, args, ceilings: dict) -> list[dict]:
              dict(batch=8, capacity=None, routing="trace"), dict(batch=8, capacity=half, routing="trace"),
              dict(batch=1, capacity=1, routing="random"),
              dict(batch=1, capacity=half, routing="random", prefetch=True),
-             dict(batch=1, capacity=half, routing="trace", admission="always"),
-             dict(batch=8, capacity=half, routing="trace", admission="always")]
+             dict(batch=1, capacity=half, routing="trace", admission="always")]
     return [run_case(path, case, args, ceilings, "qwen3", total) for case in cases]
 
 
 def mixtral_cases(path: Path, args, ceilings: dict) -> list[dict]:
     cases = [dict(batch=1, capacity=None, routing="random", scope="per_layer"),
-             dict(batch=1, capacity=4, routing="random", scope="per_layer"),
-             dict(batch=1, capacity=4, routing="random", scope="per_layer", admission="always")]
+             dict(batch=1, capacity=4, routing="random", scope="per_layer")]
     return [run_case(path, case, args, ceilings, "mixtral", 8) for case in cases]
 
 

@@ -46,8 +46,8 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
-COPY_BYTES_PER_PASS = 64 << 20  # admission copies queued per pass (at least one blob): a burst of admissions
-                                # must not take the bus from the kernels' own reads for long
+COPY_BYTES_PER_PASS = 512 << 20  # admission copies queued per pass (at least one blob): a burst of admissions
+                                 # (filling an empty cache) must not take the bus from the kernels' reads for long
 VERIFY_THREADS = 8            # host threads hashing blobs at open (xxhash releases the GIL on large inputs)
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
               "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}

@@ -211,8 +211,8 @@ def test_only_routed_experts_are_ever_read(path, tmp_path, monkeypatch, max_cach
         assert copied_blobs <= routed == counters.touched and counters.loads == len(blob_copies) <= counters.misses
         if max_cached == 12:              # no eviction: every routed expert is copied in exactly once
             assert copied_blobs == routed and counters.loads == len(routed)
-        else:                             # 3 slots: evicted experts come back (or leave before their copy)
-            assert counters.loads > len(copied_blobs)
+        else:                             # 3 slots: some routed experts are only ever read from the host
+            assert counters.misses > counters.loads >= len(copied_blobs)
 
 
 def test_trace_has_one_record_per_token_and_layer(path, tmp_path):
