@@ -86,6 +86,21 @@ class DerivedSource:
     def raw_view(self, name: str) -> np.ndarray:
         return self._src.raw_view(name)
 
+    def derived_tensor(self, name: str) -> Derived | None:
+        t = self._derived.get(name)
+        if t is None and name not in self._consumed:
+            t = getattr(self._src, "derived_tensor", lambda _: None)(name)
+        return t
+
+    def exact_int8(self, name: str, index: int | None, start: int, stop: int, group: int | None
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(int8 rows, float32 scales per group) that hold rows [start, stop) exactly, when the source stores
+        them that way already (MXFP4 at group 32: no second rounding); None otherwise."""
+        t = self.derived_tensor(name)
+        if group != MXFP4_GROUP or t is None or not hasattr(t, "int8_rows"):
+            return None
+        return t.int8_rows(index, start, stop)
+
     def positional_reader(self, name: str, view: Any) -> Any:
         """None for a computed tensor (convert/rows.py then slices its view); the checkpoint's answer otherwise."""
         if name in self._derived:
@@ -154,6 +169,8 @@ class Fp8Blocks:
 
 # --- MXFP4: FP4 (e2m1) values in blocks of 32 with an E8M0 scale -------------------------------------------------
 FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+FP4_TIMES_2 = (2 * FP4).astype(np.int8)     # every FP4 value doubled is an integer: int8 holds MXFP4 exactly
+MXFP4_GROUP = 32
 
 
 class Mxfp4:
@@ -176,6 +193,16 @@ class Mxfp4:
         out[..., 1::2] = FP4[b >> 4]
         out *= np.ldexp(np.float32(1.0), e.astype(np.int32) - 127)[..., None]
         return out.reshape(out.shape[0], -1)
+
+    def int8_rows(self, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same rows as int8 groups of 32, exactly: q = 2 * FP4 value (an integer in [-12, 12]) and
+        scale = 2^(s - 128) per block, so q * scale is the dequantized value."""
+        b = (self.blocks if index is None else self.blocks[index])[start:stop]
+        e = (self.scales if index is None else self.scales[index])[start:stop]
+        q = np.empty(b.shape[:-1] + (32,), np.int8)
+        q[..., 0::2] = FP4_TIMES_2[b & 0x0F]
+        q[..., 1::2] = FP4_TIMES_2[b >> 4]
+        return q.reshape(q.shape[0], -1), np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
 
 
 # --- the sources of a checkpoint ----------------------------------------------------------------------------------
@@ -256,6 +283,20 @@ class _RowsOf:
             return to_float32(np.asarray(view[pick]))
         first, last = int(pick.min()), int(pick.max()) + 1      # a derived tensor computes a row range
         return view[first:last][pick - first]
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "int8_rows":
+            raise AttributeError(name)
+        base = getattr(self.src, "derived_tensor", lambda _: None)(self.name)
+        if base is None or not hasattr(base, "int8_rows"):
+            raise AttributeError(name)
+
+        def int8_rows(index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+            pick = self.order[start:stop]
+            first, last = int(pick.min()), int(pick.max()) + 1
+            q, scale = base.int8_rows(index, first, last)
+            return q[pick - first], scale[pick - first]
+        return int8_rows
 
 
 class _Transposed:

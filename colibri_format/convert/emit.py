@@ -140,6 +140,12 @@ def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[R
     buf = None
     for span, row0, chunk in iter_span_chunks(src, spans):
         source.update(matrix, chunk)
+        exact = _exact_int8(src, span, row0, chunk.shape[0], group)
+        if exact is not None:
+            stream.put(exact[0])
+            scales.append(exact[1])
+            stats.add(0.0, 0.0, chunk.size)
+            continue
         if buf is None or buf.size < chunk.size:
             buf = np.empty(chunk.size, np.float32)  # reused across chunks: fresh pages are costly
         with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused below
@@ -152,3 +158,10 @@ def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[R
         scales.append(q.scale)
         stats.add(q.max_rel_err, q.mean_rel_err, w.size)
     return np.ascontiguousarray(np.concatenate(scales), dtype=np.float32)
+
+
+def _exact_int8(src: Any, span: RowSpan, row0: int, rows: int, group: int | None) -> Any:
+    """(int8 rows, scales) when the source stores these rows as int8 groups already (MXFP4 at group 32,
+    convert/derived.py): copied as they are, with no second rounding; else None."""
+    exact = getattr(src, "exact_int8", None)
+    return None if exact is None else exact(span.hf_name, span.index, row0, row0 + rows, group)

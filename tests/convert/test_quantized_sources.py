@@ -103,7 +103,8 @@ def test_fp8_in_another_format_is_refused(tmp_path):
         convert(fp8, tmp_path / "x.colibri", dtype="float32", quantize="none", workers=1)
 
 
-@pytest.mark.parametrize("options, tol", [(dict(dtype="float32", quantize="none"), TOL)])
+@pytest.mark.parametrize("options, tol", [(dict(dtype="float32", quantize="none"), TOL),
+                                          (dict(dtype="float32", quantize="expert", group_size=32), TOL)])
 def test_mxfp4_gpt_oss_converts_to_the_dequantized_model(tmp_path, options, tol):
     hf = build_hf("gpt_oss", intermediate_size=64)        # in-features multiples of 32 (H 32, I 64)
     hf.save_pretrained(tmp_path / "hf")
@@ -116,3 +117,19 @@ def test_mxfp4_gpt_oss_converts_to_the_dequantized_model(tmp_path, options, tol)
             assert rel_err(logits, hf_logits(ref, ids)) < tol
         assert engine.generate(batch[0], max_new_tokens=8, stop_ids=[]).output_ids == _greedy(ref, batch[0], 8)
     assert rel_err(hf_logits(ref, batch[0]), hf_logits(hf, batch[0])) > 10 * TOL
+
+
+def test_mxfp4_experts_become_int8_groups_of_32_exactly(tmp_path):
+    import colibri_format
+
+    hf = build_hf("gpt_oss", intermediate_size=64)
+    hf.save_pretrained(tmp_path / "hf")
+    mxfp4, dequantized = to_mxfp4(tmp_path / "hf", tmp_path)
+    convert(mxfp4, tmp_path / "g32.colibri", dtype="float32", quantize="expert", group_size=32, workers=1)
+    convert(dequantized, tmp_path / "f32.colibri", dtype="float32", quantize="none", workers=1)
+    with colibri_format.open(tmp_path / "g32.colibri") as q, colibri_format.open(tmp_path / "f32.colibri") as f:
+        assert q.metadata["quantization"]["error"]["max_rel"] == 0.0
+        for layer in q.model["moe_layers"]:
+            for e in range(q.model["num_experts"]):
+                for a, b in zip(q.expert_f32(layer, e), f.expert_f32(layer, e)):
+                    np.testing.assert_array_equal(a, b)
