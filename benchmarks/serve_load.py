@@ -213,7 +213,8 @@ async def run_level(url: str, clients: int, args: argparse.Namespace, prompts: l
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = sorted(r["ttft"] for r in ok)
-    return {"clients": clients, "requests": len(ok), "errors": len(errors), "first_error": errors[0] if errors else None,
+    return {"clients": clients, "requests": len(ok), "errors": len(errors),
+            "first_error": errors[0] if errors else None,
             "unfinished": clients * args.requests_per_client - len(results), "wall_s": wall,
             "tokens": sum(r["tokens"] for r in ok), "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_median_s": statistics.median(ttft) if ttft else None,

@@ -265,7 +265,7 @@ class Scheduler:
             self._refresh_stats()
 
     def _drop_cancelled(self) -> None:
-        for s, job in enumerate(self.slots):
+        for job in self.slots:
             if job is not None and job.cancelled:
                 self._release(job, "cancelled")
 
