@@ -7,6 +7,12 @@ with positional writes into a `.part` file beside the destination. Each piece go
 carry without reading anything back. On resume, a piece written by an earlier run is taken over only once
 its bytes re-hash to the checksum the caller's journal recorded (`keep_if_intact`).
 
+A buffered stream (`stream(key, buffered=True)`) puts its bytes in the calling thread's write buffer
+instead: bytes for consecutive file positions (the rest of a piece, the next blob) gather there and go out
+in one positional write when the buffer is full, when the next bytes are not contiguous, or at `flush()`.
+A piece finished in the buffer has its checksum recorded only once its last bytes are written. A caller
+may also fill the buffer in place (`reserve` / `commit`), so converted rows are never copied.
+
 `finalize()` writes the metadata, the directory, the WSIT and, last, the header; then fsync, rename over
 the destination and fsync the folder. An interrupted job therefore never leaves anything at the
 destination, and a reader rejects a `.part` file (its header is zero).
@@ -31,6 +37,7 @@ from .spec.checksum import dense_seed, digest, expert_seed, section_seed
 
 PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
 READ_BACK_CHUNK = 8 << 20
+WRITE_BUFFER_BYTES = 16 << 20  # one per writing thread, for buffered streams
 _ZEROS = bytes(S.BLOB_ALIGNMENT)
 
 
@@ -48,37 +55,102 @@ class Slot:
     seed: int
 
 
+class _WriteBuffer:
+    """One thread's write buffer: bytes for the file positions [start, start + length), and the pieces
+    finished in it (their checksums are recorded once those bytes are written)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.data = np.empty(capacity, np.uint8)  # kept for the thread's whole run: fresh pages are costly
+        self.start = 0
+        self.length = 0
+        self.finished: list[tuple[PieceKey, int]] = []
+
+    def room(self, offset: int, n: int) -> np.ndarray | None:
+        """A view to fill with the n bytes at file `offset` (None: flush first, or too big for the buffer)."""
+        if n > len(self.data) or (self.length and (offset != self.start + self.length
+                                                   or self.length + n > len(self.data))):
+            return None
+        if not self.length:
+            self.start = offset
+        return self.data[self.length:self.length + n]
+
+
 class PieceStream:
     """Forward-only writes of one piece from the start of its slot, hashed on the way.
 
     The checksum therefore equals the one-shot XXH3 of the finished piece, without the piece ever being
-    in memory. Streams of different pieces may be used from different threads at once.
+    in memory. Streams of different pieces may be used from different threads at once. A buffered stream
+    goes through the calling thread's write buffer (module docstring); it is used on that thread only.
     """
 
-    def __init__(self, writer: ColibriWriter, slot: Slot) -> None:
+    def __init__(self, writer: ColibriWriter, slot: Slot, buffer: _WriteBuffer | None = None) -> None:
         self.slot = slot
         self.pos = 0
         self._writer = writer
+        self._buffer = buffer
         self._hash = xxhash.xxh3_64(seed=slot.seed)
+
+    def _check_room(self, n: int) -> None:
+        if self.pos + n > self.slot.size:
+            raise WriteError("piece overflows its planned slot", field="offset", value=self.slot.offset + self.pos)
 
     def put(self, data) -> None:
         view = memoryview(data).cast("B")
-        if self.pos + len(view) > self.slot.size:
-            raise WriteError("piece overflows its planned slot", field="offset", value=self.slot.offset + self.pos)
-        self._writer._write_at(view, self.slot.offset + self.pos)
+        self._check_room(len(view))
+        if self._buffer is None:
+            self._writer._write_at(view, self.slot.offset + self.pos)
+        else:
+            room = self.reserve(len(view))
+            if room is None:  # bigger than the whole buffer: written now, after what the buffer holds
+                self._writer.flush()
+                self._writer._write_at(view, self.slot.offset + self.pos)
+            else:
+                room[:] = np.frombuffer(view, np.uint8)
+                self._buffer.length += len(view)
         self._hash.update(view)
         self.pos += len(view)
 
+    def reserve(self, n: int) -> np.ndarray | None:
+        """Buffered streams: a uint8 view of the piece's next n bytes in the write buffer, to fill in place and
+        then `commit`; None when unbuffered or larger than the buffer."""
+        self._check_room(n)
+        if self._buffer is None:
+            return None
+        room = self._buffer.room(self.slot.offset + self.pos, n)
+        if room is None and n <= len(self._buffer.data):
+            self._writer.flush()
+            room = self._buffer.room(self.slot.offset + self.pos, n)
+        return room
+
+    def commit(self, n: int) -> None:
+        """Take the n bytes filled in after `reserve(n)` as the piece's next bytes."""
+        buf = self._buffer
+        if buf is None or not buf.length + n <= len(buf.data) or buf.start + buf.length != self.slot.offset + self.pos:
+            raise WriteError("commit without a matching reserve", field="offset", value=self.slot.offset + self.pos)
+        self._check_room(n)
+        self._hash.update(buf.data[buf.length:buf.length + n])
+        buf.length += n
+        self.pos += n
+
     def pad_to(self, pos: int) -> None:
         """Zeros up to `pos`, written rather than assumed: a resumed run may be overwriting older bytes."""
+        if self._buffer is not None and pos > self.pos:
+            room = self.reserve(pos - self.pos)
+            if room is not None:
+                room[:] = 0
+                self.commit(pos - self.pos)
         while self.pos < pos:
             self.put(_ZEROS[:min(len(_ZEROS), pos - self.pos)])
 
     def finish(self) -> int:
-        """Zero-fill the rest of the slot, record the piece's checksum with the writer, and return it."""
+        """Zero-fill the rest of the slot, record the piece's checksum with the writer (for a buffered stream,
+        once the buffer's bytes are written), and return it."""
         self.pad_to(self.slot.size)
         checksum = self._hash.intdigest()
-        self._writer.checksums[self.slot.key] = checksum
+        if self._buffer is not None and self._buffer.length:
+            self._buffer.finished.append((self.slot.key, checksum))
+        else:
+            self._writer.checksums[self.slot.key] = checksum
         return checksum
 
 
@@ -113,6 +185,10 @@ class ColibriWriter:
         self.checksums: dict[PieceKey, int] = {}  # every piece written (or kept) so far
         self._before_piece_write = before_piece_write
         self._read_buffers = threading.local()
+        self._write_buffers = threading.local()
+        # One positional write at a time: the kernel serializes writes to one file anyway (the inode lock),
+        # and a thread waiting here sleeps, where one waiting on the inode lock spins on a CPU.
+        self._write_lock = threading.Lock()
         self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
         self._part_id = file_id(self._fd)
@@ -163,13 +239,33 @@ class ColibriWriter:
         offset = self.plan.blob_offset(layer, expert)
         return Slot((layer, expert), offset, self.plan.blob.size, expert_seed(layer, expert, offset))
 
-    def stream(self, key: PieceKey) -> PieceStream:
-        """A stream that writes the piece `key` chunk by chunk; its `finish()` records the checksum."""
-        return PieceStream(self, self.slot(key))
+    def stream(self, key: PieceKey, buffered: bool = False) -> PieceStream:
+        """A stream that writes the piece `key` chunk by chunk; its `finish()` records the checksum. A buffered
+        stream writes through the calling thread's write buffer: call `flush()` on that thread once its pieces
+        are finished (their checksums count from then on)."""
+        buffer = None
+        if buffered:
+            buffer = getattr(self._write_buffers, "buffer", None)
+            if buffer is None:
+                buffer = self._write_buffers.buffer = _WriteBuffer(WRITE_BUFFER_BYTES)
+        return PieceStream(self, self.slot(key), buffer)
+
+    def flush(self) -> None:
+        """Write out the calling thread's write buffer, then record the checksums of the pieces finished in it."""
+        buffer = getattr(self._write_buffers, "buffer", None)
+        if buffer is None:
+            return
+        if buffer.length:
+            length, buffer.length = buffer.length, 0  # emptied first: a failed write is not retried
+            self._write_at(memoryview(buffer.data)[:length], buffer.start)
+        finished, buffer.finished = buffer.finished, []
+        for key, checksum in finished:
+            self.checksums[key] = checksum
 
     def _write_at(self, data: memoryview, offset: int) -> None:
         self._before_piece_write()
-        pwrite_all(self._fd, data, offset)
+        with self._write_lock:
+            pwrite_all(self._fd, data, offset)
 
     def write_dense(self, name: str, array: np.ndarray) -> int:
         """Write one whole dense tensor (converted to the file's dense dtype); returns its checksum."""

@@ -2,7 +2,10 @@
 
 The bytes go to a `PieceStream` of the writer, which writes them at the piece's planned offset and hashes
 them on the way; nothing here touches the file. A piece is never whole in memory: each chunk of source
-rows is converted (or quantized) and handed on before the next one is read.
+rows is converted (or quantized) and handed on before the next one is read. With a buffered stream the
+converted chunk is written straight into the writer's buffer (`reserve` / `commit`): int8 rows by
+`quantize_into`, bf16 -> float16 by `cast.bf16_to_f16`; the scales of a matrix gather in a per-thread
+buffer and follow it.
 
 On the way every chunk is also (1) hashed as the source stored it (`SourceHash`, kept in the resume journal)
 and (2) checked for NaN, infinity and overflow of the stored dtype (convert/finite.py), on the converted
@@ -12,6 +15,7 @@ naming the tensor and the element, unless `allow_non_finite` (float storage only
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -19,8 +23,9 @@ import numpy as np
 
 from colibri_format import spec as S
 from colibri_format.convert import finite
+from colibri_format.convert.cast import bf16_to_f16
 from colibri_format.convert.layout import RowSpan
-from colibri_format.convert.quantize import quantize_int8
+from colibri_format.convert.quantize import quantize_into
 from colibri_format.convert.rows import SourceHash, iter_span_chunks
 from colibri_format.dtypes import NUMPY_STORAGE, to_float32, to_storage
 from colibri_format.errors import InvalidInput, NonFiniteWeight
@@ -58,12 +63,29 @@ class _Checked:
 
     def __call__(self, span: RowSpan, row0: int, chunk: np.ndarray) -> np.ndarray:
         out = _stored_chunk(chunk, self.target)
-        if not finite.all_finite(out):
+        self._check(finite.all_finite(out), span, row0, chunk)
+        return out
+
+    def _check(self, ok: bool, span: RowSpan, row0: int, chunk: np.ndarray) -> None:
+        if not ok:
             if not self.allow:
                 raise finite.describe(self.src, span, row0, chunk, DTYPE_NAME[self.target], ALLOW_HINT,
                                       self.expert)
             self.non_finite = True
-        return out
+
+    def put(self, stream: PieceStream, span: RowSpan, row0: int, chunk: np.ndarray) -> None:
+        """Convert a chunk and hand it to the stream; bf16 -> float16 is cast straight into its buffer."""
+        if chunk.dtype != np.uint16 or self.target != S.DType.F16:
+            stream.put(self(span, row0, chunk))
+            return
+        nbytes = chunk.size * 2
+        room = stream.reserve(nbytes)
+        out = room.view(np.uint16) if room is not None else np.empty(chunk.size, np.uint16)
+        self._check(bf16_to_f16(chunk, out), span, row0, chunk)
+        if room is not None:
+            stream.commit(nbytes)
+        else:
+            stream.put(out)
 
 
 # --- dense tensors --------------------------------------------------------------------------------
@@ -74,7 +96,7 @@ def fill_dense(stream: PieceStream, dtype: S.DType, src: Any, spans: tuple[RowSp
     convert = _Checked(src, dtype, allow_non_finite)
     for span, row0, chunk in iter_span_chunks(src, spans):
         source.update("dense", chunk)
-        stream.put(convert(span, row0, chunk))
+        convert.put(stream, span, row0, chunk)
     if stream.pos != stream.slot.size:
         raise InvalidInput(f"{stream.slot.key}: source gave {stream.pos} bytes for a {stream.slot.size}-byte tensor",
                            field=stream.slot.key)
@@ -115,11 +137,12 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
         stream.pad_to(arr.offset)
         scale = None
         if convert is None:
-            scale = _quantized_matrix(stream, src, arr.name, matrices[arr.name], group, stats, source, expert)
+            scale = _quantized_matrix(stream, src, arr, blob.array(arr.name + "_scale"), matrices[arr.name], group,
+                                      stats, source, expert)
         else:
             for span, row0, chunk in iter_span_chunks(src, matrices[arr.name]):
                 source.update(arr.name, chunk)
-                stream.put(convert(span, row0, chunk))
+                convert.put(stream, span, row0, chunk)
         if stream.pos != arr.offset + arr.nbytes:
             raise InvalidInput(f"expert {stream.slot.key}: source gave the wrong size for {arr.name}", field=arr.name)
         if scale is not None:
@@ -133,31 +156,49 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
     return Filled(stream.finish(), source.intdigest(), non_finite, stats if quantized else None)
 
 
-def _quantized_matrix(stream: PieceStream, src: Any, matrix: str, spans: tuple[RowSpan, ...], group: int | None,
-                      stats: ErrorStats, source: SourceHash, expert: Any) -> np.ndarray:
-    """Quantize and write a matrix row chunk by row chunk; returns its float32 scales (small)."""
-    scales = []
-    buf = None
+_scales = threading.local()
+
+
+def _scale_buffer(shape: tuple[int, int]) -> np.ndarray:
+    """A per-thread float32 buffer for one matrix's scales, reused from piece to piece."""
+    n = shape[0] * shape[1]
+    buf = getattr(_scales, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scales.buf = np.empty(n, np.float32)
+    return buf[:n].reshape(shape)
+
+
+def _quantized_matrix(stream: PieceStream, src: Any, arr: S.BlobArray, scale_arr: S.BlobArray,
+                      spans: tuple[RowSpan, ...], group: int | None, stats: ErrorStats, source: SourceHash,
+                      expert: Any) -> np.ndarray:
+    """Quantize and write a matrix row chunk by row chunk, the int8 rows straight into the stream's buffer;
+    returns its float32 scales (a view of a per-thread buffer, valid until the next matrix)."""
+    n_out, n_in = arr.shape
+    scales = _scale_buffer(scale_arr.shape)
+    row = 0
     for span, row0, chunk in iter_span_chunks(src, spans):
-        source.update(matrix, chunk)
-        exact = _exact_int8(src, span, row0, chunk.shape[0], group)
-        if exact is not None:
-            stream.put(exact[0])
-            scales.append(exact[1])
-            stats.add(0.0, 0.0, chunk.size)
-            continue
-        if buf is None or buf.size < chunk.size:
-            buf = np.empty(chunk.size, np.float32)  # reused across chunks: fresh pages are costly
-        with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused below
-            w = to_float32(chunk, buf[:chunk.size].reshape(chunk.shape))
+        source.update(arr.name, chunk)
+        if chunk.ndim != 2 or chunk.shape[1] != n_in or row + chunk.shape[0] > n_out:
+            raise InvalidInput(f"expert {expert}: source gave the wrong size for {arr.name}", field=arr.name)
+        rows = chunk.shape[0]
+        room = stream.reserve(chunk.size)
+        q = room.view(np.int8).reshape(chunk.shape) if room is not None else np.empty(chunk.shape, np.int8)
+        exact = _exact_int8(src, span, row0, rows, group)
         try:
-            q = quantize_int8(w, group)
+            if exact is not None:
+                q[...], scales[row:row + rows] = exact
+                max_rel = mean_rel = 0.0
+            else:
+                max_rel, mean_rel = quantize_into(chunk, group, q, scales[row:row + rows])
         except NonFiniteWeight:
             raise finite.describe(src, span, row0, chunk, "float32", INT8_HINT, expert) from None
-        stream.put(q.q)
-        scales.append(q.scale)
-        stats.add(q.max_rel_err, q.mean_rel_err, w.size)
-    return np.ascontiguousarray(np.concatenate(scales), dtype=np.float32)
+        if room is not None:
+            stream.commit(chunk.size)
+        else:
+            stream.put(q)
+        stats.add(max_rel, mean_rel, chunk.size)
+        row += rows
+    return scales[:row]
 
 
 def _exact_int8(src: Any, span: RowSpan, row0: int, rows: int, group: int | None) -> Any:

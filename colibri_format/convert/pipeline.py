@@ -3,10 +3,11 @@
 Flow: open and normalize the checkpoint, refuse an output path that is not ours to replace
 (convert/output_path.py) and a checkpoint with tensors nothing uses, plan every offset (ColibriWriter),
 take the writer lock, read the journal and let the writer take over the pieces whose source and bytes still
-match it, then convert the remaining pieces (dense tensors, then expert blobs) on `workers` threads. Each
-piece is streamed in row chunks (read -> check and hash the source -> convert or quantize -> the writer,
-which writes at the planned offset and hashes), so memory stays at a few chunks per worker whatever the
-model size. Completed pieces are made durable in batches:
+match it, then convert the remaining pieces (dense tensors, then expert blobs) on `workers` threads, in runs
+of consecutive pieces (convert/schedule.py). Each piece is streamed in row chunks (read -> check and hash the
+source -> convert or quantize into the worker's write buffer -> the writer, which writes at the planned
+offset and hashes), so memory stays at a few chunks and one write buffer per worker whatever the model size;
+a run's buffer is written out before its pieces count as done. Completed pieces are made durable in batches:
 fsync(.part), then journal records, then fsync(journal). Last: re-hash the whole `.part` against the
 checksums, check the output path once more, write the sections and header, fsync, rename over the
 destination, fsync the folder.
@@ -402,8 +403,26 @@ def _restore_stats(run: Progressive, records: list[dict[str, Any]]) -> None:
 
 
 # --- the work ---------------------------------------------------------------------------------------
+def _do_run(job: Job, writer: ColibriWriter, run: list[Piece]) -> list[tuple[Piece, Filled]]:
+    """Convert a run of pieces through this thread's write buffer and write it out. On an error, the pieces
+    whose bytes did reach the file (the buffer is written out first) are handed on with it (PartialRun)."""
+    done = []
+    try:
+        for piece in run:
+            done.append(_do_piece(job, writer, piece))
+        writer.flush()
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            writer.flush()  # the pieces finished before the error; a failed write counts none of them
+        written = [(p, f) for p, f in done if writer.checksums.get(p.key) == f.checksum]
+        if written:
+            raise schedule.PartialRun(written, exc) from None
+        raise
+    return done
+
+
 def _do_piece(job: Job, writer: ColibriWriter, piece: Piece) -> tuple[Piece, Filled]:
-    stream = writer.stream(piece.key)
+    stream = writer.stream(piece.key, buffered=True)
     allow = job.options.allow_non_finite
     if piece.is_dense:
         return piece, fill_dense(stream, writer.dense_dtype, job.src, piece.rows["dense"], allow_non_finite=allow)
@@ -426,20 +445,21 @@ def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Prog
     batch = schedule.Batch(writer.sync, journal)
     total_bytes = sum(p.source_bytes for p in todo)
 
-    def done(result: tuple[Piece, Filled]) -> None:
-        piece, filled = result
-        if filled.stats is not None:
-            run.stats[piece.key] = filled.stats
-        run.bytes_in += piece.source_bytes
-        run.done += 1
-        batch.add(_record(piece, filled), piece.source_bytes)
-        if progress:
+    def done(results: list[tuple[Piece, Filled]]) -> None:
+        for piece, filled in results:
+            if filled.stats is not None:
+                run.stats[piece.key] = filled.stats
+            run.bytes_in += piece.source_bytes
+            run.done += 1
+            batch.add(_record(piece, filled), piece.source_bytes)
+        if progress and results:
             progress(run.done, len(todo), run.bytes_in, total_bytes)
 
     if progress:
         progress(0, len(todo), 0, total_bytes)
     try:
-        schedule.run_bounded(todo, lambda p: _do_piece(job, writer, p), job.options.workers, done)
+        schedule.run_bounded(schedule.runs(todo, lambda p: p.source_bytes), lambda r: _do_run(job, writer, r),
+                             job.options.workers, done)
     except BaseException:
         # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it; the
         # original error is the one reported. A failed fsync journals nothing (fsync errors are not retried).

@@ -24,10 +24,18 @@ so the vectorised passes per block run from cache, not memory; small groups are
 reduced with strided element-wise calls (see `_reduce_groups`), and the error is taken from
 `w/scale - rint(w/scale)` rather than a second dequantizing multiply.
 `benchmark_quantize` measures it.
+
+`quantize_into` is the converter's form: the stored source chunk (bf16 as uint16 bits, float16, float32 or
+float64) in, q and scales written into the caller's buffers (the int8 rows go straight into the writer's
+buffer), the block buffers kept per thread, and for bf16 the group maxima taken on the 16-bit patterns
+(`bits & 0x7FFF` orders the magnitudes of finite values) before the one upcast into the block buffer. It
+computes exactly what `quantize_int8(to_float32(chunk), group_size)` computes: the same blocks, the same
+float32 operations in the same order, so q, scales and both errors are bit-identical (tested).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple
 
@@ -39,6 +47,10 @@ QMAX = 127
 TINY_GROUP_MAX = np.float32(QMAX * np.finfo(np.float32).tiny)  # below it, amax / 127 would be subnormal
 BLOCK_BYTES = 1 << 20  # rows per pass sized so the temporaries stay in cache
 SMALL_GROUP = 32  # at or below this group size, reduce with strided element-wise calls
+# At or above this group size the division by the broadcast scales runs with a ufunc buffer one group long:
+# with NumPy's default (8192 elements) a broadcast operand whose inner extent is shorter is copied through
+# the buffer, which doubles the cost of the division (same values either way; smaller groups lose by it).
+UNBUFFERED_GROUP = 512
 
 
 class Quantized(NamedTuple):
@@ -85,6 +97,13 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
     amax = _reduce_groups(np.maximum, np.abs(w3, out=x))  # [rows, G]; NaN propagates
     if not np.isfinite(amax).all():
         raise _non_finite(w3, row0)
+    return _scale_and_round(w3, amax, q, scale, x, r)
+
+
+def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray,
+                     r: np.ndarray) -> tuple[float, float]:
+    """The block's scales from its finite group maxima `amax`, then q and the (max, sum) of the relative error.
+    `x` may be `w3` itself (it is overwritten)."""
     np.divide(amax, np.float32(QMAX), out=scale)
     err_scale = scale  # what a group's error is measured in (below: a zero group's error is exactly 0)
     tiny = amax < TINY_GROUP_MAX
@@ -97,7 +116,13 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
         # A zero group's scale 1.0 over the max of a row of tiny values (below ~3e-39) would overflow float32
         # to inf, and 0 * inf is NaN: measure zero groups with scale 0 instead (their error is 0).
         err_scale = np.where(amax > 0, scale, np.float32(0))
-    np.divide(w3, scale[:, :, None], out=x)  # w in units of its scale, |x| <= 127
+    g = w3.shape[2]
+    if g >= UNBUFFERED_GROUP:
+        with np.errstate():  # restores the buffer size on exit
+            np.setbufsize(g)
+            np.divide(w3, scale[:, :, None], out=x)  # w in units of its scale, |x| <= 127
+    else:
+        np.divide(w3, scale[:, :, None], out=x)
     np.rint(x, out=r)
     np.copyto(q, r, casting="unsafe")
     # |w - q*scale| / rowmax == |x - rint(x)| * scale / rowmax: no int8 -> float pass needed.
@@ -110,6 +135,73 @@ def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndar
     group_max = _reduce_groups(np.maximum, x) * weight
     group_sum = _reduce_groups(np.add, x) * weight
     return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
+
+
+# --- the converter's form: stored chunk in, caller's buffers out ------------------------------------------
+_work = threading.local()
+
+
+def _block_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-thread float32 x, r and uint16 scratch of at least n elements, allocated once and reused."""
+    bufs = getattr(_work, "bufs", None)
+    if bufs is None or bufs[0].size < n:
+        size = max(n, BLOCK_BYTES // 4)
+        bufs = _work.bufs = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.uint16))
+    return bufs[0][:n], bufs[1][:n], bufs[2][:n]
+
+
+def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, scale_out: np.ndarray
+                  ) -> tuple[float, float]:
+    """Quantize a stored chunk [out, in] (bf16 as uint16 bits, float16, float32 or float64) into `q_out` (int8
+    [out, in], C-contiguous) and `scale_out` (float32 [out, in // g]); return (max_rel_err, mean_rel_err).
+
+    Bit-identical to `quantize_int8(to_float32(chunk), group_size)`; a NaN or infinity (also float64 beyond
+    float32) is the same NonFiniteWeight.
+    """
+    if chunk.ndim != 2 or chunk.dtype not in (np.uint16, np.float16, np.float32, np.float64):
+        raise InvalidInput(f"quantize_into needs a 2-D stored float chunk, got {chunk.dtype} {chunk.shape}",
+                           field="weight")
+    n_out, n_in = chunk.shape
+    g = _group(np.empty((0, n_in), np.float32), group_size)
+    if q_out.shape != chunk.shape or q_out.dtype != np.int8 or scale_out.shape != (n_out, n_in // g) \
+            or scale_out.dtype != np.float32:
+        raise InvalidInput("quantize_into: output buffers do not match the chunk", field="weight")
+    src = np.ascontiguousarray(chunk)
+    bf16 = src.dtype == np.uint16
+    rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))  # the blocks of quantize_int8: the error sums depend on them
+    x_buf, r_buf, u_buf = _block_buffers(min(rows, n_out) * n_in)
+    err_max, err_sum = 0.0, 0.0
+    for start in range(0, n_out, rows):
+        stop = min(start + rows, n_out)
+        shape = (stop - start, n_in // g, g)
+        n = (stop - start) * n_in
+        block = src[start:stop]
+        x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
+        if bf16:
+            mag = u_buf[:n].reshape(shape)
+            np.bitwise_and(block.reshape(shape), np.uint16(0x7FFF), out=mag)
+            top = _reduce_groups(np.maximum, mag)  # [rows, G] largest magnitude's bits; NaN/inf from 0x7F80 up
+            _widen_bf16(block, x)
+            if int(top.max()) >= 0x7F80:
+                raise _non_finite(x, start)
+            amax = (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused
+                np.copyto(x.reshape(block.shape), block, casting="unsafe")
+            amax = _reduce_groups(np.maximum, np.abs(x, out=r))
+            if not np.isfinite(amax).all():
+                raise _non_finite(x, start)
+        block_max, block_sum = _scale_and_round(x, amax, q_out[start:stop].reshape(shape),
+                                                scale_out[start:stop], x, r)
+        err_max, err_sum = max(err_max, block_max), err_sum + block_sum
+    return err_max, err_sum / max(1, n_out * n_in)
+
+
+def _widen_bf16(bits: np.ndarray, out: np.ndarray) -> None:
+    """bf16 bit patterns into float32 `out` (same element count): widen, then shift in place."""
+    wide = out.reshape(bits.shape).view(np.uint32)
+    np.copyto(wide, bits)
+    np.left_shift(wide, np.uint32(16), out=wide)
 
 
 def _non_finite(w3: np.ndarray, row0: int) -> NonFiniteWeight:

@@ -1,13 +1,18 @@
 """Row-chunked reads of `RowSpan`s, so no whole tensor or whole expert is ever held in memory.
 
 A canonical matrix is a list of spans (convert/layout.py says which): rows of a Hugging Face tensor, or
-of one expert of a fused 3-D tensor, concatenated. Reads go through the safetensors memory map (only the
-chunk's pages are touched); sources without a zero-copy view (pickled `.bin`) hand over a copy instead.
+of one expert of a fused 3-D tensor, concatenated. A chunk of a safetensors tensor is read with one
+positional read into a buffer the reading thread reuses (the source's `positional_reader`): nothing of the
+checkpoint stays in the process's memory, and there are no page faults or TLB flushes per chunk. Other views
+(pickled `.bin` files, tensors computed from others) are sliced as they are; a chunk of a view backed by a file
+map has its pages released after use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +24,7 @@ from colibri_format.dtypes import STORAGE
 from colibri_format.errors import InvalidInput
 
 CHUNK_ELEMENTS = 1 << 20  # 4 MB of float32 per step (cache-friendly); fixed, so statistics never vary
+FAULT_AROUND = max(mmap.PAGESIZE, 64 << 10)  # what one page fault maps of a file (Linux's fault_around_bytes)
 
 
 def iter_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[np.ndarray]:
@@ -34,21 +40,65 @@ def iter_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[np.ndarray]:
 def iter_span_chunks(src: Any, spans: tuple[RowSpan, ...]) -> Iterator[tuple[RowSpan, int, np.ndarray]]:
     """`iter_chunks` with each chunk's span and the index of its first row in that tensor (for messages
     that name the element at fault)."""
-    for span in spans:
-        view = src.native_view(span.hf_name)
-        if span.index is not None:
-            view = view[span.index]
-        if view.ndim == 0 or view.ndim > 2:
-            raise InvalidInput(f"{span.hf_name!r} has rank {view.ndim} where a vector or matrix is needed",
-                               field=span.hf_name)
-        if view.ndim == 1:
-            yield span, 0, view
-            continue
-        step = max(1, CHUNK_ELEMENTS // max(1, view.shape[1]))
-        for start in range(span.start, span.stop, step):
-            chunk = view[start:min(start + step, span.stop)]
-            yield span, start, chunk
-            release_pages(chunk)
+    with _read_buffer() as buffer:
+        for span in spans:
+            view = src.native_view(span.hf_name)
+            if span.index is not None:
+                view = view[span.index]
+            if view.ndim == 0 or view.ndim > 2:
+                raise InvalidInput(f"{span.hf_name!r} has rank {view.ndim} where a vector or matrix is needed",
+                                   field=span.hf_name)
+            finder = getattr(src, "positional_reader", None)
+            reader = finder(span.hf_name, view) if finder is not None else None
+            if view.ndim == 1:
+                yield span, 0, view if reader is None else buffer.read(reader, view.dtype, view.shape)
+                continue
+            step = max(1, CHUNK_ELEMENTS // max(1, view.shape[1]))
+            for start in range(span.start, span.stop, step):
+                stop = min(start + step, span.stop)
+                if reader is None:
+                    chunk = view[start:stop]
+                    yield span, start, chunk
+                    release_pages(chunk)
+                else:
+                    row_bytes = view.shape[1] * view.dtype.itemsize
+                    yield span, start, buffer.read((reader[0], reader[1] + start * row_bytes), view.dtype,
+                                                   (stop - start, view.shape[1]))
+
+
+class _ReadBuffer:
+    """A reusable byte buffer for positional reads; one per chunk iterator, taken from its thread's pool."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(0, np.uint8)
+
+    def read(self, reader: tuple[Any, int], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        f, offset = reader
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if self.data.size < n:  # grown rarely (a chunk is at most CHUNK_ELEMENTS values or one row)
+            self.data = np.empty(max(n, CHUNK_ELEMENTS * 2), np.uint8)
+        out = self.data[:n]
+        f.read_at(offset, out)
+        return out.view(dtype).reshape(shape)
+
+
+_pool = threading.local()
+
+
+@contextlib.contextmanager
+def _read_buffer() -> Iterator[_ReadBuffer]:
+    """Borrow a read buffer from the calling thread's pool (kept for reuse: fresh pages are costly on some
+    VMs); nested iterators on one thread each get their own."""
+    free = getattr(_pool, "free", None)
+    if free is None:
+        free = _pool.free = []
+    buffer = free.pop() if free else _ReadBuffer()
+    try:
+        yield buffer
+    finally:
+        free.append(buffer)
 
 
 class SourceHash:
@@ -103,8 +153,10 @@ def release_pages(array: np.ndarray) -> None:
     except (ValueError, BufferError):  # closed or empty map
         return
     begin = array.ctypes.data - map_start
-    start = begin // mmap.PAGESIZE * mmap.PAGESIZE
-    stop = min(len(mm), -(-(begin + array.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    # Out to the kernel's fault-around window (64 KiB): the first touch of the next chunk maps the aligned window
+    # around it, tail pages of this chunk included, which would otherwise stay mapped for good.
+    start = begin // FAULT_AROUND * FAULT_AROUND
+    stop = min(len(mm), -(-(begin + array.nbytes) // FAULT_AROUND) * FAULT_AROUND)
     if 0 <= start < stop:
         mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
 

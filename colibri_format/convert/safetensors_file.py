@@ -9,12 +9,18 @@ loads a whole shard. bf16 is viewed as uint16 (see colibri_format/dtypes.py).
 The header is checked the way the reference implementation checks it: a size
 cap, known dtypes, byte lengths equal to the shape product, and tensor ranges
 that tile the data section exactly (sorted, no gaps, no overlap, ending at EOF).
+
+The converter reads its row chunks with positional reads instead (`file_offset`, `read_at`): a copy from the
+page cache into a buffer it reuses costs less than faulting the mapped pages in and releasing them again, and
+leaves nothing of the checkpoint in its resident memory.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,15 +127,51 @@ class SafetensorsFile:
         self.entries = {name: _entry(name, spec, display_name) for name, spec in header.items()}
         _check_tiling(list(self.entries.values()), self.size - self.data_start, display_name)
         self._map: np.memmap | None = None
+        self._fd = -1
+        self._open_lock = threading.Lock()
 
     def _data(self) -> np.ndarray:
         if self._map is None:
             if self.size == self.data_start:  # mmap cannot map zero bytes
                 return np.zeros(0, np.uint8)
-            if os.stat(self.path).st_size != self.size:  # a shrunk file would SIGBUS on access
-                raise InvalidInput(f"{self.name}: file changed size since it was opened", field=self.name)
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
+            with self._open_lock:
+                if self._map is None:
+                    if os.stat(self.path).st_size != self.size:  # a shrunk file would SIGBUS on access
+                        raise InvalidInput(f"{self.name}: file changed size since it was opened", field=self.name)
+                    self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start)
         return self._map
+
+    def file_offset(self, view: np.ndarray) -> int | None:
+        """Where in the file the bytes of `view` start, when `view` is a C-contiguous view of this file's map (what
+        `native_view` hands out, or a slice of it); None for anything else."""
+        data = self._map
+        if data is None or not isinstance(view, np.ndarray) or not view.flags.c_contiguous:
+            return None
+        base = view
+        while base is not None and base is not data and base is not data.base:
+            base = getattr(base, "base", None)
+        if base is None:
+            return None
+        start = view.ctypes.data - data.ctypes.data
+        if start < 0 or start + view.nbytes > data.nbytes:
+            return None
+        return self.data_start + start
+
+    def read_at(self, offset: int, out: np.ndarray) -> None:
+        """Fill `out` (a C-contiguous buffer) with the file's bytes from `offset`, by positional reads."""
+        buf = memoryview(out).cast("B")
+        done = 0
+        while done < len(buf):
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as exc:
+                raise InvalidInput(f"{self.name}: read failed at offset {offset + done}: "
+                                   f"{os.strerror(exc.errno or errno.EIO)}", field=self.name) from None
+            if n <= 0:
+                raise InvalidInput(f"{self.name}: file changed size since it was opened", field=self.name,
+                                   offset=offset + done)
+            done += n
 
     def native_view(self, name: str) -> np.ndarray:
         """Zero-copy read-only view in the storage dtype (bf16 as uint16)."""
@@ -169,3 +211,7 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._map = None  # the mapping closes when the last view is gone
+        with self._open_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

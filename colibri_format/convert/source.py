@@ -132,6 +132,13 @@ class SourceCheckpoint:
                                    "read from safetensors only", field=name)
         return f.raw_view(name)
 
+    def positional_reader(self, name: str, view: np.ndarray) -> tuple[Any, int] | None:
+        """(file, byte offset) to read the bytes of `view` with `file.read_at`, when `view` is a view of the
+        mapped file that holds tensor `name` (safetensors); None otherwise (pickled files, computed views)."""
+        f = self._files.get(self._where.get(name, ""))
+        offset = f.file_offset(view) if isinstance(f, SafetensorsFile) else None
+        return None if offset is None else (f, offset)
+
     def element_offset(self, name: str, index: tuple[int, ...]) -> int | None:
         """Byte offset in its file of one element of tensor `name` (None for pickled sources)."""
         f = self._file(name)

@@ -255,15 +255,18 @@ def test_file_size_limit_is_a_clear_error_then_resume(small_ckpt, small_clean, t
 def test_enospc_mid_way_keeps_the_journal(small_ckpt, small_clean, tmp_path, monkeypatch):
     out = tmp_path / "m.colibri"
     real_pwrite = os.pwrite
-    calls = {"n": 0}
+    calls = {"n": 0, "limit": None}
 
     def full_after_some(fd, data, offset):
         calls["n"] += 1
-        if calls["n"] > 40:
+        if calls["limit"] is not None and calls["n"] > calls["limit"]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", full_after_some)
+    convert(small_ckpt, tmp_path / "count.colibri", workers=2)  # how many writes a whole run makes
+    assert calls["n"] > 10
+    calls.update(n=0, limit=calls["n"] * 2 // 3)  # the disk fills two thirds of the way through
     with pytest.raises(WriteError, match="No space left"):
         convert(small_ckpt, out, workers=2)
     monkeypatch.setattr(os, "pwrite", real_pwrite)
