@@ -16,6 +16,9 @@ def command(path: FileArg,
             warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
             max_cached_experts: Annotated[Optional[int], typer.Option(
                 "--max-cached-experts", min=1, help="Expert cache size (default: all).")] = None,
+            gpu_memory: Annotated[Optional[str], typer.Option(
+                "--gpu-memory", help="Device memory budget, e.g. 20GiB, sizing the expert cache.",
+                show_default=False)] = None,
             cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
             prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
             as_json: JsonOpt = False) -> None:
@@ -24,8 +27,8 @@ def command(path: FileArg,
     from ..runtime.cuda.bench import render, run_bench
 
     result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
-                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, cache_policy=cache_policy,
-                       prefetch=prefetch)
+                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
+                       cache_policy=cache_policy, prefetch=prefetch)
     if as_json:
         print_json(result)
     else:

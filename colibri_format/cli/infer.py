@@ -54,6 +54,10 @@ def command(ctx: typer.Context, path: FileArg,
             max_cached_experts: Annotated[Optional[int], typer.Option(
                 "--max-cached-experts", "--max_cached_experts", min=1,
                 help="Expert cache capacity (default: unbounded).")] = None,
+            gpu_memory: Annotated[Optional[str], typer.Option(
+                "--gpu-memory", help="Device memory budget, e.g. 20GiB: the expert cache gets what the dense weights, "
+                                     "one sequence's KV cache and a workspace leave (instead of --max-cached-experts).",
+                show_default=False)] = None,
             cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
                                                       help="lru, lfu, lrfu or static.")] = "lrfu",
             cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",
@@ -98,7 +102,8 @@ def command(ctx: typer.Context, path: FileArg,
         with soft_interrupt(request):
             result = run(path, text, ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
-                         max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
+                         max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
+                         cache_scope=cache_scope,
                          pinned_experts=pinned, trace_path=str(trace) if trace else None,
                          **extra, **({"stop_request": request} if not ranks else {}))
     except BaseException as exc:

@@ -11,7 +11,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..errors import InvalidInput
 from .common import DeviceOpt, FileArg, err, need_cupy
 from .errors import MissingDependency, on_interrupt
 
@@ -43,7 +42,7 @@ def command(path: FileArg,
     from ..serve.server import serve
 
     config = EngineConfig(device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                          max_cached_experts=max_cached_experts, **_memory_budget(EngineConfig, gpu_memory))
+                          max_cached_experts=max_cached_experts, gpu_memory=gpu_memory)
     serve(str(path), config, host=host, port=port, max_queue=max_queue, announce=_announce)
 
 
@@ -56,18 +55,6 @@ def need_serve_packages() -> None:
         raise MissingDependency(f"colibri serve needs {' and '.join(missing)}, which "
                                 f"{'is' if len(missing) == 1 else 'are'} not installed; install with {SERVE_INSTALL}",
                                 field="serve")
-
-
-def _memory_budget(config_class: Any, gpu_memory: str | None) -> dict[str, Any]:
-    """{"gpu_memory": ...} for EngineConfig when --gpu-memory is given (refused by an engine without the field)."""
-    if gpu_memory is None:
-        return {}
-    from dataclasses import fields
-
-    if "gpu_memory" not in {f.name for f in fields(config_class)}:
-        raise InvalidInput("--gpu-memory needs an engine with a device memory budget (EngineConfig.gpu_memory); "
-                           "use --max-cached-experts", field="gpu_memory", value=gpu_memory)
-    return {"gpu_memory": gpu_memory}
 
 
 def _announce(scheduler: Any, info: Any, url: str) -> None:

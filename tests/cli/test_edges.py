@@ -383,3 +383,15 @@ def test_chat_reports_a_bad_message_and_goes_on(chat_file):
 
 def test_chat_needs_a_tokenizer(model_file):
     assert_one_error(colibri("chat", model_file, stdin=b"hi\n"), 1, "tokenizer", hint=True)
+
+
+
+def test_gpu_memory_sizes_the_cache_or_says_why_in_one_line(model_file):
+    ok = colibri("infer", model_file, "--ids", "1,2", "--max-new-tokens", "3", "--gpu-memory", "1TiB", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["output_ids"]
+    assert_one_error(colibri("infer", model_file, "--ids", "1,2", "--gpu-memory", "a lot"), 1, "gpu_memory",
+                     hint=True)
+    assert_one_error(colibri("infer", model_file, "--ids", "1,2", "--gpu-memory", "1MiB"), 1, "gpu_memory",
+                     "at least", hint=True)
+    assert_one_error(colibri("infer", model_file, "--ids", "1,2", "--gpu-memory", "1GiB",
+                             "--max-cached-experts", "2"), 1, "not both", hint=True)

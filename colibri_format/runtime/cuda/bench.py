@@ -232,7 +232,8 @@ def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float, dens
 
 
 def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int = 32, warmup_iters: int = 4,
-              max_cached_experts: int | None = None, cache_policy: str = "lrfu", cache_scope: str = "global",
+              max_cached_experts: int | None = None, gpu_memory: int | str | None = None,
+              cache_policy: str = "lrfu", cache_scope: str = "global",
               prefetch: bool = False, device_id: int = 0, use_graphs: bool = True, profile: bool = True,
               prefill: bool = True, forced_routes=None, seed: int = 0, engine=None,
               ceiling_bytes: int = 1 << 30, verify: str = "first-use") -> dict:
@@ -248,8 +249,8 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
     rng = np.random.default_rng(seed)
     cfg = EngineConfig(device="cuda", device_id=device_id, max_batch_size=max(batch_size, 1),
                        max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify=verify,
-                       max_cached_experts=max_cached_experts, cache_policy=cache_policy, cache_scope=cache_scope,
-                       use_graphs=use_graphs, prefetch=prefetch)
+                       max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
+                       cache_scope=cache_scope, use_graphs=use_graphs, prefetch=prefetch)
     eng = engine or Engine(path, cfg)
     try:
         eng.decoder.forced_routes = forced_routes
