@@ -88,6 +88,7 @@ class PieceStream:
         self.pos = 0
         self._writer = writer
         self._buffer = buffer
+        self._reserved = 0
         self._hash = xxhash.xxh3_64(seed=slot.seed)
 
     def _check_room(self, n: int) -> None:
@@ -107,6 +108,7 @@ class PieceStream:
             else:
                 room[:] = np.frombuffer(view, np.uint8)
                 self._buffer.length += len(view)
+            self._reserved = 0
         self._hash.update(view)
         self.pos += len(view)
 
@@ -120,14 +122,15 @@ class PieceStream:
         if room is None and n <= len(self._buffer.data):
             self._writer.flush()
             room = self._buffer.room(self.slot.offset + self.pos, n)
+        self._reserved = n if room is not None else 0
         return room
 
     def commit(self, n: int) -> None:
-        """Take the n bytes filled in after `reserve(n)` as the piece's next bytes."""
+        """Take the n bytes filled in after `reserve(n)` (or fewer) as the piece's next bytes."""
         buf = self._buffer
-        if buf is None or not buf.length + n <= len(buf.data) or buf.start + buf.length != self.slot.offset + self.pos:
+        if buf is None or not 0 <= n <= self._reserved:
             raise WriteError("commit without a matching reserve", field="offset", value=self.slot.offset + self.pos)
-        self._check_room(n)
+        self._reserved = 0
         self._hash.update(buf.data[buf.length:buf.length + n])
         buf.length += n
         self.pos += n

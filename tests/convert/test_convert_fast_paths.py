@@ -1,0 +1,354 @@
+"""The converter's fast paths give the bytes the plain paths gave (project issue 20).
+
+- `cast.bf16_to_f16` against NumPy's cast on every bf16 pattern;
+- `quantize_into` against `quantize_int8(to_float32(chunk))`, bit for bit (q, scales, both errors), on every
+  source dtype, group size, block boundary and the tiny/zero/non-finite corners;
+- the writer's per-thread write buffer (`stream(key, buffered=True)`, `reserve`/`commit`, `flush`) against
+  plain streams, with buffers small enough to force every path;
+- runs of pieces (`schedule.runs`, `PartialRun`), positional chunk reads (`rows.iter_span_chunks`);
+- whole conversions: the same file for any worker count, run size and buffer size, and the bytes the
+  converter wrote before these changes (pinned digests of the data region and of the error statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import colibri_format
+from colibri_format import spec as S
+from colibri_format import writer as writer_mod
+from colibri_format.convert import quantize as qmod
+from colibri_format.convert import schedule
+from colibri_format.convert.cast import bf16_to_f16
+from colibri_format.convert.layout import RowSpan
+from colibri_format.convert.pipeline import convert
+from colibri_format.convert.quantize import quantize_int8, quantize_into
+from colibri_format.convert.rows import iter_span_chunks
+from colibri_format.convert.source import open_checkpoint
+from colibri_format.dtypes import to_float32, to_storage
+from colibri_format.errors import InvalidInput, NonFiniteWeight, WriteError
+from colibri_format.writer import ColibriWriter
+from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint
+
+
+# --- bf16 -> float16 ---------------------------------------------------------------------------------------------
+def _numpy_f16(bits: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return to_storage(to_float32(bits), S.DType.F16).view(np.uint16)
+
+
+def test_bf16_to_f16_matches_numpy_on_every_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(bits.size, np.uint16)
+    assert bf16_to_f16(bits, out) is False  # inf, NaN and beyond-65504 patterns are among them
+    assert np.array_equal(out, _numpy_f16(bits))
+    finite = bits[(bits & 0x7FFF) < 0x4780]  # below 65536 in magnitude: every float16 image is finite
+    out = np.empty(finite.size, np.float16)
+    assert bf16_to_f16(finite, out) is True
+    assert np.array_equal(out.view(np.uint16), _numpy_f16(finite))
+
+
+def test_bf16_to_f16_shapes_and_sizes():
+    rng = np.random.default_rng(0)
+    bits = (rng.standard_normal((37, 50), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out = np.empty((37, 50), np.float16)
+    assert bf16_to_f16(bits, out)
+    assert np.array_equal(out.view(np.uint16), _numpy_f16(bits))
+    assert bf16_to_f16(bits[:, ::2], np.empty(37 * 25, np.uint16))  # a strided source is copied first
+    assert bf16_to_f16(np.empty(0, np.uint16), np.empty(0, np.uint16))
+    with pytest.raises(ValueError):
+        bf16_to_f16(bits, np.empty(5, np.uint16))
+
+
+# --- quantize_into ----------------------------------------------------------------------------------------------
+def _stored(w: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (w.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    with np.errstate(over="ignore"):  # float16 beyond 65504: inf, refused by both quantizers
+        return w.astype({"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype])
+
+
+def _same(chunk: np.ndarray, group: int | None) -> None:
+    n_out, n_in = chunk.shape
+    q = np.full((n_out, n_in), 99, np.int8)
+    scale = np.full((n_out, n_in // (group or n_in)), -1, np.float32)
+    try:
+        with np.errstate(all="ignore"):
+            ref = quantize_int8(to_float32(chunk), group)
+    except NonFiniteWeight as exc:
+        with pytest.raises(NonFiniteWeight) as info:
+            quantize_into(chunk, group, q, scale)
+        assert str(info.value) == str(exc)
+        return
+    max_rel, mean_rel = quantize_into(chunk, group, q, scale)
+    assert np.array_equal(q, ref.q)
+    assert np.array_equal(scale.view(np.uint32), ref.scale.view(np.uint32))
+    assert (max_rel, mean_rel) == (ref.max_rel_err, ref.mean_rel_err)  # the same floats, not close ones
+
+
+@st.composite
+def chunks(draw: st.DrawFn) -> tuple[np.ndarray, int | None]:
+    group = draw(st.sampled_from([None, 4, 16, 32, 64]))
+    n_in = (group or 16) * draw(st.integers(1, 8))
+    n_out = draw(st.integers(1, 90))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    magnitude = draw(st.sampled_from([1e-40, 1e-30, 1e-3, 1.0, 3e4]))
+    w = (rng.standard_normal((n_out, n_in)) * magnitude).astype(np.float32)
+    if draw(st.booleans()):
+        w[rng.integers(0, n_out)] = 0.0                 # a zero row
+    if draw(st.booleans()):
+        w[:, :(group or n_in)] = 0.0                    # zero groups
+    return _stored(w, draw(st.sampled_from(["bfloat16", "float16", "float32", "float64"]))), group
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks())
+def test_quantize_into_is_quantize_int8_bit_for_bit(case):
+    _same(*case)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("group", [None, 32, 128])
+def test_quantize_into_on_real_widths_and_ragged_blocks(monkeypatch, dtype, group):
+    rng = np.random.default_rng(1)
+    for n_out, n_in in ((512, 2048), (300, 768), (7, 4096)):
+        _same(_stored(rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.02, dtype), group)
+    monkeypatch.setattr(qmod, "BLOCK_BYTES", 7 * 256 * 4)  # 7 rows a block, a ragged last one
+    _same(_stored(rng.standard_normal((100, 256), dtype=np.float32), dtype), group if group != 128 else 64)
+
+
+@pytest.mark.parametrize("unbuffered", [0, 1 << 30])
+@pytest.mark.parametrize("small", [0, 1 << 20])
+def test_quantize_into_whatever_the_reduction_and_division_paths(monkeypatch, unbuffered, small):
+    monkeypatch.setattr(qmod, "UNBUFFERED_GROUP", unbuffered)
+    monkeypatch.setattr(qmod, "SMALL_GROUP", small)
+    rng = np.random.default_rng(2)
+    w = _stored(rng.standard_normal((40, 1024), dtype=np.float32), "bfloat16")
+    for group in (None, 16, 64, 512):
+        _same(w, group)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("value, word", [(np.nan, "NaN"), (np.inf, "+inf"), (-np.inf, "-inf")])
+def test_quantize_into_refuses_what_quantize_int8_refuses(dtype, value, word):
+    w = np.ones((200, 1024), np.float32)
+    w[150, 1000] = value
+    chunk = _stored(w, dtype)
+    with pytest.raises(NonFiniteWeight, match=rf"weight holds {re.escape(word)} at index \[150, 1000\]"):
+        quantize_into(chunk, None, np.empty(w.shape, np.int8), np.empty((200, 1), np.float32))
+    if dtype == "float64":  # beyond float32: infinite once narrowed, as quantize_int8(to_float32(...)) sees it
+        big = np.ones((4, 16)) * 1e300
+        with pytest.raises(NonFiniteWeight):
+            quantize_into(big, None, np.empty((4, 16), np.int8), np.empty((4, 1), np.float32))
+
+
+def test_quantize_into_checks_its_buffers():
+    chunk = np.ones((4, 16), np.float32)
+    with pytest.raises(InvalidInput):
+        quantize_into(chunk, None, np.empty((4, 8), np.int8), np.empty((4, 1), np.float32))
+    with pytest.raises(InvalidInput):
+        quantize_into(chunk, 8, np.empty((4, 16), np.int8), np.empty((4, 1), np.float32))
+    with pytest.raises(InvalidInput):
+        quantize_into(chunk.astype(np.int32), None, np.empty((4, 16), np.int8), np.empty((4, 1), np.float32))
+    with pytest.raises(InvalidInput):
+        quantize_into(chunk, 3, np.empty((4, 16), np.int8), np.empty((4, 5), np.float32))
+
+
+# --- the write buffer -------------------------------------------------------------------------------------------
+def _model() -> dict:
+    from colibri_format.synthetic import synthetic_model
+
+    return synthetic_model(vocab=64, hidden=32, layers=2, experts=4)
+
+
+def _blob_bytes(writer: ColibriWriter, key, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, writer.slot(key).size, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("capacity", [4096, 5000, 3 * 4096, 1 << 20])
+def test_buffered_streams_write_what_plain_streams_write(tmp_path, monkeypatch, capacity):
+    monkeypatch.setattr(writer_mod, "WRITE_BUFFER_BYTES", capacity)
+    files = {}
+    for buffered in (False, True):
+        w = ColibriWriter(tmp_path / f"{buffered}.colibri", _model(), dense_dtype=S.DType.F16,
+                          expert_format=S.ExpertFormat.INT8_ROW)
+        keys = w.plan.blob_keys()
+        for i, key in enumerate(keys):
+            data = _blob_bytes(w, key, i)
+            stream = w.stream(key, buffered=buffered)
+            cuts = sorted({0, len(data)} | {c for c in (100, 3000, 5000, len(data) // 2) if c < len(data)})
+            for a, b in zip(cuts, cuts[1:]):
+                if buffered and i % 2:  # in place, where the buffer has room
+                    room = stream.reserve(b - a)
+                    if room is None:
+                        stream.put(data[a:b])
+                    else:
+                        room[:] = np.frombuffer(data[a:b], np.uint8)
+                        stream.commit(b - a)
+                else:
+                    stream.put(data[a:b])
+            stream.finish()
+            if buffered and i == 2:
+                w.flush()  # a flush in the middle: the buffer starts again at the next blob
+        w.flush()
+        files[buffered] = (os.pread(w._fd, w.plan.metadata_offset, 0), dict(w.checksums))
+        w.abort(remove_part=True)
+    assert files[True] == files[False]
+    assert len(files[True][1]) == len(_model()["moe_layers"]) * _model()["num_experts"]
+
+
+def test_a_buffered_piece_counts_only_once_written(tmp_path):
+    w = ColibriWriter(tmp_path / "m.colibri", _model(), dense_dtype=S.DType.F16, expert_format=S.ExpertFormat.INT8_ROW)
+    writes = []
+    real = w._write_at
+    w._write_at = lambda data, offset: (writes.append((offset, len(data))), real(data, offset))
+    key = w.plan.blob_keys()[0]
+    stream = w.stream(key, buffered=True)
+    stream.put(_blob_bytes(w, key, 0))
+    checksum = stream.finish()
+    assert key not in w.checksums and writes == []
+    w.flush()
+    assert w.checksums[key] == checksum and writes == [(w.slot(key).offset, w.slot(key).size)]
+    piece = os.pread(w._fd, w.slot(key).size, w.slot(key).offset)
+    assert xxhash.xxh3_64_intdigest(piece, seed=w.slot(key).seed) == checksum
+    with pytest.raises(WriteError):
+        w.stream(key, buffered=True).commit(16)  # no reserve before it
+    with pytest.raises(WriteError):
+        w.stream(key, buffered=True).reserve(w.slot(key).size + 1)  # beyond the slot
+    assert w.stream(key).reserve(16) is None  # unbuffered streams have no buffer to fill
+    w.abort(remove_part=True)
+
+
+# --- runs -------------------------------------------------------------------------------------------------------
+def test_runs_cut_in_order_by_bytes_or_count():
+    sizes = [5, 5, 40, 1, 1, 1, 1, 1, 100, 3]
+    got = schedule.runs(list(range(len(sizes))), lambda i: sizes[i], run_bytes=10, run_pieces=3)
+    assert got == [[0, 1], [2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [x for r in got for x in r] == list(range(len(sizes)))
+    assert schedule.runs([], len) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_partial_run_hands_on_what_it_finished_then_raises(workers):
+    seen = []
+
+    def work(run):
+        if run == ["boom"]:
+            raise schedule.PartialRun(["done-before-boom"], ValueError("boom"))
+        return run
+
+    with pytest.raises(ValueError, match="boom"):
+        schedule.run_bounded([["a"], ["boom"], ["b"]], work, workers, seen.append)
+    assert ["done-before-boom"] in seen and ["a"] in seen
+
+
+# --- positional chunk reads -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """bf16, 2 layers x 6 experts of hidden 128 / FFN 96, several shards."""
+    d = tmp_path_factory.mktemp("fast_paths")
+    write_checkpoint(d, mixtral_config(vocab=300, hidden=128, layers=2, experts=6, inter=96, heads=4, kv_heads=2),
+                     dtype="bfloat16", shard_bytes=200 << 10)
+    return d
+
+
+def test_chunks_read_positionally_are_the_mapped_rows(ckpt, monkeypatch):
+    from colibri_format.convert import rows
+
+    monkeypatch.setattr(rows, "CHUNK_ELEMENTS", 1000)  # several chunks a tensor, rows cut unevenly
+    with open_checkpoint(ckpt) as src:
+        for name in ("model.embed_tokens.weight", "model.layers.1.block_sparse_moe.experts.5.w2.weight",
+                     "model.norm.weight"):
+            view = src.native_view(name)
+            assert src.positional_reader(name, view) is not None
+            spans = (RowSpan(name, None, 3 if view.ndim == 2 else 0, view.shape[0]),)
+            got = [(row0, chunk.copy()) for _, row0, chunk in iter_span_chunks(src, spans)]
+            if view.ndim == 1:
+                assert len(got) == 1 and np.array_equal(got[0][1], view)
+                continue
+            assert len(got) > 1
+            for row0, chunk in got:
+                assert chunk.dtype == view.dtype and np.array_equal(chunk, view[row0:row0 + chunk.shape[0]])
+            assert sum(c.shape[0] for _, c in got) == view.shape[0] - 3
+        assert src.positional_reader("model.norm.weight", np.zeros(128, np.uint16)) is None  # not a view of it
+
+
+def test_a_shard_shrunk_under_the_reader_is_an_error_not_a_crash(ckpt, tmp_path):
+    import shutil
+
+    copy = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+    name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    with open_checkpoint(copy) as src:
+        view = src.native_view(name)
+        shard = Path(src.positional_reader(name, view)[0].path)
+        os.truncate(shard, os.path.getsize(shard) - 4096)
+        with pytest.raises(InvalidInput, match="changed size"):
+            for _ in iter_span_chunks(src, (RowSpan(name, None, 0, view.shape[0]),)):
+                pass
+
+
+# --- whole conversions --------------------------------------------------------------------------------------------
+# The data region (dense tensors and blobs) and the `quantization` metadata (per-expert errors) of `ckpt` converted
+# with these options, as the converter wrote them before issue 20 (tree e94380a): xxh3-64 hex digests.
+PINNED = [
+    ({}, "ff5849a00ee64cc4", "72a255a8947bcd9c"),
+    ({"group_size": 32}, "c7ee1b5ff2846569", "d0e03decbcb2eaab"),
+    ({"quantize": "none", "dtype": "float16"}, "b37536faf8009ec5", "8633b6e02c0f6098"),
+    ({"dtype": "float32", "group_size": 16}, "16470257a109431a", "a6293c3f76c416d8"),
+]
+
+
+def _digests(out: Path) -> tuple[str, str]:
+    with colibri_format.open(out) as f:
+        end = f.header.metadata_offset
+        quantization = json.dumps(f.metadata["quantization"], sort_keys=True)
+    with open(out, "rb") as fh:
+        data = fh.read(end)
+    return xxhash.xxh3_64_hexdigest(data), xxhash.xxh3_64_hexdigest(quantization.encode())
+
+
+@pytest.mark.parametrize("options, data, errors", PINNED, ids=["int8-row", "int8-g32", "f16-experts", "f32-g16"])
+def test_the_output_is_what_the_converter_wrote_before(ckpt, tmp_path, options, data, errors):
+    out = tmp_path / "m.colibri"
+    convert(ckpt, out, **options)
+    assert _digests(out) == (data, errors)
+
+
+@pytest.mark.parametrize("workers, run_bytes, run_pieces, buffer", [
+    (1, 1, 1, 4096),                 # a run a piece, a buffer smaller than a blob: direct writes
+    (2, 1 << 16, 5, 3 * 4096),       # runs of a few pieces, flushes in the middle of pieces
+    (3, 1 << 30, 1000, 1 << 24),     # one run for everything
+])
+def test_the_same_file_for_any_workers_runs_and_buffer(ckpt, tmp_path, monkeypatch, workers, run_bytes, run_pieces,
+                                                       buffer):
+    monkeypatch.setattr(schedule, "RUN_BYTES", run_bytes)
+    monkeypatch.setattr(schedule, "RUN_PIECES", run_pieces)
+    monkeypatch.setattr(writer_mod, "WRITE_BUFFER_BYTES", buffer)
+    for options, data, errors in PINNED[:2]:
+        out = tmp_path / f"m{len(options)}.colibri"
+        convert(ckpt, out, workers=workers, **options)
+        assert _digests(out) == (data, errors)
+
+
+def test_writes_do_not_grow_with_the_number_of_pieces(tmp_path, monkeypatch):
+    """Many small experts go out in a few large writes: not one write (or more) per piece."""
+    ckpt = tmp_path / "many"
+    write_checkpoint(ckpt, mixtral_config(vocab=64, hidden=64, layers=2, experts=64, inter=32, heads=4, kv_heads=2),
+                     dtype="bfloat16", shard_bytes=1 << 20)
+    calls = []
+    real = writer_mod.pwrite_all
+    monkeypatch.setattr(writer_mod, "pwrite_all", lambda fd, data, offset: (calls.append(len(memoryview(data))),
+                                                                            real(fd, data, offset)))
+    convert(ckpt, tmp_path / "m.colibri", workers=2)
+    dense = 3 + 2 * 7
+    assert len(calls) < dense + 16, len(calls)  # 128 expert blobs among them
