@@ -286,8 +286,8 @@ SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.
 NOT_YET = {
-    "deepseek_v2": "multi-head latent attention and grouped routing",
-    "deepseek_v3": "multi-head latent attention, sigmoid+bias routing and FP8 block scales",
+    "deepseek_v2": "multi-head latent attention",
+    "deepseek_v3": "multi-head latent attention",
     "kimi_k2": "the DeepSeek-V3 architecture",
     "phimoe": "sparsemixer routing and LayerNorm",
     "llama4": "input-scaled routing and chunked attention",
