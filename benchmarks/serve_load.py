@@ -282,6 +282,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per level at most")
     ap.add_argument("--startup", type=float, default=900.0, help="seconds the server may take to open the file")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="where each server's log goes")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.clients.split(",")]
     args.max_batch_size = args.max_batch_size or max(args.levels)
@@ -296,7 +297,7 @@ def main() -> None:
     rows, commands = [], []
     for cache in args.cache.split(","):
         capacity = cache_capacity(path, cache)
-        server = Server(path, args, capacity, Path(f"/tmp/colibri_serve_load_{cache.replace('%', 'pct')}.log"))
+        server = Server(path, args, capacity, args.log_dir / f"colibri_serve_load_{cache.replace('%', 'pct')}.log")
         commands.append(server.command)
         try:
             t0 = time.perf_counter()
