@@ -116,13 +116,7 @@ def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.
         # A zero group's scale 1.0 over the max of a row of tiny values (below ~3e-39) would overflow float32
         # to inf, and 0 * inf is NaN: measure zero groups with scale 0 instead (their error is 0).
         err_scale = np.where(amax > 0, scale, np.float32(0))
-    g = w3.shape[2]
-    if g >= UNBUFFERED_GROUP:
-        with np.errstate():  # restores the buffer size on exit
-            np.setbufsize(g)
-            np.divide(w3, scale[:, :, None], out=x)  # w in units of its scale, |x| <= 127
-    else:
-        np.divide(w3, scale[:, :, None], out=x)
+    _divide(w3, scale, x)  # w in units of its scale, |x| <= 127
     np.rint(x, out=r)
     np.copyto(q, r, casting="unsafe")
     # |w - q*scale| / rowmax == |x - rint(x)| * scale / rowmax: no int8 -> float pass needed.
@@ -141,13 +135,22 @@ def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.
 _work = threading.local()
 
 
-def _block_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-thread float32 x, r and uint16 scratch of at least n elements, allocated once and reused."""
+def _block_buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread float32 x and r of at least n elements, allocated once and reused."""
     bufs = getattr(_work, "bufs", None)
     if bufs is None or bufs[0].size < n:
         size = max(n, BLOCK_BYTES // 4)
-        bufs = _work.bufs = (np.empty(size, np.float32), np.empty(size, np.float32), np.empty(size, np.uint16))
-    return bufs[0][:n], bufs[1][:n], bufs[2][:n]
+        bufs = _work.bufs = (np.empty(size, np.float32), np.empty(size, np.float32))
+    return bufs[0][:n], bufs[1][:n]
+
+
+def _magnitude_buffer(n: int, dtype: type) -> np.ndarray:
+    """Per-thread unsigned scratch for the magnitude bits of a whole chunk, reused."""
+    buf = getattr(_work, "mag", None)
+    nbytes = n * np.dtype(dtype).itemsize
+    if buf is None or buf.nbytes < nbytes:
+        buf = _work.mag = np.empty(max(nbytes, 1 << 21), np.uint8)
+    return buf[:nbytes].view(dtype)
 
 
 def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, scale_out: np.ndarray
@@ -156,9 +159,11 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
     [out, in], C-contiguous) and `scale_out` (float32 [out, in // g]); return (max_rel_err, mean_rel_err).
 
     Bit-identical to `quantize_int8(to_float32(chunk), group_size)`; a NaN or infinity (also float64 beyond
-    float32) is the same NonFiniteWeight.
+    float32) is the same NonFiniteWeight. What depends on a row alone (group maxima, scales, the error weights)
+    is computed for the whole chunk at once; the passes over the values go block by block (quantize_int8's
+    blocks, whose float64 error sums it reproduces in the same order).
     """
-    if chunk.ndim != 2 or chunk.dtype not in (np.uint16, np.float16, np.float32, np.float64):
+    if chunk.ndim != 2 or chunk.dtype not in _MAGNITUDE:
         raise InvalidInput(f"quantize_into needs a 2-D stored float chunk, got {chunk.dtype} {chunk.shape}",
                            field="weight")
     n_out, n_in = chunk.shape
@@ -167,34 +172,97 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
             or scale_out.dtype != np.float32:
         raise InvalidInput("quantize_into: output buffers do not match the chunk", field="weight")
     src = np.ascontiguousarray(chunk)
-    bf16 = src.dtype == np.uint16
     rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))  # the blocks of quantize_int8: the error sums depend on them
-    x_buf, r_buf, u_buf = _block_buffers(min(rows, n_out) * n_in)
-    err_max, err_sum = 0.0, 0.0
+    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
+    amax = _group_maxima(src, g)  # [n_out, G] float32
+    if not np.isfinite(amax).all():
+        bad = int(np.argmax(~np.isfinite(amax).all(axis=1)))
+        first = bad // rows * rows
+        x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
+        _upcast(src[first:first + x.shape[0]], x)
+        raise _non_finite(x, first)
+    err_scale, weight = _scales(amax, scale_out)
+    del err_scale
+    gmax = np.empty(amax.shape, np.float32)
+    gsum = np.empty(amax.shape, np.float32)
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         shape = (stop - start, n_in // g, g)
         n = (stop - start) * n_in
-        block = src[start:stop]
         x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
-        if bf16:
-            mag = u_buf[:n].reshape(shape)
-            np.bitwise_and(block.reshape(shape), np.uint16(0x7FFF), out=mag)
-            top = _reduce_groups(np.maximum, mag)  # [rows, G] largest magnitude's bits; NaN/inf from 0x7F80 up
-            _widen_bf16(block, x)
-            if int(top.max()) >= 0x7F80:
-                raise _non_finite(x, start)
-            amax = (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        else:
-            with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32 becomes inf: refused
-                np.copyto(x.reshape(block.shape), block, casting="unsafe")
-            amax = _reduce_groups(np.maximum, np.abs(x, out=r))
-            if not np.isfinite(amax).all():
-                raise _non_finite(x, start)
-        block_max, block_sum = _scale_and_round(x, amax, q_out[start:stop].reshape(shape),
-                                                scale_out[start:stop], x, r)
-        err_max, err_sum = max(err_max, block_max), err_sum + block_sum
-    return err_max, err_sum / max(1, n_out * n_in)
+        _upcast(src[start:stop], x)
+        _divide(x, scale_out[start:stop], x)   # w in units of its scale, |x| <= 127
+        np.rint(x, out=r)
+        np.copyto(q_out[start:stop].reshape(shape), r, casting="unsafe")
+        np.subtract(x, r, out=x)
+        np.abs(x, out=x)
+        _reduce_groups(np.maximum, x, gmax[start:stop])
+        _reduce_groups(np.add, x, gsum[start:stop])
+    np.multiply(gmax, weight, out=gmax)
+    np.multiply(gsum, weight, out=gsum)
+    err_sum = 0.0
+    for start in range(0, n_out, rows):  # float64 sums of quantize_int8's blocks, in its order
+        err_sum = err_sum + float(gsum[start:start + rows].sum(dtype=np.float64))
+    return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
+
+
+# stored dtype -> (unsigned view of its bits, mask of the magnitude bits)
+_MAGNITUDE = {np.dtype(np.uint16): (np.uint16, 0x7FFF), np.dtype(np.float16): (np.uint16, 0x7FFF),
+              np.dtype(np.float32): (np.uint32, 0x7FFF_FFFF), np.dtype(np.float64): (None, 0)}
+
+
+def _group_maxima(src: np.ndarray, g: int) -> np.ndarray:
+    """max |w| of every row and group of a stored chunk as float32 (inf or NaN where such a value is), from the
+    magnitude bits: for finite values they order as the magnitudes do, so no float copy is needed."""
+    n_out, n_in = src.shape
+    view, mask = _MAGNITUDE[src.dtype]
+    if view is None:  # float64: the maxima narrowed (rounding is monotonic, so it commutes with max)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _reduce_groups(np.maximum, np.abs(src).reshape(n_out, n_in // g, g)).astype(np.float32)
+    bits = src.view(view)
+    mag = _magnitude_buffer(src.size, view).reshape(n_out, n_in // g, g)
+    np.bitwise_and(bits.reshape(mag.shape), view(mask), out=mag)
+    top = _reduce_groups(np.maximum, mag)
+    if src.dtype == np.uint16:  # bf16: the float32 with these top 16 bits
+        return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return top.view(src.dtype).astype(np.float32)
+
+
+def _upcast(block: np.ndarray, out: np.ndarray) -> None:
+    """A block of stored values into the float32 buffer `out` (same element count)."""
+    if block.dtype == np.uint16:
+        _widen_bf16(block, out)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32: inf (found by the maxima)
+            np.copyto(out.reshape(block.shape), block, casting="unsafe")
+
+
+def _scales(amax: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fill `scale` from the finite group maxima (as `_scale_and_round` does); return (err_scale, weight): what a
+    group's error is measured in, and the factor from a group's error in scale units to the row-relative error."""
+    np.divide(amax, np.float32(QMAX), out=scale)
+    err_scale = scale
+    tiny = amax < TINY_GROUP_MAX
+    if tiny.any():  # rare: zero groups, and groups whose scale is subnormal (module docstring)
+        small = amax[tiny]
+        exact = small.astype(np.float64) / QMAX
+        rounded = exact.astype(np.float32)
+        rounded = np.where(rounded.astype(np.float64) < exact, np.nextafter(rounded, np.float32(1)), rounded)
+        scale[tiny] = np.where(small == 0, np.float32(1), rounded)
+        err_scale = np.where(amax > 0, scale, np.float32(0))
+    row_max = amax.max(axis=1, keepdims=True)
+    return err_scale, err_scale / np.where(row_max > 0, row_max, np.float32(1))
+
+
+def _divide(w3: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    """out = w3 / scale[:, :, None] (see UNBUFFERED_GROUP)."""
+    g = w3.shape[2]
+    if g >= UNBUFFERED_GROUP:
+        with np.errstate():  # restores the buffer size on exit
+            np.setbufsize(g)
+            np.divide(w3, scale[:, :, None], out=out)
+    else:
+        np.divide(w3, scale[:, :, None], out=out)
 
 
 def _widen_bf16(bits: np.ndarray, out: np.ndarray) -> None:
@@ -215,16 +283,18 @@ def _non_finite(w3: np.ndarray, row0: int) -> NonFiniteWeight:
                            field="weight", value=value)
 
 
-def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray) -> np.ndarray:
-    """ufunc-reduce [rows, G, g] over g.
+def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """ufunc-reduce [rows, G, g] over g (into `out` when given).
 
     NumPy reduces a short contiguous last axis one tiny inner loop per group; for small
     groups, g strided element-wise calls over all groups at once are 2-4x faster.
     """
     g = x3.shape[2]
     if g > SMALL_GROUP:
-        return ufunc.reduce(x3, axis=2)
-    acc = x3[..., 0].copy()
+        return ufunc.reduce(x3, axis=2, out=out)
+    acc = x3[..., 0].copy() if out is None else out
+    if out is not None:
+        np.copyto(acc, x3[..., 0])
     for k in range(1, g):
         ufunc(acc, x3[..., k], out=acc)
     return acc
