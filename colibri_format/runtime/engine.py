@@ -443,7 +443,7 @@ class Engine:
                 logits = self.decoder.run(inp, kv, Workspace(self.be), T, rows, max_len=int(host.pos.max()) + 1)
             finally:
                 self.decoder.route_hook = None
-            self.experts.after_pass()
+            self.experts.after_pass(T)
             return logits
 
     def _begin(self, seqs, chunks, starts, rows: int) -> None:

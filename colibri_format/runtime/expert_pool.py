@@ -15,13 +15,16 @@ After each pass the host runs the cache off the critical path (`after_pass`):
 2. it reads the previous pass's totals (complete by then: the host has read that pass's logits) and hands each
    routed expert to `runtime.cache.expert_cache.ExpertCache` (lrfu, lru, lfu, static: the simulator's code);
    an access is a hit when the table pointed at a slot during that pass, else a miss read over PCIe;
-3. evictions point their entries back at the mapping at once; an admitted expert is copied into its freed
-   slot on a copy stream that first waits for the table write (no pass reads the slot any more), and its entry
-   is published one pass later, after the copy's event: a kernel sees a valid old or new address, never a
-   half-copied slot. At most COPY_BYTES_PER_PASS of copies are queued a pass; by default (`cache_admission=
-   "frequency"`) a full cache admits a missed expert only when its count beats the weakest resident's, so a
-   stable hot set is not churned by experts read once (each admission is a second trip over the bus).
-Table writes are ordered on the compute stream between passes (the whole host mirror, when it changed).
+3. evictions point their entries back at the mapping at once. An admitted expert is *filled on read*: its
+   entry in a second table (`fill_ptrs`) names its freed slot, and the next GEMV pass that routes it copies each
+   chunk it reads from host memory into the slot as well (device-memory writes, no second trip over PCIe); the
+   host publishes the slot address after accounting for that pass. A pass on the grouped GEMM (prefill) fills
+   nothing: an armed expert it routes is copied instead, on a copy stream that first waits for the table write
+   (no pass reads the slot any more), at most COPY_BYTES_PER_PASS a pass, and published one pass later after
+   the copy's event. Either way a kernel sees a valid old or new address, never a half-written slot.
+   By default (`cache_admission="frequency"`) a full cache admits a missed expert only when its count beats
+   the weakest resident's, so a stable hot set is not churned by experts read once.
+Table writes are ordered on the compute stream between passes (both tables, when they changed).
 
 Checksums: on a device that reads the mapping directly, every blob is verified on the host at open (a thread
 pool; `verify="never"` skips it), before any address is published to a table: no corrupt byte reaches a kernel.
@@ -77,7 +80,8 @@ class PagingCounters:
     """Demand accesses (one per routed expert per layer per pass) and the bytes paging moved."""
     hits: int = 0                 # accesses served from a device slot
     misses: int = 0               # accesses the kernels read over PCIe from the host mapping
-    loads: int = 0                # blob copies into slots (admissions)
+    loads: int = 0                # admissions completed: filled on read, or copied into their slots
+    fills: int = 0                # of those, filled by the GEMV kernels as they read the expert
     prefetch_loads: int = 0       # of those, admitted because the prefetch router predicted them
     bytes_paged: int = 0          # bytes copied into slots
     bytes_zero_copy: int = 0      # bytes the kernels read from host memory (a whole blob per miss)
@@ -215,11 +219,13 @@ def _mapping(reader) -> tuple[int, int]:
 
 @dataclass
 class _Snapshot:
-    """The route totals copied behind one pass, and the residency the pass saw."""
+    """The route totals copied behind one pass, the residency and fill slots the pass saw, whether it filled."""
     totals: np.ndarray
     event: object
     predicted: np.ndarray | None
     resident: np.ndarray
+    armed: dict
+    filled: bool
 
 
 class ExpertPool:
@@ -249,7 +255,8 @@ class ExpertPool:
             self.counters.verify_seconds = self.source.verify_seconds
             self.host = np.array([[self.source.addr(layer, e) for e in range(self.E)] for layer in self.layers],
                                  np.uint64).reshape(len(self.layers), self.E)
-            self.mirror = self.host.copy()                    # what the device table says, entry by entry
+            self._tables = np.stack([self.host, np.zeros_like(self.host)])   # what the device tables say
+            self.mirror, self.fill_mirror = self._tables[0], self._tables[1]  # addresses read; slots to fill
             if in_place:
                 self.load_seconds = 0.0
             elif self.resident:
@@ -265,24 +272,28 @@ class ExpertPool:
     # --- tables ---------------------------------------------------------------------------------------------
     def _make_tables(self) -> None:
         L, be = len(self.layers), self.be
-        self.entries = be.to_device(self.mirror)
+        self._device_tables = be.to_device(self._tables)
+        self.entries, fills = self._device_tables[0], self._device_tables[1]
         self.totals = be.zeros((L, self.E), np.uint32) if self.tracking else None
         self.predictions = be.zeros((L, self.E), np.uint32) if self.prefetch else None
         check = (lambda layer: (lambda e: self.reader.expert_blob(layer, e))) if be.host_is_device else None
         self.layer_tables = {
             layer: be.expert_table(self.entries[li], self.layout, check=check(layer) if check else None,
-                                   route_totals=self.totals[li] if self.tracking else None)
+                                   route_totals=self.totals[li] if self.tracking else None,
+                                   fill_ptrs=fills[li] if self.cache is not None else None)
             for li, layer in enumerate(self.layers)}
         self._seen = np.zeros((L, self.E), np.uint32)
         self._seen_predicted = np.zeros((L, self.E), np.uint32)
         self._snapshot: _Snapshot | None = None
         self._spare: list[np.ndarray] = [be.pinned_empty(L * self.E * 4).view(np.uint32).reshape(L, self.E)
                                          for _ in range(4 if self.prefetch else 2)] if self.tracking else []
+        self._admitting: dict[tuple[int, int], int] = {}   # admitted by the cache, not yet armed: -> pool index
+        self._armed: dict[tuple[int, int], int] = {}       # fill slot published: (li, e) -> pool index
+        self._copying: dict[tuple[int, int], int] = {}     # to be copied (a GEMM pass routed it): -> pool index
         self._pending: dict[tuple[int, int], int] = {}     # copied, not yet published: (li, e) -> slot address
-        self._admitting: dict[tuple[int, int], int] = {}   # admitted by the cache, copy not yet queued -> index
         self._pending_event = None
         self._dirty = False
-        self._uploads = [(be.pinned_empty(self.mirror.nbytes).view(np.uint64).reshape(self.mirror.shape), None)
+        self._uploads = [(be.pinned_empty(self._tables.nbytes).view(np.uint64).reshape(self._tables.shape), None)
                          for _ in range(2)] if self.cache is not None else []
         self._upload_next = 0
 
@@ -300,13 +311,13 @@ class ExpertPool:
         return self.mirror != self.host
 
     def _upload(self) -> None:
-        """The whole mirror into the device table, on the compute stream, from a pinned buffer of a pair (the
-        other may still be in flight; the one reused here was queued two uploads ago)."""
+        """Both mirrors into the device tables, on the compute stream, from a pinned buffer of a pair (the other
+        may still be in flight; the one reused here was queued two uploads ago)."""
         buf, event = self._uploads[self._upload_next]
         if event is not None:
             self.be.sync_event(event)
-        buf[...] = self.mirror
-        self.be.copy_htod(self.be.ptr(self.entries), int(buf.ctypes.data), buf.nbytes, self.compute)
+        buf[...] = self._tables
+        self.be.copy_htod(self.be.ptr(self._device_tables), int(buf.ctypes.data), buf.nbytes, self.compute)
         self._uploads[self._upload_next] = (buf, self.be.record(self.compute))
         self._upload_next ^= 1
 
@@ -341,8 +352,9 @@ class ExpertPool:
         self.be.count_routes(ids, self.predictions[self.layers.index(layer)])
 
     # --- the cache, between passes ------------------------------------------------------------------------------
-    def after_pass(self) -> None:
-        """Queue this pass's route totals, then run the cache on the previous pass's (see the module docstring)."""
+    def after_pass(self, rows: int) -> None:
+        """Queue this pass's (of `rows` tokens) route totals, then run the cache on the previous pass's (see the
+        module docstring)."""
         if not self.tracking:
             return
         be, previous = self.be, self._snapshot
@@ -352,7 +364,8 @@ class ExpertPool:
         if self.prefetch:
             pred = self._spare.pop()
             be.copy_to_host_async(pred, self.predictions, self.compute)
-        self._snapshot = _Snapshot(buf, be.record(self.compute), pred, self.resident_mask())
+        filled = be.fills_on_read(rows, self.a.top_k, self.E)
+        self._snapshot = _Snapshot(buf, be.record(self.compute), pred, self.resident_mask(), dict(self._armed), filled)
         if previous is not None:
             self._account(previous)
 
@@ -384,12 +397,28 @@ class ExpertPool:
         c.hits += int(hit.sum())
         c.misses += int((~hit).sum())
         c.bytes_zero_copy += int((~hit).sum()) * self.blob_size
+        self._settle_fills(snap, routed)
         for i, e in zip(li.tolist(), ex.tolist()):
             self._access(i, e)
         if predicted is not None:
             for i, e in zip(*np.nonzero(predicted & ~self.resident_mask())):
                 c.prefetch_loads += self._access(int(i), int(e))
         self._apply()
+
+    def _settle_fills(self, snap: _Snapshot, routed: np.ndarray) -> None:
+        """Armed experts the pass routed: filled (GEMV pass) -> publish the slot; not (GEMM pass) -> copy them."""
+        for key, index in snap.armed.items():
+            if not routed[key] or self._armed.get(key) != index:     # not read, or evicted since
+                continue
+            del self._armed[key]
+            self.fill_mirror[key] = 0
+            self._dirty = True
+            if snap.filled:
+                self.mirror[key] = self._slot_addr(index)
+                self.counters.loads += 1
+                self.counters.fills += 1
+            else:
+                self._copying[key] = index
 
     def _score(self, predicted: np.ndarray, routed: np.ndarray) -> None:
         layers = predicted.any(axis=1)
@@ -412,31 +441,37 @@ class ExpertPool:
     def _on_evict(self, layer: int, expert: int, slot: int, value) -> None:
         """The victim's entry points back at the host at the next table write; a copy of it not yet published (or
         not yet queued: admitted and evicted between two passes) is dropped, as its slot now belongs to another."""
-        li = self.layers.index(layer)
-        self._pending.pop((li, expert), None)
-        self._admitting.pop((li, expert), None)
-        self.mirror[li, expert] = self.host[li, expert]
+        key = (self.layers.index(layer), expert)
+        for state in (self._pending, self._admitting, self._armed, self._copying):
+            state.pop(key, None)
+        self.mirror[key] = self.host[key]
+        self.fill_mirror[key] = 0
         self._dirty = True
 
     def _apply(self) -> None:
-        """Publish last pass's finished copies and this pass's evictions in one table write, then copy the newly
-        admitted experts into their slots behind it."""
+        """One table write: last pass's finished copies and filled slots published, this pass's evictions, the
+        newly admitted experts armed for fill on read; then the copies a GEMM pass asked for, behind it."""
         be = self.be
         if self._pending:
             be.wait(self.compute, self._pending_event)       # usually long done: copies are small beside a pass
-            for (li, e), addr in self._pending.items():
-                self.mirror[li, e] = addr
+            for key, addr in self._pending.items():
+                self.mirror[key] = addr
             self._dirty = True
         self._pending = {}
+        for key, index in self._admitting.items():
+            self._armed[key] = index
+            self.fill_mirror[key] = self._slot_addr(index)
+            self._dirty = True
+        self._admitting = {}
         if self._dirty:
             self._upload()
             self._dirty = False
-        if not self._admitting:
+        if not self._copying:
             return
         be.wait(self.copy_stream, be.record(self.compute))   # nothing reads the freed slots after this point
         budget = max(1, COPY_BYTES_PER_PASS // self.blob_size)
-        for key in list(self._admitting)[:budget]:        # the rest wait for the next passes (read from the host)
-            index = self._admitting.pop(key)
+        for key in list(self._copying)[:budget]:          # the rest wait for the next passes (read from the host)
+            index = self._copying.pop(key)
             self._copy(index, int(self.host[key]))
             self._pending[key] = self._slot_addr(index)
         self._pending_event = be.record(self.copy_stream)

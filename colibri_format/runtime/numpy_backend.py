@@ -259,10 +259,20 @@ def blob_arrays(address: int, layout, dtype) -> tuple[np.ndarray, np.ndarray]:
 class ExpertTable:
     """Where one MoE layer's experts are: blob addresses (host memory here). `check(e)`, when given, runs before
     an expert is read (the reader's checksum policy for blobs read in place); `route_totals` [E] uint32, when
-    given, counts the pairs routed to each expert (paged experts: the pool's cache policy reads it)."""
+    given, counts the pairs routed to each expert (paged experts: the pool's cache policy reads it); `fill_ptrs`
+    [E] uint64, when given, names a slot each routed expert is copied into as it is read (0: none), the twin of
+    the CUDA GEMV kernels' fill on read."""
 
-    def __init__(self, blob_ptrs: np.ndarray, layout, check=None, route_totals=None) -> None:
+    def __init__(self, blob_ptrs: np.ndarray, layout, check=None, route_totals=None, fill_ptrs=None) -> None:
         self.blob_ptrs, self.layout, self.check, self.route_totals = blob_ptrs, layout, check, route_totals
+        self.fill_ptrs = fill_ptrs
+
+    def fill(self, ids) -> None:
+        """Copy each routed expert that has a fill slot into it (after its arrays were read, and checked)."""
+        for e in np.unique(ids):
+            dst = int(self.fill_ptrs[e])
+            if dst:
+                ctypes.memmove(dst, int(self.blob_ptrs[e]), int(self.layout.size))
 
     def experts(self, dtype):
         def arrays(e: int):
@@ -315,8 +325,11 @@ class NumpyBackend:
     def dense(self, reader) -> NumpyDense:
         return NumpyDense(reader, self.dtype)
 
-    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None) -> ExpertTable:
-        return ExpertTable(blob_ptrs, layout, check, route_totals)
+    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None, fill_ptrs=None) -> ExpertTable:
+        return ExpertTable(blob_ptrs, layout, check, route_totals, fill_ptrs)
+
+    def fills_on_read(self, rows: int, k: int, num_experts: int) -> bool:
+        return True
 
     def embedding(self, ids, table, *, mult: float, out):
         return embedding(ids, table, mult=mult, out=out, dtype=self.dtype.type)
@@ -337,7 +350,10 @@ class NumpyBackend:
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)
-        return moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
+        out = moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
+        if table.fill_ptrs is not None:
+            table.fill(ids)
+        return out
 
     # --- memory ------------------------------------------------------------------------------------------------
     def empty(self, shape, dtype=None):

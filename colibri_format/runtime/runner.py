@@ -48,7 +48,7 @@ class DecodeRunner:
                 self.eager_steps += 1
                 if self.reason is None and eng.decoder.route_hook is None:
                     self._capture()
-            eng.experts.after_pass()       # the expert cache's turn, while the GPU runs the step
+            eng.experts.after_pass(B)      # the expert cache's turn, while the GPU runs the step
             return logits
 
     def run_eager(self):

@@ -153,22 +153,22 @@ def test_stats_are_reported(path):
 
 def test_paged_stats_count_every_access_and_whole_blobs(path):
     # one demand access per routed expert per MoE layer per pass; a pool of 15 slots never evicts here (the
-    # run touches fewer experts), so each touched expert is loaded once; it is read from the host (a miss) until
-    # its copy is published, two passes after the pass that first routed it (the cache runs one pass behind)
+    # run touches fewer experts), so each touched expert is admitted once; it is read from the host (a miss) until
+    # a pass after its admission routes it again and fills its slot as it reads it (the cache runs a pass behind)
     passes = []
     with Engine(path, EngineConfig(max_cached_experts=ALL_EXPERTS - 1)) as eng:
         eng.routes.observers.append(lambda step, seq, layer, ids, pos: passes.append((step, layer, ids.copy())))
-        stats = eng.generate([1, 2, 3, 4], max_new_tokens=4, stop_ids=[]).stats
+        stats = eng.generate([1, 2, 3, 4], max_new_tokens=8, stop_ids=[]).stats
         blob = eng.experts.blob_size
         assert not eng.stats()["resident"] and eng.cache is not None
     touched = {(layer, int(e)) for _, layer, ids in passes for e in ids.ravel()}
     accesses = sum(len(np.unique(ids)) for _, _, ids in passes)
-    assert {step for step, _, _ in passes} == set(range(4)) and 2 <= len(touched) < ALL_EXPERTS
+    assert {step for step, _, _ in passes} == set(range(8)) and 2 <= len(touched) < ALL_EXPERTS
     assert stats.experts_touched == len(touched)
-    assert stats.expert_loads == stats.experts_touched                          # one load each
+    assert 0 < stats.expert_loads <= stats.experts_touched     # at most once each: filled when routed again
     assert stats.cache_misses >= stats.expert_loads and stats.cache_hits == accesses - stats.cache_misses > 0
     assert blob % 4096 == 0 and blob >= (2 * 16 * 16 + 16 * 16) * 4             # a whole, aligned f32 blob
-    assert stats.bytes_paged == stats.expert_loads * blob and stats.bytes_zero_copy == stats.cache_misses * blob
+    assert stats.bytes_paged == 0 and stats.bytes_zero_copy == stats.cache_misses * blob    # filled on read
 
 
 # --- lazy experts, cache, trace ------------------------------------------------------------------------
@@ -200,19 +200,19 @@ def test_only_routed_experts_are_ever_read(path, tmp_path, monkeypatch, max_cach
     assert set(opened) == routed
     blob_copies = [(src, n) for src, n in copied if src in blobs]       # the others: expert-table uploads
     assert all(n == ex.blob_size for _, n in blob_copies)
-    assert all(n == 2 * 8 * 8 for src, n in copied if src not in blobs)      # [2 layers, 8 experts] uint64
+    assert all(n == 2 * 2 * 8 * 8 for src, n in copied if src not in blobs)  # tables [2, 2 layers, 8] uint64
     if max_cached is None:                # in place: the MoE reads the file's blobs, nothing is copied
         assert not copied and {blobs[p] for p in computed} == routed
         assert counters.loads == counters.misses == counters.hits == 0 and counters.touched == routed
     else:                                 # paged: the MoE reads pool slots, or routed blobs in the mapping
         assert {blobs[p] for p in computed if p in blobs} <= routed
         assert all(slots[0] <= p < slots[1] for p in computed if p not in blobs)
-        copied_blobs = {blobs[src] for src, _ in blob_copies}
-        assert copied_blobs <= routed == counters.touched and counters.loads == len(blob_copies) <= counters.misses
-        if max_cached == 12:              # no eviction: every routed expert is copied in exactly once
-            assert copied_blobs == routed and counters.loads == len(routed)
+        assert {blobs[src] for src, _ in blob_copies} <= routed == counters.touched
+        assert counters.loads == counters.fills + len(blob_copies) <= counters.misses     # decode passes fill
+        if max_cached == 12:              # no eviction: a routed expert is admitted at most once
+            assert 0 < counters.loads <= len(routed)
         else:                             # 3 slots: some routed experts are only ever read from the host
-            assert counters.misses > counters.loads >= len(copied_blobs)
+            assert counters.misses > counters.loads
 
 
 def test_trace_has_one_record_per_token_and_layer(path, tmp_path):

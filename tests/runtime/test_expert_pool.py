@@ -3,6 +3,8 @@ CUDA backend: tests/runtime/cuda/test_gpu_paging.py and the cuda half of test_en
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -58,27 +60,55 @@ def test_gpu_memory_sizes_the_cache(path):
         EngineConfig(gpu_memory="1GiB", max_cached_experts=3)
 
 
-def test_admissions_are_published_one_pass_after_their_copy(path):
-    """Pass k routes an expert; the cache sees it after pass k+1 is queued and copies it; the entry points at
-    its slot from the table write after pass k+2 on: passes k..k+2 read it from the host mapping."""
+def _slot_bytes(pool, key) -> bytes:
+    addr = int(pool.mirror[key])
+    return ctypes.string_at(addr, pool.blob_size)
+
+
+def _blob_bytes(eng, pool, key) -> bytes:
+    li, e = key
+    return bytes(eng.reader.expert_blob(pool.layers[li], e))
+
+
+def test_admitted_experts_are_filled_on_read_and_published_after_that_pass(path):
+    """Pass k routes an expert; the cache admits it when it accounts for pass k (after pass k+1 is queued) and
+    arms its fill slot; the next pass that routes it copies it into the slot as it reads it; the entry points
+    at the slot from the table write after the pass that accounted for that one on. No copy is queued."""
     with Engine(path) as probe:
         total = len(probe.experts.layers) * probe.experts.E
-    with Engine(path, EngineConfig(max_cached_experts=total - 1)) as eng:      # room for all that 3 passes route
+    with Engine(path, EngineConfig(max_cached_experts=total - 1)) as eng:
         pool = eng.experts
-        assert not pool.resident
-        runner = eng.decode_runner(1, 16)
+        runner = eng.decode_runner(1, 32)
         eng.prefill_into(runner, [np.array([1, 2, 3])])
-        assert not pool.resident_mask().any() and pool.counters.loads == 0        # pass 0 not yet accounted
-        runner.step(np.array([4]), np.array([3]))                                 # pass 1: accounts pass 0
-        loads = pool.counters.loads
-        assert loads > 0 and not pool.resident_mask().any()                       # copied, not yet published
-        pending = set(pool._pending)
-        runner.step(np.array([5]), np.array([4]))                                 # pass 2: publishes them
-        mask = pool.resident_mask()
-        assert {(int(li), int(e)) for li, e in zip(*np.nonzero(mask))} == pending
-        slots = pool.mirror[mask]
-        assert np.all((slots >= pool.base) & (slots < pool.base + pool.slots * pool.blob_size))
-        assert np.all(pool.mirror[~mask] == pool.host[~mask])                     # the rest: the host mapping
+        runner.step(np.array([4]), np.array([3]))                  # accounts the prefill: admits, arms
+        armed = set(pool._armed)
+        assert armed and pool.counters.loads == 0 and not pool.resident_mask().any()
+        assert {(int(li), int(e)) for li, e in zip(*np.nonzero(pool.fill_mirror))} == armed
+        for pos in range(4, 12):
+            runner.step(np.array([pos + 1]), np.array([pos]))
+        pool.flush()
+        published = [(int(li), int(e)) for li, e in zip(*np.nonzero(pool.resident_mask()))]
+        assert published and pool.counters.fills == pool.counters.loads == len(published)
+        assert pool.counters.bytes_paged == 0                      # filled on read: nothing crossed twice
+        for key in published:                                      # each slot holds its expert, byte for byte
+            assert _slot_bytes(pool, key) == _blob_bytes(eng, pool, key) and pool.fill_mirror[key] == 0
+
+
+def test_a_pass_that_cannot_fill_copies_the_armed_experts_it_routes(path, monkeypatch):
+    """A grouped-GEMM pass (prefill on CUDA) fills nothing: an armed expert it routes is copied instead."""
+    with Engine(path) as probe:
+        total = len(probe.experts.layers) * probe.experts.E
+        monkeypatch.setattr(type(probe.be), "fills_on_read", lambda self, rows, k, E: False)
+    with Engine(path, EngineConfig(max_cached_experts=total - 1)) as eng:
+        pool = eng.experts
+        for _ in range(6):                      # the same prompt: armed, routed again, copied, published
+            eng.infer([[1, 2, 3, 4, 5]])
+        pool.flush()
+        published = [(int(li), int(e)) for li, e in zip(*np.nonzero(pool.resident_mask()))]
+        assert published and pool.counters.fills == 0 and pool.counters.loads == len(published)
+        assert pool.counters.bytes_paged == len(published) * pool.blob_size
+        for key in published:
+            assert _slot_bytes(pool, key) == _blob_bytes(eng, pool, key)
 
 
 def test_an_evicted_entry_points_back_at_the_host_at_once(path):

@@ -128,8 +128,12 @@ class CupyBackend:
 
         return DeviceDense(reader, self)
 
-    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None):
-        return self.ops.ExpertTable.from_layout(blob_ptrs, layout, route_totals)
+    def expert_table(self, blob_ptrs, layout, check=None, route_totals=None, fill_ptrs=None):
+        return self.ops.ExpertTable.from_layout(blob_ptrs, layout, route_totals, fill_ptrs)
+
+    def fills_on_read(self, rows: int, k: int, num_experts: int) -> bool:
+        """Whether a pass of `rows` tokens runs the GEMV kernels, which fill admitted slots as they read."""
+        return not self.ops.gemm_path(rows, k, num_experts)
 
     # --- the decoder's ops ------------------------------------------------------------------------------------
     def embedding(self, ids, table, *, mult: float, out):

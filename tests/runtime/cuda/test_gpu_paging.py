@@ -93,3 +93,36 @@ def test_graph_replays_while_table_entries_flip(tmp_path_factory):
             np.testing.assert_array_equal(got, want)          # same kernels, same bytes: bit for bit
             r_tok = [int(np.argmax(want[0]))]
         assert p_run.graph is not None and p_run.eager_steps == 1
+
+
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("T,variant", [(1, None), (1, "t1"), (1, "w2"), (3, None), (8, None)])
+def test_gemv_kernels_fill_admitted_slots_as_they_read(cp, group, T, variant):
+    """Experts with a fill slot, read from pinned host memory: after the gate_up and down GEMVs every array of
+    each routed one is in its slot, byte for byte; unrouted experts' slots stay untouched; results unchanged."""
+    rng = np.random.default_rng(T + group)
+    E, k, H, I = 8, 2, 256, 128
+    layout, experts, blobs = host_experts(rng, E, H, I, group)
+    pinned = cp.cuda.alloc_pinned_memory(blobs.nbytes)
+    host = np.frombuffer(pinned, np.uint8, blobs.nbytes)
+    host[:] = blobs
+    slots = cp.full(blobs.nbytes, 0xAB, cp.uint8)
+    ptrs = cp.asarray(np.array([int(host.ctypes.data) + e * layout.size for e in range(E)], np.uint64))
+    fills = cp.asarray(np.array([slots.data.ptr + e * layout.size if e % 3 else 0 for e in range(E)], np.uint64))
+    plain = ops.ExpertTable.from_layout(ptrs, layout)
+    filling = ops.ExpertTable.from_layout(ptrs, layout, fill_ptrs=fills)
+    x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+    ids_h = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids, w = cp.asarray(ids_h), cp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+    d = ops.dispatch(ids, E)
+    act = ops.moe_gate_up(x, filling, d, k, variant=variant)
+    y = ops.moe_down(act, filling, d, w, variant=variant)
+    np.testing.assert_array_equal(y.get(), ops.moe_down(ops.moe_gate_up(x, plain, d, k, variant=variant), plain, d,
+                                                        w, variant=variant).get())
+    got = slots.get().reshape(E, layout.size)
+    for e in range(E):
+        filled = e % 3 and e in ids_h
+        for a in layout.arrays:
+            span = slice(a.offset, a.offset + a.nbytes)
+            want = blobs.reshape(E, layout.size)[e, span] if filled else np.full(a.nbytes, 0xAB, np.uint8)
+            np.testing.assert_array_equal(got[e, span], want, err_msg=f"expert {e} array {a.name}")

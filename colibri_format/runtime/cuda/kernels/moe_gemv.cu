@@ -13,6 +13,12 @@
 //                  of gate_up [2I, H]; pos is the pair's sorted position (dispatch), tok = perm[pos] / k.
 //   moe_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), down [H, I], pair = perm[pos]; each pair row is
 //                  written by exactly one warp, so the later combine is deterministic.
+//
+// Fill on read (paged experts): fills[e], when fills is given and fills[e] != 0, is the device slot the expert
+// cache admitted expert e into. Every int8 chunk and scale a warp reads for its first token group it also
+// stores at the same offset from fills[e]; the items of a launch cover every row and scale of the matrix, so
+// after the gate_up and down launches of a pass the slot holds the expert's arrays. The expert is typically
+// read from host memory (a miss), so the admission costs device-memory writes, not a second trip over PCIe.
 #include "common.cuh"
 
 #ifndef GEMV_THREADS
@@ -21,7 +27,7 @@
 
 template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP>
 __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
-                                         long long off_w, long long off_s, const int* __restrict__ perm,
+                                         const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
                                          const int* __restrict__ offsets, const int* __restrict__ active,
                                          const int* __restrict__ meta, const float* __restrict__ pair_w,
                                          float* __restrict__ out, int ncols, int nout, int k, int group) {
@@ -40,6 +46,9 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
         const char* blob = reinterpret_cast<const char*>(blobs[e]);
         const signed char* wbase = reinterpret_cast<const signed char*>(blob + off_w);
         const float* sbase = reinterpret_cast<const float*>(blob + off_s);
+        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        int4* fw = fill ? reinterpret_cast<int4*>(fill + off_w) : nullptr;      // this item's copy of the matrix
+        float* fs = fill ? reinterpret_cast<float*>(fill + off_s) : nullptr;    // and of its scales
         // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
         // only the outputs at or past its own o0
         const int ob = min(o0, nout - ROUT);
@@ -86,11 +95,20 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
                 int4 raw[R];
 #pragma unroll
                 for (int q = 0; q < R; ++q) raw[q] = buf[0][q];
+                if (fw && c0 == 0) {
+#pragma unroll
+                    for (int q = 0; q < R; ++q)
+                        fw[(size_t)(ob + (q % ROUT) + (q >= ROUT ? nout : 0)) * stride + cc] = raw[q];
+                }
                 float sc[R];
                 if (GROUPED) {
                     const int g = (cc << 4) / group;
 #pragma unroll
                     for (int q = 0; q < R; ++q) sc[q] = __ldg(sbase + (size_t)(ob + (q % ROUT) + (GATEUP && q >= ROUT ? nout : 0)) * ngroups + g);
+                    if (fs && c0 == 0) {
+#pragma unroll
+                        for (int q = 0; q < R; ++q) fs[(size_t)(ob + (q % ROUT) + (q >= ROUT ? nout : 0)) * ngroups + g] = sc[q];
+                    }
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {  // two halves of 8 columns keep the token vectors small
@@ -131,6 +149,10 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
             float srow[R];
 #pragma unroll
             for (int q = 0; q < R; ++q) srow[q] = GROUPED ? 1.0f : __ldg(sbase + ob + (q % ROUT) + (GATEUP && q >= ROUT ? nout : 0));
+            if (!GROUPED && fs && c0 == 0 && lane == 0) {
+#pragma unroll
+                for (int q = 0; q < R; ++q) fs[ob + (q % ROUT) + (q >= ROUT ? nout : 0)] = srow[q];
+            }
 #pragma unroll
             for (int j = 0; j < TOKC; ++j) {
                 if (j < nt) {
@@ -156,20 +178,20 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
 
 #define GATE_UP_KERNEL(NAME, TOKC, R, PF, GROUPED)                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, PF > 1 ? 3 : 1)                                 \
-        NAME(const float* x, const unsigned long long* blobs, long long off_w, long long off_s, const int* perm, \
-             const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,          \
-             int group) {                                                                                      \
-        moe_gemv<TOKC, R, PF, GROUPED, true>(x, blobs, off_w, off_s, perm, offsets, active, meta, nullptr, act, H, \
-                                         I, k, group);                                                         \
+        NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,  \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act, \
+             int H, int I, int k, int group) {                                                                 \
+        moe_gemv<TOKC, R, PF, GROUPED, true>(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, \
+                                             act, H, I, k, group);                                             \
     }
 
 #define DOWN_KERNEL(NAME, TOKC, R, PF, GROUPED)                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, PF > 1 ? 3 : 1)                                 \
-        NAME(const float* act, const unsigned long long* blobs, long long off_w, long long off_s,              \
-             const int* perm, const int* offsets, const int* active, const int* meta, const float* pair_w,     \
-             float* y, int H, int I, int group) {                                                              \
-        moe_gemv<TOKC, R, PF, GROUPED, false>(act, blobs, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, \
-                                          H, 1, group);                                                        \
+        NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w, \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,         \
+             const float* pair_w, float* y, int H, int I, int group) {                                         \
+        moe_gemv<TOKC, R, PF, GROUPED, false>(act, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, \
+                                              y, I, H, 1, group);                                              \
     }
 
 // suffix: t<TOKC>_<r: per-row scales | g: group scales>; arguments: tokens per pass, rows per warp item,
@@ -200,7 +222,7 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // computes, so an item of up to 32 * CPL chunks per row costs one memory round trip. Same outputs as above.
 template <int R, int CPL, bool GROUPED, bool GATEUP>
 __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
-                                              long long off_w, long long off_s, const int* __restrict__ perm,
+                                              const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
                                               const int* __restrict__ offsets, const int* __restrict__ active,
                                               const int* __restrict__ meta, const float* __restrict__ pair_w,
                                               float* __restrict__ out, int ncols, int nout, int k, int group) {
@@ -219,6 +241,9 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
         const char* blob = reinterpret_cast<const char*>(blobs[e]);
         const signed char* wbase = reinterpret_cast<const signed char*>(blob + off_w);
         const float* sbase = reinterpret_cast<const float*>(blob + off_s);
+        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        int4* fw = fill ? reinterpret_cast<int4*>(fill + off_w) : nullptr;      // this item's copy of the matrix
+        float* fs = fill ? reinterpret_cast<float*>(fill + off_s) : nullptr;    // and of its scales
         const int ob = min(o0, nout - ROUT);
         const int4* wrow = reinterpret_cast<const int4*>(wbase + (size_t)ob * ncols);
         const int4* wrow2 = reinterpret_cast<const int4*>(wbase + (size_t)(ob + (GATEUP ? nout : 0)) * ncols);
@@ -239,6 +264,11 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
                     if (cc < nchunk) {
 #pragma unroll
                         for (int q = 0; q < R; ++q) wv[f][q] = __ldg((q < ROUT ? wrow : wrow2) + (q % ROUT) * nchunk + cc);
+                        if (fw && c0 == 0) {
+#pragma unroll
+                            for (int q = 0; q < R; ++q)
+                                fw[(size_t)(ob + (q % ROUT) + (q >= ROUT ? nout : 0)) * nchunk + cc] = wv[f][q];
+                        }
                     }
                 }
 #pragma unroll
@@ -251,6 +281,11 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
 #pragma unroll
                             for (int q = 0; q < R; ++q)
                                 sc[q] = __ldg(sbase + (size_t)(ob + (q % ROUT) + (GATEUP && q >= ROUT ? nout : 0)) * ngroups + g);
+                            if (fs && c0 == 0) {
+#pragma unroll
+                                for (int q = 0; q < R; ++q)
+                                    fs[(size_t)(ob + (q % ROUT) + (q >= ROUT ? nout : 0)) * ngroups + g] = sc[q];
+                            }
                         }
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
@@ -274,9 +309,11 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
 #pragma unroll
             for (int q = 0; q < ROUT; ++q) {
                 const float sa = GROUPED ? 1.0f : __ldg(sbase + ob + q);
+                if (!GROUPED && fs && c0 == 0 && lane == 0) fs[ob + q] = sa;
                 const float a = warp_sum(acc[q]) * sa;
                 if (GATEUP) {
                     const float sb = GROUPED ? 1.0f : __ldg(sbase + nout + ob + q);
+                    if (!GROUPED && fs && c0 == 0 && lane == 0) fs[nout + ob + q] = sb;
                     const float b = warp_sum(acc[q + ROUT]) * sb;
                     if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
                 } else if (lane == 0 && ob + q >= o0) {
@@ -290,19 +327,19 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
 
 #define GATE_UP_WIDE_KERNEL(NAME, R, CPL, GROUPED)                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        NAME(const float* x, const unsigned long long* blobs, long long off_w, long long off_s, const int* perm, \
-             const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,          \
-             int group) {                                                                                      \
-        moe_gemv_wide<R, CPL, GROUPED, true>(x, blobs, off_w, off_s, perm, offsets, active, meta, nullptr, act, \
-                                             H, I, k, group);                                                  \
+        NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,  \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act, \
+             int H, int I, int k, int group) {                                                                 \
+        moe_gemv_wide<R, CPL, GROUPED, true>(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, \
+                                             act, H, I, k, group);                                             \
     }
 #define DOWN_WIDE_KERNEL(NAME, R, CPL, GROUPED)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        NAME(const float* act, const unsigned long long* blobs, long long off_w, long long off_s,              \
-             const int* perm, const int* offsets, const int* active, const int* meta, const float* pair_w,     \
-             float* y, int H, int I, int group) {                                                              \
-        moe_gemv_wide<R, CPL, GROUPED, false>(act, blobs, off_w, off_s, perm, offsets, active, meta, pair_w, y, \
-                                              I, H, 1, group);                                                 \
+        NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w, \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,         \
+             const float* pair_w, float* y, int H, int I, int group) {                                         \
+        moe_gemv_wide<R, CPL, GROUPED, false>(act, blobs, fills, off_w, off_s, perm, offsets, active, meta,    \
+                                              pair_w, y, I, H, 1, group);                                      \
     }
 // suffix: w<CPL>_<r | g>; 4 rows per warp item
 GATE_UP_WIDE_KERNEL(moe_gate_up_w2_r, 4, 2, false)

@@ -268,13 +268,14 @@ class ExpertTable:
     off_down_scale: int
     group_size: int = 0     # 0: one scale per row
     route_totals: Any = None    # cupy uint32 [E] counted by the backend's moe (paged experts), or None
+    fill_ptrs: Any = None       # cupy uint64 [E]: a slot the GEMV kernels copy expert e into as they read it (0: no)
 
     @classmethod
-    def from_layout(cls, blob_ptrs, layout, route_totals=None) -> "ExpertTable":
+    def from_layout(cls, blob_ptrs, layout, route_totals=None, fill_ptrs=None) -> "ExpertTable":
         """From a `colibri_format.spec.BlobLayout` (the only place blob offsets are computed)."""
         return cls(blob_ptrs, layout.hidden_size, layout.intermediate_size, layout.array("gate_up").offset,
                    layout.array("gate_up_scale").offset, layout.array("down").offset,
-                   layout.array("down_scale").offset, int(layout.group_size or 0), route_totals)
+                   layout.array("down_scale").offset, int(layout.group_size or 0), route_totals, fill_ptrs)
 
     @property
     def num_experts(self) -> int:
@@ -290,6 +291,8 @@ class ExpertTable:
 
     def check(self) -> None:
         _check("blob_ptrs", self.blob_ptrs, dtype=np.uint64, ndim=1)
+        if self.fill_ptrs is not None:
+            _check("fill_ptrs", self.fill_ptrs, dtype=np.uint64, shape=self.blob_ptrs.shape)
         H, I = self.hidden_size, self.intermediate_size
         if H % DIM_MULTIPLE or I % DIM_MULTIPLE:
             raise ValueError(f"H={H} and I={I} must be multiples of {DIM_MULTIPLE} (16-byte int8 loads)")
@@ -368,8 +371,8 @@ def moe_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tokens_per_pas
     act = _out("out", out, (disp.num_pairs, I), cp.float32)
     fn, grid = _gemv_launch(name)
     fn(grid, (GEMV_THREADS,),
-        (x, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale), disp.perm, disp.offsets,
-         disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh)))
+        (x, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
+         disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh)))
     return act
 
 
@@ -390,8 +393,8 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
     y = _out("out", out, (P, H), cp.float32)
     fn, grid = _gemv_launch(name)
     fn(grid, (GEMV_THREADS,),
-        (act, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm, disp.offsets,
-         disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)))
+        (act, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+         disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)))
     return y
 
 
@@ -464,6 +467,11 @@ def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
     return y
 
 
+def gemm_path(T: int, k: int, num_experts: int) -> bool:
+    """Whether moe_experts runs T tokens on the grouped GEMM (which does not fill slots) rather than the GEMVs."""
+    return T > 32 or T * k >= 8 * num_experts
+
+
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, out=None):
@@ -474,7 +482,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     (measured on an H200, docs/benchmarks.md).
     """
     T, k = ids.shape
-    use_gemm = gemm if gemm is not None else (T > 32 or T * k >= 8 * table.num_experts)
+    use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     if use_gemm:
         act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, out=act)
