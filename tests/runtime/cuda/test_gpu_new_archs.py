@@ -1,11 +1,11 @@
 """GLM-4.5, MiniMax-M2 and gpt-oss on the CUDA engine (GPU only).
 
 Tiny transformers models (head_dim 64 so the CUDA attention kernel runs; partial RoPE, q/k norms, q/k/v biases,
-sigmoid routing with a selection-only bias, scaled weights, a leading dense layer, a shared expert, a sliding
-window on some layers) are converted with int8 experts; the CUDA engine must give the NumPy engine's greedy
-tokens and logits close to the float64 reference, eager and in graphs, from bf16 and from FP8 sources. What the
-kernels do not compute yet (grouped top-k, attention sinks, expert biases, the clamped SwiGLU, a logit router
-bias) is refused at open with one line.
+sigmoid routing with a selection-only bias, grouped top-k, scaled weights, a leading dense layer, a shared expert,
+a sliding window on some layers) are converted with int8 experts; the CUDA engine must give the NumPy engine's
+greedy tokens and logits close to the float64 reference, eager and in graphs, from bf16 and from FP8 sources.
+Attention sinks and a router bias on the logits (gpt-oss) run on a NumPy-built model with plain experts. What the
+kernels do not compute yet (gpt-oss's expert biases and clamped SwiGLU) is refused at open with one line.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from tests.runtime.hf_tiny import build_hf
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2], [40, 41, 42]]
 TOL = 2e-3          # relative logit error of the CUDA engine against the float64 NumPy engine
-RUN = {  # config key -> overrides
-    "glm4_moe": dict(WIDE),                                                   # partial RoPE 0.5, per-head q/k norm
-    "minimax_m2": dict(WIDE, rotary_dim=16),                                  # full q/k norm, rotary 16 of 64
-    "glm4_moe-groups": dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2),
+RUN = {  # test id -> (config key, overrides)
+    "glm4_moe": ("glm4_moe", dict(WIDE)),                                 # partial RoPE 0.5, per-head q/k norm
+    "minimax_m2": ("minimax_m2", dict(WIDE, rotary_dim=16)),              # full q/k norm, rotary 16 of 64
+    "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
+    "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
 REFUSED = {  # config key -> (overrides, field)
-    "glm4_moe-groups": (dict(WIDE), "model.router.n_group"),
-    "gpt_oss": (dict(WIDE, intermediate_size=64), "model.router.bias"),     # the first of its five
+    "gpt_oss": (dict(WIDE, intermediate_size=64), "model.expert_act"),   # the first of its two
 }
 
 
@@ -57,15 +57,15 @@ def _same_as_numpy(path, graphs: bool = True) -> None:
         assert gpu.generate_batch(PROMPTS, 6) == cpu.generate_batch(PROMPTS, 6)
 
 
-@pytest.mark.parametrize("key", sorted(RUN))
+@pytest.mark.parametrize("name", sorted(RUN))
 @pytest.mark.parametrize("graphs", [True, False])
-def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, key, graphs):
-    _same_as_numpy(_file(tmp_path, key, RUN[key]), graphs)
+def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, name, graphs):
+    _same_as_numpy(_file(tmp_path, *RUN[name]), graphs)
 
 
-@pytest.mark.parametrize("key", ["glm4_moe", "minimax_m2"])
-def test_fp8_sources_run_on_cuda(tmp_path, key):
-    _same_as_numpy(_file(tmp_path, key, RUN[key], fp8=True))
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
+def test_fp8_sources_run_on_cuda(tmp_path, name):
+    _same_as_numpy(_file(tmp_path, *RUN[name], fp8=True))
 
 
 def test_windowed_layers_run_on_cuda(tmp_path):
@@ -77,6 +77,29 @@ def test_windowed_layers_run_on_cuda(tmp_path):
                              sliding_window=3, sliding_layers=[0])
     path = write_colibri(weights, tmp_path / "windowed.colibri", experts="int8_row")
     _same_as_numpy(path)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_sinks_and_a_logit_router_bias_run_on_cuda(tmp_path, graphs):
+    # gpt-oss's attention side and router (sinks, q/k/v/o biases, windows on some layers, top-k of logits + bias,
+    # softmax over the k) on a model whose experts the kernels run (plain SwiGLU, no expert biases)
+    from tests.runtime.numpy_tiny import random_weights
+    from tests.runtime.tiny_weights import write_colibri
+
+    router = {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True, "scale": 1.0}
+    weights = random_weights(seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             attention_sinks=True, qkv_bias=True, o_bias=True, sliding_window=3,
+                             sliding_layers=[0], router=router)
+    rng = np.random.default_rng(5)
+    m = weights.model
+    for i in range(m["num_layers"]):
+        p = f"layers.{i}"
+        weights.dense[f"{p}.attn.sinks"] = rng.uniform(-1.0, 3.0, m["num_attention_heads"]).astype(np.float32)
+        weights.dense[f"{p}.moe.router_bias"] = rng.standard_normal(m["num_experts"]).astype(np.float32)
+        for name, n in (("q_bias", 4 * 64), ("k_bias", 2 * 64), ("v_bias", 2 * 64), ("o_bias", 128)):
+            weights.dense[f"{p}.attn.{name}"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    path = write_colibri(weights, tmp_path / "sinks.colibri", experts="int8_row")
+    _same_as_numpy(path, graphs)
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
