@@ -22,23 +22,25 @@ from tests.runtime.hf_tiny import build_hf
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2], [40, 41, 42]]
 TOL = 2e-3          # relative logit error of the CUDA engine against the float64 NumPy engine
-RUN = {  # test id -> (config key, overrides)
-    "glm4_moe": ("glm4_moe", dict(WIDE)),                                 # partial RoPE 0.5, per-head q/k norm
+RUN = {  # test id -> (config key, overrides[, dense dtype: bfloat16 by default])
+    "glm4_moe": ("glm4_moe", dict(WIDE), "float32"),                      # partial RoPE 0.5, per-head q/k norm
     "minimax_m2": ("minimax_m2", dict(WIDE, rotary_dim=16)),              # full q/k norm, rotary 16 of 64
     "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
     "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
 REFUSED = {  # config key -> (overrides, field)
     "gpt_oss": (dict(WIDE, intermediate_size=64), "model.expert_act"),   # the first of its two
+    # a leading dense MLP layer stored in bf16 gave NaN logits on the H200 (2026-12-01): refused until found
+    "glm4_moe": (dict(WIDE), "dense[layers.0.mlp.down_proj].dtype"),
 }
 
 
-def _file(tmp_path, key: str, overrides: dict, fp8: bool = False):
+def _file(tmp_path, key: str, overrides: dict, dtype: str = "bfloat16", fp8: bool = False):
     hf = build_hf(key, **overrides)
     hf.save_pretrained(tmp_path / "hf")
     src = to_fp8(tmp_path / "hf", tmp_path, (128, 128))[0] if fp8 else tmp_path / "hf"
     path = tmp_path / "model.colibri"
-    convert(src, path, dtype="bfloat16", quantize="expert", workers=1, verify=False)
+    convert(src, path, dtype=dtype, quantize="expert", workers=1, verify=False)
     return path
 
 
@@ -60,36 +62,40 @@ def _same_as_numpy(path, graphs: bool = True) -> None:
 @pytest.mark.parametrize("name", sorted(RUN))
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, name, graphs):
-    _same_as_numpy(_file(tmp_path, *RUN[name]), graphs)
+    key, overrides, *dtype = RUN[name]
+    _same_as_numpy(_file(tmp_path, key, overrides, *dtype), graphs)
 
 
 @pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
 def test_fp8_sources_run_on_cuda(tmp_path, name):
-    _same_as_numpy(_file(tmp_path, *RUN[name], fp8=True))
+    key, overrides = RUN[name][:2]
+    _same_as_numpy(_file(tmp_path, key, overrides, dtype="float32", fp8=True))
 
 
-def test_windowed_layers_run_on_cuda(tmp_path):
-    # gpt-oss's per-layer windows (sliding_layers) on a model the kernels run: each layer's window per call
+def test_windowed_layers_are_refused_on_cuda(tmp_path):
+    # gpt-oss's per-layer windows (sliding_layers): the CUDA logits disagreed with the NumPy engine's on the H200
+    # (2026-12-01, relative error 1.1 on this model), so the CUDA engine refuses them until the cause is found
     from tests.runtime.numpy_tiny import random_weights
     from tests.runtime.tiny_weights import write_colibri
 
     weights = random_weights(seed=3, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                              sliding_window=3, sliding_layers=[0])
     path = write_colibri(weights, tmp_path / "windowed.colibri", experts="int8_row")
-    _same_as_numpy(path)
+    with pytest.raises(UnsupportedModel) as info:
+        Engine(path, EngineConfig(device="cuda"))
+    assert info.value.field == "model.sliding_layers" and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_sinks_and_a_logit_router_bias_run_on_cuda(tmp_path, graphs):
-    # gpt-oss's attention side and router (sinks, q/k/v/o biases, windows on some layers, top-k of logits + bias,
+    # gpt-oss's attention side and router (sinks, q/k/v/o biases, top-k of logits + bias,
     # softmax over the k) on a model whose experts the kernels run (plain SwiGLU, no expert biases)
     from tests.runtime.numpy_tiny import random_weights
     from tests.runtime.tiny_weights import write_colibri
 
     router = {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True, "scale": 1.0}
     weights = random_weights(seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                             attention_sinks=True, qkv_bias=True, o_bias=True, sliding_window=3,
-                             sliding_layers=[0], router=router)
+                             attention_sinks=True, qkv_bias=True, o_bias=True, router=router)
     rng = np.random.default_rng(5)
     m = weights.model
     for i in range(m["num_layers"]):

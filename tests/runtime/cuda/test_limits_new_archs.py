@@ -32,7 +32,6 @@ SIGMOID = {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True
     {"router": {**SIGMOID, "n_group": 2, "topk_group": 2}},                # every group kept: plain top-k
     {"router": {**SIGMOID, "scale": 1.0}, "qk_norm": "full"},               # MiniMax-M2
     {"rope": {"type": "default", "theta": 1e4, "partial_rotary_factor": 0.5}},
-    {"sliding_window": 4, "sliding_layers": [0]},                           # a window on some layers: per call
     {"router": {**SIGMOID, "n_group": 2, "topk_group": 1}},                # grouped top-k (router.cu)
     {"router": {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
                 "scale": 1.0}},                                            # gpt-oss's router: a bias on the logits
@@ -46,6 +45,7 @@ def test_glm_minimax_and_gpt_oss_attention_features_run(changes):
 @pytest.mark.parametrize("changes, field", [
     ({"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}, "model.expert_act"),
     ({"expert_bias": True}, "model.expert_bias"),
+    ({"sliding_window": 4, "sliding_layers": [0]}, "model.sliding_layers"),   # disagreed on the H200: refused
 ])
 def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
     m = model(**changes)
@@ -53,3 +53,13 @@ def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
         L.check_cuda_support(m, blob(m))
     assert info.value.field == field
     assert "\n" not in str(info.value) and "the CUDA kernels cannot run this model" in str(info.value)
+
+
+def test_a_16_bit_dense_mlp_layer_is_refused_and_float32_runs():
+    m = model(num_layers=2, moe_layers=[1], dense_intermediate_size=64)
+    L.check_dense_mlp(m, {"layers.0.mlp.down_proj": S.DType.F32})
+    for dtype in (S.DType.BF16, S.DType.F16):
+        with pytest.raises(E.UnsupportedModel) as info:
+            L.check_dense_mlp(m, {"layers.0.mlp.down_proj": dtype})
+        assert info.value.field == "dense[layers.0.mlp.down_proj].dtype" and "\n" not in str(info.value)
+    L.check_dense_mlp(model(), {})                          # no dense layer: nothing to check
