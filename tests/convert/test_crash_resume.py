@@ -145,16 +145,20 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
     """Kills at random times: odd rounds only once more pieces are journaled, so resume has work to keep."""
     out = tmp_path / "m.colibri"
     rng = random.Random(1234)
+    # The kill times are fractions of one uninterrupted run, however fast the converter and the machine are.
+    start = time.monotonic()
+    subprocess.run(_cli(big_ckpt, tmp_path / "timing.colibri", "--workers", "1"), env=ENV, check=True, timeout=120)
+    full = time.monotonic() - start
     kills, rc, most_saved = 0, None, 0
-    for round_ in range(4):
+    for round_ in range(6):
         # --force: a round killed between the rename and its exit leaves a complete file to replace
         proc = subprocess.Popen(_cli(big_ckpt, out, "--workers", "1", "--force"), env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if round_ % 2:
             _wait_for_journal_pieces(journal_path_for(out), proc, minimum=len(_journaled(out)) + 1)
-            time.sleep(rng.uniform(0.0, 0.1))
+            time.sleep(rng.uniform(0.0, 0.05) * full)
         else:
-            time.sleep(rng.uniform(0.05, 0.8))
+            time.sleep(rng.uniform(0.05, 0.6) * full)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
