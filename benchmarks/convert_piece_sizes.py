@@ -1,26 +1,31 @@
-"""What `colibri convert` costs per source GB as the expert matrices shrink (project issue 20, measurement half).
+"""What `colibri convert` costs per source GB as the expert matrices shrink (project issue 20).
 
 Run from the repository root (the benchmark imports the library, and benchmarks/convert.py's profiled run):
 
-    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py            # ~1.2 GB per shape
-    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 0.3 --json
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py            # ~1.2 GB per shape + qwen3w
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 3 --repeats 3 --json
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --dry-run  # tiny, a few seconds
 
-For each shape (synthetic bf16 Mixtral-layout checkpoints of about --gb source GB each, written once into
---dir by `colibri_format.synthetic.write_mixtral_checkpoint` and reused):
+For each shape (synthetic bf16 Mixtral-layout checkpoints, written once into --dir by
+`colibri_format.synthetic.write_mixtral_checkpoint` and reused):
 
-  small   hidden 2048, expert FFN 768    (3.1 MB matrices, the Qwen3-30B-A3B width, up to 128 experts/layer)
-  medium  hidden 4096, expert FFN 3584   (29 MB matrices)
-  large   hidden 4096, expert FFN 14336  (117 MB matrices, Mixtral-8x7B)
+  small   hidden 2048, expert FFN 768    (3.1 MB matrices, the Qwen3-30B-A3B width, up to 128 experts/layer),
+          vocab 1,024, about --gb source GB
+  medium  hidden 4096, expert FFN 3584   (29 MB matrices), about --gb source GB
+  large   hidden 4096, expert FFN 14336  (117 MB matrices, Mixtral-8x7B), about --gb source GB
+  qwen3w  the Qwen3-30B-A3B widths whole: hidden 2048, 128 experts of 768, vocab 151,936 (embedding and
+          lm_head: a third of the bytes), 16/4 heads of 128, top-8, --qwen3-layers layers (default 2: 3.7 GB)
 
 1. reads every shard once (warm page cache);
 2. converts in a child process: `colibri_format.convert.pipeline.convert(ckpt, out, quantize="expert",
-   workers=N, resume=False)` (what `colibri convert --quantize expert --workers N --restart` runs), output on
-   /dev/shm when it exists; --repeats runs, the best wall time is reported. CPU user/sys come from
-   `os.wait4` of that child, peak RSS from the child's own VmHWM;
+   workers=N, resume=False)` (what `colibri convert --quantize expert --workers N --restart` runs), output in
+   --out-dir (default /dev/shm when it exists; the previous output is removed before each run); --repeats
+   runs, the best wall time is reported. CPU user/sys come from `os.wait4` of that child, peak RSS from the
+   child's own VmHWM, write syscalls from its /proc/self/io (`syscw`: every write, pwrite and journal append);
 3. one in-process conversion under cProfile with the pieces run on the calling thread, self time
    aggregated to stages (builtins and library-external frames are charged to the colibri function that
-   called them): reads/upcast, quantize, checksum, writes, fsync/journal, other.
+   called them): reads/casts (source reads, bf16 upcast, dense dtype casts), quantize, checksum, writes,
+   fsync/journal, other.
 """
 
 from __future__ import annotations
@@ -43,18 +48,23 @@ SHAPES = {  # name: (hidden, expert FFN, most experts per layer, heads, kv heads
     "small": (2048, 768, 128, 16, 4),
     "medium": (4096, 3584, 64, 32, 8),
     "large": (4096, 14336, 8, 32, 8),
+    "qwen3w": (2048, 768, 128, 16, 4),
 }
-TINY = {"small": (256, 96, 16, 4, 2), "medium": (256, 384, 8, 4, 2), "large": (256, 1536, 4, 4, 2)}
-STAGES = ("reads/upcast", "quantize", "checksum", "writes", "fsync/journal", "other")
+TINY = {"small": (256, 96, 16, 4, 2), "medium": (256, 384, 8, 4, 2), "large": (256, 1536, 4, 4, 2),
+        "qwen3w": (256, 96, 16, 4, 2)}
+QWEN3_VOCAB, QWEN3_TOP_K = 151_936, 8
+STAGES = ("reads/casts", "quantize", "checksum", "writes", "fsync/journal", "other")
 
 CHILD = ("import json, sys\n"
          "from colibri_format.convert.pipeline import convert\n"
          "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False)\n"
          "print(json.dumps(s.to_dict()))\n"
-         "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n")
+         "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
+         "sys.stderr.write([l for l in open('/proc/self/io') if l.startswith('syscw')][0])\n")
 
 
 def shape_config(dims: tuple, gb: float, vocab: int) -> dict:
+    """Mixtral config of about `gb` source GB of experts with these dimensions."""
     hidden, inter, most, heads, kv = dims
     expert_bytes = 3 * hidden * inter * 2
     total = max(2, round(gb * 1e9 / expert_bytes))
@@ -62,6 +72,13 @@ def shape_config(dims: tuple, gb: float, vocab: int) -> dict:
     experts = max(2, round(total / layers))
     return mixtral_checkpoint_config(vocab=vocab, hidden=hidden, layers=layers, experts=experts, inter=inter,
                                      heads=heads, kv_heads=kv)
+
+
+def qwen3_config(dims: tuple, layers: int, vocab: int) -> dict:
+    """The Qwen3-30B-A3B widths (all 128 experts per layer, the full vocabulary) in the Mixtral layout."""
+    hidden, inter, most, heads, kv = dims
+    return mixtral_checkpoint_config(vocab=vocab, hidden=hidden, layers=layers, experts=most, inter=inter,
+                                     heads=heads, kv_heads=kv, top_k=QWEN3_TOP_K)
 
 
 def ensure_checkpoint(path: Path, cfg: dict) -> int:
@@ -83,22 +100,51 @@ def warm(path: Path) -> None:
                 pass
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, all) jiffies of the whole machine, from /proc/stat (0, 0 where there is none)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def wait_quiet(limit_s: float, busy_below: float = 0.08) -> float:
+    """Wait (at most `limit_s`) until the machine's CPUs are at least 92% idle over 3 s; the busy share seen last."""
+    end, busy = time.monotonic() + limit_s, 1.0
+    while time.monotonic() < end:
+        b0, a0 = cpu_ticks()
+        time.sleep(3)
+        b1, a1 = cpu_ticks()
+        busy = (b1 - b0) / max(1, a1 - a0)
+        if busy < busy_below:
+            break
+    return busy
+
+
 def run_child(ckpt: Path, out: Path, workers: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        busy0, _ = cpu_ticks()
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(out), str(workers)], env=env,
                                 stdout=so, stderr=se, text=True)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
+        busy1, _ = cpu_ticks()
         proc.returncode = os.waitstatus_to_exitcode(status)
         so.seek(0), se.seek(0)
         stdout, stderr = so.read(), se.read()
     out.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise SystemExit(f"conversion failed ({proc.returncode}): {stderr[-3000:]}")
-    return {"wall_s": wall, "user_s": ru.ru_utime, "sys_s": ru.ru_stime,
-            "vm_hwm": int(stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024, "summary": json.loads(stdout)}
+    # CPU time other processes took from the machine's cores while the conversion ran
+    others = max(0.0, (busy1 - busy0) / hz - ru.ru_utime - ru.ru_stime)
+    return {"wall_s": wall, "user_s": ru.ru_utime, "sys_s": ru.ru_stime, "others_cpu_s": others,
+            "vm_hwm": int(stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024,
+            "write_syscalls": int(stderr.rsplit("syscw:", 1)[1].split()[0]), "summary": json.loads(stdout)}
 
 
 # Stage of a colibri_format function, by (file, function) -- read off convert/, writer.py, fsutil.py, dtypes.py.
@@ -109,20 +155,21 @@ def _colibri_stage(path: str, func: str) -> str | None:
     mod = p.rsplit("/colibri_format/", 1)[1]
     if mod == "convert/quantize.py":
         return "quantize"
-    if mod in ("dtypes.py", "convert/safetensors_file.py", "convert/source.py") or \
+    if mod in ("dtypes.py", "convert/safetensors_file.py", "convert/source.py", "convert/cast.py") or \
             (mod == "convert/rows.py" and func in ("iter_chunks", "iter_span_chunks", "release_pages",
-                                                   "_backing_map")):
-        return "reads/upcast"
+                                                   "_backing_map", "read", "_read_buffer")):
+        return "reads/casts"
     if mod == "convert/verify.py" or (mod == "convert/rows.py" and func in ("update", "intdigest",
                                                                              "source_digest")) \
             or func == "checksum_on_disk":
         return "checksum"
-    if mod == "fsutil.py" and func == "pwrite_all" or func in ("_write_at", "put", "pad_to"):
+    if mod == "fsutil.py" and func == "pwrite_all" or func in ("_write_at", "put", "pad_to", "flush", "reserve",
+                                                               "commit", "room"):
         return "writes"
     if mod in ("convert/journal.py", "convert/schedule.py") or func in ("fsync_fd", "fsync_dir", "sync",
                                                                        "atomic_replace"):
         return "fsync/journal" if func != "run_bounded" else None
-    return "other" if func not in ("convert", "_convert_locked", "_convert_pieces", "_do_piece", "<lambda>",
+    return "other" if func not in ("convert", "_convert_locked", "_convert_pieces", "_do_piece", "_do_run", "<lambda>",
                                    "sequential", "done") else None
 
 
@@ -134,7 +181,7 @@ def _builtin_stage(name: str) -> str | None:
     if "fsync" in name:
         return "fsync/journal"
     if "madvise" in name:
-        return "reads/upcast"
+        return "reads/casts"
     return None
 
 
@@ -181,16 +228,18 @@ def profile_run(ckpt: Path, out: Path) -> dict:
 
 def table(results: list[dict]) -> str:
     rows = ["| shape | expert matrix | source GB | wall s | source GB/s (wall / converter timer) | CPU user / sys s per GB | "
-            "CPU s per GB | peak RSS | profile (1 thread): s per GB " + " / ".join(STAGES) + " |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "CPU s per GB | others' CPU s | peak RSS | write syscalls per GB | profile (1 thread): s per GB "
+            + " / ".join(STAGES) + " |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         gb, c, p = r["source_bytes"] / 1e9, r["best"], r["profile"]
         prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
         rows.append(f"| {r['shape']} | {r['hidden']}x{r['inter']} ({r['matrix_bytes'] / 1e6:.1f} MB), "
-                    f"{r['experts']} experts x {r['layers']} layers | {gb:.2f} | {c['wall_s']:.2f} | "
+                    f"{r['experts']} experts x {r['layers']} layers, vocab {r['vocab']:,} | {gb:.2f} | {c['wall_s']:.2f} | "
                     f"{gb / c['wall_s']:.2f} / {c['summary']['gb_per_s']:.2f} | {c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | "
-                    f"{(c['user_s'] + c['sys_s']) / gb:.2f} | {c['vm_hwm'] / 2**20:.0f} MiB | "
-                    f"{prof} (total {p['wall_s'] / gb:.2f}) |")
+                    f"{(c['user_s'] + c['sys_s']) / gb:.2f} | {c.get('others_cpu_s', float('nan')):.1f} | "
+                    f"{c['vm_hwm'] / 2**20:.0f} MiB | "
+                    f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
     return "\n".join(rows)
 
 
@@ -198,20 +247,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "colibri-piece-bench")
     ap.add_argument("--gb", type=float, default=1.2, help="source GB per shape (default 1.2)")
-    ap.add_argument("--shapes", default="small,medium,large")
+    ap.add_argument("--shapes", default="small,medium,large,qwen3w")
+    ap.add_argument("--qwen3-layers", type=int, default=2, help="layers of the qwen3w checkpoint (default 2)")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="where the output goes (default /dev/shm when it exists, else --dir)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeats", type=int, default=2, help="child conversions per shape; the best is reported")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                    help="before each run, wait up to S seconds for the machine's CPUs to be >= 92%% idle (shared "
+                         "machines: other processes' CPU time during each run is reported either way)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
     args = ap.parse_args()
-    shapes, vocab, gb = SHAPES, 1024, args.gb
+    shapes, vocab, qwen3_vocab, gb = SHAPES, 1024, QWEN3_VOCAB, args.gb
     tmp = None
     if args.dry_run:
         tmp = tempfile.TemporaryDirectory()
-        shapes, vocab, gb, args.dir, args.repeats = TINY, 64, 0.003, Path(tmp.name), 1
-    out_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else args.dir
+        shapes, vocab, qwen3_vocab, gb, args.dir, args.repeats = TINY, 64, 512, 0.003, Path(tmp.name), 1
+        args.out_dir = None
+    out_dir = args.out_dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else args.dir)
     load = os.getloadavg()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "gb": gb,
@@ -220,19 +276,26 @@ def main() -> None:
     try:
         for name in args.shapes.split(","):
             dims = shapes[name]
-            cfg = shape_config(dims, gb, vocab)
+            cfg = (qwen3_config(dims, args.qwen3_layers, qwen3_vocab) if name == "qwen3w"
+                   else shape_config(dims, gb, vocab))
             ckpt = args.dir / name
             print(f"{name}: hidden {dims[0]}, FFN {dims[1]}, {cfg['num_local_experts']} experts x "
-                  f"{cfg['num_hidden_layers']} layers", file=sys.stderr, flush=True)
+                  f"{cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}", file=sys.stderr, flush=True)
             total = ensure_checkpoint(ckpt, cfg)
             out = out_dir / f"colibri-piece-bench-{os.getpid()}-{name}.colibri"
             runs = []
             for _ in range(args.repeats):
+                out.unlink(missing_ok=True)
                 warm(ckpt)
+                if args.quiet_wait > 0:
+                    wait_quiet(args.quiet_wait)
+                    warm(ckpt)  # a quiet wait may outlast the page cache's patience
                 runs.append(run_child(ckpt, out, args.workers))
-                print(f"  convert: {runs[-1]['wall_s']:.2f} s", file=sys.stderr, flush=True)
+                print(f"  convert: {runs[-1]['wall_s']:.2f} s (others' CPU {runs[-1]['others_cpu_s']:.1f} s)",
+                      file=sys.stderr, flush=True)
             best = min(runs, key=lambda r: r["wall_s"])
             r = {"shape": name, "hidden": dims[0], "inter": dims[1], "experts": cfg["num_local_experts"],
+                 "vocab": cfg["vocab_size"],
                  "layers": cfg["num_hidden_layers"], "matrix_bytes": dims[0] * dims[1] * 2, "source_bytes": total,
                  "runs": runs, "best": best}
             if not args.no_profile:
