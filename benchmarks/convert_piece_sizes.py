@@ -227,18 +227,18 @@ def profile_run(ckpt: Path, out: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| shape | expert matrix | source GB | wall s | source GB/s (wall / converter timer) | CPU user / sys s per GB | "
-            "CPU s per GB | others' CPU s | peak RSS | write syscalls per GB | profile (1 thread): s per GB "
-            + " / ".join(STAGES) + " |",
+    rows = ["| shape | expert matrix | source GB | wall s | source GB/s (wall / converter timer) | "
+            "CPU user / sys s per GB | CPU s per GB | others' CPU s | peak RSS | write syscalls per GB | "
+            "profile (1 thread): s per GB " + " / ".join(STAGES) + " |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         gb, c, p = r["source_bytes"] / 1e9, r["best"], r["profile"]
         prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
         rows.append(f"| {r['shape']} | {r['hidden']}x{r['inter']} ({r['matrix_bytes'] / 1e6:.1f} MB), "
-                    f"{r['experts']} experts x {r['layers']} layers, vocab {r['vocab']:,} | {gb:.2f} | {c['wall_s']:.2f} | "
-                    f"{gb / c['wall_s']:.2f} / {c['summary']['gb_per_s']:.2f} | {c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | "
-                    f"{(c['user_s'] + c['sys_s']) / gb:.2f} | {c.get('others_cpu_s', float('nan')):.1f} | "
-                    f"{c['vm_hwm'] / 2**20:.0f} MiB | "
+                    f"{r['experts']} experts x {r['layers']} layers, vocab {r['vocab']:,} | {gb:.2f} | "
+                    f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {c['summary']['gb_per_s']:.2f} | "
+                    f"{c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | {(c['user_s'] + c['sys_s']) / gb:.2f} | "
+                    f"{c.get('others_cpu_s', float('nan')):.1f} | {c['vm_hwm'] / 2**20:.0f} MiB | "
                     f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
     return "\n".join(rows)
 
