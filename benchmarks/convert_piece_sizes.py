@@ -5,6 +5,9 @@ Run from the repository root (the benchmark imports the library, and benchmarks/
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py            # ~1.2 GB per shape + qwen3w
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 3 --repeats 3 --json
     PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --dry-run  # tiny, a few seconds
+    # before/after: an older tree's package converting the same checkpoints, each run interleaved with ours
+    git archive e94380a | tar -x -C /tmp/before
+    PYTHONPATH=. .venv/bin/python benchmarks/convert_piece_sizes.py --gb 3 --repeats 3 --baseline /tmp/before
 
 For each shape (synthetic bf16 Mixtral-layout checkpoints, written once into --dir by
 `colibri_format.synthetic.write_mixtral_checkpoint` and reused):
@@ -20,8 +23,10 @@ For each shape (synthetic bf16 Mixtral-layout checkpoints, written once into --d
 2. converts in a child process: `colibri_format.convert.pipeline.convert(ckpt, out, quantize="expert",
    workers=N, resume=False)` (what `colibri convert --quantize expert --workers N --restart` runs), output in
    --out-dir (default /dev/shm when it exists; the previous output is removed before each run); --repeats
-   runs, the best wall time is reported. CPU user/sys come from `os.wait4` of that child, peak RSS from the
-   child's own VmHWM, write syscalls from its /proc/self/io (`syscw`: every write, pwrite and journal append);
+   runs, the best wall time is reported (and the median); with --baseline as many runs, interleaved, with
+   another tree's package; with --quiet-wait each run first waits for idle CPUs. CPU user/sys come from
+   `os.wait4` of that child, peak RSS from the child's own VmHWM, write syscalls from its /proc/self/io
+   (`syscw`: every write, pwrite and journal append), other processes' CPU time from /proc/stat;
 3. one in-process conversion under cProfile with the pieces run on the calling thread, self time
    aggregated to stages (builtins and library-external frames are charged to the colibri function that
    called them): reads/casts (source reads, bf16 upcast, dense dtype casts), quantize, checksum, writes,
@@ -123,8 +128,9 @@ def wait_quiet(limit_s: float, busy_below: float = 0.08) -> float:
     return busy
 
 
-def run_child(ckpt: Path, out: Path, workers: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT) -> dict:
+    """One conversion in a child process whose `colibri_format` is the one under `root`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
         busy0, _ = cpu_ticks()
@@ -227,7 +233,7 @@ def profile_run(ckpt: Path, out: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| shape | expert matrix | source GB | wall s | source GB/s (wall / converter timer) | "
+    rows = ["| shape | expert matrix | source GB | wall s | source GB/s (best / median wall, converter timer) | "
             "CPU user / sys s per GB | CPU s per GB | others' CPU s | peak RSS | write syscalls per GB | "
             "profile (1 thread): s per GB " + " / ".join(STAGES) + " |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -236,7 +242,8 @@ def table(results: list[dict]) -> str:
         prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
         rows.append(f"| {r['shape']} | {r['hidden']}x{r['inter']} ({r['matrix_bytes'] / 1e6:.1f} MB), "
                     f"{r['experts']} experts x {r['layers']} layers, vocab {r['vocab']:,} | {gb:.2f} | "
-                    f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {c['summary']['gb_per_s']:.2f} | "
+                    f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {gb / r['median_wall_s']:.2f}, "
+                    f"{c['summary']['gb_per_s']:.2f} | "
                     f"{c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | {(c['user_s'] + c['sys_s']) / gb:.2f} | "
                     f"{c.get('others_cpu_s', float('nan')):.1f} | {c['vm_hwm'] / 2**20:.0f} MiB | "
                     f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
@@ -257,6 +264,9 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
                     help="before each run, wait up to S seconds for the machine's CPUs to be >= 92%% idle (shared "
                          "machines: other processes' CPU time during each run is reported either way)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                    help="also convert with the colibri_format package under DIR (an older checkout), each run "
+                         "interleaved with this tree's; its rows are marked (baseline) and have no profile")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
@@ -283,28 +293,32 @@ def main() -> None:
                   f"{cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}", file=sys.stderr, flush=True)
             total = ensure_checkpoint(ckpt, cfg)
             out = out_dir / f"colibri-piece-bench-{os.getpid()}-{name}.colibri"
-            runs = []
+            trees = [("", ROOT)] + ([(" (baseline)", args.baseline.resolve())] if args.baseline else [])
+            runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
             for _ in range(args.repeats):
-                out.unlink(missing_ok=True)
-                warm(ckpt)
-                if args.quiet_wait > 0:
-                    wait_quiet(args.quiet_wait)
-                    warm(ckpt)  # a quiet wait may outlast the page cache's patience
-                runs.append(run_child(ckpt, out, args.workers))
-                print(f"  convert: {runs[-1]['wall_s']:.2f} s (others' CPU {runs[-1]['others_cpu_s']:.1f} s)",
-                      file=sys.stderr, flush=True)
-            best = min(runs, key=lambda r: r["wall_s"])
-            r = {"shape": name, "hidden": dims[0], "inter": dims[1], "experts": cfg["num_local_experts"],
-                 "vocab": cfg["vocab_size"],
-                 "layers": cfg["num_hidden_layers"], "matrix_bytes": dims[0] * dims[1] * 2, "source_bytes": total,
-                 "runs": runs, "best": best}
-            if not args.no_profile:
-                warm(ckpt)
-                r["profile"] = profile_run(ckpt, out)
-                print(f"  profile: {r['profile']['wall_s']:.2f} s", file=sys.stderr, flush=True)
-            else:
-                r["profile"] = {"wall_s": float("nan"), "stages_s": dict.fromkeys(STAGES, float("nan"))}
-            results.append(r)
+                for label, root in trees:
+                    out.unlink(missing_ok=True)
+                    warm(ckpt)
+                    if args.quiet_wait > 0:
+                        wait_quiet(args.quiet_wait)
+                        warm(ckpt)  # a quiet wait may outlast the page cache's patience
+                    runs[label].append(run_child(ckpt, out, args.workers, root))
+                    print(f"  convert{label}: {runs[label][-1]['wall_s']:.2f} s "
+                          f"(others' CPU {runs[label][-1]['others_cpu_s']:.1f} s)", file=sys.stderr, flush=True)
+            for label, _ in trees:
+                walls = sorted(x["wall_s"] for x in runs[label])
+                r = {"shape": name + label, "hidden": dims[0], "inter": dims[1],
+                     "experts": cfg["num_local_experts"], "vocab": cfg["vocab_size"],
+                     "layers": cfg["num_hidden_layers"], "matrix_bytes": dims[0] * dims[1] * 2,
+                     "source_bytes": total, "runs": runs[label], "best": min(runs[label], key=lambda x: x["wall_s"]),
+                     "median_wall_s": walls[len(walls) // 2]}
+                if not args.no_profile and not label:
+                    warm(ckpt)
+                    r["profile"] = profile_run(ckpt, out)
+                    print(f"  profile: {r['profile']['wall_s']:.2f} s", file=sys.stderr, flush=True)
+                else:
+                    r["profile"] = {"wall_s": float("nan"), "stages_s": dict.fromkeys(STAGES, float("nan"))}
+                results.append(r)
             if args.clean:
                 shutil.rmtree(ckpt, ignore_errors=True)
     finally:
