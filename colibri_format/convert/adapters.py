@@ -13,7 +13,7 @@ from typing import Any
 
 from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
                                               finish_model, model_type_of, moe_layer_indices, sliding_window)
-from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source
+from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source, qwen3_next_tensors
 from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
@@ -174,6 +174,33 @@ def _gpt_oss(f: Fields, model: Model) -> None:
                            "limit": f.number("swiglu_limit", 7.0, lo=0.0, lo_open=True), "up_offset": 1.0}
 
 
+def _qwen3_next(f: Fields, model: Model) -> None:
+    """Qwen3-Next: Gated DeltaNet layers between gated full-attention ones (`layer_types`, else every
+    `full_attention_interval`-th layer is full attention), per-head q/k norm, the qwen2_moe MoE block."""
+    n = model["num_layers"]
+    if f.flag("attention_bias", False):
+        raise UnsupportedModel("qwen3_next with attention_bias is not supported", field="attention_bias", value=True)
+    interval = f.integer("full_attention_interval", 4, hi=MAX_LAYERS)
+    kinds = f.raw.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                         for i in range(n)]
+    if (not isinstance(kinds, list) or len(kinds) != n
+            or any(k not in ("linear_attention", "full_attention") for k in kinds)):
+        raise UnsupportedModel(f"{model_type_of(f.raw)} layer_types {short_repr(kinds)} is not supported (one of "
+                               "'linear_attention' / 'full_attention' per layer)", field="layer_types")
+    model.update(qk_norm="per_head", attention_gate=True, layer_types=list(kinds))
+    if "linear_attention" in kinds:
+        model["linear_attention"] = {
+            "num_key_heads": f.integer("linear_num_key_heads", 16, hi=4096),
+            "num_value_heads": f.integer("linear_num_value_heads", 32, hi=4096),
+            "key_head_dim": f.integer("linear_key_head_dim", 128, hi=4096),
+            "value_head_dim": f.integer("linear_value_head_dim", 128, hi=4096),
+            "conv_kernel": f.integer("linear_conv_kernel_dim", 4, hi=64)}
+    model["moe_layers"] = moe_layer_indices(f, n)
+    model["dense_intermediate_size"] = f.integer("intermediate_size", None)
+    model["router"]["normalize_topk"] = f.flag("norm_topk_prob", True)
+    model["shared_expert"] = {"intermediate_size": f.integer("shared_expert_intermediate_size"), "gate": "sigmoid"}
+
+
 # --- the records ----------------------------------------------------------------------------------
 
 _QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
@@ -280,8 +307,19 @@ GPT_OSS = Adapter(
     derive=gpt_oss_experts,
 )
 
+# zero-centred norms stored as 1 + w, q_proj split into q and gate, fused in_proj_qkvz / in_proj_ba split
+# (convert/derived.py::qwen3_next_tensors); the MoE block is qwen2_moe's
+QWEN3_NEXT = Adapter(
+    model_type="qwen3_next",
+    names=QWEN2_MOE.names,
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                            expert_width_key="moe_intermediate_size", partial_rotary_factor=0.25),
+    fields=_qwen3_next,
+    derive=qwen3_next_tensors,
+)
+
 ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
-                                      MINIMAX_M2, GPT_OSS)}
+                                      MINIMAX_M2, GPT_OSS, QWEN3_NEXT)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.
@@ -293,7 +331,6 @@ NOT_YET = {
     "llama4": "input-scaled routing and chunked attention",
     "llama4_text": "input-scaled routing and chunked attention",
     "granitemoehybrid": "Mamba layers",
-    "qwen3_next": "linear-attention layers",
     "jamba": "Mamba layers",
     "dbrx": "its fused attention and expert layout",
 }

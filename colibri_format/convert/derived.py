@@ -348,3 +348,89 @@ def gpt_oss_experts(src: Any) -> tuple[dict[str, Derived], set[str]]:
         if src.has(name + "_bias"):
             derived[name + "_bias"] = _Columns(src, name + "_bias", _deinterleave(src.shape(name + "_bias")[1]))
     return derived, set()
+
+
+# --- Qwen3-Next / Qwen3.5 -----------------------------------------------------------------------------------------
+class _Rows2D:
+    """Rows `order` of a stored matrix (or vector), as float32, plus `shift`; a stored [C, 1, K] conv weight is read
+    as [C, K]."""
+
+    def __init__(self, src: Any, name: str, order: np.ndarray | None = None, shift: float = 0.0) -> None:
+        self.src, self.name, self.shift = src, name, np.float32(shift)
+        shape = tuple(src.shape(name))
+        shape = (shape[0], shape[2]) if len(shape) == 3 and shape[1] == 1 else shape
+        self.order = np.arange(shape[0]) if order is None else order
+        self.shape = (len(self.order), *shape[1:])
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        view = self.src.native_view(self.name)
+        pick = self.order[start:stop]
+        first, last = (int(pick.min()), int(pick.max()) + 1) if len(pick) else (0, 0)
+        block = to_float32(np.asarray(view[first:last]))[pick - first]
+        block = block.reshape(len(pick), *self.shape[1:])
+        return block + self.shift if self.shift else block     # float32 + float32: transformers' (1.0 + w.float())
+
+
+ZERO_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".self_attn.q_norm.weight",
+                      ".self_attn.k_norm.weight")
+
+
+def _qkvz_orders(raw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Row orders of Qwen3-Next's fused projections: in_proj_qkvz groups [q | k | v | z] per key head, in_proj_ba
+    [b | a] per key head (`fix_query_key_value_ordering`); returns the q|k|v, z, b and a rows."""
+    f = {k: raw.get(k) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                 "linear_value_head_dim")}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in f.values()):
+        raise InvalidInput(f"config.json: the linear-attention dims must be positive integers, got {f}",
+                           field="linear_num_key_heads")
+    nk, nv, dk, dv = f.values()
+    if nv % nk:
+        raise InvalidInput(f"config.json: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}",
+                           field="linear_num_value_heads", value=nv)
+    r = nv // nk
+    group = 2 * dk + 2 * r * dv
+    base = np.arange(nk)[:, None] * group
+    q, k = (base + np.arange(dk)).reshape(-1), (base + dk + np.arange(dk)).reshape(-1)
+    v = (base + 2 * dk + np.arange(r * dv)).reshape(-1)
+    z = (base + 2 * dk + r * dv + np.arange(r * dv)).reshape(-1)
+    ba = np.arange(nk)[:, None] * 2 * r
+    return (np.concatenate([q, k, v]), z, (ba + np.arange(r)).reshape(-1), (ba + r + np.arange(r)).reshape(-1))
+
+
+def qwen3_next_tensors(src: Any) -> tuple[dict[str, Derived], set[str]]:
+    """Qwen3-Next / Qwen3.5 tensors in the canonical form:
+    - zero-centred RMSNorm weights (`x * (1 + w)`: input, post-attention, final, q and k norms) stored as 1 + w,
+      computed in float32 exactly as transformers does; the linear layers' gated norm multiplies by w itself;
+    - a gated attention's q_proj [heads x (q | gate), H] split into q_proj and gate_proj ([heads x hd, H] each);
+    - Qwen3-Next's fused in_proj_qkvz / in_proj_ba split into the q|k|v, z, b and a rows (Qwen3.5 stores those
+      separately already), and the [C, 1, K] conv1d weight read as [C, K]."""
+    raw = src.config.raw
+    derived: dict[str, Derived] = {}
+    consumed: set[str] = set()
+    hd = raw.get("head_dim")
+    for name in src.tensor_names():
+        if name.endswith(ZERO_CENTRED_NORMS) or name.endswith("model.norm.weight"):
+            derived[name] = _Rows2D(src, name, shift=1.0)
+        elif name.endswith(".self_attn.q_proj.weight") and isinstance(hd, int) and hd > 0:
+            rows = src.shape(name)[0]
+            heads = np.arange(rows // (2 * hd))[:, None] * 2 * hd
+            derived[name] = _Rows2D(src, name, (heads + np.arange(hd)).reshape(-1))
+            derived[name[:-len("q_proj.weight")] + "gate_proj.weight"] = _Rows2D(
+                src, name, (heads + hd + np.arange(hd)).reshape(-1))
+        elif name.endswith(".linear_attn.conv1d.weight"):
+            derived[name] = _Rows2D(src, name)
+        elif name.endswith(".linear_attn.in_proj_qkvz.weight"):
+            p = name[:-len("in_proj_qkvz.weight")]
+            qkv, z, b, a = _qkvz_orders(raw)
+            if src.shape(name)[0] != len(qkv) + len(z):
+                raise InvalidInput(f"{name!r} has {src.shape(name)[0]} rows, expected {len(qkv) + len(z)}",
+                                   field=name, value=tuple(src.shape(name)))
+            derived[p + "in_proj_qkv.weight"] = _Rows2D(src, name, qkv)
+            derived[p + "in_proj_z.weight"] = _Rows2D(src, name, z)
+            ba = p + "in_proj_ba.weight"
+            if src.has(ba):
+                derived[p + "in_proj_b.weight"] = _Rows2D(src, ba, b)
+                derived[p + "in_proj_a.weight"] = _Rows2D(src, ba, a)
+                consumed.add(ba)
+            consumed.add(name)
+    return derived, consumed

@@ -51,7 +51,8 @@ MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", 
               "dense_intermediate_size", "num_experts", "top_k", "expert_intermediate_size", "router",
               "shared_expert", "multipliers")
 # Keys written after those, and only by the architectures that use them (absent = the default; docs/design.md).
-OPTIONAL_MODEL_KEYS = ("attention_sinks", "sliding_layers", "expert_bias", "expert_act")
+OPTIONAL_MODEL_KEYS = ("attention_sinks", "sliding_layers", "expert_bias", "expert_act", "attention_gate",
+                       "layer_types", "linear_attention")
 
 _REQUIRED = object()
 _MAX_DOUBLE = 1.7976931348623157e308

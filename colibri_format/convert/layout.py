@@ -115,10 +115,17 @@ def _first_present(src: Any, candidates: tuple[str, ...], what: str) -> str:
     raise InvalidInput(f"checkpoint lacks the {what}: looked for {', '.join(candidates)}", field=what)
 
 
+LINEAR_ATTENTION = (("qkv_proj", "in_proj_qkv.weight"), ("z_proj", "in_proj_z.weight"), ("b_proj", "in_proj_b.weight"),
+                    ("a_proj", "in_proj_a.weight"), ("conv", "conv1d.weight"), ("A_log", "A_log"),
+                    ("dt_bias", "dt_bias"), ("norm", "norm.weight"), ("o_proj", "out_proj.weight"))
+
+
 def _attention(model: Model, i: int) -> list[_Wanted]:
     p, c = layer_prefix(i), f"layers.{i}"
     out = [_Wanted(f"{c}.input_norm", f"{p}.input_layernorm.weight"),
            _Wanted(f"{c}.post_attn_norm", f"{p}.post_attention_layernorm.weight")]
+    if (model.get("layer_types") or ())[i:i + 1] == ["linear_attention"]:   # Qwen3-Next / Qwen3.5 Gated DeltaNet
+        return out + [_Wanted(f"{c}.linear.{k}", f"{p}.linear_attn.{n}") for k, n in LINEAR_ATTENTION]
     out += [_Wanted(f"{c}.attn.{x}_proj", f"{p}.self_attn.{x}_proj.weight") for x in "qkvo"]
     if model["qkv_bias"]:
         out += [_Wanted(f"{c}.attn.{x}_bias", f"{p}.self_attn.{x}_proj.bias") for x in "qkv"]
@@ -128,6 +135,8 @@ def _attention(model: Model, i: int) -> list[_Wanted]:
         out += [_Wanted(f"{c}.attn.{x}_norm", f"{p}.self_attn.{x}_norm.weight") for x in "qk"]
     if model.get("attention_sinks"):
         out.append(_Wanted(f"{c}.attn.sinks", f"{p}.self_attn.sinks"))
+    if model.get("attention_gate"):      # split from q_proj by convert/derived.py::qwen3_next_tensors
+        out.append(_Wanted(f"{c}.attn.gate_proj", f"{p}.self_attn.gate_proj.weight"))
     return out
 
 

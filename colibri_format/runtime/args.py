@@ -43,6 +43,9 @@ class ModelArgs:
     sliding_layers: frozenset | None = None    # layers that use sliding_window (None: all of them)
     expert_bias: bool = False              # moe.expert_gate_up_bias [E, 2I] / expert_down_bias [E, H]
     expert_act: dict | None = None         # None: silu(gate) * up; else the clamped SwiGLU {alpha, limit, up_offset}
+    attention_gate: bool = False           # attention output times sigmoid(x attn.gate_proj^T) (Qwen3-Next)
+    linear_layers: frozenset = frozenset()  # Gated DeltaNet layers (model.layer_types "linear_attention")
+    linear: dict | None = None             # their dims (model.linear_attention)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: full attention)."""
@@ -67,7 +70,10 @@ class ModelArgs:
             attention_scale=mult["attention"] or 1.0 / math.sqrt(head_dim), logits_div=mult["logits"],
             attention_sinks=bool(m.get("attention_sinks")),
             sliding_layers=frozenset(m["sliding_layers"]) if m.get("sliding_layers") is not None else None,
-            expert_bias=bool(m.get("expert_bias")), expert_act=m.get("expert_act"))
+            expert_bias=bool(m.get("expert_bias")), expert_act=m.get("expert_act"),
+            attention_gate=bool(m.get("attention_gate")),
+            linear_layers=frozenset(i for i, k in enumerate(m.get("layer_types") or ()) if k == "linear_attention"),
+            linear=m.get("linear_attention"))
 
 
 def _check_supported(m: dict[str, Any]) -> None:

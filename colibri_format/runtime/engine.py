@@ -27,7 +27,7 @@ import numpy as np
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.args import ModelArgs
 from colibri_format.runtime.expert_pool import MEMORY_RESERVE, ExpertPool, capacity_from_budget, parse_memory
-from colibri_format.runtime.forward import Decoder, KVBuffers, StepInputs, Workspace, host_step
+from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
 from colibri_format.runtime.runner import DecodeRunner, capacity_for
@@ -426,8 +426,7 @@ class Engine:
     # --- passes -------------------------------------------------------------------------------------------
     def _prefill_fresh(self, chunks: list[np.ndarray], all_logits: bool = False):
         with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
-            kv = KVBuffers(self.be, self.args.num_layers, len(chunks), max(len(c) for c in chunks),
-                           self.args.n_kv_heads, self.args.head_dim)
+            kv = make_kv(self.be, self.args, len(chunks), max(len(c) for c in chunks))
         return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
 
     def _prefill(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):

@@ -38,13 +38,38 @@ class Workspace:
 
 
 class KVBuffers:
-    """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd]."""
+    """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd]. Layers in
+    `linear` (Gated DeltaNet) keep no keys; their per-sequence recurrent state is `self.state` instead."""
 
-    def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int,
+                 linear: frozenset = frozenset(), linear_dims: dict | None = None) -> None:
         shape = (seqs, capacity, kv_heads, head_dim)
         self.seqs, self.capacity = seqs, capacity
-        self.keys = [be.zeros(shape) for _ in range(num_layers)]
-        self.values = [be.zeros(shape) for _ in range(num_layers)]
+        self.keys = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
+        self.values = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
+        self.state = RecurrentState(be, sorted(linear), seqs, linear_dims) if linear else None
+
+
+def make_kv(be, args, seqs: int, capacity: int) -> KVBuffers:
+    """The KV buffers (and, for Gated DeltaNet layers, the recurrent state) of `seqs` sequences."""
+    return KVBuffers(be, args.num_layers, seqs, capacity, args.n_kv_heads, args.head_dim, args.linear_layers,
+                     args.linear)
+
+
+class RecurrentState:
+    """The per-sequence state of each Gated DeltaNet layer, beside the KV cache and with its semantics: a pass whose
+    rows of a sequence start at position 0 starts that sequence afresh (the state is zeroed), one that starts at
+    position p continues it, which needs the state to hold exactly p tokens (`lengths`; anything else is refused:
+    a recurrent state cannot be rewound). Per layer: conv [S, channels, kernel - 1] (the last inputs of the
+    causal depthwise conv) and delta [S, value heads, key dim, value dim] (the delta-rule state), in the
+    compute dtype (float32 on the engine)."""
+
+    def __init__(self, be, layers: list[int], seqs: int, dims: dict) -> None:
+        channels = 2 * dims["num_key_heads"] * dims["key_head_dim"] + dims["num_value_heads"] * dims["value_head_dim"]
+        self.conv = {i: be.zeros((seqs, channels, dims["conv_kernel"] - 1)) for i in layers}
+        self.delta = {i: be.zeros((seqs, dims["num_value_heads"], dims["key_head_dim"], dims["value_head_dim"]))
+                      for i in layers}
+        self.lengths = {i: np.zeros(seqs, np.int64) for i in layers}
 
 
 @dataclass
@@ -128,7 +153,10 @@ class Decoder:
         a, p = self.a, f"layers.{i}"
         x = ws.buf("x", (T, a.hidden_size))
         self.be.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
-        o = self.attention(i, x, inp, kv, ws, T, max_len)
+        if i in a.linear_layers:
+            o = self.linear_attention(i, x, inp, kv, ws, T)
+        else:
+            o = self.attention(i, x, inp, kv, ws, T, max_len)
         self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
         if i in a.moe_layers:
             self.moe(i, x, h, ws)
@@ -161,8 +189,35 @@ class Decoder:
         sinks = {"sinks": self.w.f32(f"{p}.sinks")} if a.attention_sinks else {}
         self.be.attention(q, kv.keys[i], kv.values[i], inp.seq[:T], inp.qlen[:T], float(a.attention_scale),
                           window=a.window(i), out=att, ws=ws, max_len=max_len, **sinks)
+        if a.attention_gate:
+            self.sigmoid_gate(att.reshape(T, nh * hd), x, f"{p}.gate_proj", ws.buf("att_g", (T, nh * hd)))
         o = ws.buf("o", (T, a.hidden_size))
         return self.w.linear(att.reshape(T, nh * hd), f"{p}.o_proj", f"{p}.o_bias" if a.o_bias else None, o)
+
+    def sigmoid_gate(self, y, x, name: str, g) -> None:
+        """y *= sigmoid(x name^T), in place (Qwen3-Next's gated attention output)."""
+        xp = self.be.xp
+        self.w.linear(x, name, None, g)
+        xp.negative(g, out=g)
+        xp.exp(g, out=g)
+        g += g.dtype.type(1.0)
+        xp.divide(y, g, out=y)
+
+    def linear_attention(self, i: int, x, inp, kv, ws, T: int):
+        """A Gated DeltaNet layer: the q|k|v, z, b, a products, then the backend's op (causal conv with its rolling
+        state, the gated delta rule over each sequence's state, the z-gated norm), then the output product."""
+        p, lin = f"layers.{i}.linear", self.a.linear
+        nv, dv = lin["num_value_heads"], lin["value_head_dim"]
+        qkv = self.w.linear(x, f"{p}.qkv_proj", None, ws.buf("lin_qkv", (T, self.w[f"{p}.qkv_proj"].shape[0])))
+        z = self.w.linear(x, f"{p}.z_proj", None, ws.buf("lin_z", (T, nv * dv)))
+        b = self.w.linear(x, f"{p}.b_proj", None, ws.buf("lin_b", (T, nv)))
+        g = self.w.linear(x, f"{p}.a_proj", None, ws.buf("lin_a", (T, nv)))
+        st = kv.state
+        y = self.be.gated_delta_net(qkv, z, b, g, self.w[f"{p}.conv"], self.w[f"{p}.A_log"], self.w[f"{p}.dt_bias"],
+                                    self.w[f"{p}.norm"], inp.seq[:T], inp.pos[:T], st.conv[i], st.delta[i],
+                                    st.lengths[i], heads=(lin["num_key_heads"], nv), dims=(lin["key_head_dim"], dv),
+                                    eps=self.a.eps, out=ws.buf("lin_y", (T, nv * dv)))
+        return self.w.linear(y, f"{p}.o_proj", None, ws.buf("o", (T, self.a.hidden_size)))
 
     # --- feed-forward ----------------------------------------------------------------------------------------------
     def moe(self, i: int, x, h, ws) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from colibri_format.dtypes import NUMPY_STORAGE
+from colibri_format.errors import InvalidInput
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -148,6 +149,78 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         p /= den
         o[rows] = (p @ vals.transpose(1, 0, 2)[:, None]).transpose(2, 0, 1, 3).reshape(len(rows), nh, hd)
     return o
+
+
+# ---- Gated DeltaNet (Qwen3-Next, Qwen3.5) ------------------------------------------------------------------------
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), x itself above 20 (torch's threshold)."""
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+def l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + x.dtype.type(eps))
+
+
+def causal_conv(u: np.ndarray, w: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """Depthwise causal conv of u [n, C] with w [C, K] after the K-1 earlier inputs `state` [C, K-1] (updated in
+    place to the last K-1 inputs); silu of the result [n, C]."""
+    n, K = u.shape[0], w.shape[1]
+    buf = np.concatenate([state, u.T], axis=1)                           # [C, K-1+n]
+    y = np.einsum("cnk,ck->nc", np.lib.stride_tricks.sliding_window_view(buf, K, axis=1), w)
+    if K > 1:
+        state[...] = buf[:, n:]
+    return silu(y)
+
+
+def delta_rule(q, k, v, g, beta, state):
+    """The gated delta rule, one token at a time, over state [nv, dk, dv] (updated in place): per token
+    S = S * exp(g); S += k (beta (v - k S)); o = q S. q, k [n, nv, dk], v [n, nv, dv], g, beta [n, nv]."""
+    o = np.empty_like(v)
+    decay = np.exp(g)
+    for t in range(v.shape[0]):
+        state *= decay[t][:, None, None]
+        kv_mem = np.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        state += k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hkv,hk->hv", state, q[t])
+    return o
+
+
+def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv_state, delta_state, lengths, *,
+                    heads: tuple[int, int], dims: tuple[int, int], eps: float, out=None):
+    """One Gated DeltaNet layer after its input products (qkv [T, 2 nk dk + nv dv], z [T, nv dv], b, a [T, nv]),
+    the rows of each sequence in position order: causal conv (state conv_state[s]), silu, l2-normed q and k (q also
+    times dk^-1/2), each key head serving nv/nk consecutive value heads, beta = sigmoid(b), g = -exp(A_log)
+    softplus(a + dt_bias), the delta rule over delta_state[s] token by token (prefill and decode alike), then
+    rmsnorm(o) * norm_w * silu(z) per value head; returns [T, nv dv]. A sequence whose rows start at position 0
+    starts from zero states; one that starts at p continues from states that hold p tokens (`lengths[s]`)."""
+    (nk, nv), (dk, dv) = heads, dims
+    dt = qkv.dtype.type
+    seq_h, pos_h = np.asarray(seq).astype(np.int64), np.asarray(pos).astype(np.int64)
+    y = np.empty((qkv.shape[0], nv, dv), qkv.dtype)
+    w, A, dtb, nw = (widen(t, qkv.dtype) for t in (conv_w, A_log, dt_bias, norm_w))
+    beta = 1.0 / (1.0 + np.exp(-b))
+    g = -np.exp(A) * softplus(a + dtb)
+    for s in dict.fromkeys(seq_h.tolist()):
+        rows = np.flatnonzero(seq_h == s)
+        p0 = int(pos_h[rows[0]])
+        if p0 == 0:
+            conv_state[s] = 0
+            delta_state[s] = 0
+        elif int(lengths[s]) != p0:
+            raise InvalidInput(f"sequence {s} continues at position {p0}, but its recurrent state holds "
+                               f"{int(lengths[s])} tokens (a Gated DeltaNet state cannot be rewound)",
+                               field="starts", value=p0)
+        lengths[s] = p0 + len(rows)
+        u = causal_conv(qkv[rows], w, conv_state[s])
+        n = len(rows)
+        q = l2norm(u[:, :nk * dk].reshape(n, nk, dk)) * dt(dk ** -0.5)
+        k = l2norm(u[:, nk * dk:2 * nk * dk].reshape(n, nk, dk))
+        v = u[:, 2 * nk * dk:].reshape(n, nv, dv)
+        q, k = np.repeat(q, nv // nk, axis=1), np.repeat(k, nv // nk, axis=1)
+        y[rows] = delta_rule(q, k, v, g[rows], beta[rows], delta_state[s])
+    gated = rmsnorm(y, nw, eps) * silu(np.asarray(z).reshape(-1, nv, dv))
+    return _store(out, gated.reshape(-1, nv * dv))
 
 
 # ---- routing and experts ---------------------------------------------------------------------------------------
@@ -339,6 +412,7 @@ class NumpyBackend:
     residual_add = staticmethod(residual_add)
     silu_mul = staticmethod(silu_mul)
     qkv_rope_kv = staticmethod(qkv_rope_kv)
+    gated_delta_net = staticmethod(gated_delta_net)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
                   sinks=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, rope_rows
+from colibri_format.runtime.forward import HostStep, StepInputs, Workspace, make_kv, rope_rows
 
 MIN_CAPACITY = 64     # KV positions of the smallest runner
 
@@ -24,7 +24,7 @@ class DecodeRunner:
     def __init__(self, eng, batch: int, capacity: int) -> None:
         a, be = eng.args, eng.be
         self.eng, self.batch, self.capacity = eng, batch, capacity
-        self.kv = KVBuffers(be, a.num_layers, batch, capacity, a.n_kv_heads, a.head_dim)
+        self.kv = make_kv(be, a, batch, capacity)
         self.ws = Workspace(be)
         self.inp = StepInputs(be, batch, eng.half)
         self.graph = None

@@ -20,6 +20,8 @@ ACTIVATIONS = frozenset({"silu"})
 ROUTER_SCORING = frozenset({"softmax", "sigmoid"})
 ROUTER_ORDER = frozenset({"softmax_topk", "topk_softmax"})
 SHARED_GATES = frozenset({"sigmoid", "none"})
+LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
+LINEAR_ATTENTION_KEYS = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel")
 EXPERT_QUANT_NAMES = frozenset(C.EXPERT_FORMAT_NAMES.values())
 
 
@@ -292,6 +294,7 @@ def _check_optional(model: dict) -> None:
                 or any(b <= a for a, b in zip(layers, layers[1:])) or model["sliding_window"] is None):
             raise InvalidMetadata("sliding_layers must be an increasing list of layer indices, with a sliding_window",
                                   field="model.sliding_layers", value=layers)
+    _check_hybrid(model)
     if "expert_bias" in model:                # [false] moe.expert_gate_up_bias / expert_down_bias per MoE layer
         _bool(model, "expert_bias", "model")
     act = model.get("expert_act")             # [null: silu(gate) * up] the clamped SwiGLU of gpt-oss
@@ -301,6 +304,35 @@ def _check_optional(model: dict) -> None:
         _num(act, "alpha", "model.expert_act", 0, 1e6, exclusive_lo=True)
         _num(act, "limit", "model.expert_act", 0, 1e9, allow_none=True, exclusive_lo=True)
         _num(act, "up_offset", "model.expert_act", -1e9, 1e9)
+
+
+def _check_hybrid(model: dict) -> None:
+    """Qwen3-Next / Qwen3.5 fields: `attention_gate` [false] (attn.gate_proj: attention output times
+    sigmoid(x gate_proj^T)), `layer_types` [null: every layer full attention] and `linear_attention` (the Gated
+    DeltaNet dims, present exactly when some layer is linear_attention)."""
+    if "attention_gate" in model:
+        _bool(model, "attention_gate", "model")
+    kinds = model.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != model["num_layers"]
+                              or any(not isinstance(k, str) or k not in LAYER_TYPES for k in kinds)):
+        raise InvalidMetadata(f"layer_types must list one of {sorted(LAYER_TYPES)} per layer",
+                              field="model.layer_types", value=kinds if isinstance(kinds, list) else None)
+    linear = bool(kinds) and "linear_attention" in kinds
+    lin = model.get("linear_attention")
+    if linear != (lin is not None):
+        raise InvalidMetadata("linear_attention must be an object exactly when layer_types names a linear_attention "
+                              "layer", field="model.linear_attention", value=None if lin is None else "object")
+    if lin is None:
+        return
+    if not isinstance(lin, dict) or set(lin) != set(LINEAR_ATTENTION_KEYS):
+        raise InvalidMetadata(f"linear_attention must hold exactly {', '.join(LINEAR_ATTENTION_KEYS)}",
+                              field="model.linear_attention")
+    for key in LINEAR_ATTENTION_KEYS[:-1]:
+        _int(lin, key, "model.linear_attention", 1, 4096)
+    _int(lin, "conv_kernel", "model.linear_attention", 1, 64)
+    if lin["num_value_heads"] % lin["num_key_heads"]:
+        raise InvalidMetadata("linear_attention.num_value_heads must be a multiple of num_key_heads",
+                              field="model.linear_attention.num_value_heads", value=lin["num_value_heads"])
 
 
 def check_metadata(meta: dict) -> dict:

@@ -12,7 +12,26 @@ def dense_layer_indices(model: dict) -> list[int]:
     return [i for i in range(model["num_layers"]) if i not in moe]
 
 
+def linear_layers(model: dict) -> list[int]:
+    """The Gated DeltaNet layers (model.layer_types), in order."""
+    return [i for i, k in enumerate(model.get("layer_types") or ()) if k == "linear_attention"]
+
+
+def _linear_attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A Gated DeltaNet layer: q|k|v, z, b and a projections, the depthwise conv over q|k|v, A_log, dt_bias, the
+    z-gated output norm and the output projection."""
+    lin, h = model["linear_attention"], model["hidden_size"]
+    nk, nv = lin["num_key_heads"], lin["num_value_heads"]
+    key, value = nk * lin["key_head_dim"], nv * lin["value_head_dim"]
+    p = f"layers.{i}.linear."
+    return [(p + "qkv_proj", (2 * key + value, h)), (p + "z_proj", (value, h)), (p + "b_proj", (nv, h)),
+            (p + "a_proj", (nv, h)), (p + "conv", (2 * key + value, lin["conv_kernel"])), (p + "A_log", (nv,)),
+            (p + "dt_bias", (nv,)), (p + "norm", (lin["value_head_dim"],)), (p + "o_proj", (h, value))]
+
+
 def _attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    if i in linear_layers(model):
+        return _linear_attention_tensors(model, i)
     h, hd = model["hidden_size"], model["head_dim"]
     q, kv = model["num_attention_heads"] * hd, model["num_key_value_heads"] * hd
     p = f"layers.{i}.attn."
@@ -27,6 +46,8 @@ def _attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]
         out += [(p + "q_norm", (q,)), (p + "k_norm", (kv,))]
     if model.get("attention_sinks"):
         out.append((p + "sinks", (model["num_attention_heads"],)))
+    if model.get("attention_gate"):
+        out.append((p + "gate_proj", (q, h)))
     return out
 
 

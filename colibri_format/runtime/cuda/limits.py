@@ -131,6 +131,12 @@ def _check_semantics(model: dict) -> None:
                       "silu(gate) * up", "model.expert_act", model["expert_act"])
     if model.get("expert_bias"):
         raise _refuse("expert biases (expert_bias); the expert kernels add none", "model.expert_bias", True)
+    if "linear_attention" in (model.get("layer_types") or ()):
+        raise _refuse("Gated DeltaNet layers (layer_types linear_attention: Qwen3-Next / Qwen3.5) have no CUDA kernels "
+                      "yet; run it with --device cpu", "model.layer_types", "linear_attention")
+    if model.get("attention_gate"):
+        raise _refuse("gated attention (attention_gate: the output times sigmoid(x gate_proj^T)) has no CUDA kernel "
+                      "yet; run it with --device cpu", "model.attention_gate", True)
     if model.get("sliding_layers") is not None:      # measured on the H200, 2026-12-01: cause not found yet
         raise _refuse("per-layer sliding windows (sliding_layers): the CUDA engine's logits disagree with the NumPy "
                       "engine's on them (tests/runtime/cuda/test_gpu_new_archs.py); run it with --device cpu",

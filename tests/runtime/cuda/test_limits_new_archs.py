@@ -46,6 +46,10 @@ def test_glm_minimax_and_gpt_oss_attention_features_run(changes):
     ({"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}, "model.expert_act"),
     ({"expert_bias": True}, "model.expert_bias"),
     ({"sliding_window": 4, "sliding_layers": [0]}, "model.sliding_layers"),   # disagreed on the H200: refused
+    ({"attention_gate": True}, "model.attention_gate"),                        # Qwen3-Next / Qwen3.5: CPU only
+    ({"layer_types": ["linear_attention", "full_attention"], "attention_gate": True,
+      "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8,
+                           "conv_kernel": 4}}, "model.layer_types"),
 ])
 def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
     m = model(**changes)

@@ -1,0 +1,78 @@
+"""The NumPy engine on Qwen3-Next files (Gated DeltaNet layers with a per-sequence recurrent state, gated full
+attention) against transformers' fp32 eager forward: a 40-token prompt and 16 greedy steps (the recurrent decode
+path), ragged batches, batched decoding, int8 experts, and a continuation the state cannot serve."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from colibri_format.errors import InvalidInput
+from colibri_format.runtime.engine import Engine
+from tests.hf_hybrid import CONFIGS, build, convert_file
+from tests.runtime.hf_tiny import hf_logits, prompts, rel_err
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    hf = build(request.param)
+    engine = Engine(convert_file(hf, tmp_path_factory.mktemp(request.param)))
+    yield hf, engine
+    engine.close()
+
+
+def test_prompt_and_16_greedy_steps_match_transformers(pair):
+    hf, engine = pair
+    prompt = prompts(engine.vocab_size, [40], seed=3)[0]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    ref_tokens = out.sequences[0, 40:].tolist()
+    ref_logits = [t[0].double().numpy() for t in out.logits]
+    runner = engine.decode_runner(1, 56)
+    logits = engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0]
+    tokens = []
+    for step in range(16):
+        assert rel_err(logits, ref_logits[step]) < TOL, step
+        tokens.append(int(logits.argmax()))
+        if step < 15:
+            logits = engine.be.to_host(runner.step(np.array([tokens[-1]]), np.array([40 + step])))[0]
+    assert tokens == ref_tokens
+
+
+def test_ragged_batch_prefill_and_batched_decoding(pair):
+    hf, engine = pair
+    batch = prompts(engine.vocab_size, [9, 3, 14, 1], seed=1)
+    for ids, logits in zip(batch, engine.logits(batch)):
+        assert rel_err(logits, hf_logits(hf, ids)) < TOL
+    outs = engine.generate_batch(batch[:3], 5)
+    for ids, got in zip(batch[:3], outs):
+        assert got == engine.generate(ids, max_new_tokens=5, stop_ids=[]).output_ids
+
+
+def test_a_continuation_resumes_the_state_and_a_rewind_is_refused(pair):
+    hf, engine = pair
+    seq = prompts(engine.vocab_size, [16], seed=4)[0]
+    runner = engine.decode_runner(1, 16)
+    engine.prefill_into(runner, [np.array(seq[:10])])
+    with pytest.raises(InvalidInput) as info:
+        engine.prefill_into(runner, [np.array(seq[8:12])], starts=[8])
+    assert "cannot be rewound" in str(info.value) and "\n" not in str(info.value)
+    last = engine.be.to_host(engine.prefill_into(runner, [np.array(seq[10:])], starts=[10]))[0]
+    assert rel_err(last, hf_logits(hf, seq)[-1]) < TOL
+    again = engine.be.to_host(engine.prefill_into(runner, [np.array(seq)]))[0]     # position 0: a fresh state
+    assert rel_err(again, hf_logits(hf, seq)[-1]) < TOL
+
+
+@pytest.mark.parametrize("group", [None, 16])
+def test_int8_experts_stay_within_the_documented_bound(tmp_path, group):
+    # docs/runtime.md "Fidelity": 3e-2 for these four MoE layers with shared experts (measured <= 2.1e-2 on seeds
+    # 1 and 2; seed 0 flips a routing near-tie, 0.24 at one position, which is the caveat documented there)
+    hf = build("qwen3_next", seed=1)
+    path = convert_file(hf, tmp_path, quantize="expert", group_size=group)
+    with Engine(path) as engine:
+        for ids in prompts(engine.vocab_size, [40, 7], seed=5):
+            assert rel_err(engine.logits([ids])[0], hf_logits(hf, ids)) < 3e-2
