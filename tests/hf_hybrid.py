@@ -27,15 +27,35 @@ CONFIGS = {
                              mlp_only_layers=[2], norm_topk_prob=False,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
                                               "partial_rotary_factor": 0.5}),
+    # Qwen3.5: the split projections, the text model alone, with interleaved MRoPE (1-D for text)
+    "qwen3_5_moe_text": dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=12,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                              "mrope_interleaved": True}),
+    # the vision-language checkpoint: text weights under model.language_model.*, a vision tower to skip
+    "qwen3_5_moe": dict(num_hidden_layers=4, linear_num_key_heads=1, linear_num_value_heads=2,
+                        linear_key_head_dim=8, linear_value_head_dim=8,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
 }
+VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+
+
+def _model(name: str):
+    text = {**COMMON, **CONFIGS[name]}
+    if name == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeForCausalLM._from_config(tf.Qwen3_5MoeTextConfig(**text), attn_implementation="eager")
+    if name == "qwen3_5_moe":
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=VISION)
+        return tf.Qwen3_5MoeForConditionalGeneration._from_config(config, attn_implementation="eager")
+    return tf.AutoModelForCausalLM.from_config(tf.Qwen3NextConfig(**text), attn_implementation="eager")
 
 
 def build(name: str, seed: int = 0):
-    """A seeded fp32 eager Qwen3-Next whose every parameter is random: zero-centred norms near 0 (x * (1 + w)),
-    the gated norm near 1, dt_bias near 1, A_log as initialised, routers decisive."""
+    """A seeded fp32 eager Qwen3-Next / Qwen3.5 whose every parameter is random: zero-centred norms near 0
+    (x * (1 + w)), the gated norm near 1, dt_bias near 1, A_log as initialised, routers decisive."""
     torch.manual_seed(seed)
-    config = tf.Qwen3NextConfig(**{**COMMON, **CONFIGS[name]})
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model = _model(name).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -13,8 +13,8 @@ from typing import Any
 
 from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
                                               finish_model, model_type_of, moe_layer_indices, sliding_window)
-from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source, qwen3_next_tensors
-from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert
+from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source, qwen3_next_tensors, text_config
+from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert, Skip
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.errors import UnsupportedModel
 
@@ -30,6 +30,7 @@ class Adapter:
     defaults: ConfigDefaults
     fields: Callable[[Fields, Model], None]  # sets the model fields this architecture changes
     derive: Derive | None = None  # tensors computed from the checkpoint's (convert/derived.py)
+    text_only: bool = False  # a vision-language config: its `text_config` describes the model (Qwen3.5)
 
     def source(self, src: Any) -> Any:
         """The checkpoint as the names table reads it: quantized weights dequantized, re-layouts applied."""
@@ -37,7 +38,7 @@ class Adapter:
 
     def normalize_config(self, raw: Mapping[str, Any]) -> Model:
         """The design-doc `model` dict for a config.json of this architecture."""
-        f = Fields(raw)
+        f = Fields(text_config(raw) if self.text_only else raw)
         model = common_model(f, self.defaults)
         self.fields(f, model)
         return finish_model(model)
@@ -311,15 +312,23 @@ GPT_OSS = Adapter(
 # (convert/derived.py::qwen3_next_tensors); the MoE block is qwen2_moe's
 QWEN3_NEXT = Adapter(
     model_type="qwen3_next",
-    names=QWEN2_MOE.names,
+    names=replace(QWEN2_MOE.names, skip=(Skip(r"mtp\..*", "multi-token-prediction head (mtp.*; not used for "
+                                                         "generation)"),)),
     defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=32768,
                             expert_width_key="moe_intermediate_size", partial_rotary_factor=0.25),
     fields=_qwen3_next,
     derive=qwen3_next_tensors,
 )
 
+# Qwen3.5 / 3.6 MoE: Qwen3-Next's layers with the linear-attention projections stored split (in_proj_qkv, _z, _b,
+# _a); the text model alone (qwen3_5_moe_text), or inside the vision-language checkpoint (qwen3_5_moe: text_config,
+# weights under model.language_model.*, the vision tower skipped). Text-only MRoPE is 1-D RoPE: the three position
+# components of a text token are equal.
+QWEN3_5_MOE_TEXT = replace(QWEN3_NEXT, model_type="qwen3_5_moe_text")
+QWEN3_5_MOE = replace(QWEN3_NEXT, model_type="qwen3_5_moe", text_only=True)
+
 ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
-                                      MINIMAX_M2, GPT_OSS, QWEN3_NEXT)}
+                                      MINIMAX_M2, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE_TEXT, QWEN3_5_MOE)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.

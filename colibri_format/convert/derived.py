@@ -397,40 +397,60 @@ def _qkvz_orders(raw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return (np.concatenate([q, k, v]), z, (ba + np.arange(r)).reshape(-1), (ba + r + np.arange(r)).reshape(-1))
 
 
+def text_config(raw: Any) -> Any:
+    """A vision-language config's text part (`text_config`; Qwen3.5), with the top-level fields that describe the
+    whole checkpoint (tied embeddings, quantization) carried over; `raw` itself when it has none."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    return {**text, **{k: raw[k] for k in ("tie_word_embeddings", "quantization_config") if k in raw}}
+
+
+LANGUAGE_MODEL = "model.language_model."
+
+
 def qwen3_next_tensors(src: Any) -> tuple[dict[str, Derived], set[str]]:
     """Qwen3-Next / Qwen3.5 tensors in the canonical form:
     - zero-centred RMSNorm weights (`x * (1 + w)`: input, post-attention, final, q and k norms) stored as 1 + w,
       computed in float32 exactly as transformers does; the linear layers' gated norm multiplies by w itself;
     - a gated attention's q_proj [heads x (q | gate), H] split into q_proj and gate_proj ([heads x hd, H] each);
     - Qwen3-Next's fused in_proj_qkvz / in_proj_ba split into the q|k|v, z, b and a rows (Qwen3.5 stores those
-      separately already), and the [C, 1, K] conv1d weight read as [C, K]."""
-    raw = src.config.raw
+      separately already), and the [C, 1, K] conv1d weight read as [C, K];
+    - a vision-language checkpoint's text weights (`model.language_model.*`, Qwen3.5) under `model.*`."""
+    raw = text_config(src.config.raw)
     derived: dict[str, Derived] = {}
     consumed: set[str] = set()
     hd = raw.get("head_dim")
     for name in src.tensor_names():
+        out = "model." + name[len(LANGUAGE_MODEL):] if name.startswith(LANGUAGE_MODEL) else name
         if name.endswith(ZERO_CENTRED_NORMS) or name.endswith("model.norm.weight"):
-            derived[name] = _Rows2D(src, name, shift=1.0)
+            derived[out] = _Rows2D(src, name, shift=1.0)
         elif name.endswith(".self_attn.q_proj.weight") and isinstance(hd, int) and hd > 0:
             rows = src.shape(name)[0]
             heads = np.arange(rows // (2 * hd))[:, None] * 2 * hd
-            derived[name] = _Rows2D(src, name, (heads + np.arange(hd)).reshape(-1))
-            derived[name[:-len("q_proj.weight")] + "gate_proj.weight"] = _Rows2D(
+            derived[out] = _Rows2D(src, name, (heads + np.arange(hd)).reshape(-1))
+            derived[out[:-len("q_proj.weight")] + "gate_proj.weight"] = _Rows2D(
                 src, name, (heads + hd + np.arange(hd)).reshape(-1))
         elif name.endswith(".linear_attn.conv1d.weight"):
-            derived[name] = _Rows2D(src, name)
+            derived[out] = _Rows2D(src, name)
         elif name.endswith(".linear_attn.in_proj_qkvz.weight"):
-            p = name[:-len("in_proj_qkvz.weight")]
+            p, q = name[:-len("in_proj_qkvz.weight")], out[:-len("in_proj_qkvz.weight")]
             qkv, z, b, a = _qkvz_orders(raw)
             if src.shape(name)[0] != len(qkv) + len(z):
                 raise InvalidInput(f"{name!r} has {src.shape(name)[0]} rows, expected {len(qkv) + len(z)}",
                                    field=name, value=tuple(src.shape(name)))
-            derived[p + "in_proj_qkv.weight"] = _Rows2D(src, name, qkv)
-            derived[p + "in_proj_z.weight"] = _Rows2D(src, name, z)
-            ba = p + "in_proj_ba.weight"
-            if src.has(ba):
-                derived[p + "in_proj_b.weight"] = _Rows2D(src, ba, b)
-                derived[p + "in_proj_a.weight"] = _Rows2D(src, ba, a)
-                consumed.add(ba)
+            derived[q + "in_proj_qkv.weight"] = _Rows2D(src, name, qkv)
+            derived[q + "in_proj_z.weight"] = _Rows2D(src, name, z)
+            if src.has(p + "in_proj_ba.weight"):
+                derived[q + "in_proj_b.weight"] = _Rows2D(src, p + "in_proj_ba.weight", b)
+                derived[q + "in_proj_a.weight"] = _Rows2D(src, p + "in_proj_ba.weight", a)
+                consumed.add(p + "in_proj_ba.weight")
+            consumed.add(name)
+        elif name.endswith(".linear_attn.in_proj_ba.weight"):
+            pass                                        # split with in_proj_qkvz above
+        elif out != name:                               # renamed only
+            shape = tuple(src.shape(name))
+            derived[out] = _RowsOf(src, name, np.arange(shape[1])) if len(shape) == 3 else _Rows2D(src, name)
+        if out != name:
             consumed.add(name)
     return derived, consumed

@@ -84,8 +84,8 @@ def test_config_hash_is_xxh3_of_the_exact_bytes(tiny_checkpoint: Any) -> None:
 
 
 def test_registry_lists_every_fixture_arch() -> None:
-    # qwen3_next's fixtures are tests/hf_hybrid.py (its converter tests: tests/convert/test_convert_qwen3_next.py)
-    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) | {"qwen3_next"}
+    # the hybrid models' fixtures are tests/hf_hybrid.py (converter tests: tests/convert/test_convert_qwen3_next.py)
+    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) | {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
     assert all(get_adapter(a).model_type == a for a in ARCHS)
 
 

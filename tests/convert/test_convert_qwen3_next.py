@@ -1,5 +1,6 @@
-"""Qwen3-Next through the converter: the fused Gated DeltaNet projections split as transformers splits them, the
-zero-centred norms stored as 1 + w, q_proj split into q and gate, both expert layouts, and one-line refusals."""
+"""Qwen3-Next and Qwen3.5 through the converter: the fused Gated DeltaNet projections split as transformers splits
+them, the zero-centred norms stored as 1 + w, q_proj split into q and gate, both expert layouts, Qwen3.5's
+vision-language checkpoint (text weights only), and one-line refusals."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 import colibri_format
 from colibri_format.convert.adapters import normalize_config
+from colibri_format.convert.pipeline import convert
 from colibri_format.errors import InvalidInput, UnsupportedModel
-from tests.hf_hybrid import CONFIGS, build, convert_file
+from tests.hf_hybrid import CONFIGS, build, convert_file, save
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +87,25 @@ def test_unsupported_or_inconsistent_configs_are_refused_in_one_line(changes, er
     with pytest.raises(error) as info:
         normalize_config(config(**changes))
     assert info.value.field == field and "\n" not in str(info.value)
+
+
+def test_qwen3_5_vision_language_checkpoint_converts_its_text_model(tmp_path):
+    # text weights under model.language_model.*, the vision tower skipped (named in the provenance), an mtp.* head
+    # skipped too, the split projections taken as stored
+    from safetensors.torch import load_file, save_file
+
+    hf = build("qwen3_5_moe")
+    src = save(hf, tmp_path / "hf")
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(32, 64)}, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, tmp_path / "m.colibri", dtype="float32", quantize="none", workers=1)
+    text = hf.model.language_model
+    with colibri_format.open(tmp_path / "m.colibri", verify="always") as f:
+        assert f.metadata["architecture"] == "qwen3_5_moe" and f.model["linear_attention"]["num_key_heads"] == 1
+        skipped = f.metadata["provenance"]["skipped_tensors"]
+        assert any("model.visual." in json.dumps(s) for s in skipped) and "mtp.fc.weight" in json.dumps(skipped)
+        lin = text.layers[0].linear_attn
+        for name, ref in (("qkv_proj", lin.in_proj_qkv), ("z_proj", lin.in_proj_z), ("b_proj", lin.in_proj_b),
+                          ("a_proj", lin.in_proj_a), ("o_proj", lin.out_proj)):
+            np.testing.assert_array_equal(f.dense_f32(f"layers.0.linear.{name}"), ref.weight.detach().numpy())
+        np.testing.assert_array_equal(f.dense_f32("final_norm"), (1.0 + text.norm.weight.float()).detach().numpy())

@@ -1,4 +1,4 @@
-"""The NumPy engine on Qwen3-Next files (Gated DeltaNet layers with a per-sequence recurrent state, gated full
+"""The NumPy engine on Qwen3-Next and Qwen3.5 files (Gated DeltaNet layers with a per-sequence recurrent state, gated full
 attention) against transformers' fp32 eager forward: a 40-token prompt and 16 greedy steps (the recurrent decode
 path), ragged batches, batched decoding, int8 experts, and a continuation the state cannot serve."""
 
