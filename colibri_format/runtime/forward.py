@@ -60,7 +60,8 @@ class RecurrentState:
     """The per-sequence state of each Gated DeltaNet layer, beside the KV cache and with its semantics: a pass whose
     rows of a sequence start at position 0 starts that sequence afresh (the state is zeroed), one that starts at
     position p continues it, which needs the state to hold exactly p tokens (`lengths`; anything else is refused:
-    a recurrent state cannot be rewound). Per layer: conv [S, channels, kernel - 1] (the last inputs of the
+    a recurrent state cannot be rewound; a decode step, like the KV cache, trusts its positions instead: see
+    `strict`). Per layer: conv [S, channels, kernel - 1] (the last inputs of the
     causal depthwise conv) and delta [S, value heads, key dim, value dim] (the delta-rule state), in the
     compute dtype (float32 on the engine)."""
 
@@ -70,6 +71,8 @@ class RecurrentState:
         self.delta = {i: be.zeros((seqs, dims["num_value_heads"], dims["key_head_dim"], dims["value_head_dim"]))
                       for i in layers}
         self.lengths = {i: np.zeros(seqs, np.int64) for i in layers}
+        self.strict = True     # false during a decode step: a slot whose state does not hold `pos` tokens (a
+                               # serving loop's idle slot, fed another slot's token) restarts from zero states
 
 
 @dataclass
@@ -216,7 +219,7 @@ class Decoder:
         y = self.be.gated_delta_net(qkv, z, b, g, self.w[f"{p}.conv"], self.w[f"{p}.A_log"], self.w[f"{p}.dt_bias"],
                                     self.w[f"{p}.norm"], inp.seq[:T], inp.pos[:T], st.conv[i], st.delta[i],
                                     st.lengths[i], heads=(lin["num_key_heads"], nv), dims=(lin["key_head_dim"], dv),
-                                    eps=self.a.eps, out=ws.buf("lin_y", (T, nv * dv)))
+                                    eps=self.a.eps, strict=st.strict, out=ws.buf("lin_y", (T, nv * dv)))
         return self.w.linear(y, f"{p}.o_proj", None, ws.buf("o", (T, self.a.hidden_size)))
 
     # --- feed-forward ----------------------------------------------------------------------------------------------

@@ -187,13 +187,14 @@ def delta_rule(q, k, v, g, beta, state):
 
 
 def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv_state, delta_state, lengths, *,
-                    heads: tuple[int, int], dims: tuple[int, int], eps: float, out=None):
+                    heads: tuple[int, int], dims: tuple[int, int], eps: float, strict: bool = True, out=None):
     """One Gated DeltaNet layer after its input products (qkv [T, 2 nk dk + nv dv], z [T, nv dv], b, a [T, nv]),
     the rows of each sequence in position order: causal conv (state conv_state[s]), silu, l2-normed q and k (q also
     times dk^-1/2), each key head serving nv/nk consecutive value heads, beta = sigmoid(b), g = -exp(A_log)
     softplus(a + dt_bias), the delta rule over delta_state[s] token by token (prefill and decode alike), then
     rmsnorm(o) * norm_w * silu(z) per value head; returns [T, nv dv]. A sequence whose rows start at position 0
-    starts from zero states; one that starts at p continues from states that hold p tokens (`lengths[s]`)."""
+    starts from zero states; one that starts at p continues from states that hold p tokens (`lengths[s]`); any
+    other start raises InvalidInput, or with `strict` false (decode steps) starts that sequence from zero states."""
     (nk, nv), (dk, dv) = heads, dims
     dt = qkv.dtype.type
     seq_h, pos_h = np.asarray(seq).astype(np.int64), np.asarray(pos).astype(np.int64)
@@ -204,7 +205,7 @@ def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv
     for s in dict.fromkeys(seq_h.tolist()):
         rows = np.flatnonzero(seq_h == s)
         p0 = int(pos_h[rows[0]])
-        if p0 == 0:
+        if p0 == 0 or (not strict and int(lengths[s]) != p0):
             conv_state[s] = 0
             delta_state[s] = 0
         elif int(lengths[s]) != p0:

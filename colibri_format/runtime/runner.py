@@ -52,8 +52,16 @@ class DecodeRunner:
             return logits
 
     def run_eager(self):
-        """The step's pass without the graph (the inputs of the last `step`)."""
-        return self.eng.decoder.run(self.inp, self.kv, self.ws, self.batch, None, max_len=self.capacity)
+        """The step's pass without the graph (the inputs of the last `step`). Recurrent states (Gated DeltaNet) trust
+        the step's positions as the KV cache does: an idle slot fed another slot's token restarts its state."""
+        state = self.kv.state
+        if state is None:
+            return self.eng.decoder.run(self.inp, self.kv, self.ws, self.batch, None, max_len=self.capacity)
+        state.strict = False
+        try:
+            return self.eng.decoder.run(self.inp, self.kv, self.ws, self.batch, None, max_len=self.capacity)
+        finally:
+            state.strict = True
 
     def _capture(self) -> None:
         eng = self.eng
