@@ -135,8 +135,9 @@ def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT) -> dict:
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
         busy0, _ = cpu_ticks()
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(out), str(workers)], env=env,
-                                stdout=so, stderr=se, text=True)
+        # run in `root`: `python -c` puts the working directory first on sys.path, before PYTHONPATH
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt.resolve()), str(out.resolve()), str(workers)],
+                                env=env, cwd=root, stdout=so, stderr=se, text=True)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         busy1, _ = cpu_ticks()
