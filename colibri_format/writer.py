@@ -264,12 +264,12 @@ class ColibriWriter:
         buffer = getattr(self._write_buffers, "buffer", None)
         if buffer is None:
             return
-        if buffer.length:
-            length, buffer.length = buffer.length, 0  # emptied first: a failed write is not retried
-            data = memoryview(buffer.data)
-            for pos in range(0, length, WRITE_CALL_BYTES):
-                self._write_at(data[pos:min(length, pos + WRITE_CALL_BYTES)], buffer.start + pos)
+        # Both taken out first: a failed write is not retried, and the pieces it held never count.
+        length, buffer.length = buffer.length, 0
         finished, buffer.finished = buffer.finished, []
+        data = memoryview(buffer.data)
+        for pos in range(0, length, WRITE_CALL_BYTES):
+            self._write_at(data[pos:min(length, pos + WRITE_CALL_BYTES)], buffer.start + pos)
         for key, checksum in finished:
             self.checksums[key] = checksum
 

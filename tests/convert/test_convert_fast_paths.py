@@ -229,6 +229,27 @@ def test_a_buffered_piece_counts_only_once_written(tmp_path):
     w.abort(remove_part=True)
 
 
+def test_pieces_in_a_failed_write_never_count(tmp_path):
+    w = ColibriWriter(tmp_path / "m.colibri", _model(), dense_dtype=S.DType.F16, expert_format=S.ExpertFormat.INT8_ROW)
+    first, second = w.plan.blob_keys()[:2]
+    for key in (first, second):
+        stream = w.stream(key, buffered=True)
+        stream.put(_blob_bytes(w, key, 0))
+        stream.finish()
+    real = w._write_at
+
+    def failing(data, offset):
+        raise WriteError("write failed: No space left on device", field="offset", value=offset)
+
+    w._write_at = failing
+    with pytest.raises(WriteError):
+        w.flush()
+    w._write_at = real
+    w.flush()  # nothing left to write, and the pieces of the failed write are not taken for written
+    assert first not in w.checksums and second not in w.checksums
+    w.abort(remove_part=True)
+
+
 # --- runs -------------------------------------------------------------------------------------------------------
 def test_runs_cut_in_order_by_bytes_or_count():
     sizes = [5, 5, 40, 1, 1, 1, 1, 1, 100, 3]
