@@ -104,28 +104,13 @@ def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.
                      r: np.ndarray) -> tuple[float, float]:
     """The block's scales from its finite group maxima `amax`, then q and the (max, sum) of the relative error.
     `x` may be `w3` itself (it is overwritten)."""
-    np.divide(amax, np.float32(QMAX), out=scale)
-    err_scale = scale  # what a group's error is measured in (below: a zero group's error is exactly 0)
-    tiny = amax < TINY_GROUP_MAX
-    if tiny.any():  # rare: zero groups, and groups whose scale is subnormal (module docstring)
-        small = amax[tiny]
-        exact = small.astype(np.float64) / QMAX
-        rounded = exact.astype(np.float32)
-        rounded = np.where(rounded.astype(np.float64) < exact, np.nextafter(rounded, np.float32(1)), rounded)
-        scale[tiny] = np.where(small == 0, np.float32(1), rounded)  # zero group: q = 0, exact
-        # A zero group's scale 1.0 over the max of a row of tiny values (below ~3e-39) would overflow float32
-        # to inf, and 0 * inf is NaN: measure zero groups with scale 0 instead (their error is 0).
-        err_scale = np.where(amax > 0, scale, np.float32(0))
+    _, weight = _scales(amax, scale)
     _divide(w3, scale, x)  # w in units of its scale, |x| <= 127
     np.rint(x, out=r)
     np.copyto(q, r, casting="unsafe")
     # |w - q*scale| / rowmax == |x - rint(x)| * scale / rowmax: no int8 -> float pass needed.
     np.subtract(x, r, out=x)
     np.abs(x, out=x)
-    row_max = amax.max(axis=1, keepdims=True)
-    # err_scale <= row_max (a group's scale is at most its max / 127, or the smallest subnormal when that max is
-    # itself that subnormal), so the weight is at most 1: finite whatever the row's magnitude
-    weight = err_scale / np.where(row_max > 0, row_max, np.float32(1))  # zero rows: error 0
     group_max = _reduce_groups(np.maximum, x) * weight
     group_sum = _reduce_groups(np.add, x) * weight
     return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
@@ -238,8 +223,8 @@ def _upcast(block: np.ndarray, out: np.ndarray) -> None:
 
 
 def _scales(amax: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Fill `scale` from the finite group maxima (as `_scale_and_round` does); return (err_scale, weight): what a
-    group's error is measured in, and the factor from a group's error in scale units to the row-relative error."""
+    """Fill `scale` from the finite group maxima; return (err_scale, weight): what a group's error is measured in,
+    and the factor from a group's error in scale units to the row-relative error."""
     np.divide(amax, np.float32(QMAX), out=scale)
     err_scale = scale
     tiny = amax < TINY_GROUP_MAX
@@ -248,10 +233,14 @@ def _scales(amax: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray
         exact = small.astype(np.float64) / QMAX
         rounded = exact.astype(np.float32)
         rounded = np.where(rounded.astype(np.float64) < exact, np.nextafter(rounded, np.float32(1)), rounded)
-        scale[tiny] = np.where(small == 0, np.float32(1), rounded)
+        scale[tiny] = np.where(small == 0, np.float32(1), rounded)  # zero group: q = 0, exact
+        # A zero group's scale 1.0 over the max of a row of tiny values (below ~3e-39) would overflow float32
+        # to inf, and 0 * inf is NaN: measure zero groups with scale 0 instead (their error is 0).
         err_scale = np.where(amax > 0, scale, np.float32(0))
     row_max = amax.max(axis=1, keepdims=True)
-    return err_scale, err_scale / np.where(row_max > 0, row_max, np.float32(1))
+    # err_scale <= row_max (a group's scale is at most its max / 127, or the smallest subnormal when that max is
+    # itself that subnormal), so the weight is at most 1: finite whatever the row's magnitude
+    return err_scale, err_scale / np.where(row_max > 0, row_max, np.float32(1))  # zero rows: error 0
 
 
 def _divide(w3: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
