@@ -57,15 +57,18 @@ def bench_config(gb: float, dims: dict) -> dict:
                                      kv_heads=dims["kv_heads"])
 
 
-def ensure_checkpoint(path: Path, cfg: dict) -> int:
+def ensure_checkpoint(path: Path, cfg: dict, shard_bytes: int = 3 << 30, log=None) -> int:
+    """A bf16 safetensors checkpoint of `cfg` at `path`, written unless the one there has the same config (kept
+    between runs); its source bytes. The line saying it was written goes to `log` (default: standard output)."""
     stamp = path / "bench.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("config") == cfg:
         return json.loads(stamp.read_text())["bytes"]
     shutil.rmtree(path, ignore_errors=True)
     start = time.perf_counter()
-    total = write_mixtral_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=3 << 30)
+    total = write_mixtral_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=shard_bytes)
     stamp.write_text(json.dumps({"config": cfg, "bytes": total}))
-    print(f"wrote {total / 1e9:.2f} GB checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"wrote {total / 1e9:.2f} GB checkpoint in {time.perf_counter() - start:.1f} s", file=log or sys.stdout,
+          flush=True)
     return total
 
 

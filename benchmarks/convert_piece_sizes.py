@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from colibri_format.synthetic import mixtral_checkpoint_config, write_mixtral_checkpoint
+from colibri_format.synthetic import mixtral_checkpoint_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # name: (hidden, expert FFN, most experts per layer, heads, kv heads)
@@ -84,18 +84,6 @@ def qwen3_config(dims: tuple, layers: int, vocab: int) -> dict:
     hidden, inter, most, heads, kv = dims
     return mixtral_checkpoint_config(vocab=vocab, hidden=hidden, layers=layers, experts=most, inter=inter,
                                      heads=heads, kv_heads=kv, top_k=QWEN3_TOP_K)
-
-
-def ensure_checkpoint(path: Path, cfg: dict) -> int:
-    stamp = path / "bench.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("config") == cfg:
-        return json.loads(stamp.read_text())["bytes"]
-    shutil.rmtree(path, ignore_errors=True)
-    start = time.perf_counter()
-    total = write_mixtral_checkpoint(path, cfg, dtype="bfloat16", shard_bytes=2 << 30)
-    stamp.write_text(json.dumps({"config": cfg, "bytes": total}))
-    print(f"  wrote {total / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    return total
 
 
 def warm(path: Path) -> None:
@@ -292,7 +280,9 @@ def main() -> None:
             ckpt = args.dir / name
             print(f"{name}: hidden {dims[0]}, FFN {dims[1]}, {cfg['num_local_experts']} experts x "
                   f"{cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}", file=sys.stderr, flush=True)
-            total = ensure_checkpoint(ckpt, cfg)
+            from benchmarks.convert import ensure_checkpoint   # the same kept checkpoint as convert.py
+
+            total = ensure_checkpoint(ckpt, cfg, shard_bytes=2 << 30, log=sys.stderr)
             out = out_dir / f"colibri-piece-bench-{os.getpid()}-{name}.colibri"
             trees = [("", ROOT)] + ([(" (baseline)", args.baseline.resolve())] if args.baseline else [])
             runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
