@@ -294,7 +294,9 @@ def render(result: dict) -> str:
     if "paging" in d:
         p = d["paging"]
         lines.append(f"paging: hit rate {p['hit_rate']:.1%}, {p['misses_per_token']:.2f} misses/token, "
-                     f"{p['paging_gbps'] or 0:.1f} GB/s, stall {p['stall_ms_per_token']:.3f} ms/token")
+                     f"{p['pcie_mb_per_token']:.2f} MB/token over PCIe, copies "
+                     f"{'n/a' if p['copy_gbps'] is None else format(p['copy_gbps'], '.1f') + ' GB/s'}, "
+                     f"stall {p['stall_ms_per_token']:.3f} ms/token")
     if "kernels" in result:
         lines.append(f"{'kernel':<18}{'calls':>6}{'us':>10}{'GB/s':>9}")
         for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["us"]):

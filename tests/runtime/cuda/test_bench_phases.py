@@ -36,6 +36,9 @@ def test_phases_on_the_cpu_engine(path, capacity):
             assert p["copy_gbps"] > 0                                   # the copies' host time stands in
         else:
             assert p["copy_gbps"] is None
+    text = render({"file": str(path), "ceilings": {"d2d_copy_gbps": 1.0, "h2d_pinned_gbps": 1.0},
+                   "prefill": pre, "decode": dec})
+    assert "decode batch 2" in text and ("MB/token over PCIe" in text) == (capacity is not None)
 
 
 @pytest.mark.gpu
