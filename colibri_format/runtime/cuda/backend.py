@@ -155,25 +155,27 @@ class CupyBackend:
     def qkv_rope_kv(self, *args, **kwargs):
         return self.ops.qkv_rope_kv(*args, **kwargs)
 
-    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int):
+    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
+                  sinks=None):
         """The split attention kernel (splits and partials planned once per shape), or, for head sizes it is not
-        built for, the NumPy backend's array code on device arrays (eager only)."""
+        built for, the NumPy backend's array code on device arrays (eager only). sinks: f32 [heads] or None."""
         T, nh, hd = q.shape
         if hd not in ATTENTION_HEAD_DIMS:
             from colibri_format.runtime.numpy_backend import attention  # noqa: PLC0415
 
             return attention(q, k_cache, v_cache, self.to_host(q_seq), self.to_host(q_len), scale, window=window,
-                             out=out, xp=self.xp)
+                             sinks=sinks, out=out, xp=self.xp)
         nkv = k_cache.shape[2]
         key = ("attention", T, max_len)
         if key not in ws.extra:
             ns = self.ops.attention_splits(T, nkv, nh // nkv, max_len)
             ws.extra[key] = (ns, self.ops.AttentionWorkspace(T, nh, hd, ns) if ns > 1 else None)
         ns, aws = ws.extra[key]
-        return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, out=out, nsplit=ns,
-                                  workspace=aws)
+        return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out,
+                                  nsplit=ns, workspace=aws)
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
+        """The fused router; `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
         key = ("router", x.shape[0], w.shape[0])
         if key not in ws.extra:
             ws.extra[key] = self.ops.RouterWorkspace(x.shape[0], w.shape[0])

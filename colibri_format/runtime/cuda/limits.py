@@ -122,23 +122,15 @@ def check_cuda_support(model: dict, blob_layout) -> None:
 
 
 def _check_semantics(model: dict) -> None:
-    """Model features the NumPy engine computes and these kernels do not yet (each names what the kernel lacks)."""
-    router = model.get("router") or {}
-    groups, keep = router.get("n_group", 1), router.get("topk_group", 1)
-    if keep < groups:
-        raise _refuse(f"grouped top-k routing (n_group {groups}, topk_group {keep}); router.cu selects a plain "
-                      "top-k", "model.router.n_group", groups)
-    if router.get("bias") and router.get("order") == "topk_softmax":
-        raise _refuse("a router bias added to the logits (order topk_softmax); router.cu adds a bias to the "
-                      "selection keys of softmax_topk only", "model.router.bias", True)
+    """Model features the NumPy engine computes and these kernels do not yet (each names what the kernel lacks).
+
+    Grouped top-k (router.n_group), a router bias on the logits (topk_softmax) and attention sinks run (router.cu,
+    layers.cu)."""
     if model.get("expert_act") is not None:
         raise _refuse("the clamped SwiGLU of the experts (expert_act); moe_gemv.cu / moe_gemm.cu compute "
                       "silu(gate) * up", "model.expert_act", model["expert_act"])
     if model.get("expert_bias"):
         raise _refuse("expert biases (expert_bias); the expert kernels add none", "model.expert_bias", True)
-    if model.get("attention_sinks"):
-        raise _refuse("attention sinks (attention_sinks); the attention kernel has no sink logit",
-                      "model.attention_sinks", True)
     if "linear_attention" in (model.get("layer_types") or ()):
         raise _refuse("Gated DeltaNet layers (layer_types linear_attention: Qwen3-Next / Qwen3.5) have no CUDA kernels "
                       "yet; run it with --device cpu", "model.layer_types", "linear_attention")

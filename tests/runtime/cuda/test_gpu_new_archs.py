@@ -1,11 +1,11 @@
 """GLM-4.5, MiniMax-M2 and gpt-oss on the CUDA engine (GPU only).
 
 Tiny transformers models (head_dim 64 so the CUDA attention kernel runs; partial RoPE, q/k norms, q/k/v biases,
-sigmoid routing with a selection-only bias, scaled weights, a leading dense layer, a shared expert) are converted
-with int8 experts; the CUDA engine must give the NumPy engine's greedy tokens and logits close to the float64
-reference, eager and in graphs, from bf16 and from FP8 sources (GLM in float32: a 16-bit leading dense layer is
-refused). What the kernels do not compute yet (grouped top-k, gpt-oss's logit router bias, sinks, expert biases
-and clamped SwiGLU, per-layer windows) is refused at open with one line.
+sigmoid routing with a selection-only bias, grouped top-k, scaled weights, a leading dense layer, a shared expert,
+a sliding window on some layers) are converted with int8 experts; the CUDA engine must give the NumPy engine's
+greedy tokens and logits close to the float64 reference, eager and in graphs, from bf16 and from FP8 sources.
+Attention sinks and a router bias on the logits (gpt-oss) run on a NumPy-built model with plain experts. What the
+kernels do not compute yet (gpt-oss's expert biases and clamped SwiGLU) is refused at open with one line.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ RUN = {  # test id -> (config key, overrides[, dense dtype: bfloat16 by default]
     "glm4_moe": ("glm4_moe", dict(WIDE), "float32"),                      # partial RoPE 0.5, per-head q/k norm
     "minimax_m2": ("minimax_m2", dict(WIDE, rotary_dim=16)),              # full q/k norm, rotary 16 of 64
     "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
+    "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
 REFUSED = {  # config key -> (overrides, field)
-    "gpt_oss": (dict(WIDE, intermediate_size=64), "model.router.bias"),  # the first of its five
-    "glm4_moe-groups": (dict(WIDE), "model.router.n_group"),            # grouped top-k: 4 groups of 2, keep 2
+    "gpt_oss": (dict(WIDE, intermediate_size=64), "model.expert_act"),   # the first of its two
     # a leading dense MLP layer stored in bf16 gave NaN logits on the H200 (2026-12-01): refused until found
     "glm4_moe": (dict(WIDE), "dense[layers.0.mlp.down_proj].dtype"),
 }
@@ -84,6 +84,28 @@ def test_windowed_layers_are_refused_on_cuda(tmp_path):
     with pytest.raises(UnsupportedModel) as info:
         Engine(path, EngineConfig(device="cuda"))
     assert info.value.field == "model.sliding_layers" and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_sinks_and_a_logit_router_bias_run_on_cuda(tmp_path, graphs):
+    # gpt-oss's attention side and router (sinks, q/k/v/o biases, top-k of logits + bias,
+    # softmax over the k) on a model whose experts the kernels run (plain SwiGLU, no expert biases)
+    from tests.runtime.numpy_tiny import random_weights
+    from tests.runtime.tiny_weights import write_colibri
+
+    router = {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True, "scale": 1.0}
+    weights = random_weights(seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             attention_sinks=True, qkv_bias=True, o_bias=True, router=router)
+    rng = np.random.default_rng(5)
+    m = weights.model
+    for i in range(m["num_layers"]):
+        p = f"layers.{i}"
+        weights.dense[f"{p}.attn.sinks"] = rng.uniform(-1.0, 3.0, m["num_attention_heads"]).astype(np.float32)
+        weights.dense[f"{p}.moe.router_bias"] = rng.standard_normal(m["num_experts"]).astype(np.float32)
+        for name, n in (("q_bias", 4 * 64), ("k_bias", 2 * 64), ("v_bias", 2 * 64), ("o_bias", 128)):
+            weights.dense[f"{p}.attn.{name}"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    path = write_colibri(weights, tmp_path / "sinks.colibri", experts="int8_row")
+    _same_as_numpy(path, graphs)
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

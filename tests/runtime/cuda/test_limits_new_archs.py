@@ -1,5 +1,6 @@
-"""`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss / Qwen3-Next features (CPU only): what the kernels
-compute runs, what they do not yet compute is refused at open with one line naming the field."""
+"""`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss features (CPU only): what the kernels compute runs
+(grouped top-k, a router bias on the logits and attention sinks among them), what they do not yet compute (gpt-oss's
+expert biases and clamped SwiGLU) is refused at open with one line naming the field."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ SIGMOID = {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True
     {"router": {**SIGMOID, "n_group": 2, "topk_group": 2}},                # every group kept: plain top-k
     {"router": {**SIGMOID, "scale": 1.0}, "qk_norm": "full"},               # MiniMax-M2
     {"rope": {"type": "default", "theta": 1e4, "partial_rotary_factor": 0.5}},
+    {"router": {**SIGMOID, "n_group": 2, "topk_group": 1}},                # grouped top-k (router.cu)
+    {"router": {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
+                "scale": 1.0}},                                            # gpt-oss's router: a bias on the logits
+    {"attention_sinks": True},                                              # gpt-oss's sinks (layers.cu)
 ])
 def test_glm_minimax_and_gpt_oss_attention_features_run(changes):
     m = model(**changes)
@@ -41,10 +46,6 @@ def test_glm_minimax_and_gpt_oss_attention_features_run(changes):
     ({"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}, "model.expert_act"),
     ({"expert_bias": True}, "model.expert_bias"),
     ({"sliding_window": 4, "sliding_layers": [0]}, "model.sliding_layers"),   # disagreed on the H200: refused
-    ({"router": {**SIGMOID, "n_group": 2, "topk_group": 1}}, "model.router.n_group"),
-    ({"router": {"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
-                 "scale": 1.0}}, "model.router.bias"),
-    ({"attention_sinks": True}, "model.attention_sinks"),
     ({"attention_gate": True}, "model.attention_gate"),                        # Qwen3-Next / Qwen3.5: CPU only
     ({"layer_types": ["linear_attention", "full_attention"], "attention_gate": True,
       "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8,

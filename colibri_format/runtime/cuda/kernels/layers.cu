@@ -72,14 +72,18 @@ static_assert(ATT_THREADS % 32 == 0, "whole warps");
 // scores (q in shared memory), then accumulates p * V with each lane owning HPL dims. The block writes its (max,
 // sum, unnormalized output) per head to the workspace; attention_merge combines the splits. With nsplit == 1 the
 // block writes the final output directly.
+// Attention sinks (gpt-oss): sinks [nh] f32, or NULL for none. Head h's learned logit joins the softmax
+// denominator as one more column whose value is dropped: out = num / (den + exp(sinks[h] - M)), with num and den
+// rescaled to M = max(max score, sinks[h]) (scores include `scale`). It is added once per row and head: by the
+// split kernel when nsplit == 1, else by attention_merge (the split partials never include it).
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q,
                                                      const typename TC::storage* __restrict__ kc,
                                                      const typename TC::storage* __restrict__ vc,
                                                      const int* __restrict__ q_seq, const int* __restrict__ q_len,
-                                                     float* __restrict__ part_ml, float* __restrict__ part_acc,
-                                                     float* __restrict__ out, int nh, int nkv, int capacity,
-                                                     int window, float scale, int nsplit) {
+                                                     const float* __restrict__ sinks, float* __restrict__ part_ml,
+                                                     float* __restrict__ part_acc, float* __restrict__ out, int nh,
+                                                     int nkv, int capacity, int window, float scale, int nsplit) {
     constexpr int HD = HPL * 32;
     __shared__ __align__(16) float s_q[ATT_GMAX][HD];
     __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
@@ -172,7 +176,10 @@ __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q
     __syncthreads();
     for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
         const int g = i / HD, d = i - g * HD;
-        float mx = NEG_INF;
+        const int head = kvh * G + g0 + g;
+        // with splits, attention_merge adds the sink; -inf: none (fmaxf and + exp(-inf) leave mx and den as they are)
+        const float sk = (sinks != nullptr && nsplit == 1) ? sinks[head] : NEG_INF;
+        float mx = sk;
         for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
         float num = 0.0f, den = 0.0f;
         if (mx != NEG_INF) {
@@ -181,8 +188,8 @@ __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q
                 num = fmaf(s_acc[w][g][d], c, num);
                 den = fmaf(s_l[w][g], c, den);
             }
+            if (sk != NEG_INF) den += expf(sk - mx);
         }
-        const int head = kvh * G + g0 + g;
         const size_t nhd = (size_t)n * nh + head;
         if (nsplit == 1) {
             out[nhd * HD + d] = den > 0.0f ? num / den : 0.0f;
@@ -199,10 +206,10 @@ __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q
 #define ATTENTION_SPLIT_KERNEL(SUF, TC, HPL)                                                                    \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
         attention_split_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,   \
-                              const int* q_len, float* part_ml, float* part_acc, float* out, int nh, int nkv,  \
-                              int capacity, int window, float scale, int nsplit) {                             \
-        attention_split_impl<TC, HPL>(q, kc, vc, q_seq, q_len, part_ml, part_acc, out, nh, nkv, capacity,      \
-                                      window, scale, nsplit);                                                  \
+                              const int* q_len, const float* sinks, float* part_ml, float* part_acc,           \
+                              float* out, int nh, int nkv, int capacity, int window, float scale, int nsplit) { \
+        attention_split_impl<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv,         \
+                                      capacity, window, scale, nsplit);                                        \
     }
 ATTENTION_SPLIT_KERNEL(f32_hd64, TF32, 2)
 ATTENTION_SPLIT_KERNEL(f32_hd128, TF32, 4)
@@ -215,13 +222,16 @@ ATTENTION_SPLIT_KERNEL(bf16_hd128, TBF16, 4)
 ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 
 // out[r, :] for r = (row, head) = merge of the nsplit partials (max, sum, unnormalized output); one block per r,
-// one thread per dim.
+// one thread per dim. sinks [nh] f32 or NULL: head r % nh's sink logit joins the denominator (see above).
 extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                           float* __restrict__ out, int hd, int nsplit) {
+                                           const float* __restrict__ sinks, float* __restrict__ out, int hd,
+                                           int nsplit, int nh) {
     const size_t r = blockIdx.x;
     const float NEG_INF = __int_as_float(0xff800000);
     float mx = NEG_INF;
     for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, part_ml[(r * nsplit + s) * 2]);
+    const float sink = sinks != nullptr ? __ldg(sinks + r % nh) : NEG_INF;
+    if (sinks != nullptr) mx = fmaxf(mx, sink);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float num = 0.0f, den = 0.0f;
         if (mx != NEG_INF) {
@@ -232,6 +242,7 @@ extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, co
                 num = fmaf(part_acc[(r * nsplit + s) * hd + d], c, num);
                 den = fmaf(part_ml[(r * nsplit + s) * 2 + 1], c, den);
             }
+            if (sinks != nullptr) den += expf(sink - mx);
         }
         out[r * hd + d] = den > 0.0f ? num / den : 0.0f;
     }

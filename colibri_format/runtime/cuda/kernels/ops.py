@@ -154,10 +154,23 @@ class RouterWorkspace:
         self.tickets = cp.zeros((-(-max_tokens // ROUTER_TPB),), dtype=cp.uint32)
 
 
+def router_shared_bytes(num_experts: int, groups: tuple[int, int] | None) -> int:
+    """Dynamic shared memory of a router launch: the selecting warps' keys and group scores for a grouped top-k
+    that masks groups, none otherwise."""
+    if groups is None or groups[1] >= groups[0]:
+        return 0
+    return ROUTER_TPB * (num_experts + 2 * groups[0]) * 4
+
+
 def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
-           normalize: bool = False, scale: float = 1.0, workspace: RouterWorkspace | None = None,
-           out_ids=None, out_weights=None):
-    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32)."""
+           normalize: bool = False, scale: float = 1.0, groups: tuple[int, int] | None = None,
+           workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None):
+    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32).
+
+    bias [E] f32: with order softmax_topk it is added to the selection keys only; with topk_softmax it is part of
+    the logits (top-k and softmax of logits + bias). groups (n_group, topk_group), softmax_topk only: grouped
+    top-k on the selection keys (`numpy_backend.group_mask`); None or topk_group >= n_group: a plain top-k.
+    """
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
     _check("w", w, ndim=2, codes=("f32", "f16", "bf16"))
@@ -174,6 +187,12 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
         raise ValueError(f"scoring {scoring!r} / order {order!r} not supported")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(E,))
+    n_group, topk_group = (1, 1) if groups is None else (int(groups[0]), int(groups[1]))
+    if not (1 <= topk_group <= n_group <= E) or E % n_group:
+        raise ValueError(f"groups (n_group {n_group}, topk_group {topk_group}) must have 1 <= topk_group <= n_group "
+                         f"and n_group dividing E={E}")
+    if topk_group < n_group and order != "softmax_topk":
+        raise ValueError(f"grouped top-k needs order 'softmax_topk', got {order!r}")
     ws = workspace or RouterWorkspace(T, E)
     if ws.num_experts != E or ws.max_tokens < T:
         raise ValueError("router workspace too small for this call")
@@ -186,7 +205,9 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
     kernel("router", f"moe_router_{dtype_code(w)}_e{width}")(
         grid, (ROUTER_THREADS,),
         (x, w, _ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
-         np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale)))
+         np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale),
+         np.int32(n_group), np.int32(topk_group)),
+        shared_mem=router_shared_bytes(E, (n_group, topk_group)))
     return ids, weights
 
 
@@ -527,11 +548,12 @@ class AttentionWorkspace:
         self.acc = cp.empty(num_rows * heads * nsplit * head_dim, cp.float32)
 
 
-def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, out=None,
+def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
               nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None):
     """q [NQ, nh, hd] f32 against caches [S, cap, nkv, hd]: decode (q_len = length) or causal prefill rows.
 
     Row n attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n] (window <= 0: all).
+    sinks [nh] f32 (gpt-oss): one learned logit per head joins each softmax's denominator (`numpy_backend.attention`).
     The kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults to the
     cache capacity) and merges them.
     """
@@ -547,6 +569,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         raise ValueError(f"head_dim {hd} not supported {ATTENTION_HEAD_DIMS}")
     _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
     _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
+    if sinks is not None:
+        _check("sinks", sinks, dtype=np.float32, shape=(nh,))
     o = _out("out", out, q.shape, cp.float32)
     if NQ == 0:
         return o
@@ -563,10 +587,11 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     else:
         ml = acc = o  # unused
     kernel("layers", f"attention_split_{dtype_code(k_cache)}_hd{hd}")(
-        (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, ml, acc, o) + args_tail
-        + (np.int32(ns),))
+        (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, o)
+        + args_tail + (np.int32(ns),))
     if ns > 1:
-        kernel("layers", "attention_merge")((NQ * nh,), (hd,), (ml, acc, o, np.int32(hd), np.int32(ns)))
+        kernel("layers", "attention_merge")((NQ * nh,), (hd,), (ml, acc, _ptr(sinks), o, np.int32(hd), np.int32(ns),
+                                                               np.int32(nh)))
     return o
 
 

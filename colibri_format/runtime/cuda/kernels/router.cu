@@ -10,9 +10,17 @@
 // single block per token group (E <= ROUTER_EPB) the block selects at once, without the global round trip.
 //
 // Selection order: descending key, ties to the lower expert index (NumPy's stable argsort of -key).
-//   order 0 (softmax_topk): score = softmax(logits) or sigmoid(logits); key = score (+ bias); weight = score,
-//                          divided by the sum of the k selected if normalize; times scale.
-//   order 1 (topk_softmax): key = logits; weight = softmax over the k selected logits; times scale.
+//   order 0 (softmax_topk): score = softmax(logits) or sigmoid(logits); key = score (+ bias: it steers the
+//                          selection only); weight = score, divided by the sum of the k selected if normalize;
+//                          times scale.
+//   order 1 (topk_softmax): key = logits (+ bias: part of the logits, gpt-oss); weight = softmax over the k
+//                          selected keys; times scale.
+// Grouped top-k (order 0 with topk_group < n_group; DeepSeek-V3, GLM-4.5): the E experts form n_group groups of
+// E / n_group consecutive experts; a group scores the sum of its two best keys (its one key for groups of one),
+// the topk_group best groups are kept (ties to the lower group index) and the keys of every other group become
+// -inf before the top-k; the weights stay the unbiased scores. The selecting warp stages its keys and group scores
+// in dynamic shared memory: ROUTER_TPB * (E + 2 * n_group) * 4 bytes a block, given at launch only for grouped
+// calls (router_shared_bytes in ops.py; 0 otherwise). n_group 1 (or topk_group >= n_group) is a plain top-k.
 #include "common.cuh"
 
 #ifndef ROUTER_THREADS
@@ -102,10 +110,63 @@ __device__ __forceinline__ unsigned long long pack_key(float k, int e) {
     return ((unsigned long long)b << 32) | (unsigned int)(0x7fffffff - e);
 }
 
+// Grouped top-k: keys of experts outside the topk_group best of n_group groups become -inf (see the header).
+// `s_key` holds E + 2 * n_group words of this warp's dynamic shared memory.
+template <int EPL>
+__device__ __forceinline__ void router_group_mask(unsigned long long* key, float* __restrict__ s_key, int E,
+                                                  int n_group, int topk_group) {
+    const int lane = threadIdx.x & 31;
+    const float NEG_INF = __int_as_float(0xff800000);
+    float* s_gscore = s_key + E;
+    int* s_kept = reinterpret_cast<int*>(s_gscore + n_group);
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {  // unpack the keys (the inverse of pack_key)
+        const int e = lane + 32 * i;
+        if (e < E) {
+            const unsigned int b = (unsigned int)(key[i] >> 32);
+            s_key[e] = __uint_as_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
+        }
+    }
+    __syncwarp();
+    const int gsize = E / n_group;
+    for (int g = lane; g < n_group; g += 32) {  // the sum of the group's two best keys
+        float b1 = NEG_INF, b2 = NEG_INF;
+        for (int j = 0; j < gsize; ++j) {
+            const float v = s_key[g * gsize + j];
+            if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+        }
+        const float sc = gsize > 1 ? b1 + b2 : b1;
+        s_gscore[g] = sc != sc ? NEG_INF : sc;
+        s_kept[g] = 0;
+    }
+    __syncwarp();
+    for (int j = 0; j < topk_group; ++j) {  // the best groups, ties to the lower group index
+        unsigned long long best = 0ull;
+        for (int g = lane; g < n_group; g += 32) {
+            const unsigned long long gk = s_kept[g] ? 0ull : pack_key(s_gscore[g], g);
+            best = gk > best ? gk : best;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long other = __shfl_xor_sync(COLIBRI_FULL_MASK, best, o);
+            best = other > best ? other : best;
+        }
+        const int g = 0x7fffffff - (int)(unsigned int)(best & 0xffffffffull);
+        if (lane == (g & 31)) s_kept[g] = 1;  // the lane that owns group g
+        __syncwarp();
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        if (e < E && !s_kept[e / gsize]) key[i] = pack_key(NEG_INF, e);
+    }
+}
+
 template <int EPL>
 __device__ void router_select(const float* __restrict__ logits, const float* __restrict__ bias,
                               int* __restrict__ topk_ids, float* __restrict__ topk_w, int t, int E, int K,
-                              int scoring, int order, int normalize, float scale) {
+                              int scoring, int order, int normalize, float scale, int n_group, int topk_group,
+                              float* __restrict__ s_key) {
     const int lane = threadIdx.x & 31;
     const float NEG_INF = __int_as_float(0xff800000);
     float logit[EPL], score[EPL];
@@ -144,10 +205,12 @@ __device__ void router_select(const float* __restrict__ logits, const float* __r
     for (int i = 0; i < EPL; ++i) {
         const int e = lane + 32 * i;
         float k = (order == 0) ? score[i] : logit[i];
-        if (order == 0 && bias != nullptr && e < E) k += __ldg(bias + e);
+        if (bias != nullptr && e < E) k += __ldg(bias + e);  // order 0: selection only; order 1: the logits
         if (k != k) k = NEG_INF;
+        if (order == 1) score[i] = k;  // the weights are the softmax of the selected (biased) logits
         key[i] = e < E ? pack_key(k, e) : 0ull;  // 0: below every real key
     }
+    if (order == 0 && topk_group < n_group) router_group_mask<EPL>(key, s_key, E, n_group, topk_group);
     float my_w = 0.0f;  // lane j < K keeps the j-th selection
     int my_id = 0;
     for (int j = 0; j < K; ++j) {
@@ -187,7 +250,8 @@ template <typename TW, int EPL>
 __device__ __forceinline__ void router_impl(const float* x, const typename TW::storage* w, const float* bias,
                                             float* logits, unsigned int* tickets, int* topk_ids, float* topk_w,
                                             int T, int H, int E, int K, int scoring, int order, int normalize,
-                                            float scale) {
+                                            float scale, int n_group, int topk_group) {
+    extern __shared__ float s_dyn[];  // grouped top-k only: ROUTER_TPB * (E + 2 * n_group) words
     __shared__ int s_last;
     router_logits<TW>(x, w, logits, T, H, E);
     if (gridDim.y > 1) {  // several blocks share a token group: the last one to finish selects
@@ -207,7 +271,8 @@ __device__ __forceinline__ void router_impl(const float* x, const typename TW::s
     const int warp = threadIdx.x >> 5;
     const int t = blockIdx.x * ROUTER_TPB + warp;
     if (warp < ROUTER_TPB && t < T)
-        router_select<EPL>(logits, bias, topk_ids, topk_w, t, E, K, scoring, order, normalize, scale);
+        router_select<EPL>(logits, bias, topk_ids, topk_w, t, E, K, scoring, order, normalize, scale, n_group,
+                           topk_group, s_dyn + (size_t)warp * (E + 2 * n_group));
 }
 
 // suffix: <router weight dtype>_e<32 * EPL: largest expert count>
@@ -215,9 +280,9 @@ __device__ __forceinline__ void router_impl(const float* x, const typename TW::s
     extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)                                              \
         moe_router_##SUFFIX(const float* x, const TW::storage* w, const float* bias, float* logits,           \
                             unsigned int* tickets, int* topk_ids, float* topk_w, int T, int H, int E, int K,  \
-                            int scoring, int order, int normalize, float scale) {                             \
+                            int scoring, int order, int normalize, float scale, int n_group, int topk_group) {\
         router_impl<TW, EPL>(x, w, bias, logits, tickets, topk_ids, topk_w, T, H, E, K, scoring, order,       \
-                             normalize, scale);                                                               \
+                             normalize, scale, n_group, topk_group);                                          \
     }
 #define ROUTER_KERNELS(SUF, TW)          \
     ROUTER_KERNEL(SUF##_e32, TW, 1)      \
