@@ -52,6 +52,11 @@ def compare(path, label, **cfg):
             errs = [rel(g, e) for g, e in zip(gpu.logits(PROMPTS), ref.logits(PROMPTS))]
             one = [rel(gpu.logits([p])[0], ref.logits([p])[0]) for p in PROMPTS]
             print(f"{label}: batched {np.round(errs, 4)}, one at a time {np.round(one, 4)}, first NaN op: {first[:1]}", flush=True)
+        for graphs in (True, False):     # the GPU tests' greedy checks (decode steps, graphs on and off)
+            with Engine(path, EngineConfig(device="cuda", max_seq_len=64, use_graphs=graphs, **cfg)) as gpu, Engine(path) as cpu:
+                same = [gpu.generate(p, max_new_tokens=10, stop_ids=[]).output_ids == cpu.generate(p, max_new_tokens=10, stop_ids=[]).output_ids for p in PROMPTS]
+                batch = gpu.generate_batch(PROMPTS, 6) == cpu.generate_batch(PROMPTS, 6)
+                print(f"{label} graphs={graphs}: greedy tokens equal {same}, batch equal {batch}", flush=True)
     except Exception:
         print(label, "ERROR", traceback.format_exc()[-800:], flush=True)
 

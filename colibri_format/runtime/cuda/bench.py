@@ -144,6 +144,62 @@ def profile_step(eng, runner) -> dict:
     return kinds
 
 
+def timeline_profile(eng, step: Callable[[], None], steps: int = 8) -> dict | None:
+    """Every kernel, copy and memset of `steps` calls of `step` (decode steps: graph replays included) as the
+    device ran them, read from CUPTI through PyTorch's profiler, so the figures add up to the step: per kind,
+    calls and microseconds per step; `busy_us` (union of the intervals), `span_us` (first start to last end,
+    per step) and `idle_us` = span - busy (the device waiting between kernels). None without PyTorch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 -- CUPTI, only when asked
+    except ImportError:
+        return None
+    import json as _json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    step()
+    eng.be.sync_event(eng.be.record(eng.stream))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        eng.be.sync_event(eng.be.record(eng.stream))
+    fd, trace = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(trace)
+        with open(trace, encoding="utf-8") as f:
+            events = _json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(trace)
+    return summarize_timeline(events, steps)
+
+
+def summarize_timeline(events: list[dict], steps: int) -> dict:
+    """Per-kind totals of a Chrome trace's device events (cat kernel / gpu_memcpy / gpu_memset), per step."""
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kinds: dict[str, dict] = {}
+    for e in device:
+        name = e["name"] if e["cat"] == "kernel" else e["cat"]
+        k = kinds.setdefault(name, {"calls": 0, "us": 0.0})
+        k["calls"] += 1
+        k["us"] += float(e["dur"])
+    for k in kinds.values():
+        k["calls"] /= steps
+        k["us"] /= steps
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a >= end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"steps": steps, "kinds": kinds, "kernels_per_step": sum(k["calls"] for k in kinds.values()),
+            "busy_us": busy / steps, "span_us": span / steps, "idle_us": (span - busy) / steps}
+
+
 # --- phases -------------------------------------------------------------------------------------------------------
 def prefill_bench(eng, seq_len: int, rng) -> dict:
     """Median time of a `seq_len`-token `infer` (after one warm-up): any backend."""
@@ -266,6 +322,10 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng)
         result["decode"] = decode
         if profile:
+            ids, pos = np.zeros(batch_size, np.int64), np.full(batch_size, runner.capacity - 1)
+            timeline = timeline_profile(eng, lambda: runner.step(ids, pos))
+            if timeline is not None:
+                result["timeline"] = timeline
             kernels = profile_step(eng, runner)
             result["kernels"] = kernels
             result["roofline"] = _roofline(kernels, result["ceilings"], batch_size, decode["tokens_per_s"],
@@ -297,6 +357,13 @@ def render(result: dict) -> str:
                      f"{p['pcie_mb_per_token']:.2f} MB/token over PCIe, copies "
                      f"{'n/a' if p['copy_gbps'] is None else format(p['copy_gbps'], '.1f') + ' GB/s'}, "
                      f"stall {p['stall_ms_per_token']:.3f} ms/token")
+    if "timeline" in result:
+        t = result["timeline"]
+        lines.append(f"device timeline of a decode step (CUPTI): span {t['span_us']:.1f} us = busy {t['busy_us']:.1f} "
+                     f"+ idle {t['idle_us']:.1f}; {t['kernels_per_step']:.0f} kernels and copies")
+        lines.append(f"{'kernel':<40}{'calls':>7}{'us':>10}{'share':>7}")
+        for name, k in sorted(t["kinds"].items(), key=lambda kv: -kv[1]["us"]):
+            lines.append(f"{name[:39]:<40}{k['calls']:>7.0f}{k['us']:>10.1f}{k['us'] / t['span_us']:>7.1%}")
     if "kernels" in result:
         lines.append(f"{'kernel':<18}{'calls':>6}{'us':>10}{'GB/s':>9}")
         for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["us"]):

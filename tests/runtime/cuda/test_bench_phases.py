@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime import Engine, EngineConfig
-from colibri_format.runtime.cuda.bench import decode_bench, prefill_bench, render, run_bench
+from colibri_format.runtime.cuda.bench import decode_bench, prefill_bench, render, run_bench, summarize_timeline
 from colibri_format.synthetic import synthetic_model, write_synthetic
 
 
@@ -55,3 +55,13 @@ def test_run_bench_reports_every_section(path, capacity):
     assert r["kernels"]["moe_experts"]["bytes"] > 0          # the roofline counts the experts read
     assert ("paging" in r["decode"]) == (capacity is not None)
     assert "decode batch 2" in render(r)
+
+
+def test_timeline_totals_add_up_per_step():
+    # two steps; kernels a (twice a step), b overlapping a, then a gap; CPU-side ops are not device time
+    ev = [{"cat": "kernel", "name": "a", "ts": 0, "dur": 10}, {"cat": "kernel", "name": "b", "ts": 5, "dur": 10},
+          {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 20, "dur": 4}, {"cat": "kernel", "name": "a", "ts": 30, "dur": 10},
+          {"cat": "cpu_op", "name": "x", "ts": 0, "dur": 100}, {"cat": "kernel", "name": "a", "ts": 40, "dur": 0}]
+    t = summarize_timeline(ev, steps=2)
+    assert t["kinds"]["a"] == {"calls": 1.5, "us": 10.0} and t["kinds"]["gpu_memcpy"]["calls"] == 0.5
+    assert t["span_us"] == 20.0 and t["busy_us"] == 14.5 and t["idle_us"] == 5.5

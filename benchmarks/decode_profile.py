@@ -1,0 +1,207 @@
+"""Where a full-depth decode step's time goes, and dense GEMV candidates at the shapes decode multiplies.
+
+    PYTHONPATH=. python benchmarks/decode_profile.py --out OUT_DIR [--qwen3-file /dev/shm/qwen3_30b_a3b_full.colibri]
+
+(a) `runtime.cuda.bench.run_bench` on the full-depth Qwen3-30B-A3B shape (48 layers, vocabulary 151,936, hidden
+    2048, 128 experts top-8 of FFN 768, 32/4 heads of 128; bf16 dense, int8 experts; written by
+    `synthetic.write_synthetic(reuse_expert=True)` if the file is missing) at batch 1 and 8: tokens/s, and the
+    device timeline of replayed decode steps from CUPTI (every kernel's time per step, busy + idle = span).
+(b) dense GEMV candidates (rows per warp x 16-byte loads in flight per row, T = 1 and 8 tokens) against the
+    engine's `dense_gemv`, each captured in a CUDA graph of many launches over rotated weight copies (so the
+    weights come from HBM, not L2), GB/s of weight bytes beside the device-to-device copy rate; each candidate is
+    checked against float64 NumPy first.
+Writes decode_profile.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_kernels import copy_bandwidth, time_graph  # noqa: E402
+
+QWEN3_FULL = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
+                  expert_inter=768, qk_norm="per_head")
+GEMV_SHAPES = {  # name: (N, K) of the dense products a decode step runs
+    "qwen3 qkv": (5120, 2048), "qwen3 o_proj": (2048, 4096), "qwen3 lm_head": (151936, 2048),
+    "olmoe qkv": (6144, 2048), "olmoe o_proj": (2048, 2048), "mixtral qkv": (6144, 4096),
+    "mixtral o_proj": (4096, 4096)}
+VARIANTS = ((4, 1), (4, 2), (4, 4), (2, 4), (2, 8), (1, 8), (8, 2))      # (rows per warp, loads in flight per row)
+ROTATE_BYTES = 512 << 20
+
+SOURCE = r"""
+__device__ __forceinline__ float wsum(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float dot8(uint4 v, float4 a, float4 b) {
+    float s = __uint_as_float(v.x << 16) * a.x;
+    s = fmaf(__uint_as_float(v.x & 0xffff0000u), a.y, s);
+    s = fmaf(__uint_as_float(v.y << 16), a.z, s);
+    s = fmaf(__uint_as_float(v.y & 0xffff0000u), a.w, s);
+    s = fmaf(__uint_as_float(v.z << 16), b.x, s);
+    s = fmaf(__uint_as_float(v.z & 0xffff0000u), b.y, s);
+    s = fmaf(__uint_as_float(v.w << 16), b.z, s);
+    return fmaf(__uint_as_float(v.w & 0xffff0000u), b.w, s);
+}
+template <int ROWS, int UNR, int TOK>
+__device__ __forceinline__ void gemv(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                     float* __restrict__ y, int N, int K) {
+    const int lane = threadIdx.x & 31;
+    const int items = (N + ROWS - 1) / ROWS, warps = (gridDim.x * blockDim.x) >> 5;
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < items; item += warps) {
+        const int r0 = min(item * ROWS, N - ROWS);
+        float acc[ROWS][TOK];
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q)
+#pragma unroll
+            for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
+        for (int c0 = lane * 8; c0 < K; c0 += 256 * UNR) {
+            uint4 wv[UNR][ROWS];
+#pragma unroll
+            for (int u = 0; u < UNR; ++u)
+#pragma unroll
+                for (int q = 0; q < ROWS; ++q)
+                    wv[u][q] = c0 + u * 256 < K ? ld_stream(w + (size_t)(r0 + q) * K + c0 + u * 256)
+                                                : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int u = 0; u < UNR; ++u) {
+                const int c = c0 + u * 256;
+                if (c < K) {
+#pragma unroll
+                    for (int j = 0; j < TOK; ++j) {
+                        const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c));
+                        const float4 b = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c + 4));
+#pragma unroll
+                        for (int q = 0; q < ROWS; ++q) acc[q][j] += dot8(wv[u][q], a, b);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q)
+#pragma unroll
+            for (int j = 0; j < TOK; ++j) {
+                const float s = wsum(acc[q][j]);
+                if (lane == 0 && r0 + q >= item * ROWS) y[(size_t)j * N + r0 + q] = s;
+            }
+    }
+}
+#define V(R, U, T) extern "C" __global__ void __launch_bounds__(256) \
+    g_R##R##_U##U##_T##T(const float* x, const unsigned short* w, float* y, int N, int K) { gemv<R, U, T>(x, w, y, N, K); }
+#define VT(R, U) V(R, U, 1) V(R, U, 8)
+VT(4, 1) VT(4, 2) VT(4, 4) VT(2, 4) VT(2, 8) VT(1, 8) VT(8, 2)
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[decode_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def ensure_model(path: Path) -> Path:
+    if path.exists():
+        return path
+    from colibri_format import spec as S
+    from colibri_format.synthetic import synthetic_model, write_synthetic
+
+    model = synthetic_model(**QWEN3_FULL)
+    model["head_dim"] = 128
+    model["max_position_embeddings"] = 4096
+    t0 = time.perf_counter()
+    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
+    log(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+def engine_profile(path: Path, batches: list[int]) -> list[dict]:
+    from colibri_format.runtime.cuda.bench import render, run_bench
+
+    out = []
+    for b in batches:
+        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never")
+        log("\n" + render(r))
+        out.append(r)
+    return out
+
+
+def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
+    from colibri_format.runtime.cuda.kernels import ops
+
+    mod = cp.RawModule(code=SOURCE, options=("--std=c++17",))
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    rows = []
+    for name, (N, K) in GEMV_SHAPES.items():
+        nbytes = N * K * 2
+        copies = max(1, min(64, math.ceil(ROTATE_BYTES / nbytes)))
+        ws = [cp.random.randint(0, 1 << 16, (N, K), dtype=cp.int32).astype(cp.uint16) for _ in range(copies)]
+        for w in ws:     # finite bf16: clear the exponent's top bit
+            w &= 0xBFFF
+        for T in (1, 8):
+            x = cp.random.standard_normal((T, K), dtype=cp.float32)
+            y = cp.empty((T, N), cp.float32)
+            w64 = (ws[0].get().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            ref = x.get().astype(np.float64) @ w64.T
+            us = time_graph(cp, [lambda w=w: ops.dense_gemv(x, w, out=y) for w in ws], per_graph=max(40, copies))
+            rows.append({"shape": name, "N": N, "K": K, "T": T, "kernel": "engine dense_gemv", "us": us,
+                         "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps})
+            for R, U in VARIANTS:
+                f = mod.get_function(f"g_R{R}_U{U}_T{1 if T == 1 else 8}")
+                items = -(-N // R)
+                for grid_name, blocks in (("all", -(-items // 8)), ("8/SM", min(-(-items // 8), 8 * sms))):
+                    def launch(w, f=f, blocks=blocks):
+                        f((blocks,), (256,), (x, w, y, np.int32(N), np.int32(K)))
+                    launch(ws[0])
+                    err = float(np.abs(y.get() - ref).max() / np.abs(ref).max())
+                    us = time_graph(cp, [lambda w=w: launch(w) for w in ws], per_graph=max(40, copies))
+                    rows.append({"shape": name, "N": N, "K": K, "T": T, "kernel": f"R{R} U{U} grid {grid_name}",
+                                 "us": us, "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
+                                 "max_rel_err": err})
+            best = max((r for r in rows if r["shape"] == name and r["T"] == T), key=lambda r: r["gbps"])
+            eng = next(r for r in rows if r["shape"] == name and r["T"] == T and r["kernel"] == "engine dense_gemv")
+            log(f"{name} T={T}: engine {eng['us']:.1f} us {eng['gbps']:.0f} GB/s; best {best['kernel']} "
+                f"{best['us']:.1f} us {best['gbps']:.0f} GB/s ({best['share_of_copy']:.0%} of copy)")
+        del ws
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--qwen3-file", default="/dev/shm/qwen3_30b_a3b_full.colibri")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-gemv", action="store_true")
+    args = ap.parse_args()
+    import cupy as cp
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    result["copy_gbps"] = copy_bandwidth(cp)
+    log(f"device-to-device copy {result['copy_gbps']:.0f} GB/s")
+    if not args.skip_engine:
+        path = ensure_model(Path(args.qwen3_file))
+        result["engine"] = engine_profile(path, [int(b) for b in args.batches.split(",")])
+        (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
+    if not args.skip_gemv:
+        result["gemv"] = gemv_candidates(cp, result["copy_gbps"])
+    (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
