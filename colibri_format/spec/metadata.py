@@ -22,6 +22,7 @@ ROUTER_ORDER = frozenset({"softmax_topk", "topk_softmax"})
 SHARED_GATES = frozenset({"sigmoid", "none"})
 LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
 LINEAR_ATTENTION_KEYS = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel")
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "latent_norm_eps")
 EXPERT_QUANT_NAMES = frozenset(C.EXPERT_FORMAT_NAMES.values())
 
 
@@ -295,6 +296,7 @@ def _check_optional(model: dict) -> None:
             raise InvalidMetadata("sliding_layers must be an increasing list of layer indices, with a sliding_window",
                                   field="model.sliding_layers", value=layers)
     _check_hybrid(model)
+    _check_mla(model)
     if "expert_bias" in model:                # [false] moe.expert_gate_up_bias / expert_down_bias per MoE layer
         _bool(model, "expert_bias", "model")
     act = model.get("expert_act")             # [null: silu(gate) * up] the clamped SwiGLU of gpt-oss
@@ -333,6 +335,45 @@ def _check_hybrid(model: dict) -> None:
     if lin["num_value_heads"] % lin["num_key_heads"]:
         raise InvalidMetadata("linear_attention.num_value_heads must be a multiple of num_key_heads",
                               field="model.linear_attention.num_value_heads", value=lin["num_value_heads"])
+
+
+def _check_mla(model: dict) -> None:
+    """Multi-head latent attention (DeepSeek-V3 family): `mla` [absent: none] makes every layer's attention MLA, with
+    head_dim = qk_nope_head_dim + qk_rope_head_dim (the q.k width of a head) and none of the other attention options;
+    `index_topk` [absent: none] says the checkpoint's attention keeps each query's index_topk best keys (DeepSeek
+    Sparse Attention) and the file holds no indexer: attention is exact up to that many tokens."""
+    mla = model.get("mla")
+    if "index_topk" in model:
+        _int(model, "index_topk", "model", 1, 1 << 30)
+        if mla is None:
+            raise InvalidMetadata("index_topk needs mla", field="model.index_topk", value=model["index_topk"])
+    if mla is None:
+        return
+    if not isinstance(mla, dict) or set(mla) != set(MLA_KEYS):
+        raise InvalidMetadata(f"mla must hold exactly {', '.join(MLA_KEYS)}", field="model.mla")
+    if mla["q_lora_rank"] is not None:
+        _int(mla, "q_lora_rank", "model.mla", 1, C.MAX_HIDDEN)
+    _int(mla, "kv_lora_rank", "model.mla", 1, C.MAX_HIDDEN)
+    nope = _int(mla, "qk_nope_head_dim", "model.mla", 1, 4096)
+    rope = _int(mla, "qk_rope_head_dim", "model.mla", 2, 4096)
+    if rope % 2:
+        raise InvalidMetadata("must be even (RoPE rotates pairs)", field="model.mla.qk_rope_head_dim", value=rope)
+    _int(mla, "v_head_dim", "model.mla", 1, 4096)
+    _num(mla, "latent_norm_eps", "model.mla", 0, 1.0, exclusive_lo=True)
+    if model["head_dim"] != nope + rope:
+        raise InvalidMetadata("with mla, head_dim must equal qk_nope_head_dim + qk_rope_head_dim",
+                              field="model.head_dim", value=model["head_dim"])
+    if model["num_key_value_heads"] != model["num_attention_heads"]:
+        raise InvalidMetadata("with mla, num_key_value_heads must equal num_attention_heads",
+                              field="model.num_key_value_heads", value=model["num_key_value_heads"])
+    others = {"qkv_bias": model["qkv_bias"], "o_bias": model["o_bias"], "qk_norm": model["qk_norm"] != "none",
+              "clip_qkv": model["clip_qkv"] is not None, "sliding_window": model["sliding_window"] is not None,
+              "attention_sinks": bool(model.get("attention_sinks")),
+              "attention_gate": bool(model.get("attention_gate")), "layer_types": bool(model.get("layer_types")),
+              "rope.partial_rotary_factor": "partial_rotary_factor" in model["rope"]}
+    used = [k for k, v in others.items() if v]
+    if used:
+        raise InvalidMetadata(f"mla attention has no {used[0]}", field=f"model.{used[0]}")
 
 
 def check_metadata(meta: dict) -> dict:

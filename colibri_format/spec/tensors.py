@@ -29,9 +29,26 @@ def _linear_attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int,
             (p + "dt_bias", (nv,)), (p + "norm", (lin["value_head_dim"],)), (p + "o_proj", (h, value))]
 
 
+def _mla_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Multi-head latent attention: q through q_proj, or q_a_proj -> q_a_norm -> q_b_proj (q_lora_rank set), each
+    head [nope | rope]; kv_a_proj -> [latent c (kv_lora_rank) | shared rope key]; kv_a_norm over c; k_b_proj and
+    v_b_proj expand c to each head's nope key and value; o_proj over the heads' values."""
+    m, h, nh = model["mla"], model["hidden_size"], model["num_attention_heads"]
+    r, rope = m["kv_lora_rank"], m["qk_rope_head_dim"]
+    q, rq = nh * (m["qk_nope_head_dim"] + rope), m["q_lora_rank"]
+    p = f"layers.{i}.attn."
+    out = [(p + "q_proj", (q, h))] if rq is None else [(p + "q_a_proj", (rq, h)), (p + "q_a_norm", (rq,)),
+                                                       (p + "q_b_proj", (q, rq))]
+    return out + [(p + "kv_a_proj", (r + rope, h)), (p + "kv_a_norm", (r,)),
+                  (p + "k_b_proj", (nh * m["qk_nope_head_dim"], r)), (p + "v_b_proj", (nh * m["v_head_dim"], r)),
+                  (p + "o_proj", (h, nh * m["v_head_dim"]))]
+
+
 def _attention_tensors(model: dict, i: int) -> list[tuple[str, tuple[int, ...]]]:
     if i in linear_layers(model):
         return _linear_attention_tensors(model, i)
+    if model.get("mla") is not None:
+        return _mla_tensors(model, i)
     h, hd = model["hidden_size"], model["head_dim"]
     q, kv = model["num_attention_heads"] * hd, model["num_key_value_heads"] * hd
     p = f"layers.{i}.attn."
