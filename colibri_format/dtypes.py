@@ -14,7 +14,9 @@ from .spec.constants import DTYPE_NAMES, DType
 STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
            "float64": np.dtype("<f8"), "int8": np.dtype("i1")}
 # The same storage keyed by the format's dtype numbers (float64 cannot be stored in a `.colibri` file).
-NUMPY_STORAGE = {**{dtype: STORAGE[name] for name, dtype in DTYPE_NAMES.items()}, DType.I8: STORAGE["int8"]}
+# The blob-only byte types (two 4-bit values a byte, E8M0 scales) are stored as uint8.
+NUMPY_STORAGE = {**{dtype: STORAGE[name] for name, dtype in DTYPE_NAMES.items()}, DType.I8: STORAGE["int8"],
+                 DType.I4X2: np.dtype("u1"), DType.FP4X2: np.dtype("u1"), DType.E8M0: np.dtype("u1")}
 
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

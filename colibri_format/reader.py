@@ -18,6 +18,7 @@ import numpy as np
 
 from . import errors as E
 from . import spec as S
+from .dequant import dequantize_matrix
 from .dtypes import NUMPY_STORAGE, to_float32
 from .spec import checks
 
@@ -38,7 +39,8 @@ class Tables:
 
 @dataclass(frozen=True)
 class ExpertView:
-    """Zero-copy views of one expert's arrays (scales are None when unquantized)."""
+    """Zero-copy views of one expert's arrays as stored (scales are None when unquantized; int4_group and mxfp4
+    matrices are uint8 [rows, inputs / 2], two values a byte, and mxfp4 scales uint8 E8M0 bytes)."""
 
     gate_up: np.ndarray
     gate_up_scale: np.ndarray | None
@@ -272,7 +274,8 @@ class ColibriFile:
         fmt = S.ExpertFormat(self.header.expert_format)
         if fmt not in S.QUANTIZED_FORMATS:
             return to_float32(v.gate_up), to_float32(v.down)
-        return dequantize(v.gate_up, v.gate_up_scale), dequantize(v.down, v.down_scale)
+        return (dequantize_matrix(fmt, v.gate_up, v.gate_up_scale, np.float32),
+                dequantize_matrix(fmt, v.down, v.down_scale, np.float32))
 
     def _maybe_verify(self, key, check) -> None:
         if self.verify == "always" or (self.verify == "first-use" and key not in self._verified):
@@ -295,7 +298,7 @@ class ColibriFile:
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """q[r, c] * scale[r, c // g], where g = columns / scale columns."""
+    """int8 q[r, c] * scale[r, c // g], where g = columns / scale columns (the other formats: `dequant.py`)."""
     rows, cols = q.shape
     groups = scale.shape[1]
     out = q.astype(np.float32).reshape(rows, groups, cols // groups)

@@ -43,9 +43,10 @@ def synthetic_metadata(model: dict, expert_format: S.ExpertFormat, dense_dtype: 
                        group_size: int = 0) -> dict:
     dtype_name = {v: k for k, v in S.DTYPE_NAMES.items()}[S.DType(dense_dtype)]
     return {
-        "format": "colibri", "spec_version": f"{S.VERSION_MAJOR}.{S.VERSION_MINOR}", "architecture": "synthetic",
-        "model": model,
-        "quantization": {"experts": S.EXPERT_FORMAT_NAMES[S.ExpertFormat(expert_format)], "bits": 8,
+        "format": "colibri", "spec_version": f"{S.VERSION_MAJOR}.{S.minor_version_for(expert_format)}",
+        "architecture": "synthetic", "model": model,
+        "quantization": {"experts": S.EXPERT_FORMAT_NAMES[S.ExpertFormat(expert_format)],
+                         "bits": 4 if expert_format in S.PACKED_FORMATS else 8,   # 8 for every 1.0 format (corpus)
                          "group_size": group_size or None, "dense_dtype": dtype_name},
         "provenance": {"source_format": "synthetic", "tool": "colibri-format"},
         "tokenizer": None,
@@ -57,6 +58,10 @@ def _expert_arrays(rng: np.random.Generator, blob: S.BlobLayout) -> dict[str, np
     for a in blob.arrays:
         if a.dtype == S.DType.I8:
             arrays[a.name] = rng.integers(-127, 128, a.shape, dtype=np.int8)
+        elif a.dtype in (S.DType.I4X2, S.DType.FP4X2):       # two random 4-bit codes a byte
+            arrays[a.name] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+        elif a.dtype == S.DType.E8M0:                          # 2^-10 .. 2^-4, as trained weights' blocks have
+            arrays[a.name] = rng.integers(117, 124, a.shape, dtype=np.uint8)
         elif a.name.endswith("_scale"):
             arrays[a.name] = rng.uniform(0.001, 0.02, a.shape).astype(np.float32)
         else:

@@ -33,6 +33,7 @@ from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_storage
 from .errors import InvalidInput, WriteError
 from .fsutil import atomic_replace, create_fresh, file_id, fsync_fd, open_private, pwrite_all, unlink_if_ours
+from .spec.checks import group_rule
 from .spec.checksum import dense_seed, digest, expert_seed, section_seed
 
 PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
@@ -170,7 +171,7 @@ class ColibriWriter:
         path: destination file.
         model: normalized model description (docs/design.md); decides the dense tensors and blob shape.
         dense_dtype: storage dtype of every dense tensor.
-        expert_format: storage of expert matrices; `group_size` for INT8_GROUP.
+        expert_format: storage of expert matrices; `group_size` for INT8_GROUP, INT4_GROUP and MXFP4 (32).
         resume: reopen an existing `.part` file instead of starting a new one; pieces already in it count
             only once `keep_if_intact` has re-hashed them.
         before_piece_write: called before every write of piece bytes (the converter's crash-test hook).
@@ -184,7 +185,7 @@ class ColibriWriter:
         self.model = model
         self.dense_dtype = S.DType(dense_dtype)
         self.expert_format = S.ExpertFormat(expert_format)
-        self.group_size = group_size if self.expert_format == S.ExpertFormat.INT8_GROUP else 0
+        self.group_size = group_size if self.expert_format in S.GROUPED_FORMATS else 0
         self._check_dims()
         blob = S.blob_layout(model["hidden_size"], model["expert_intermediate_size"], self.expert_format,
                              self.group_size)
@@ -209,11 +210,9 @@ class ColibriWriter:
             if m[key] % S.DIM_MULTIPLE:
                 raise InvalidInput(f"{key} must be a multiple of {S.DIM_MULTIPLE} for .colibri v1",
                                    field=key, value=m[key])
-        if self.expert_format == S.ExpertFormat.INT8_GROUP:
-            g = self.group_size
-            if g < S.MIN_GROUP_SIZE or g % S.DIM_MULTIPLE or m["hidden_size"] % g or m["expert_intermediate_size"] % g:
-                raise InvalidInput("group size must be a multiple of 16 dividing hidden and expert sizes",
-                                   field="group_size", value=g)
+        why = group_rule(self.expert_format, self.group_size, m["hidden_size"], m["expert_intermediate_size"])
+        if why is not None:
+            raise InvalidInput(f"group size {self.group_size}: {why}", field="group_size", value=self.group_size)
 
     def _open_part(self, resume: bool) -> int:
         # Never through a link planted at the .part name: a resumed run reuses only a regular file of its
@@ -390,7 +389,7 @@ class ColibriWriter:
         pwrite_all(self._fd, wsit, wsit_off)
         m = self.model
         return S.Header(
-            magic=S.MAGIC, version_major=S.VERSION_MAJOR, version_minor=S.VERSION_MINOR, flags=0,
+            magic=S.MAGIC, version_major=S.VERSION_MAJOR, version_minor=S.minor_version_for(self.expert_format), flags=0,
             file_size=file_size, alignment=S.BLOB_ALIGNMENT, num_layers=m["num_layers"],
             num_moe_layers=len(plan.moe_layers), num_experts=plan.num_experts, top_k=m["top_k"],
             num_dense_tensors=len(plan.dense), hidden_size=m["hidden_size"],

@@ -43,7 +43,8 @@ def read_tokenizer(root: Path, vocab_size: int | None = None) -> tuple[dict[str,
 def quantization_block(expert_format: S.ExpertFormat, dense_dtype: str, group_size: int,
                        per_expert: list[list[Any]] | None) -> dict[str, Any]:
     quantized = expert_format in S.QUANTIZED_FORMATS
-    block: dict[str, Any] = {"experts": S.EXPERT_FORMAT_NAMES[expert_format], "bits": 8 if quantized else None,
+    block: dict[str, Any] = {"experts": S.EXPERT_FORMAT_NAMES[expert_format],
+                             "bits": S.EXPERT_FORMAT_BITS[S.ExpertFormat(expert_format)] if quantized else None,
                              "group_size": group_size or None, "dense_dtype": dense_dtype, "error": None}
     if quantized and per_expert:
         block["error"] = {"max_rel": max(row[2] for row in per_expert),
@@ -75,7 +76,8 @@ def provenance(src: Any, skipped: dict[str, str] | None = None, unused: list[str
 
 def build_metadata(*, architecture: str, model: dict[str, Any], quantization: dict[str, Any],
                    provenance_block: dict[str, Any], tokenizer: dict[str, Any] | None) -> dict[str, Any]:
-    return {"format": "colibri", "spec_version": f"{S.VERSION_MAJOR}.{S.VERSION_MINOR}",
+    minor = S.minor_version_for(S.EXPERT_FORMAT_BY_NAME[quantization["experts"]])
+    return {"format": "colibri", "spec_version": f"{S.VERSION_MAJOR}.{minor}",
             "architecture": architecture, "model": model, "quantization": quantization,
             "provenance": provenance_block, "tokenizer": tokenizer}
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from colibri_format.dequant import dequantize_matrix
 from colibri_format.dtypes import NUMPY_STORAGE
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.dense import fused_dense_tensors
@@ -324,9 +325,10 @@ def blob_arrays(address: int, layout, dtype) -> tuple[np.ndarray, np.ndarray]:
         storage = NUMPY_STORAGE[a.dtype]
         raw = (ctypes.c_uint8 * a.nbytes).from_address(address + a.offset)
         views[a.name] = np.frombuffer(raw, storage, a.shape[0] * a.shape[1]).reshape(a.shape)
-    if layout.expert_format in QUANTIZED_FORMATS:
-        return (dequantize(views["gate_up"], views["gate_up_scale"], dtype),
-                dequantize(views["down"], views["down_scale"], dtype))
+    if layout.expert_format in QUANTIZED_FORMATS:   # int8, int4_group and mxfp4 (colibri_format/dequant.py)
+        fmt = layout.expert_format
+        return (dequantize_matrix(fmt, views["gate_up"], views["gate_up_scale"], dtype),
+                dequantize_matrix(fmt, views["down"], views["down_scale"], dtype))
     return widen(views["gate_up"], dtype), widen(views["down"], dtype)
 
 

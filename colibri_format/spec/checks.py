@@ -70,11 +70,12 @@ def _check_header_fields(h: Header, file_size: int) -> None:
               "top_k": (1, min(h.num_experts, C.MAX_TOP_K)), "num_dense_tensors": (1, C.MAX_DENSE_TENSORS),
               "hidden_size": (C.DIM_MULTIPLE, C.MAX_HIDDEN),
               "expert_intermediate_size": (C.DIM_MULTIPLE, C.MAX_EXPERT_INTERMEDIATE),
-              "expert_format": (0, max(C.ExpertFormat)), "data_offset": (C.DATA_OFFSET, C.DATA_OFFSET)}
+              "data_offset": (C.DATA_OFFSET, C.DATA_OFFSET)}
     for name, (lo, hi) in limits.items():
         value = getattr(h, name)
         if not lo <= value <= hi:
             _bad(name, value, f"must be in [{lo}, {hi}]")
+    _check_expert_format(h)
     for name in ("hidden_size", "expert_intermediate_size"):
         if getattr(h, name) % C.DIM_MULTIPLE:
             _bad(name, getattr(h, name), f"must be a multiple of {C.DIM_MULTIPLE}")
@@ -84,14 +85,44 @@ def _check_header_fields(h: Header, file_size: int) -> None:
     _check_section_sizes(h)
 
 
+def _check_expert_format(h: Header) -> None:
+    """A code this reader defines, and one the file's minor version defines (a 1.0 file cannot hold int4)."""
+    code, known = h.expert_format, {int(f) for f in C.ExpertFormat}
+    if code not in known:
+        if h.version_minor > C.VERSION_MINOR:
+            _bad("expert_format", code, f"unknown expert format; the file is version {h.version_major}."
+                 f"{h.version_minor} and this reader implements {C.VERSION_MAJOR}.{C.VERSION_MINOR} (codes 0.."
+                 f"{max(known)}): a newer reader is needed", E.UnsupportedVersion)
+        _bad("expert_format", code, f"must be in [0, {max(known)}]")
+    fmt = C.ExpertFormat(code)
+    need = C.MINOR_VERSION_OF[fmt]
+    if h.version_minor < need:
+        _bad("version_minor", h.version_minor, f"expert_format {C.EXPERT_FORMAT_NAMES[fmt]} ({code}) is defined "
+             f"from version {C.VERSION_MAJOR}.{need}; the header declares {h.version_major}.{h.version_minor}")
+
+
+def group_rule(fmt: C.ExpertFormat, group: int, hidden: int, inter: int) -> str | None:
+    """Why `group` is not a valid group_size for expert format `fmt` with these H and I, or None when it is."""
+    if fmt not in C.GROUPED_FORMATS:
+        return None if group == 0 else f"must be 0 unless expert_format is one of " \
+            f"{', '.join(C.EXPERT_FORMAT_NAMES[f] for f in sorted(C.GROUPED_FORMATS))}"
+    if fmt == C.ExpertFormat.INT8_GROUP:
+        ok = group >= C.MIN_GROUP_SIZE and group % C.DIM_MULTIPLE == 0
+        what = "a multiple of 16"
+    elif fmt == C.ExpertFormat.INT4_GROUP:
+        ok, what = group in C.INT4_GROUP_SIZES, "32, 64 or 128"
+    else:
+        ok, what = group == C.MXFP4_GROUP_SIZE, str(C.MXFP4_GROUP_SIZE)
+    if ok and hidden % group == 0 and inter % group == 0:
+        return None
+    return f"{C.EXPERT_FORMAT_NAMES[fmt]} needs {what} dividing hidden_size {hidden} and " \
+           f"expert_intermediate_size {inter}"
+
+
 def _check_group(h: Header) -> None:
-    if h.expert_format != C.ExpertFormat.INT8_GROUP:
-        if h.group_size != 0:
-            _bad("group_size", h.group_size, "must be 0 unless expert_format is INT8_GROUP")
-        return
-    g = h.group_size
-    if (g < C.MIN_GROUP_SIZE or g % C.DIM_MULTIPLE or h.hidden_size % g or h.expert_intermediate_size % g):
-        _bad("group_size", g, "must be a multiple of 16 dividing hidden_size and expert_intermediate_size")
+    why = group_rule(C.ExpertFormat(h.expert_format), h.group_size, h.hidden_size, h.expert_intermediate_size)
+    if why is not None:
+        _bad("group_size", h.group_size, why)
 
 
 def _check_section_sizes(h: Header) -> None:

@@ -41,7 +41,7 @@ class BlobLayout:
     hidden_size: int
     intermediate_size: int
     expert_format: C.ExpertFormat
-    group_size: int             # 0 unless INT8_GROUP
+    group_size: int             # 0 unless a grouped format (INT8_GROUP, INT4_GROUP, MXFP4)
     arrays: tuple[BlobArray, ...]
     size: int                   # multiple of BLOB_ALIGNMENT
 
@@ -63,28 +63,35 @@ class BlobLayout:
         return out
 
 
+def blob_array_specs(hidden_size: int, intermediate_size: int, expert_format: C.ExpertFormat,
+                     group_size: int = 0) -> list[tuple[str, tuple[int, int], C.DType]]:
+    """(name, stored shape, element type) of each array of a blob, in blob order. Packed formats (INT4_GROUP,
+    MXFP4) store two values a byte: their matrices are [rows, inputs / 2] bytes."""
+    fmt = C.ExpertFormat(expert_format)
+    h, i = hidden_size, intermediate_size
+    dtype = C.EXPERT_FORMAT_DTYPE[fmt]
+    if fmt not in C.QUANTIZED_FORMATS:
+        return [("gate_up", (2 * i, h), dtype), ("down", (h, i), dtype)]
+    per_byte = 2 if fmt in C.PACKED_FORMATS else 1
+    g_in_h = 1 if fmt == C.ExpertFormat.INT8_ROW else h // group_size
+    g_in_i = 1 if fmt == C.ExpertFormat.INT8_ROW else i // group_size
+    scale = C.SCALE_DTYPE[fmt]
+    return [("gate_up", (2 * i, h // per_byte), dtype), ("gate_up_scale", (2 * i, g_in_h), scale),
+            ("down", (h, i // per_byte), dtype), ("down_scale", (h, g_in_i), scale)]
+
+
 def blob_layout(hidden_size: int, intermediate_size: int, expert_format: C.ExpertFormat,
                 group_size: int = 0) -> BlobLayout:
     """Arrays of one expert blob: gate_up [2I,H], (scale), down [H,I], (scale); 256-byte aligned."""
     fmt = C.ExpertFormat(expert_format)
-    h, i = hidden_size, intermediate_size
-    specs: list[tuple[str, tuple[int, int], C.DType]] = []
-    dtype = C.EXPERT_FORMAT_DTYPE[fmt]
-    if fmt in C.QUANTIZED_FORMATS:
-        g_in_h = 1 if fmt == C.ExpertFormat.INT8_ROW else h // group_size
-        g_in_i = 1 if fmt == C.ExpertFormat.INT8_ROW else i // group_size
-        specs = [("gate_up", (2 * i, h), dtype), ("gate_up_scale", (2 * i, g_in_h), C.DType.F32),
-                 ("down", (h, i), dtype), ("down_scale", (h, g_in_i), C.DType.F32)]
-    else:
-        specs = [("gate_up", (2 * i, h), dtype), ("down", (h, i), dtype)]
     arrays, pos = [], 0
-    for name, shape, dt in specs:
+    for name, shape, dt in blob_array_specs(hidden_size, intermediate_size, fmt, group_size):
         pos = align_up(pos, C.ARRAY_ALIGNMENT)
         arr = BlobArray(name, pos, shape, dt)
         arrays.append(arr)
         pos += arr.nbytes
-    group = group_size if fmt == C.ExpertFormat.INT8_GROUP else 0
-    return BlobLayout(h, i, fmt, group, tuple(arrays), align_up(pos, C.BLOB_ALIGNMENT))
+    group = group_size if fmt in C.GROUPED_FORMATS else 0
+    return BlobLayout(hidden_size, intermediate_size, fmt, group, tuple(arrays), align_up(pos, C.BLOB_ALIGNMENT))
 
 
 @dataclass(frozen=True)

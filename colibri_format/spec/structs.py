@@ -42,7 +42,8 @@ def _fmt(table: tuple[Field, ...]) -> str:
 HEADER_FIELDS: tuple[Field, ...] = (
     Field("magic", "16s", "`COLIBRIv1` followed by 7 NUL bytes"),
     Field("version_major", "H", "1; a reader MUST reject any other major version"),
-    Field("version_minor", "H", "0; minor versions only add metadata keys"),
+    Field("version_minor", "H", "the lowest minor version that defines everything the file uses: 0, or 1 for "
+          "expert formats 5 and 6; a reader reads any minor version (§11)"),
     Field("flags", "I", "no flag is defined in v1: MUST be 0"),
     Field("file_size", "Q", "total file size in bytes; MUST equal the real size"),
     Field("alignment", "I", "expert blob alignment; MUST be 4096"),
@@ -53,9 +54,10 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field("num_dense_tensors", "I", "entries in the dense-tensor directory, 1..65536"),
     Field("hidden_size", "I", "H, multiple of 16, <= 65536"),
     Field("expert_intermediate_size", "I", "I, multiple of 16, <= 2^20"),
-    Field("expert_format", "H", "ExpertFormat code (0..4)"),
+    Field("expert_format", "H", "ExpertFormat code (0..6, §8); 5 and 6 need version_minor >= 1"),
     Field("reserved0", "H", "MUST be 0"),
-    Field("group_size", "I", "quantization group along the input dim for INT8_GROUP, else 0"),
+    Field("group_size", "I", "inputs per scale along a row: INT8_GROUP a multiple of 16, INT4_GROUP 32, 64 or 128, "
+          "MXFP4 32, dividing H and I; else 0"),
     Field("expert_blob_size", "Q", "bytes per expert blob; MUST equal the size the blob layout implies"),
     Field("data_offset", "Q", "first dense tensor; MUST be 4096"),
     Field("experts_offset", "Q", "first expert blob; MUST equal the planned offset"),

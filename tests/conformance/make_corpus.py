@@ -44,6 +44,12 @@ VALID = {
                                   dict(expert_format=S.ExpertFormat.INT8_ROW, dense_dtype=S.DType.F16, seed=7),
                                   "layer 0 is a dense MLP, layers 1-2 are MoE with a sigmoid-gated shared expert "
                                   "and per-head q/k norms"),
+    "int4_group": (dict(BASE, hidden=64, expert_inter=64, heads=4, kv_heads=2),
+                   dict(expert_format=S.ExpertFormat.INT4_GROUP, group_size=64, dense_dtype=S.DType.F16, seed=9),
+                   "v1.1: int4 experts (two signed 4-bit values a byte, low nibble first) with a float16 scale per "
+                   "64 inputs"),
+    "mxfp4": (BASE, dict(expert_format=S.ExpertFormat.MXFP4, group_size=32, dense_dtype=S.DType.BF16, seed=10),
+              "v1.1: MXFP4 experts (FP4 E2M1 pairs, low nibble first, one E8M0 scale per 32 inputs)"),
 }
 
 # The base of the invalid files: small, int8_row, two experts whose blobs differ.
@@ -64,6 +70,8 @@ def _bad_cases(base: bytes) -> dict[str, tuple[bytearray, str, str, str]]:
     add("BadMagic", "gguf", bytearray(b"GGUF\x03\x00\x00\x00") + b()[8:], "magic", "a GGUF magic")
     add("UnsupportedVersion", "byte_swapped", craft.patch_header(b(), version_major=0x0100), "version_major",
         "version_major 256: a big-endian writer")
+    add("UnsupportedVersion", "expert_format_from_v1_2", craft.patch_header(b(), version_minor=2, expert_format=7),
+        "expert_format", "expert_format 7 in a file that says version 1.2: a code this 1.1 reader does not define")
     add("CorruptHeader", "checksum", craft.patch_header(b(), fix=False, num_layers=2), "header_checksum",
         "num_layers changed without updating the header checksum")
     add("InvalidHeaderField", "num_experts_zero", craft.patch_header(b(), num_experts=0, wsit_size=0), "num_experts",
@@ -100,6 +108,28 @@ def _bad_cases(base: bytes) -> dict[str, tuple[bytearray, str, str, str]]:
     return out
 
 
+def _bad_4bit_cases(base: bytes) -> dict[str, tuple[bytearray, str, str, str]]:
+    """Faults of the v1.1 formats, on an int4_group file (H = I = 32, group 32)."""
+    w1 = craft.read_wsit_entry(base, 1)
+    pad = bytearray(base)
+    pad[w1["offset"] + 1200] = 0x10          # between gate_up_scale [1024, 1152) and down at 1280
+    craft.fix_expert_checksum(pad, 1)
+    return {
+        "bad_InvalidHeaderField_int4_in_v1_0": (
+            craft.patch_header(bytearray(base), version_minor=0), "InvalidHeaderField", "version_minor",
+            "int4_group experts in a file whose header says version 1.0 (header re-sealed)"),
+        "bad_InvalidHeaderField_int4_group_size_16": (
+            craft.patch_header(bytearray(base), group_size=16), "InvalidHeaderField", "group_size",
+            "int4_group with group_size 16 (int4_group takes 32, 64 or 128; header re-sealed)"),
+        "bad_InvalidMetadata_int4_read_as_mxfp4": (
+            craft.patch_header(bytearray(base), expert_format=int(S.ExpertFormat.MXFP4)), "InvalidMetadata",
+            "quantization.experts", "the header says mxfp4 (same blob size here), the metadata int4_group"),
+        "bad_NonZeroPadding_int4_blob_between_arrays": (
+            pad, "NonZeroPadding", "expert[0,1] padding",
+            "a non-zero byte between gate_up_scale and down in expert 1's int4 blob (its checksum re-sealed)"),
+    }
+
+
 # Faults only a full validation (not the table checks at open) finds.
 DATA_CLASSES = {"CorruptTensor", "CorruptExpert", "NonZeroPadding"}
 
@@ -130,7 +160,11 @@ def build(out: Path) -> list[Path]:
         base_path = write_synthetic(Path(d) / "base.colibri", synthetic_model(**BAD_BASE),
                                     expert_format=S.ExpertFormat.INT8_ROW, dense_dtype=S.DType.F16, seed=8)
         base = Path(base_path).read_bytes()
-    for stem, (data, cls, field, what) in _bad_cases(base).items():
+        base4_path = write_synthetic(Path(d) / "base4.colibri", synthetic_model(**craft.SMALL_4BIT_MODEL),
+                                     expert_format=S.ExpertFormat.INT4_GROUP, group_size=32, dense_dtype=S.DType.F16,
+                                     seed=11)
+        base4 = Path(base4_path).read_bytes()
+    for stem, (data, cls, field, what) in {**_bad_cases(base), **_bad_4bit_cases(base4)}.items():
         path = out / f"{stem}.colibri"
         path.write_bytes(bytes(data))
         manifest["invalid"][path.name] = {"error": cls, "field": field,

@@ -61,6 +61,9 @@ def make_seeds() -> list[bytes]:
         (dict(two, layers=3, dense_layers=(1,), shared=16, qk_norm="full", tie=False),
          dict(expert_format=S.ExpertFormat.BF16, dense_dtype=S.DType.F16)),
         (two, dict(expert_format=S.ExpertFormat.F16, dense_dtype=S.DType.F32)),
+        (craft.SMALL_4BIT_MODEL, dict(expert_format=S.ExpertFormat.INT4_GROUP, group_size=32, dense_dtype=S.DType.F16)),
+        (dict(two, hidden=32, expert_inter=64), dict(expert_format=S.ExpertFormat.MXFP4, group_size=32,
+                                                     dense_dtype=S.DType.BF16)),
     ]
     return [bytes(craft.valid_bytes(m, seed=i, **kw)) for i, (m, kw) in enumerate(specs)]
 
@@ -68,7 +71,7 @@ def make_seeds() -> list[bytes]:
 # --- mutations -------------------------------------------------------------------------------------------------
 FIELDS = craft.numeric_fields()
 JSON_VALUES = [None, True, False, 0, 1, -1, 2**31 - 1, 2**32, 2**63, 2**64, -2**63, 10**30, 1e308, -0.0, 1e-320, 0.5,
-               "", "8", "silu", "int8_row", "float16", "\u0000", "\ud800", "x" * 300, [], [0], [1, 0], [[[[]]]],
+               "", "8", "silu", "int8_row", "int4_group", "mxfp4", "float16", "\u0000", "\ud800", "x" * 300, [], [0], [1, 0], [[[[]]]],
                {}, {"type": "default"}, list(range(40))]
 
 

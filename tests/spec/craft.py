@@ -34,6 +34,11 @@ TINY_MODEL = dict(vocab=16, hidden=16, layers=1, heads=2, kv_heads=1, experts=1,
                   tie=True)
 SMALL_MODEL = dict(vocab=16, hidden=16, layers=1, heads=2, kv_heads=1, experts=2, top_k=1, expert_inter=16,
                    tie=True)
+# The 4-bit formats (v1.1) need H and I to be multiples of 32.
+SMALL_4BIT_MODEL = dict(SMALL_MODEL, hidden=32, expert_inter=32)
+TINY_4BIT_MODEL = dict(TINY_MODEL, hidden=32, expert_inter=32)
+FOUR_BIT = {"int4": dict(expert_format=S.ExpertFormat.INT4_GROUP, group_size=32),
+            "mxfp4": dict(expert_format=S.ExpertFormat.MXFP4, group_size=32)}
 
 
 # --- building valid files ------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ def _base(kind: str) -> bytes:
     if kind == "group":
         return bytes(craft.valid_bytes(dict(craft.SMALL_MODEL, hidden=32, expert_inter=32, heads=2),
                                        expert_format=S.ExpertFormat.INT8_GROUP, group_size=16))
+    if kind in ("int4", "mxfp4"):      # v1.1 files, H = I = 32: one group of 32 a row
+        return bytes(craft.valid_bytes(craft.SMALL_4BIT_MODEL, **craft.FOUR_BIT[kind]))
     raise KeyError(kind)
 
 
@@ -178,6 +180,11 @@ case("r8-group-size-not-int8-group", lambda: craft.patch_header(base(), group_si
 for g in (0, 8, 24, 64, 2**32 - 1):     # group file: H = I = 32
     case(f"r8-group-size-{g}", lambda g=g: craft.patch_header(base("group"), group_size=g), E.InvalidHeaderField,
          "group_size", H("group_size"))
+# int4_group takes 32, 64 or 128 dividing H and I, mxfp4 32 only (H = I = 32 here: 64 and 128 do not divide)
+for kind, groups in (("int4", (0, 16, 48, 64, 128, 2**32 - 1)), ("mxfp4", (0, 16, 64, 2**32 - 1))):
+    for g in groups:
+        case(f"r8-{kind}-group-size-{g}", lambda kind=kind, g=g: craft.patch_header(base(kind), group_size=g),
+             E.InvalidHeaderField, "group_size", H("group_size"))
 
 # Rows 9-11, 30: every offset and section size, each sum checked with exact integers.
 # experts_offset 4096 is aligned and inside the file: the blobs then end early, and the check that fires is
@@ -268,9 +275,18 @@ for v in (3, 4, 0xFFFF):
          "dense[1].dtype", lambda b: dense_off(b, 1, "dtype"))
 case("r21-dense-dtype-vs-metadata", lambda: craft.patch_dense_entry(base(), 1, dtype=int(S.DType.BF16)),
      E.InvalidDirectoryEntry, "dense[1].dtype", lambda b: dense_off(b, 1, "dtype"))
-for v in (5, 0xFFFF):
+for v in (7, 0xFFFF):
     case(f"r21-expert-format-{v}", lambda v=v: craft.patch_header(base(), expert_format=v), E.InvalidHeaderField,
          "expert_format", H("expert_format"))
+# A code a newer minor version may define: said as a version problem. A 4-bit format in a file that says 1.0.
+case("r21-expert-format-from-1.2", lambda: craft.patch_header(base(), expert_format=7, version_minor=2),
+     E.UnsupportedVersion, "expert_format", H("expert_format"), message="a newer reader is needed")
+for kind in ("int4", "mxfp4"):
+    case(f"r21-{kind}-in-a-1.0-file", lambda kind=kind: craft.patch_header(base(kind), version_minor=0),
+         E.InvalidHeaderField, "version_minor", H("version_minor"), message="defined from version 1.1")
+# int4_group g32 and mxfp4 blobs have the same size at H = I = 32: only the metadata disagrees
+case("r21-int4-read-as-mxfp4", lambda: craft.patch_header(base("int4"), expert_format=int(S.ExpertFormat.MXFP4)),
+     E.InvalidMetadata, "quantization.experts", lambda b: craft.header_of(b).metadata_offset)
 case("r21-expert-format-vs-metadata", lambda: craft.patch_header(base(), expert_format=int(S.ExpertFormat.F16),
                                                                   expert_blob_size=4096), E.InvalidMetadata,
      "quantization.experts", lambda b: craft.header_of(b).metadata_offset)
@@ -411,9 +427,9 @@ for label, path in (("model-rope", ("model", "rope")), ("format", ("format",)), 
 
 
 # Data-level faults: tables are fine, `validate` and first use catch them.
-def _blob_byte(k, pos, fix_checksum):
+def _blob_byte(k, pos, fix_checksum, kind="small"):
     def build():
-        buf = base()
+        buf = base(kind)
         e = craft.read_wsit_entry(buf, k)
         buf[e["offset"] + pos] ^= 0x01
         if fix_checksum:
@@ -493,6 +509,16 @@ case("pad-metadata-to-directory", _set_byte(lambda b: craft.header_of(b).dense_d
 for label, pos in (("blob-between-arrays", 700), ("blob-tail-first", 1088), ("blob-tail-last", 4095)):
     case(f"pad-{label}", _blob_byte(1, pos, True), E.NonZeroPadding, "expert[0,1] padding", _blob_pos(1, pos),
          stage="data")
+# 4-bit blobs (H = I = 32, g 32): gate_up [64, 16] bytes [0,1024), scale [64, 1] [1024,1152) f16 or [1024,1088)
+# e8m0, pad to 1280, down [32, 16] [1280,1792), scale [1792,1856) or [1792,1824), zero tail to 4096.
+for kind, between, tail in (("int4", 1152, 1856), ("mxfp4", 1088, 1824)):
+    for label, pos in (("between-arrays", between), ("before-down", 1279), ("tail-first", tail),
+                       ("tail-last", 4095)):
+        case(f"pad-{kind}-blob-{label}", _blob_byte(1, pos, True, kind), E.NonZeroPadding, "expert[0,1] padding",
+             _blob_pos(1, pos), stage="data")
+    for label, pos in (("values", 5), ("scale", 1024), ("down", 1300), ("down-scale", 1792)):
+        case(f"r23-corrupt-{kind}-expert-{label}", _blob_byte(1, pos, False, kind), E.CorruptExpert, "expert[0,1]",
+             _blob_pos(1, 0), stage="data")     # a checksum names its blob's offset
 
 
 # --- running the cases ----------------------------------------------------------------------------------
@@ -633,7 +659,7 @@ def test_symlink_to_valid_file_is_allowed(tmp_path: Path, capsys) -> None:
 
 
 def test_base_files_are_valid(tmp_path: Path) -> None:
-    for kind in ("small", "two_layers", "group"):
+    for kind in ("small", "two_layers", "group", "int4", "mxfp4"):
         path = craft.write(tmp_path / f"{kind}.colibri", base(kind))
         report = validate_file(path)
         assert report.valid, report.faults

@@ -91,6 +91,31 @@ def test_every_bit_flip_is_detected(tiny_file: str, capsys) -> None:
     assert sum(counts.values()) == nbits
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", sorted(craft.FOUR_BIT))
+def test_every_bit_flip_of_a_4bit_file_is_detected(kind: str, tmp_path: Path, capsys) -> None:
+    """The v1.1 formats (int4_group, mxfp4; H = I = 32, one expert): every bit of the header, of the expert blob
+    (packed values, float16 or E8M0 scales, padding) and of the sections after it. The dense tensors between them
+    are the 1.0 layout, flipped whole by the test above."""
+    path = craft.write(tmp_path / f"{kind}.colibri", craft.valid_bytes(craft.TINY_4BIT_MODEL, **craft.FOUR_BIT[kind]))
+    assert validate_file(path).valid
+    h = craft.header_of(Path(path).read_bytes())
+    assert h.version_minor == 1
+    ranges = [(0, 8 * 512), (8 * h.experts_offset, 8 * h.file_size)]
+    jobs = [(path, lo + k, hi, WORKERS) for lo, hi in ranges for k in range(WORKERS)]
+    with multiprocessing.get_context("fork").Pool(WORKERS) as pool:
+        results = pool.map(_flip_range, jobs)
+    missed = sorted(b for r in results for b in r[0])
+    crashes = [c for r in results for c in r[1]]
+    counts = Counter()
+    for r in results:
+        counts.update(r[2])
+    assert not crashes, crashes[:5]
+    assert not missed, f"{len(missed)} undetected flips, first bytes: {sorted({b >> 3 for b in missed})[:20]}"
+    assert sum(counts.values()) == sum(hi - lo for lo, hi in ranges)
+    assert counts["CorruptExpert"] > 0 and counts["NonZeroPadding"] > 0
+
+
 @pytest.mark.timeout(120)
 def test_bit_flips_through_the_cli(tiny_file: str, tmp_path: Path, capsys) -> None:
     """200 random flips, each through `colibri validate` (the real entry point): exit code 1 every time."""

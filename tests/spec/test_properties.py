@@ -52,9 +52,11 @@ def scratch():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def small() -> bytes:
-    return bytes(craft.valid_bytes())
+@pytest.fixture(scope="module", params=["int8_row", "int4", "mxfp4"])
+def small(request) -> bytes:
+    if request.param == "int8_row":
+        return bytes(craft.valid_bytes())
+    return bytes(craft.valid_bytes(craft.SMALL_4BIT_MODEL, **craft.FOUR_BIT[request.param]))
 
 
 # --- struct round trips ----------------------------------------------------------------------------------
@@ -111,22 +113,27 @@ def test_wsit_entry_round_trip(layer, expert, offset, size, checksum) -> None:
 # --- write / read back ---------------------------------------------------------------------------------
 @st.composite
 def models(draw) -> tuple[dict, S.DType, S.ExpertFormat, int]:
-    hidden = draw(st.sampled_from([16, 32, 48, 64]))
+    fmt = draw(st.sampled_from(list(S.ExpertFormat)))
+    packed = fmt in S.PACKED_FORMATS                      # 4-bit formats: H and I multiples of 32
+    hidden = draw(st.sampled_from([32, 64] if packed else [16, 32, 48, 64]))
     heads = draw(st.sampled_from([h for h in (1, 2, 4) if hidden % h == 0]))
     kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
     layers = draw(st.integers(1, 3))
     dense_layers = tuple(draw(st.sets(st.integers(0, layers - 1), max_size=layers - 1)))
     experts = draw(st.integers(1, 4))
-    inter = draw(st.sampled_from([16, 32, 48]))
+    inter = draw(st.sampled_from([32, 64] if packed else [16, 32, 48]))
     model = synthetic_model(vocab=draw(st.integers(1, 40)), hidden=hidden, layers=layers, heads=heads,
                             kv_heads=kv, experts=experts, top_k=draw(st.integers(1, experts)), expert_inter=inter,
                             dense_layers=dense_layers, shared=draw(st.sampled_from([None, 16, 24])),
                             qk_norm=draw(st.sampled_from(["none", "per_head", "full"])), tie=draw(st.booleans()))
     dense_dtype = draw(st.sampled_from(list(S.DENSE_DTYPES)))
-    fmt = draw(st.sampled_from(list(S.ExpertFormat)))
     group = 0
     if fmt == S.ExpertFormat.INT8_GROUP:
         group = draw(st.sampled_from([g for g in (16, 32, 48) if hidden % g == 0 and inter % g == 0]))
+    elif fmt == S.ExpertFormat.INT4_GROUP:
+        group = draw(st.sampled_from([g for g in S.INT4_GROUP_SIZES if hidden % g == 0 and inter % g == 0]))
+    elif fmt == S.ExpertFormat.MXFP4:
+        group = S.MXFP4_GROUP_SIZE
     return model, S.DType(dense_dtype), fmt, group
 
 
@@ -135,6 +142,8 @@ def _random_expert(rng, blob: S.BlobLayout) -> dict[str, np.ndarray]:
     for a in blob.arrays:
         if a.dtype == S.DType.I8:
             out[a.name] = rng.integers(-128, 128, a.shape, dtype=np.int8)
+        elif S.DTYPE_SIZE[a.dtype] == 1:                   # packed 4-bit pairs, E8M0 scales: any byte
+            out[a.name] = rng.integers(0, 256, a.shape, dtype=np.uint8)
         else:
             out[a.name] = rng.standard_normal(a.shape).astype(np.float32)
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri_format.errors import UnsupportedModel
-from colibri_format.spec.constants import EXPERT_FORMAT_NAMES, QUANTIZED_FORMATS, DType, ExpertFormat
+from colibri_format.spec.constants import EXPERT_FORMAT_NAMES, PACKED_FORMATS, QUANTIZED_FORMATS, DType, ExpertFormat
 
 WARP = 32
 
@@ -82,7 +82,7 @@ ATTENTION_HEAD_DIMS = (64, 128, 256)              # attention kernels attention_
 DIM_MULTIPLE = 16            # hidden and expert intermediate sizes: 16-byte int8 loads (moe_gemv.cu, moe_gemm.cu)
 GROUP_MULTIPLE = 16          # int8_group group size: a 16-byte chunk of a row never straddles two groups
 BLOB_ARRAY_ALIGNMENT = 256   # offset of each array inside an expert blob
-EXPERT_FORMATS = QUANTIZED_FORMATS                # the expert kernels read int8 weights with float32 scales
+EXPERT_FORMATS = QUANTIZED_FORMATS - PACKED_FORMATS  # int8 weights with float32 scales; int4_group, mxfp4: no kernels yet
 ACTIVATIONS = frozenset({"silu"})
 ROUTER_SCORING = {"softmax": 0, "sigmoid": 1}     # codes passed to router.cu
 ROUTER_ORDER = {"softmax_topk": 0, "topk_softmax": 1}
@@ -137,6 +137,9 @@ def _check_semantics(model: dict) -> None:
     if model.get("attention_gate"):
         raise _refuse("gated attention (attention_gate: the output times sigmoid(x gate_proj^T)) has no CUDA kernel "
                       "yet; run it with --device cpu", "model.attention_gate", True)
+    if model.get("mla") is not None:
+        raise _refuse("multi-head latent attention (mla: DeepSeek-V3 family) has no CUDA kernels yet (its latent cache "
+                      "and absorbed decode run on the NumPy engine); run it with --device cpu", "model.mla", "mla")
     if model.get("sliding_layers") is not None:      # measured on the H200, 2026-12-01: cause not found yet
         raise _refuse("per-layer sliding windows (sliding_layers): the CUDA engine's logits disagree with the NumPy "
                       "engine's on them (tests/runtime/cuda/test_gpu_new_archs.py); run it with --device cpu",
@@ -159,7 +162,7 @@ def _check_experts(model: dict, blob_layout) -> None:
     fmt = ExpertFormat(blob_layout.expert_format)
     if fmt not in EXPERT_FORMATS:
         raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read int8 experts only "
-                      "(convert with --quantize expert)", "expert_format", int(fmt))
+                      "(convert with --quantize expert --quant-bits 8)", "expert_format", int(fmt))
     experts, top_k = model["num_experts"], model["top_k"]
     if not 1 <= experts <= MAX_EXPERTS:
         raise _refuse(f"{experts} experts per layer; the router and dispatch kernels take 1 to {MAX_EXPERTS}",

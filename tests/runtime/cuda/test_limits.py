@@ -97,6 +97,16 @@ def test_unquantized_experts_refused(fmt):
     assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quantize expert" in str(err)
 
 
+@pytest.mark.parametrize("fmt", [S.ExpertFormat.INT4_GROUP, S.ExpertFormat.MXFP4])
+def test_4bit_experts_refused_in_one_line(fmt):
+    """int4_group / mxfp4 (v1.1) run on the NumPy engine; the CUDA kernels read int8 only, so the file is refused
+    at open with one UnsupportedModel line naming expert_format."""
+    m = model(hidden=64, expert_inter=64)
+    err = refused(m, layout(m, fmt, 32))
+    assert (err.field, err.value) == ("expert_format", int(fmt))
+    assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quant-bits 8" in str(err) and "\n" not in str(err)
+
+
 def test_group_size_the_kernels_cannot_split():
     m = model(hidden=64, expert_inter=48)
     blob = S.BlobLayout(64, 48, GROUP, 24, layout(m).arrays, layout(m).size)   # 24: not a multiple of 16
