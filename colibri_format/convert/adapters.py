@@ -7,16 +7,19 @@ its config.json maps onto the design-doc `model` dict: `hf_config.common_model` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from colibri_format.convert.hf_config import (MAX_EXPERTS, MAX_LAYERS, ConfigDefaults, Fields, common_model,
-                                              finish_model, model_type_of, moe_layer_indices, sliding_window)
-from colibri_format.convert.derived import Derive, gpt_oss_experts, prepare_source, qwen3_next_tensors, text_config
+from colibri_format.convert.hf_config import (MAX_DIM, MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, ConfigDefaults, Fields,
+                                              common_model, finish_model, model_type_of, moe_layer_indices,
+                                              sliding_window)
+from colibri_format.convert.derived import (Derive, gpt_oss_experts, mla_tensors, prepare_source, qwen3_next_tensors,
+                                           text_config)
 from colibri_format.convert.layout import FusedLinear, HFNames, PerExpert, Skip
 from colibri_format.convert.safe_paths import short_repr
-from colibri_format.errors import UnsupportedModel
+from colibri_format.errors import InvalidInput, UnsupportedModel
 
 Model = dict[str, Any]
 
@@ -202,6 +205,76 @@ def _qwen3_next(f: Fields, model: Model) -> None:
     model["shared_expert"] = {"intermediate_size": f.integer("shared_expert_intermediate_size"), "gate": "sigmoid"}
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla(f: Fields, model: Model) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3): the `mla` dims, head_dim = nope + rope (the q.k width of a
+    head), RoPE over the rope part only, and the softmax scale head_dim^-1/2 times mscale(factor, mscale_all_dim)^2
+    under a scaled RoPE (transformers' yarn_apply_mscale). The interleaved rope pairs are de-interleaved in the
+    weights (convert/derived.py::mla_tensors), so the file's RoPE is rotate-half."""
+    if f.flag("attention_bias", False):
+        raise UnsupportedModel(f"{model_type_of(f.raw)} with attention_bias is not supported", field="attention_bias",
+                               value=True)
+    nope, rope = f.integer("qk_nope_head_dim", hi=4096), f.integer("qk_rope_head_dim", hi=4096)
+    model["mla"] = {"q_lora_rank": f.integer("q_lora_rank", None, hi=MAX_DIM), "kv_lora_rank": f.integer(
+        "kv_lora_rank", hi=MAX_DIM), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+        "v_head_dim": f.integer("v_head_dim", hi=4096), "latent_norm_eps": 1e-6}   # q_a / kv_a norms: eps 1e-6
+    model.update(head_dim=nope + rope, num_key_value_heads=model["num_attention_heads"])
+    scale = (nope + rope) ** -0.5
+    r = model["rope"]
+    if r["type"] != "default" and r.get("mscale_all_dim"):
+        if r.get("factor") is None:
+            raise InvalidInput(f"config.json: rope mscale_all_dim needs a factor ({r['type']})", field="factor")
+        scale *= _yarn_mscale(r["factor"], r["mscale_all_dim"]) ** 2
+    model["multipliers"]["attention"] = scale
+
+
+def _deepseek_v3(f: Fields, model: Model, groups: tuple[int, int] = (8, 4), layer_types: bool = False) -> None:
+    """DeepSeek-V3 / R1 / V3.1 and Kimi-K2: MLA, the first `first_k_dense_replace` layers dense (or, with
+    `layer_types`, those `mlp_layer_types` calls dense where the config lists them: V3.2, GLM-5), the rest MoE with the
+    sigmoid router (selection-only correction bias, grouped top-k, renormalised, times routed_scaling_factor) and
+    `n_shared_experts` ungated shared experts."""
+    _mla(f, model)
+    n = model["num_layers"]
+    method = f.text("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise UnsupportedModel(f"{model_type_of(f.raw)} topk_method {short_repr(method)} is not supported (only "
+                               "'noaux_tc': sigmoid scores plus the correction bias)", field="topk_method", value=method)
+    if f.integer("moe_layer_freq", 1, hi=MAX_LAYERS) != 1:
+        raise UnsupportedModel("moe_layer_freq other than 1 is not supported", field="moe_layer_freq",
+                               value=f.raw.get("moe_layer_freq"))
+    kinds = f.raw.get("mlp_layer_types") if layer_types else None
+    if kinds is not None:
+        if (not isinstance(kinds, list) or len(kinds) != n or any(k not in ("dense", "sparse") for k in kinds)):
+            raise UnsupportedModel(f"{model_type_of(f.raw)} mlp_layer_types {short_repr(kinds)} is not supported "
+                                   "(one of 'dense' / 'sparse' per layer)", field="mlp_layer_types")
+        moe = [i for i, k in enumerate(kinds) if k == "sparse"]
+    else:
+        moe = list(range(min(f.integer("first_k_dense_replace", 3, lo=0, hi=MAX_LAYERS), n), n))
+    if not moe:
+        raise UnsupportedModel(f"{model_type_of(f.raw)} with no MoE layer (first_k_dense_replace / mlp_layer_types) "
+                               "is not supported", field="first_k_dense_replace", value=n)
+    model["moe_layers"] = moe
+    model["dense_intermediate_size"] = f.integer("intermediate_size", None)
+    _sigmoid_router(f, model, normalize=f.flag("norm_topk_prob", True),
+                    scale=f.number("routed_scaling_factor", 2.5, lo=0.0, lo_open=True))
+    model["router"]["n_group"] = f.integer("n_group", groups[0], hi=MAX_EXPERTS)
+    model["router"]["topk_group"] = f.integer("topk_group", groups[1], hi=MAX_EXPERTS)
+    shared = f.integer("n_shared_experts", 1, lo=0, hi=MAX_EXPERTS)
+    model["shared_expert"] = ({"intermediate_size": shared * model["expert_intermediate_size"], "gate": "none"}
+                              if shared else None)
+
+
+def _deepseek_v32(f: Fields, model: Model, groups: tuple[int, int] = (8, 4)) -> None:
+    """DeepSeek-V3.2 and GLM-5: DeepSeek-V3 plus the DSA lightning indexer, which keeps each query's index_topk
+    best-scored tokens: every token while a context holds at most index_topk, where attention is dense MLA. The
+    file holds no indexer (its tensors are skipped) and says `index_topk`: engines refuse longer contexts."""
+    _deepseek_v3(f, model, groups, layer_types=True)
+    model["index_topk"] = f.integer("index_topk", 2048, hi=MAX_POSITIONS)
+
+
 # --- the records ----------------------------------------------------------------------------------
 
 _QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
@@ -327,15 +400,36 @@ QWEN3_NEXT = Adapter(
 QWEN3_5_MOE_TEXT = replace(QWEN3_NEXT, model_type="qwen3_5_moe_text")
 QWEN3_5_MOE = replace(QWEN3_NEXT, model_type="qwen3_5_moe", text_only=True)
 
+# DeepSeek-V3 / R1 / V3.1: MLA (kv_b_proj split into k_b_proj and v_b_proj, interleaved rope rows de-interleaved:
+# convert/derived.py::mla_tensors), the GLM-4.5 MoE block (shared_experts, selection-only correction bias), grouped
+# top-k; the multi-token-prediction layer past num_hidden_layers skipped (layout.skip_rules). Kimi-K2 checkpoints
+# declare the same graph under model_type kimi_k2.
+DEEPSEEK_V3 = Adapter(
+    model_type="deepseek_v3",
+    names=GLM4_MOE.names,
+    defaults=ConfigDefaults(rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                            expert_width_key="moe_intermediate_size", mla=True),
+    fields=_deepseek_v3,
+    derive=mla_tensors,
+)
+KIMI_K2 = replace(DEEPSEEK_V3, model_type="kimi_k2")
+INDEXER = Skip(r"model\.layers\.\d+\.self_attn\.indexer\..*",
+               "DSA lightning indexer (it keeps every token up to index_topk, where attention is dense: the file "
+               "records index_topk and engines refuse longer contexts)")
+DEEPSEEK_V32 = replace(DEEPSEEK_V3, model_type="deepseek_v32", names=replace(GLM4_MOE.names, skip=(INDEXER,)),
+                       fields=_deepseek_v32)
+GLM_MOE_DSA = replace(DEEPSEEK_V32, model_type="glm_moe_dsa",
+                      defaults=replace(DEEPSEEK_V3.defaults, rms_norm_eps=1e-5, max_position_embeddings=202752),
+                      fields=lambda f, model: _deepseek_v32(f, model, groups=(1, 1)))
+
 ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
-                                      MINIMAX_M2, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE_TEXT, QWEN3_5_MOE)}
+                                      MINIMAX_M2, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE_TEXT, QWEN3_5_MOE, DEEPSEEK_V3,
+                                      KIMI_K2, DEEPSEEK_V32, GLM_MOE_DSA)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.
 NOT_YET = {
     "deepseek_v2": "multi-head latent attention",
-    "deepseek_v3": "multi-head latent attention",
-    "kimi_k2": "the DeepSeek-V3 architecture",
     "phimoe": "sparsemixer routing and LayerNorm",
     "llama4": "input-scaled routing and chunked attention",
     "llama4_text": "input-scaled routing and chunked attention",

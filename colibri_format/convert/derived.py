@@ -454,3 +454,56 @@ def qwen3_next_tensors(src: Any) -> tuple[dict[str, Derived], set[str]]:
         if out != name:
             consumed.add(name)
     return derived, consumed
+
+
+# --- multi-head latent attention (DeepSeek-V3 family) ---------------------------------------------------------------
+ALWAYS_INTERLEAVED = ("deepseek_v32", "glm_moe_dsa")     # transformers rotates interleaved pairs whatever the config
+
+
+def _mla_dims(raw: Any) -> tuple[int, int, int, int, int, int]:
+    keys = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
+            "num_hidden_layers")
+    f = {k: raw.get(k) for k in keys}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in f.values()):
+        raise InvalidInput(f"config.json: the multi-head latent attention dims must be positive integers, got {f}",
+                           field="kv_lora_rank")
+    return tuple(f.values())
+
+
+def mla_tensors(src: Any) -> tuple[dict[str, Derived], set[str]]:
+    """MLA tensors in the canonical form, for the layers below num_hidden_layers (the MTP layers past it are skipped):
+    - kv_b_proj [heads x (k_nope | v), r] split into k_b_proj [heads x k_nope, r] and v_b_proj [heads x v, r] (the
+      absorbed decode form reads them as [heads, dim, r]);
+    - with interleaved RoPE (`rope_interleave`, default true; always for V3.2 / GLM-5): the rope rows of each q head
+      (q_b_proj or q_proj) and of the shared rope key (kv_a_proj_with_mqa) reordered evens first, odds second, so
+      rotate-half RoPE computes exactly what transformers' pairwise rotation does (q.k is a sum over the pairs)."""
+    raw = src.config.raw
+    heads, nope, rope, v, r, layers = _mla_dims(raw)
+    interleave = raw.get("model_type") in ALWAYS_INTERLEAVED or raw.get("rope_interleave", True) is not False
+    pairs = _deinterleave(rope) if interleave else np.arange(rope)
+    q_rows = (np.arange(heads)[:, None] * (nope + rope) + np.concatenate([np.arange(nope), nope + pairs])).reshape(-1)
+    kv_rows = np.concatenate([np.arange(r), r + pairs])
+    head = np.arange(heads)[:, None] * (nope + v)
+    derived: dict[str, Derived] = {}
+    consumed: set[str] = set()
+    for name in src.tensor_names():
+        parts = name.split(".")
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or int(parts[2]) >= layers:
+            continue
+        base = name[:-len("kv_b_proj.weight")]
+        expected = None
+        if name.endswith(".self_attn.kv_b_proj.weight"):
+            expected = heads * (nope + v)
+            derived[base + "k_b_proj.weight"] = _Rows2D(src, name, (head + np.arange(nope)).reshape(-1))
+            derived[base + "v_b_proj.weight"] = _Rows2D(src, name, (head + nope + np.arange(v)).reshape(-1))
+            consumed.add(name)
+        elif interleave and name.endswith((".self_attn.q_b_proj.weight", ".self_attn.q_proj.weight")):
+            expected = len(q_rows)
+            derived[name] = _Rows2D(src, name, q_rows)
+        elif interleave and name.endswith(".self_attn.kv_a_proj_with_mqa.weight"):
+            expected = len(kv_rows)
+            derived[name] = _Rows2D(src, name, kv_rows)
+        if expected is not None and tuple(src.shape(name))[:1] != (expected,):
+            raise InvalidInput(f"{name!r} has shape {tuple(src.shape(name))}, expected {expected} rows (config.json "
+                               "and weights disagree)", field=name, value=tuple(src.shape(name)))
+    return derived, consumed

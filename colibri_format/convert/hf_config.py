@@ -52,7 +52,7 @@ MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", 
               "shared_expert", "multipliers")
 # Keys written after those, and only by the architectures that use them (absent = the default; docs/design.md).
 OPTIONAL_MODEL_KEYS = ("attention_sinks", "sliding_layers", "expert_bias", "expert_act", "attention_gate",
-                       "layer_types", "linear_attention")
+                       "layer_types", "linear_attention", "mla", "index_topk")
 
 _REQUIRED = object()
 _MAX_DOUBLE = 1.7976931348623157e308
@@ -67,6 +67,7 @@ class ConfigDefaults:
     max_position_embeddings: int
     expert_width_key: str  # the config.json key of the routed experts' intermediate size
     partial_rotary_factor: float = 1.0  # when config.json names none (GLM-4.5: 0.5)
+    mla: bool = False  # multi-head latent attention (kv_lora_rank / q_lora_rank) is this architecture's own
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,9 @@ class Fields:
 DEQUANTIZED_METHODS = ("fp8", "mxfp4")
 
 
-def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
-    """Features no adapter handles, whatever the model_type claims."""
+def reject_unsupported_features(raw: Mapping[str, Any], mla: bool = False) -> None:
+    """Features no adapter handles, whatever the model_type claims (multi-head latent attention unless `mla`: the
+    DeepSeek-V3 family's adapters map it)."""
     quant = raw.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
@@ -232,7 +234,7 @@ def reject_unsupported_features(raw: Mapping[str, Any]) -> None:
                                    "sources are dequantized; GPTQ/AWQ/...); use the bf16/fp16/fp32 release",
                                    field="quantization_config", value=method)
     for key in ("kv_lora_rank", "q_lora_rank"):
-        if raw.get(key) is not None:
+        if raw.get(key) is not None and not mla:
             raise UnsupportedModel(f"multi-head latent attention ({key!r}) is not supported", field=key)
 
 
@@ -348,7 +350,7 @@ def hidden_act(f: Fields) -> str:
 
 def common_model(f: Fields, defaults: ConfigDefaults) -> dict[str, Any]:
     """Every design-doc field for a plain Mixtral-like MoE decoder (all layers MoE, no biases)."""
-    reject_unsupported_features(f.raw)  # here, so calling an adapter directly cannot skip it
+    reject_unsupported_features(f.raw, defaults.mla)  # here, so calling an adapter directly cannot skip it
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads", hi=MAX_HEADS)
     num_layers = f.integer("num_hidden_layers", hi=MAX_LAYERS)

@@ -120,12 +120,21 @@ LINEAR_ATTENTION = (("qkv_proj", "in_proj_qkv.weight"), ("z_proj", "in_proj_z.we
                     ("dt_bias", "dt_bias"), ("norm", "norm.weight"), ("o_proj", "out_proj.weight"))
 
 
+# MLA: k_b_proj / v_b_proj are split from kv_b_proj by convert/derived.py::mla_tensors
+MLA_ATTENTION = (("kv_a_proj", "kv_a_proj_with_mqa.weight"), ("kv_a_norm", "kv_a_layernorm.weight"),
+                 ("k_b_proj", "k_b_proj.weight"), ("v_b_proj", "v_b_proj.weight"), ("o_proj", "o_proj.weight"))
+MLA_QUERY = (("q_a_proj", "q_a_proj.weight"), ("q_a_norm", "q_a_layernorm.weight"), ("q_b_proj", "q_b_proj.weight"))
+
+
 def _attention(model: Model, i: int) -> list[_Wanted]:
     p, c = layer_prefix(i), f"layers.{i}"
     out = [_Wanted(f"{c}.input_norm", f"{p}.input_layernorm.weight"),
            _Wanted(f"{c}.post_attn_norm", f"{p}.post_attention_layernorm.weight")]
     if (model.get("layer_types") or ())[i:i + 1] == ["linear_attention"]:   # Qwen3-Next / Qwen3.5 Gated DeltaNet
         return out + [_Wanted(f"{c}.linear.{k}", f"{p}.linear_attn.{n}") for k, n in LINEAR_ATTENTION]
+    if model.get("mla") is not None:                                       # DeepSeek-V3 family
+        query = (("q_proj", "q_proj.weight"),) if model["mla"]["q_lora_rank"] is None else MLA_QUERY
+        return out + [_Wanted(f"{c}.attn.{k}", f"{p}.self_attn.{n}") for k, n in query + MLA_ATTENTION]
     out += [_Wanted(f"{c}.attn.{x}_proj", f"{p}.self_attn.{x}_proj.weight") for x in "qkvo"]
     if model["qkv_bias"]:
         out += [_Wanted(f"{c}.attn.{x}_bias", f"{p}.self_attn.{x}_proj.bias") for x in "qkv"]
@@ -251,7 +260,7 @@ MAX_MTP_LAYERS = 16
 
 
 def _mtp(raw: Mapping[str, Any], num_layers: int) -> Skip | None:
-    n = raw.get("num_nextn_predict_layers")
+    n = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers"))     # transformers v5 names it num_mtp_layers
     if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_MTP_LAYERS:
         return None
     layers = "|".join(str(num_layers + k) for k in range(n))

@@ -46,6 +46,22 @@ class ModelArgs:
     attention_gate: bool = False           # attention output times sigmoid(x attn.gate_proj^T) (Qwen3-Next)
     linear_layers: frozenset = frozenset()  # Gated DeltaNet layers (model.layer_types "linear_attention")
     linear: dict | None = None             # their dims (model.linear_attention)
+    mla: dict | None = None                # multi-head latent attention in every layer (model.mla)
+    index_topk: int | None = None          # DSA checkpoint without its indexer: exact up to this many tokens
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The channels of a head the RoPE tables are computed for: head_dim (times partial_rotary_factor where set),
+        or MLA's qk_rope_head_dim (the rope part of each q head and the shared rope key)."""
+        return self.mla["qk_rope_head_dim"] if self.mla else self.head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Cached values per token over all layers: keys and values of every head, or MLA's compressed latent and
+        rope key (kv_lora_rank + qk_rope_head_dim, shared by all heads)."""
+        if self.mla:
+            return self.num_layers * (self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"])
+        return 2 * self.num_layers * self.n_kv_heads * self.head_dim
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer` (0: full attention)."""
@@ -73,7 +89,7 @@ class ModelArgs:
             expert_bias=bool(m.get("expert_bias")), expert_act=m.get("expert_act"),
             attention_gate=bool(m.get("attention_gate")),
             linear_layers=frozenset(i for i, k in enumerate(m.get("layer_types") or ()) if k == "linear_attention"),
-            linear=m.get("linear_attention"))
+            linear=m.get("linear_attention"), mla=m.get("mla"), index_topk=m.get("index_topk"))
 
 
 def _check_supported(m: dict[str, Any]) -> None:

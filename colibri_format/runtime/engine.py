@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from colibri_format.errors import InvalidInput
+from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.args import ModelArgs
 from colibri_format.runtime.expert_pool import MEMORY_RESERVE, ExpertPool, capacity_from_budget, parse_memory
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
@@ -144,6 +144,16 @@ def _check_pinned(pinned, moe_layers, num_experts: int) -> None:
                                value=repr(pair)[:64])
 
 
+def _check_index_topk(args, config: EngineConfig) -> None:
+    """A DSA checkpoint converted without its indexer (model.index_topk) is exact only while a context holds at most
+    index_topk tokens (the indexer keeps them all): an engine for longer contexts is refused."""
+    k = args.index_topk
+    if k is not None and config.max_seq_len > k:
+        raise UnsupportedModel(f"max_seq_len {config.max_seq_len} exceeds model.index_topk = {k}: this file has no "
+                               f"sparse-attention indexer, and its dense attention equals the model's only up to {k} "
+                               f"tokens (set max_seq_len <= {k})", field="model.index_topk", value=k)
+
+
 def make_cache(config: EngineConfig, capacity: int | None, on_evict=None):
     from colibri_format.runtime.cache.expert_cache import ExpertCache
 
@@ -242,7 +252,8 @@ class Engine:
         cfg = self.config
         self.metadata = self.reader.metadata
         self.args = ModelArgs.from_dict(self.reader.model)
-        self.half = rotary_dim(self.args.rope, self.args.head_dim) // 2
+        self.half = rotary_dim(self.args.rope, self.args.rope_head_dim) // 2
+        _check_index_topk(self.args, cfg)
         _check_pinned(cfg.pinned_experts, self.args.moe_layers, self.reader.model.get("num_experts") or 0)
         self.be = make_backend(cfg)
         self.be.check_support(self.reader.model, self.reader.blob_layout if self.args.moe_layers else None)
@@ -269,7 +280,7 @@ class Engine:
         cfg, a = self.config, self.args
         if cfg.gpu_memory is None or not a.moe_layers:
             return cfg.max_cached_experts
-        kv_one_sequence = 2 * a.num_layers * cfg.max_seq_len * a.n_kv_heads * a.head_dim * self.be.dtype.itemsize
+        kv_one_sequence = cfg.max_seq_len * a.kv_values_per_token * self.be.dtype.itemsize
         return capacity_from_budget(cfg.gpu_memory, self.dense.nbytes, kv_one_sequence + MEMORY_RESERVE,
                                     int(self.reader.blob_layout.size), cfg.cache_scope, len(a.moe_layers),
                                     int(self.reader.model.get("num_experts") or 0))

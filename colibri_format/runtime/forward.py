@@ -39,21 +39,29 @@ class Workspace:
 
 class KVBuffers:
     """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd]. Layers in
-    `linear` (Gated DeltaNet) keep no keys; their per-sequence recurrent state is `self.state` instead."""
+    `linear` (Gated DeltaNet) keep no keys; their per-sequence recurrent state is `self.state` instead. With
+    `latent` > 0 (multi-head latent attention) each layer keeps one [S, capacity, latent] array in `keys` (the
+    normed compressed kv and the roped shared key of each token: kv_lora_rank + qk_rope_head_dim values) and no
+    values."""
 
     def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int,
-                 linear: frozenset = frozenset(), linear_dims: dict | None = None) -> None:
+                 linear: frozenset = frozenset(), linear_dims: dict | None = None, latent: int = 0) -> None:
         shape = (seqs, capacity, kv_heads, head_dim)
         self.seqs, self.capacity = seqs, capacity
-        self.keys = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
-        self.values = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
+        if latent:
+            self.keys = [be.zeros((seqs, capacity, latent)) for _ in range(num_layers)]
+            self.values = [None] * num_layers
+        else:
+            self.keys = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
+            self.values = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
         self.state = RecurrentState(be, sorted(linear), seqs, linear_dims) if linear else None
 
 
 def make_kv(be, args, seqs: int, capacity: int) -> KVBuffers:
     """The KV buffers (and, for Gated DeltaNet layers, the recurrent state) of `seqs` sequences."""
+    latent = args.mla["kv_lora_rank"] + args.mla["qk_rope_head_dim"] if args.mla else 0
     return KVBuffers(be, args.num_layers, seqs, capacity, args.n_kv_heads, args.head_dim, args.linear_layers,
-                     args.linear)
+                     args.linear, latent)
 
 
 class RecurrentState:
@@ -88,8 +96,8 @@ class HostStep:
 
 def rope_rows(args, positions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [T, rot/2] for the rows of each sequence (frequencies at each sequence's total length)."""
-    half = rotary_dim(args.rope, args.head_dim) // 2
-    tables = [cos_sin(p, *inv_frequencies(args.rope, args.head_dim, args.max_pos, int(p[-1]) + 1))
+    half = rotary_dim(args.rope, args.rope_head_dim) // 2
+    tables = [cos_sin(p, *inv_frequencies(args.rope, args.rope_head_dim, args.max_pos, int(p[-1]) + 1))
               for p in positions]
     cos = np.concatenate([t[0][:, :half] for t in tables])
     sin = np.concatenate([t[1][:, :half] for t in tables])
@@ -139,6 +147,8 @@ class Decoder:
         self.route_hook: RouteHook | None = None    # set when routing must reach the host (traces)
         self.forced_routes = None                   # benchmarks: (layer, rows) -> a backend int32 [rows, k] array
                                                     # copied over the routing (static buffers: graphs replay it)
+        self.mla_form = "auto"                      # MLA attention: auto (a sequence's single new row absorbed,
+                                                    # several expanded), or "expanded" / "absorbed" throughout
 
     # --- the pass -------------------------------------------------------------------------------------------
     def run(self, inp: StepInputs, kv: KVBuffers, ws: Workspace, T: int, out_rows=None, max_len: int = 0):
@@ -158,6 +168,8 @@ class Decoder:
         self.be.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
         if i in a.linear_layers:
             o = self.linear_attention(i, x, inp, kv, ws, T)
+        elif a.mla:
+            o = self.mla_attention(i, x, inp, kv, ws, T)
         else:
             o = self.attention(i, x, inp, kv, ws, T, max_len)
         self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
@@ -221,6 +233,27 @@ class Decoder:
                                     st.lengths[i], heads=(lin["num_key_heads"], nv), dims=(lin["key_head_dim"], dv),
                                     eps=self.a.eps, strict=st.strict, out=ws.buf("lin_y", (T, nv * dv)))
         return self.w.linear(y, f"{p}.o_proj", None, ws.buf("o", (T, self.a.hidden_size)))
+
+    def mla_attention(self, i: int, x, inp, kv, ws, T: int):
+        """Multi-head latent attention: q (q_proj, or q_a_proj -> norm -> q_b_proj), the compressed kv c (kv_a_proj ->
+        norm) and the shared rope key, then the backend's op (RoPE, the latent cache append, attention expanded or
+        absorbed), then o_proj."""
+        a, p, m = self.a, f"layers.{i}.attn", self.a.mla
+        nh, r, rope = a.n_heads, m["kv_lora_rank"], m["qk_rope_head_dim"]
+        q = ws.buf("mla_q", (T, nh * a.head_dim))
+        if m["q_lora_rank"] is None:
+            self.w.linear(x, f"{p}.q_proj", None, q)
+        else:
+            qa = self.w.linear(x, f"{p}.q_a_proj", None, ws.buf("mla_qa", (T, m["q_lora_rank"])))
+            self.be.rmsnorm(qa, self.w[f"{p}.q_a_norm"], m["latent_norm_eps"], out=qa)
+            self.w.linear(qa, f"{p}.q_b_proj", None, q)
+        kva = self.w.linear(x, f"{p}.kv_a_proj", None, ws.buf("mla_kva", (T, r + rope)))
+        c = self.be.rmsnorm(kva[:, :r], self.w[f"{p}.kv_a_norm"], m["latent_norm_eps"], out=ws.buf("mla_c", (T, r)))
+        att = self.be.mla_attention(q.reshape(T, nh, a.head_dim), c, kva[:, r:], self.w[f"{p}.k_b_proj"],
+                                    self.w[f"{p}.v_b_proj"], kv.keys[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
+                                    inp.qlen[:T], inp.cos[:T], inp.sin[:T], scale=float(a.attention_scale),
+                                    form=self.mla_form, out=ws.buf("mla_att", (T, nh * m["v_head_dim"])))
+        return self.w.linear(att, f"{p}.o_proj", None, ws.buf("o", (T, a.hidden_size)))
 
     # --- feed-forward ----------------------------------------------------------------------------------------------
     def moe(self, i: int, x, h, ws) -> None:

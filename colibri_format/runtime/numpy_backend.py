@@ -152,6 +152,58 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     return o
 
 
+# ---- multi-head latent attention (DeepSeek-V3 family) --------------------------------------------------------------
+def mla_attention(q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, *, scale: float, form: str = "auto",
+                  out=None):
+    """Multi-head latent attention over a latent cache [S, capacity, r + dr] that holds, per token, the normed
+    compressed kv c (r = kv_lora_rank values) and the roped key shared by all heads (dr = qk_rope_head_dim).
+
+    q [N, nh, dn + dr] (each head's nope part, then its rope part), c [N, r], k_rope [N, dr] (before RoPE);
+    k_b [nh dn, r] and v_b [nh dv, r] expand c into each head's nope key and value. RoPE (rotate-half, table rows
+    rpos) turns the rope parts; c and the roped key are written to cache[seq[n], pos[n]]; row n then attends to the
+    first q_len[n] tokens of its sequence with scores scale * (q_nope . k_nope + q_rope . k_rope). Two forms give the
+    same numbers up to rounding: expanded (keys and values of every cached token and head, as transformers computes)
+    and absorbed (q_nope through k_b into the latent space, scores and the weighted sum over c itself, then v_b: no
+    per-head key or value is formed, so the cache never needs more than c and the rope key). form "auto" absorbs for a
+    sequence with one row in the pass (a decode step) and expands for more (a prefill). Returns [N, nh dv]."""
+    N, nh, dq = q.shape
+    r, dr = c.shape[1], k_rope.shape[1]
+    dn, dt = dq - dr, q.dtype
+    wk = widen(k_b, dt).reshape(nh, dn, r)
+    wv = widen(v_b, dt).reshape(nh, -1, r)
+    q = np.array(q, dtype=dt)
+    rope(q[..., dn:], rpos, cos, sin)
+    kr = np.array(k_rope, dtype=dt)[:, None, :]
+    rope(kr, rpos, cos, sin)
+    seq_h, len_h = np.asarray(seq).astype(np.int64), np.asarray(q_len).astype(np.int64)
+    cache[seq_h, np.asarray(pos)] = np.concatenate([np.asarray(c, dt), kr[:, 0]], axis=1)
+    o = np.empty((N, nh, wv.shape[1]), dt)
+    for s in np.unique(seq_h):
+        rows = np.flatnonzero(seq_h == s)
+        lens = len_h[rows]
+        lat = cache[int(s), :int(lens.max())]
+        cl, kl = lat[:, :r], lat[:, r:]                                          # [L, r], [L, dr]
+        qn, qr = q[rows, :, :dn], q[rows, :, dn:]                                # [n, nh, dn], [n, nh, dr]
+        absorbed = form == "absorbed" or (form == "auto" and len(rows) == 1)
+        if absorbed:
+            ql = np.einsum("nhd,hdr->hnr", qn, wk)                              # [nh, n, r]
+            scores = ql @ cl.T                                                   # [nh, n, L]
+        else:
+            kn = (cl @ widen(k_b, dt).T).reshape(-1, nh, dn).transpose(1, 2, 0)  # [nh, dn, L]
+            scores = qn.transpose(1, 0, 2) @ kn
+        scores = (scores + qr.transpose(1, 0, 2) @ kl.T) * dt.type(scale)
+        allowed = np.arange(len(cl))[None, :] < lens[:, None]                    # [n, L]
+        scores = np.where(allowed, scores, dt.type(-np.inf))
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)                                            # [nh, n, L]
+        if absorbed:
+            o[rows] = np.einsum("hnr,hvr->nhv", p @ cl, wv)
+        else:
+            v = (cl @ widen(v_b, dt).T).reshape(-1, nh, wv.shape[1]).transpose(1, 0, 2)     # [nh, L, dv]
+            o[rows] = (p @ v).transpose(1, 0, 2)
+    return _store(out, o.reshape(N, -1))
+
+
 # ---- Gated DeltaNet (Qwen3-Next, Qwen3.5) ------------------------------------------------------------------------
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + e^x), x itself above 20 (torch's threshold)."""
@@ -416,6 +468,7 @@ class NumpyBackend:
     silu_mul = staticmethod(silu_mul)
     qkv_rope_kv = staticmethod(qkv_rope_kv)
     gated_delta_net = staticmethod(gated_delta_net)
+    mla_attention = staticmethod(mla_attention)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
                   sinks=None):

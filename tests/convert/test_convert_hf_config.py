@@ -84,8 +84,10 @@ def test_config_hash_is_xxh3_of_the_exact_bytes(tiny_checkpoint: Any) -> None:
 
 
 def test_registry_lists_every_fixture_arch() -> None:
-    # the hybrid models' fixtures are tests/hf_hybrid.py (converter tests: tests/convert/test_convert_qwen3_next.py)
-    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) | {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+    # the hybrid models' fixtures are tests/hf_hybrid.py (converter tests: tests/convert/test_convert_qwen3_next.py),
+    # the DeepSeek-V3 family's tests/hf_mla.py (tests/convert/test_convert_mla.py)
+    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) | {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3",
+                                                       "kimi_k2", "deepseek_v32", "glm_moe_dsa"}
     assert all(get_adapter(a).model_type == a for a in ARCHS)
 
 
@@ -206,7 +208,7 @@ def test_wrong_types_and_out_of_range_values_are_invalid_input(key: str, value: 
                                 "num_experts_per_tok", "rope_theta")
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "jamba", "llama", "not_a_model"])
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "jamba", "llama", "not_a_model"])
 def test_unknown_or_unsupported_model_type_names_it_and_lists_supported(model_type: str) -> None:
     with pytest.raises(UnsupportedModel) as info:
         normalize_config({**MIXTRAL, "model_type": model_type})

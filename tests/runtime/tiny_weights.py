@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri_format.runtime.forward import KVBuffers, StepInputs, Workspace, host_step
+from colibri_format.runtime.forward import KVBuffers, StepInputs, Workspace, host_step, make_kv
 
 ExpertArrays = tuple[np.ndarray, np.ndarray]     # (gate_up [2I, H], down [H, I])
 
@@ -60,9 +60,8 @@ def write_colibri(weights: TinyWeights, path, experts: str = "float32", dense: s
 
 def kv_buffers(eng, seqs: int, capacity: int) -> KVBuffers:
     """Empty KV buffers for `seqs` sequences of up to `capacity` positions, on the engine's backend."""
-    a = eng.args
     with eng.stream:
-        return KVBuffers(eng.be, a.num_layers, seqs, capacity, a.n_kv_heads, a.head_dim)
+        return make_kv(eng.be, eng.args, seqs, capacity)
 
 
 def decoder_pass(eng, kv: KVBuffers, chunks: list, seqs: list[int], starts: list[int],

@@ -67,3 +67,12 @@ def test_a_16_bit_dense_mlp_layer_is_refused_and_float32_runs():
             L.check_dense_mlp(m, {"layers.0.mlp.down_proj": dtype})
         assert info.value.field == "dense[layers.0.mlp.down_proj].dtype" and "\n" not in str(info.value)
     L.check_dense_mlp(model(), {})                          # no dense layer: nothing to check
+
+
+def test_multi_head_latent_attention_is_refused_in_one_line():
+    mla = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+           "latent_norm_eps": 1e-6}
+    m = model(num_key_value_heads=4, head_dim=16, mla=mla, index_topk=64)
+    with pytest.raises(E.UnsupportedModel) as info:
+        L.check_cuda_support(m, blob(m))
+    assert info.value.field == "model.mla" and "\n" not in str(info.value)
