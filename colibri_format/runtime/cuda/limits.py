@@ -45,13 +45,20 @@ GEMM_BN = 64
 GEMM_BK = 32
 GEMM_PAD = 4
 TC_THREADS = 128
-# layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head; dense_gemv
-# warps of DG_ROWS output rows, tokens in passes of DG_TOK
+# layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
+# kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
+# once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): one token
+# wants loads in flight (2 rows x 4), eight want rows that share each x load (4 x 1).
 ATT_THREADS = 128
 ATT_GMAX = 8
+# attention_decode (query rows <= ATT_DECODE_MAX_ROWS): K and V values a lane loads per key batch, and the fewest
+# keys a split is planned with (more splits, shorter serial chains: decode is latency-bound, not bandwidth-bound)
+ATT_LANE_FLOATS = 32
+ATT_DECODE_MAX_ROWS = 32
+ATT_DECODE_MIN_KEYS = 16
 DG_THREADS = 256
-DG_ROWS = 4
-DG_TOK = 4
+DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
+DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
 # fused.cu
 FUSED_THREADS = 256
 QKV_THREADS = 128
@@ -63,8 +70,10 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemv": {"GEMV_THREADS": GEMV_THREADS},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
-    "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "DG_THREADS": DG_THREADS, "DG_ROWS": DG_ROWS,
-               "DG_TOK": DG_TOK},
+    "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
+               "DG_THREADS": DG_THREADS,
+               **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
+               **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
 }
 

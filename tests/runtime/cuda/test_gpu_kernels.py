@@ -241,15 +241,17 @@ def test_rmsnorm(cp, rng, xdt, odt, wdt, shape):
 @pytest.mark.parametrize("cdt", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("window", [0, 5])
-def test_attention(cp, rng, cdt, hd, window):
+@pytest.mark.parametrize("copies", [1, 3])   # 15 rows run attention_decode, 45 (> ATT_DECODE_MAX_ROWS) attention_split
+def test_attention(cp, rng, cdt, hd, window, copies):
     S, cap, nkv, nh = 3, 40, 2, 8 if hd != 64 else 32  # group of 16 with hd 64: two query-head chunks
     dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[cdt]
     kc = cp.asarray(to_device_dtype(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt))
     vc = cp.asarray(to_device_dtype(cp, rng.standard_normal((S, cap, nkv, hd)).astype(np.float32), cdt))
     assert kc.dtype == dtype
     # decode: one query per sequence; plus causal-prefill rows of sequence 1 at positions 0..11
-    q_seq = np.array([0, 1, 2] + [1] * 12, np.int32)
-    q_len = np.array([4, 12, 1] + list(range(1, 13)), np.int32)
+    q_seq = np.tile(np.array([0, 1, 2] + [1] * 12, np.int32), copies)
+    q_len = np.tile(np.array([4, 12, 1] + list(range(1, 13)), np.int32), copies)
+    assert (len(q_seq) <= ops.ATT_DECODE_MAX_ROWS) == (copies == 1)
     q = rng.standard_normal((len(q_seq), nh, hd)).astype(np.float32)
     scale = 1.0 / np.sqrt(hd)
     exp = nb.attention(f64(q), f64(kc.get()), f64(vc.get()), q_seq, q_len, scale, window=window)
@@ -259,14 +261,15 @@ def test_attention(cp, rng, cdt, hd, window):
         assert rel(out.get(), exp) < F32_TOL, variant
 
 
-def test_attention_long_context(cp, rng):
+@pytest.mark.parametrize("rows", [3, 36])     # attention_decode, attention_split
+def test_attention_long_context(cp, rng, rows):
     """Many key tiles per warp and per split (the short test above never fills a tile)."""
     S, cap, nkv, nh, hd = 2, 1000, 2, 8, 128
     kc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
     vc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
-    q_seq = np.array([0, 1, 1], np.int32)
-    q_len = np.array([1000, 777, 129], np.int32)
-    q = (rng.standard_normal((3, nh, hd)) * 2).astype(np.float32)
+    q_seq = np.array([0, 1, 1] * 12, np.int32)[:rows]
+    q_len = np.array([1000, 777, 129] * 12, np.int32)[:rows]
+    q = (rng.standard_normal((rows, nh, hd)) * 2).astype(np.float32)
     exp = nb.attention(f64(q), f64(kc.get()), f64(vc.get()), q_seq, q_len, 0.1)
     for variant in (dict(), dict(nsplit=1), dict(nsplit=7)):
         out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1,
@@ -296,7 +299,8 @@ def test_residual_add_and_silu_mul(cp, rng):
 
 
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("T,N,K", [(1, 4096, 2048), (5, 130, 256), (8, 7, 64)])
+@pytest.mark.parametrize("T,N,K", [(1, 4096, 2048), (1, 5, 1032), (2, 9, 520), (3, 33, 4104), (4, 64, 4096),
+                                   (5, 130, 256), (8, 7, 64), (11, 20, 136)])   # every token plan, ragged K, passes
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
     x = rng.standard_normal((T, K)).astype(np.float32)

@@ -221,6 +221,136 @@ ATTENTION_SPLIT_KERNEL(bf16_hd64, TBF16, 2)
 ATTENTION_SPLIT_KERNEL(bf16_hd128, TBF16, 4)
 ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 
+// Attention for few query rows (decode): the same contract and partials as attention_split, another work split.
+// Block = (row n, kv head, split); warp w takes the heads g0 + ATT_HPW*w .. + ATT_HPW - 1 of the kv head's chunk
+// of ATT_GMAX heads; lanes split the head dimension (HPL = HD / 32 values each). Keys go in batches of
+// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, so a split of c keys costs
+// about c / KB memory round trips (the split kernel's lane-per-key tiles cost ~HD/16 round trips per 32 keys
+// whatever the length, which dominates short decode contexts).
+#ifndef ATT_LANE_FLOATS
+#error "ATT_LANE_FLOATS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#define ATT_HPW (ATT_GMAX / ATT_WARPS)
+static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q,
+                                                      const typename TC::storage* __restrict__ kc,
+                                                      const typename TC::storage* __restrict__ vc,
+                                                      const int* __restrict__ q_seq, const int* __restrict__ q_len,
+                                                      const float* __restrict__ sinks, float* __restrict__ part_ml,
+                                                      float* __restrict__ part_acc, float* __restrict__ out, int nh,
+                                                      int nkv, int capacity, int window, float scale, int nsplit) {
+    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
+    static_assert(KB >= 1, "a key per batch at least");
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x, kvh = blockIdx.y;
+    const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
+    const int G = nh / nkv, g0 = gchunk * ATT_GMAX, ng = min(ATT_GMAX, G - g0);
+    if (warp * ATT_HPW >= ng) return;               // no head of this chunk for this warp (no block-wide sync below)
+    const int len = q_len[n];
+    const int first = window > 0 ? max(0, len - window) : 0;
+    const int chunk = (len - first + nsplit - 1) / nsplit;
+    const int lo = first + split * chunk, hi = min(len, lo + chunk);
+    const size_t row = (size_t)nkv * HD;
+    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
+
+    float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
+#pragma unroll
+    for (int h = 0; h < ATT_HPW; ++h) {
+        const int head = kvh * G + g0 + min(warp * ATT_HPW + h, ng - 1);
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) {
+            qv[h][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
+            acc[h][u] = 0.0f;
+        }
+    }
+    for (int p0 = lo; p0 < hi; p0 += KB) {
+        float kf[KB][HPL], vf[KB][HPL];
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            const size_t off = base_off + (size_t)min(p0 + b, hi - 1) * row;   // past hi: a valid row, masked below
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) {
+                kf[b][u] = TC::to_f32(kc[off + u]);
+                vf[b][u] = TC::to_f32(vc[off + u]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < ATT_HPW; ++h) {
+            float sc[KB];
+            float mb = NEG_INF;
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) d = fmaf(qv[h][u], kf[b][u], d);
+                sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
+                mb = fmaxf(mb, sc[b]);
+            }
+            const float mn = fmaxf(m[h], mb);            // finite: key p0 < hi is valid
+            const float c = expf(m[h] - mn);             // 0 while m is -inf
+            l[h] *= c;
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) acc[h][u] *= c;
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                const float pb = expf(sc[b] - mn);       // 0 for masked keys
+                l[h] += pb;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) acc[h][u] = fmaf(pb, vf[b][u], acc[h][u]);
+            }
+            m[h] = mn;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < ATT_HPW; ++h) {
+        const int g = warp * ATT_HPW + h;
+        if (g >= ng) break;
+        const int head = kvh * G + g0 + g;
+        const size_t nhd = (size_t)n * nh + head;
+        if (nsplit == 1) {      // the sink joins here; with splits attention_merge adds it
+            const float sk = sinks != nullptr ? sinks[head] : NEG_INF;
+            const float mx = fmaxf(m[h], sk);
+            float num_c = 0.0f, den = 0.0f;
+            if (mx != NEG_INF) {
+                num_c = expf(m[h] - mx);
+                den = l[h] * num_c + (sk != NEG_INF ? expf(sk - mx) : 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < HPL; ++u)
+                out[nhd * HD + lane * HPL + u] = den > 0.0f ? acc[h][u] * num_c / den : 0.0f;
+        } else {
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) part_acc[(nhd * nsplit + split) * HD + lane * HPL + u] = acc[h][u];
+            if (lane == 0) {
+                part_ml[(nhd * nsplit + split) * 2] = m[h];
+                part_ml[(nhd * nsplit + split) * 2 + 1] = l[h];
+            }
+        }
+    }
+}
+
+#define ATTENTION_DECODE_KERNEL(SUF, TC, HPL)                                                                   \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
+        attention_decode_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,  \
+                               const int* q_len, const float* sinks, float* part_ml, float* part_acc,          \
+                               float* out, int nh, int nkv, int capacity, int window, float scale, int nsplit) { \
+        attention_decode_impl<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv,        \
+                                       capacity, window, scale, nsplit);                                       \
+    }
+ATTENTION_DECODE_KERNEL(f32_hd64, TF32, 2)
+ATTENTION_DECODE_KERNEL(f32_hd128, TF32, 4)
+ATTENTION_DECODE_KERNEL(f32_hd256, TF32, 8)
+ATTENTION_DECODE_KERNEL(f16_hd64, TF16, 2)
+ATTENTION_DECODE_KERNEL(f16_hd128, TF16, 4)
+ATTENTION_DECODE_KERNEL(f16_hd256, TF16, 8)
+ATTENTION_DECODE_KERNEL(bf16_hd64, TBF16, 2)
+ATTENTION_DECODE_KERNEL(bf16_hd128, TBF16, 4)
+ATTENTION_DECODE_KERNEL(bf16_hd256, TBF16, 8)
+
 // out[r, :] for r = (row, head) = merge of the nsplit partials (max, sum, unnormalized output); one block per r,
 // one thread per dim. sinks [nh] f32 or NULL: head r % nh's sink logit joins the denominator (see above).
 extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
@@ -288,74 +418,133 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ gu, float* __r
 
 // ------------------------------------------------------------------------------------------------ dense GEMV
 // y[t, n] = x[t, :] . W[n, :] (+ bias[n]) for small T: x [T, K] fp32, W [N, K] (f32/f16/bf16), y [T, N] fp32.
-// One warp per group of DG_ROWS output rows, tokens in passes of DG_TOK, 16-byte weight loads (K % 8 == 0 for
-// 16-bit weights, K % 4 == 0 for fp32). Grid-stride over warps.
+// A kernel per token count TOK (1, 2, 4, 8; more tokens go in passes of TOK): one warp per ROWS output rows, each
+// lane issuing UNROLL 16-byte weight loads per row before it multiplies (the loads in flight are what bandwidth
+// needs at one token); weights are streamed past L1. (ROWS, UNROLL) per TOK come from runtime/cuda/limits.py
+// (DG_PLANS, measured on the H200). N >= ROWS; K % 8 == 0 for 16-bit weights, K % 4 == 0 for fp32.
 #ifndef DG_THREADS
 #error "DG_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-#ifndef DG_ROWS
-#error "DG_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#ifndef DG_T1_ROWS
+#error "DG_T1_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-#ifndef DG_TOK
-#error "DG_TOK undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#ifndef DG_T1_UNROLL
+#error "DG_T1_UNROLL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T2_ROWS
+#error "DG_T2_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T2_UNROLL
+#error "DG_T2_UNROLL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T4_ROWS
+#error "DG_T4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T4_UNROLL
+#error "DG_T4_UNROLL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T8_ROWS
+#error "DG_T8_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_T8_UNROLL
+#error "DG_T8_UNROLL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 static_assert(DG_THREADS % 32 == 0, "whole warps");
 
+__device__ __forceinline__ uint4 load16_stream(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 template <typename TW>
+__device__ __forceinline__ void unpack16(uint4 v, float* out) {   // 16 bytes of TW -> Vec16<TW>::N floats
+    if constexpr (Vec16<TW>::N == 4) {
+        out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
+        out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
+    } else {
+        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = TW::to_f32((u16)(u[i] & 0xffffu));
+            out[2 * i + 1] = TW::to_f32((u16)(u[i] >> 16));
+        }
+    }
+}
+
+template <typename TW, int TOK, int ROWS, int UNROLL>
 __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
                                                 const float* __restrict__ bias, float* __restrict__ y, int T, int N,
                                                 int K) {
-    constexpr int V = Vec16<TW>::N;
+    constexpr int V = Vec16<TW>::N, STEP = 32 * V;
     const int lane = threadIdx.x & 31;
-    const int n_items = (N + DG_ROWS - 1) / DG_ROWS;
+    const int n_items = (N + ROWS - 1) / ROWS;
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < n_items; item += warps_total) {
-        const int r0 = min(item * DG_ROWS, N - DG_ROWS);  // shifted in range (N >= DG_ROWS)
-        for (int t0 = 0; t0 < T; t0 += DG_TOK) {
-            const int nt = min(DG_TOK, T - t0);
-            float acc[DG_ROWS][DG_TOK];
+        const int r0 = min(item * ROWS, N - ROWS);  // shifted in range (N >= ROWS)
+        for (int t0 = 0; t0 < T; t0 += TOK) {
+            const int nt = min(TOK, T - t0);
+            float acc[ROWS][TOK];
 #pragma unroll
-            for (int q = 0; q < DG_ROWS; ++q)
+            for (int q = 0; q < ROWS; ++q)
 #pragma unroll
-                for (int j = 0; j < DG_TOK; ++j) acc[q][j] = 0.0f;
-#pragma unroll 1
-            for (int c = lane * V; c < K; c += 32 * V) {
-                float wv[DG_ROWS][V];
+                for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
+            for (int c0 = lane * V; c0 < K; c0 += STEP * UNROLL) {
+                uint4 wv[UNROLL][ROWS];
 #pragma unroll
-                for (int q = 0; q < DG_ROWS; ++q) load16_f32<TW>(w + (size_t)(r0 + q) * K + c, wv[q]);
+                for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-                for (int j = 0; j < DG_TOK; ++j) {
-                    if (j < nt) {
+                    for (int q = 0; q < ROWS; ++q)
+                        wv[u][q] = c0 + u * STEP < K ? load16_stream(w + (size_t)(r0 + q) * K + c0 + u * STEP)
+                                                     : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                        for (int u = 0; u < V; u += 4) {
-                            const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + j) * K + c + u));
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int c = c0 + u * STEP;
+                    if (c >= K) break;
+                    float wf[ROWS][V];
 #pragma unroll
-                            for (int q = 0; q < DG_ROWS; ++q) {
-                                acc[q][j] = fmaf(wv[q][u], xv.x, acc[q][j]);
-                                acc[q][j] = fmaf(wv[q][u + 1], xv.y, acc[q][j]);
-                                acc[q][j] = fmaf(wv[q][u + 2], xv.z, acc[q][j]);
-                                acc[q][j] = fmaf(wv[q][u + 3], xv.w, acc[q][j]);
+                    for (int q = 0; q < ROWS; ++q) unpack16<TW>(wv[u][q], wf[q]);
+#pragma unroll
+                    for (int j = 0; j < TOK; ++j) {
+                        if (j < nt) {
+#pragma unroll
+                            for (int e = 0; e < V; e += 4) {
+                                const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + j) * K + c + e));
+#pragma unroll
+                                for (int q = 0; q < ROWS; ++q) {
+                                    acc[q][j] = fmaf(wf[q][e], xv.x, acc[q][j]);
+                                    acc[q][j] = fmaf(wf[q][e + 1], xv.y, acc[q][j]);
+                                    acc[q][j] = fmaf(wf[q][e + 2], xv.z, acc[q][j]);
+                                    acc[q][j] = fmaf(wf[q][e + 3], xv.w, acc[q][j]);
+                                }
                             }
                         }
                     }
                 }
             }
 #pragma unroll
-            for (int q = 0; q < DG_ROWS; ++q)
+            for (int q = 0; q < ROWS; ++q)
 #pragma unroll
-                for (int j = 0; j < DG_TOK; ++j) {
+                for (int j = 0; j < TOK; ++j) {
                     const float s = warp_sum(acc[q][j]);
-                    if (lane == 0 && j < nt && r0 + q >= item * DG_ROWS)
+                    if (lane == 0 && j < nt && r0 + q >= item * ROWS)
                         y[(size_t)(t0 + j) * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
                 }
         }
     }
 }
-#define DENSE_GEMV_KERNEL(SUF, TW)                                                                             \
+#define DENSE_GEMV_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                          \
     extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                  \
-        dense_gemv_##SUF(const float* x, const TW::storage* w, const float* bias, float* y, int T, int N, int K) { \
-        dense_gemv_impl<TW>(x, w, bias, y, T, N, K);                                                          \
+        dense_gemv_##SUF##_t##TOK(const float* x, const TW::storage* w, const float* bias, float* y, int T,     \
+                                  int N, int K) {                                                             \
+        dense_gemv_impl<TW, TOK, ROWS, UNROLL>(x, w, bias, y, T, N, K);                                       \
     }
-DENSE_GEMV_KERNEL(f32, TF32)
-DENSE_GEMV_KERNEL(f16, TF16)
-DENSE_GEMV_KERNEL(bf16, TBF16)
+#define DENSE_GEMV_KERNELS(SUF, TW)                                 \
+    DENSE_GEMV_KERNEL(SUF, TW, 1, DG_T1_ROWS, DG_T1_UNROLL)         \
+    DENSE_GEMV_KERNEL(SUF, TW, 2, DG_T2_ROWS, DG_T2_UNROLL)         \
+    DENSE_GEMV_KERNEL(SUF, TW, 4, DG_T4_ROWS, DG_T4_UNROLL)         \
+    DENSE_GEMV_KERNEL(SUF, TW, 8, DG_T8_ROWS, DG_T8_UNROLL)
+DENSE_GEMV_KERNELS(f32, TF32)
+DENSE_GEMV_KERNELS(f16, TF16)
+DENSE_GEMV_KERNELS(bf16, TBF16)

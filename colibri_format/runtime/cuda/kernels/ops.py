@@ -22,8 +22,8 @@ import numpy as np
 
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
-    ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT, DG_ROWS, DG_THREADS, DIM_MULTIPLE,
-    DISPATCH_MAX_E, DISPATCH_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
+    ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
+    DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
     GEMV_WIDE, GROUP_MULTIPLE, QK_NORM_MODES, QKV_THREADS, ROUTER_EPB, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_THREADS,
     ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, scale_groups)
 
@@ -533,9 +533,11 @@ def rmsnorm(x, w, eps: float, *, out_dtype=None, w_offset: float = 0.0, out=None
 
 
 def attention_splits(num_rows: int, kv_heads: int, group: int, max_len: int) -> int:
-    """Context splits for the split attention kernel: enough blocks for two waves, at least 64 keys a split."""
+    """Context splits of the attention kernels: enough blocks for two waves, at least 64 keys a split (the split
+    kernel) or ATT_DECODE_MIN_KEYS (the decode kernel, up to ATT_DECODE_MAX_ROWS query rows), at most 64."""
     blocks = num_rows * kv_heads * -(-group // ATT_GMAX)
-    return max(1, min(-(-max_len // 64), -(-2 * _sm_count() // blocks), 64))
+    min_keys = ATT_DECODE_MIN_KEYS if num_rows <= ATT_DECODE_MAX_ROWS else 64
+    return max(1, min(-(-max_len // min_keys), -(-2 * _sm_count() // blocks), 64))
 
 
 class AttentionWorkspace:
@@ -555,7 +557,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     Row n attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n] (window <= 0: all).
     sinks [nh] f32 (gpt-oss): one learned logit per head joins each softmax's denominator (`numpy_backend.attention`).
     The kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults to the
-    cache capacity) and merges them.
+    cache capacity) and merges them. Up to ATT_DECODE_MAX_ROWS rows run `attention_decode` (lanes split the head
+    dimension, keys in batches), more run `attention_split` (a lane per key): same contract and partials.
     """
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
@@ -586,7 +589,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         ml, acc = ws.ml, ws.acc
     else:
         ml = acc = o  # unused
-    kernel("layers", f"attention_split_{dtype_code(k_cache)}_hd{hd}")(
+    kind = "decode" if NQ <= ATT_DECODE_MAX_ROWS else "split"
+    kernel("layers", f"attention_{kind}_{dtype_code(k_cache)}_hd{hd}")(
         (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, o)
         + args_tail + (np.int32(ns),))
     if ns > 1:
@@ -638,7 +642,8 @@ def silu_mul(gu, *, out=None):
 def dense_gemv(x, w, *, bias=None, out=None):
     """y [T, N] f32 = x [T, K] f32 @ w[N, K].T (+ bias), w f32/f16/bf16; for T <= 8 (graph-capturable).
 
-    Tokens go in passes of 4 over the weights, so beyond a few tokens cuBLAS (cupy.matmul) is much faster.
+    One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); more tokens go in passes of 8 over the weights,
+    so beyond a few tokens cuBLAS (cupy.matmul) is much faster.
     """
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
@@ -653,8 +658,10 @@ def dense_gemv(x, w, *, bias=None, out=None):
         _check("bias", bias, dtype=np.float32, shape=(N,))
     y = _out("out", out, (T, N), cp.float32)
     if T:
-        blocks = max(1, min(-(-N // DG_ROWS // (DG_THREADS // 32)), _sm_count() * 8))  # a warp per DG_ROWS rows
-        kernel("layers", f"dense_gemv_{dtype_code(w)}")(
+        tok = min((t for t in DG_PLANS if t >= T), default=max(DG_PLANS))     # more tokens: passes of the largest
+        rows = DG_PLANS[tok][0]
+        blocks = -(-N // rows // (DG_THREADS // 32))                          # a warp per `rows` output rows
+        kernel("layers", f"dense_gemv_{dtype_code(w)}_t{tok}")(
             (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
     return y
 
