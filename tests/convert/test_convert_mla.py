@@ -190,3 +190,65 @@ def test_what_the_engine_does_not_compute_is_refused_naming_the_field(tmp_path, 
     with pytest.raises(UnsupportedModel) as info:
         normalize_config({**raw, **change})
     assert info.value.field == field and "\n" not in str(info.value)
+
+
+# config.json of published checkpoints, v4 spellings (rope_scaling with "type"; the fields that matter here)
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "attention_bias": False, "first_k_dense_replace": 3, "hidden_act": "silu",
+               "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+               "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+               "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+               "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+               "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                       "weight_block_size": [128, 128]},
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 4,
+               "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280}
+PUBLISHED = {
+    "DeepSeek-V3": (DEEPSEEK_V3, dict(heads=128, q_lora=1536, moe=(3, 61), groups=(8, 4), shared=2048, experts=256,
+                                      scale=192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)),
+    "Kimi-K2-Instruct": ({**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+                          "n_routed_experts": 384, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                          "routed_scaling_factor": 2.827, "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+                          "max_position_embeddings": 131072, "vocab_size": 163840,
+                          "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32}},
+                         dict(heads=64, q_lora=1536, moe=(1, 61), groups=(1, 1), shared=2048, experts=384,
+                              scale=192 ** -0.5 * (0.1 * math.log(32) + 1) ** 2)),
+    # no q LoRA, no rope scaling, two shared experts
+    "Moonlight-16B-A3B": ({**DEEPSEEK_V3, "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+                           "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                           "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 2.446,
+                           "q_lora_rank": None, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+                           "first_k_dense_replace": 1, "max_position_embeddings": 8192, "rope_theta": 50000.0,
+                           "rope_scaling": None, "vocab_size": 163840, "quantization_config": None},
+                          dict(heads=16, q_lora=None, moe=(1, 27), groups=(1, 1), shared=2816, experts=64,
+                               scale=192 ** -0.5)),
+    # transformers' GlmMoeDsaConfig defaults (GLM-5)
+    "GLM-5": ({"model_type": "glm_moe_dsa", "hidden_size": 6144, "intermediate_size": 12288,
+               "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+               "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+               "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256,
+               "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+               "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "index_topk": 2048, "index_head_dim": 128,
+               "index_n_heads": 32, "first_k_dense_replace": 3, "vocab_size": 154880, "num_nextn_predict_layers": 1,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+              dict(heads=64, q_lora=2048, moe=(3, 78), groups=(1, 1), shared=2048, experts=256, scale=256 ** -0.5,
+                   index_topk=2048)),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_normalize(name):
+    raw, want = PUBLISHED[name]
+    arch, model = normalize_config(raw)
+    assert arch == raw["model_type"]
+    assert (model["num_attention_heads"], model["num_key_value_heads"]) == (want["heads"], want["heads"])
+    assert model["mla"]["q_lora_rank"] == want["q_lora"] and model["mla"]["kv_lora_rank"] == 512
+    assert model["head_dim"] == raw["qk_nope_head_dim"] + 64
+    assert model["moe_layers"] == list(range(*want["moe"]))
+    assert (model["router"]["n_group"], model["router"]["topk_group"]) == want["groups"]
+    assert model["shared_expert"] == {"intermediate_size": want["shared"], "gate": "none"}
+    assert model["num_experts"] == want["experts"]
+    assert model["multipliers"]["attention"] == pytest.approx(want["scale"], rel=1e-12)
+    assert model.get("index_topk") == want.get("index_topk")
