@@ -17,11 +17,16 @@ def command(
                                               show_default=False)],
     dtype: Annotated[str, typer.Option("--dtype", help="Dense (and unquantized expert) dtype: "
                                                        "float16, bfloat16 or float32.")] = "float16",
-    quantize: Annotated[str, typer.Option("--quantize", help="expert: int8 experts; none: experts in --dtype.")]
+    quantize: Annotated[str, typer.Option("--quantize", help="expert: quantized experts (--quant-bits); mxfp4: an "
+                                                             "MXFP4 checkpoint's experts copied as they are; none: "
+                                                             "experts in --dtype.")]
     = "expert",
-    quant_bits: Annotated[int, typer.Option("--quant-bits", "--quant_bits", help="Bits per expert weight (8).")] = 8,
+    quant_bits: Annotated[Optional[int], typer.Option("--quant-bits", "--quant_bits",
+                                                      help="Bits per expert weight: 8 (int8, default) or 4 "
+                                                           "(int4_group).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", "--group_size",
-                                                      help="int8 group size (default: one scale per row).")] = None,
+                                                      help="Inputs per scale: int8 a multiple of 16 (default: one "
+                                                           "scale per row); int4 32 (default), 64 or 128.")] = None,
     num_experts: Annotated[Optional[int], typer.Option("--num-experts", "--num_experts",
                                                        help="Expected expert count (checked against config.json).")]
     = None,

@@ -101,6 +101,16 @@ class DerivedSource:
             return None
         return t.int8_rows(index, start, stop)
 
+    def exact_mxfp4(self, name: str, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(blocks uint8 [n, C/2], E8M0 scales uint8 [n, C/32]) of rows [start, stop) as the MXFP4 checkpoint stores
+        them (for mxfp4 experts: copied, not requantized); None when the tensor is not MXFP4."""
+        t = self.derived_tensor(name)
+        return None if t is None or not hasattr(t, "mxfp4_rows") else t.mxfp4_rows(index, start, stop)
+
+    def is_mxfp4(self, name: str) -> bool:
+        t = self.derived_tensor(name)
+        return t is not None and hasattr(t, "mxfp4_rows")
+
     def positional_reader(self, name: str, view: Any) -> Any:
         """None for a computed tensor (convert/rows.py then slices its view); the checkpoint's answer otherwise."""
         if name in self._derived:
@@ -191,7 +201,8 @@ class Mxfp4:
         out = np.empty(b.shape[:-1] + (32,), np.float32)            # [n, G, 32]
         out[..., 0::2] = FP4[b & 0x0F]
         out[..., 1::2] = FP4[b >> 4]
-        out *= np.ldexp(np.float32(1.0), e.astype(np.int32) - 127)[..., None]
+        with np.errstate(over="ignore", invalid="ignore"):        # e = 0xFF (NaN in OCP MX): inf/NaN, refused later
+            out *= np.ldexp(np.float32(1.0), e.astype(np.int32) - 127)[..., None]
         return out.reshape(out.shape[0], -1)
 
     def int8_rows(self, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -203,6 +214,14 @@ class Mxfp4:
         q[..., 0::2] = FP4_TIMES_2[b & 0x0F]
         q[..., 1::2] = FP4_TIMES_2[b >> 4]
         return q.reshape(q.shape[0], -1), np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+
+
+    def mxfp4_rows(self, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same rows as stored: blocks as uint8 [n, G * 16] (two FP4 values a byte, low nibble first) and their
+        E8M0 scales uint8 [n, G], copies of the checkpoint's bytes."""
+        b = (self.blocks if index is None else self.blocks[index])[start:stop]
+        e = (self.scales if index is None else self.scales[index])[start:stop]
+        return np.array(b, np.uint8).reshape(b.shape[0], -1), np.array(e, np.uint8)
 
 
 # --- the sources of a checkpoint ----------------------------------------------------------------------------------
@@ -285,18 +304,19 @@ class _RowsOf:
         return view[first:last][pick - first]
 
     def __getattr__(self, name: str) -> Any:
-        if name != "int8_rows":
+        """`int8_rows` / `mxfp4_rows` of the base tensor, in this tensor's row order (when the base has them)."""
+        if name not in ("int8_rows", "mxfp4_rows"):
             raise AttributeError(name)
         base = getattr(self.src, "derived_tensor", lambda _: None)(self.name)
-        if base is None or not hasattr(base, "int8_rows"):
+        if base is None or not hasattr(base, name):
             raise AttributeError(name)
 
-        def int8_rows(index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        def ordered_rows(index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
             pick = self.order[start:stop]
             first, last = int(pick.min()), int(pick.max()) + 1
-            q, scale = base.int8_rows(index, first, last)
+            q, scale = getattr(base, name)(index, first, last)
             return q[pick - first], scale[pick - first]
-        return int8_rows
+        return ordered_rows
 
 
 class _Transposed:

@@ -25,15 +25,16 @@ from colibri_format import spec as S
 from colibri_format.convert import finite
 from colibri_format.convert.cast import bf16_to_f16
 from colibri_format.convert.layout import RowSpan
-from colibri_format.convert.quantize import quantize_into
+from colibri_format.convert.quantize import quantize_int4_into, quantize_into
 from colibri_format.convert.rows import SourceHash, iter_span_chunks
 from colibri_format.dtypes import NUMPY_STORAGE, to_float32, to_storage
-from colibri_format.errors import InvalidInput, NonFiniteWeight
+from colibri_format.errors import InvalidInput, NonFiniteWeight, UnsupportedModel
 from colibri_format.writer import PieceStream
 
 DTYPE_NAME = {dtype: name for name, dtype in S.DTYPE_NAMES.items()}
 ALLOW_HINT = "--allow-non-finite stores such values as they are"
 INT8_HINT = "int8 experts cannot hold it (--quantize none --allow-non-finite would store it as it is)"
+INT4_HINT = "int4 experts cannot hold it (--quant-bits 8, or --quantize none [--allow-non-finite], would store it)"
 
 
 class Filled(NamedTuple):
@@ -127,18 +128,20 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
     """Stream one expert blob (gate_up, [scale], down, [scale])."""
     stats = ErrorStats()
     source = SourceHash()
-    quantized = blob.expert_format in S.QUANTIZED_FORMATS
+    fmt = blob.expert_format
+    quantized = fmt in S.QUANTIZED_FORMATS
     group = blob.group_size or None
     expert = stream.slot.key
-    convert = None if quantized else _Checked(src, S.DType(int(blob.expert_format)), allow_non_finite, expert)
+    convert = None if quantized else _Checked(src, S.DType(int(fmt)), allow_non_finite, expert)
     for arr in blob.arrays:
         if arr.name.endswith("_scale"):
             continue  # written right after its matrix
         stream.pad_to(arr.offset)
         scale = None
         if convert is None:
-            scale = _quantized_matrix(stream, src, arr, blob.array(arr.name + "_scale"), matrices[arr.name], group,
-                                      stats, source, expert)
+            scale_arr = blob.array(arr.name + "_scale")
+            matrix = _mxfp4_matrix if fmt == S.ExpertFormat.MXFP4 else _quantized_matrix
+            scale = matrix(stream, src, fmt, arr, scale_arr, matrices[arr.name], group, stats, source, expert)
         else:
             for span, row0, chunk in iter_span_chunks(src, matrices[arr.name]):
                 source.update(arr.name, chunk)
@@ -159,44 +162,82 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
 _scales = threading.local()
 
 
-def _scale_buffer(shape: tuple[int, int]) -> np.ndarray:
-    """A per-thread float32 buffer for one matrix's scales, reused from piece to piece."""
-    n = shape[0] * shape[1]
+def _scale_buffer(shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """A per-thread buffer for one matrix's scales (float32, float16 or E8M0 bytes), reused from piece to piece."""
+    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
     buf = getattr(_scales, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _scales.buf = np.empty(n, np.float32)
-    return buf[:n].reshape(shape)
+    if buf is None or buf.size < nbytes:
+        buf = _scales.buf = np.empty(max(nbytes, 4), np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
 
 
-def _quantized_matrix(stream: PieceStream, src: Any, arr: S.BlobArray, scale_arr: S.BlobArray,
+def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S.BlobArray, scale_arr: S.BlobArray,
                       spans: tuple[RowSpan, ...], group: int | None, stats: ErrorStats, source: SourceHash,
                       expert: Any) -> np.ndarray:
-    """Quantize and write a matrix row chunk by row chunk, the int8 rows straight into the stream's buffer;
-    returns its float32 scales (a view of a per-thread buffer, valid until the next matrix)."""
-    n_out, n_in = arr.shape
-    scales = _scale_buffer(scale_arr.shape)
+    """Quantize and write a matrix row chunk by row chunk (int8, or int4_group: two values a byte), the rows straight
+    into the stream's buffer; returns its scales (a view of a per-thread buffer, valid until the next matrix)."""
+    n_out, row_bytes = arr.shape
+    int4 = fmt == S.ExpertFormat.INT4_GROUP
+    n_in = row_bytes * 2 if int4 else row_bytes
+    storage = NUMPY_STORAGE[arr.dtype]
+    scales = _scale_buffer(scale_arr.shape, NUMPY_STORAGE[scale_arr.dtype])
     row = 0
     for span, row0, chunk in iter_span_chunks(src, spans):
         source.update(arr.name, chunk)
         if chunk.ndim != 2 or chunk.shape[1] != n_in or row + chunk.shape[0] > n_out:
             raise InvalidInput(f"expert {expert}: source gave the wrong size for {arr.name}", field=arr.name)
         rows = chunk.shape[0]
-        room = stream.reserve(chunk.size)
-        q = room.view(np.int8).reshape(chunk.shape) if room is not None else np.empty(chunk.shape, np.int8)
-        exact = _exact_int8(src, span, row0, rows, group)
+        nbytes = rows * row_bytes
+        room = stream.reserve(nbytes)
+        q = room.view(storage).reshape(rows, row_bytes) if room is not None else np.empty((rows, row_bytes), storage)
+        exact = None if int4 else _exact_int8(src, span, row0, rows, group)
         try:
             if exact is not None:
                 q[...], scales[row:row + rows] = exact
                 max_rel = mean_rel = 0.0
+            elif int4:
+                max_rel, mean_rel = quantize_int4_into(chunk, group, q, scales[row:row + rows])
             else:
                 max_rel, mean_rel = quantize_into(chunk, group, q, scales[row:row + rows])
-        except NonFiniteWeight:
-            raise finite.describe(src, span, row0, chunk, "float32", INT8_HINT, expert) from None
+        except NonFiniteWeight:       # NaN, inf, or (int4) a group beyond what a float16 scale holds
+            raise finite.describe(src, span, row0, chunk, "int4_group" if int4 else "float32",
+                                  INT4_HINT if int4 else INT8_HINT, expert) from None
         if room is not None:
-            stream.commit(chunk.size)
+            stream.commit(nbytes)
         else:
             stream.put(q)
         stats.add(max_rel, mean_rel, chunk.size)
+        row += rows
+    return scales[:row]
+
+
+def _mxfp4_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S.BlobArray, scale_arr: S.BlobArray,
+                  spans: tuple[RowSpan, ...], group: int | None, stats: ErrorStats, source: SourceHash,
+                  expert: Any) -> np.ndarray:
+    """Copy an MXFP4 checkpoint matrix's blocks and E8M0 scales as they are stored (rows in the canonical order),
+    chunk by chunk; returns its scales. The source hash is taken over the values the rows stand for, as for every
+    other piece (what a resume re-reads)."""
+    n_out, row_bytes = arr.shape
+    scales = _scale_buffer(scale_arr.shape, np.uint8)
+    row = 0
+    for span, row0, chunk in iter_span_chunks(src, spans):
+        source.update(arr.name, chunk)
+        rows = chunk.shape[0]
+        exact = src.exact_mxfp4(span.hf_name, span.index, row0, row0 + rows) if hasattr(src, "exact_mxfp4") else None
+        if exact is None:                          # plan_job refuses such sources before the first piece
+            raise UnsupportedModel(f"{span.hf_name!r} is not an MXFP4 tensor; mxfp4 experts are copied from an MXFP4 "
+                                   "checkpoint", field=span.hf_name)
+        blocks, e8 = exact
+        if blocks.shape != (rows, row_bytes) or row + rows > n_out or e8.shape != (rows, scale_arr.shape[1]):
+            raise InvalidInput(f"expert {expert}: source gave the wrong size for {arr.name}", field=arr.name)
+        nan = np.argwhere(e8 == 0xFF)
+        if nan.size:
+            r, g = (int(i) for i in nan[0])
+            raise NonFiniteWeight(f"{span.hf_name}: the E8M0 scale of row {row0 + r}, block {g} is 0xFF (NaN), which "
+                                  "an mxfp4 .colibri file may not hold", field=span.hf_name, value=0xFF)
+        stream.put(blocks)
+        scales[row:row + rows] = e8
+        stats.add(0.0, 0.0, chunk.size)
         row += rows
     return scales[:row]
 

@@ -27,7 +27,8 @@ _BITS = {np.dtype("<f2"): (np.dtype("<u2"), 0x7FFF, 0x7C00),
          np.dtype("<u2"): (np.dtype("<u2"), 0x7FFF, 0x7F80),  # bfloat16 bit patterns
          np.dtype("<f4"): (np.dtype("<u4"), 0x7FFF_FFFF, 0x7F80_0000),
          np.dtype("<f8"): (np.dtype("<u8"), 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000)}
-LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+           "int4_group": 7 * 65504.0}       # int4 values times a float16 scale (max|w| / 7 of the group)
 
 _scratch = threading.local()
 
@@ -57,6 +58,8 @@ def _as_float64(chunk: np.ndarray) -> np.ndarray:
 def _converted_bad(values: np.ndarray, target: str) -> np.ndarray:
     """Which finite float64 `values` become infinite once stored as `target`."""
     with np.errstate(over="ignore", invalid="ignore"):
+        if target == "int4_group":
+            return np.abs(values) > LARGEST[target]
         if target == "float16":
             return ~np.isfinite(values.astype(np.float16))
         as32 = values.astype(np.float32)

@@ -48,7 +48,9 @@ from colibri_format.writer import ColibriWriter, PieceKey
 
 DTYPES = ("float16", "bfloat16", "float32")
 SOURCE_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a checkpoint tensor may hold
-QUANTIZE_MODES = ("expert", "none")
+QUANTIZE_MODES = ("expert", "none", "mxfp4")
+QUANT_BITS = (8, 4)                  # --quantize expert: int8 (row or group) or int4_group
+DEFAULT_INT4_GROUP = 32
 MAX_WORKERS = 64
 UNUSED_NAMES_SHOWN = 5
 # What the converter reads beside the weight files (an output path may never be one of them).
@@ -96,6 +98,10 @@ class Options:
     def expert_format(self) -> S.ExpertFormat:
         if self.quantize == "none":
             return S.ExpertFormat(int(S.DTYPE_NAMES[self.dtype]))  # F32/F16/BF16 share their numbers
+        if self.quantize == "mxfp4":
+            return S.ExpertFormat.MXFP4
+        if self.quant_bits == 4:
+            return S.ExpertFormat.INT4_GROUP
         return S.ExpertFormat.INT8_ROW if self.group_size is None else S.ExpertFormat.INT8_GROUP
 
     def journal_options(self) -> dict[str, Any]:
@@ -156,16 +162,35 @@ class Progressive:
 
 
 # --- options and planning ---------------------------------------------------------------------------
-def check_options(dtype: str, quantize: str, quant_bits: int, group_size: int | None, workers: int, *,
+def check_options(dtype: str, quantize: str, quant_bits: int | None, group_size: int | None, workers: int, *,
                   allow_non_finite: bool = False, allow_unused_tensors: bool = False) -> Options:
+    """The options, checked and normalized: quant_bits None is 8 (4 for mxfp4), an int4 group size None is 32."""
     if dtype not in DTYPES:
         raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}", field="dtype", value=dtype)
     if quantize not in QUANTIZE_MODES:
         raise InvalidInput(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}", field="quantize", value=quantize)
-    if quant_bits != 8:
-        raise InvalidInput("only 8-bit expert quantization is implemented", field="quant_bits", value=quant_bits)
-    if group_size is not None and quantize != "expert":
+    if quant_bits is None:
+        quant_bits = 4 if quantize == "mxfp4" else 8
+    if isinstance(quant_bits, bool) or quant_bits not in QUANT_BITS:
+        raise InvalidInput("--quant-bits must be 8 (int8 experts) or 4 (int4_group experts)", field="quant_bits",
+                           value=quant_bits)
+    if quantize == "none" and quant_bits != 8:
+        raise InvalidInput("--quant-bits needs --quantize expert", field="quant_bits", value=quant_bits)
+    if quantize == "mxfp4" and quant_bits != 4:
+        raise InvalidInput("--quantize mxfp4 stores 4-bit experts: --quant-bits must be 4 or left out",
+                           field="quant_bits", value=quant_bits)
+    if group_size is not None and quantize == "none":
         raise InvalidInput("--group-size needs --quantize expert", field="group_size", value=group_size)
+    if quantize == "expert" and quant_bits == 4:
+        group_size = DEFAULT_INT4_GROUP if group_size is None else group_size
+        if isinstance(group_size, bool) or group_size not in S.INT4_GROUP_SIZES:
+            raise InvalidInput(f"int4 experts take --group-size {', '.join(map(str, S.INT4_GROUP_SIZES))}",
+                               field="group_size", value=group_size)
+    if quantize == "mxfp4":
+        if group_size not in (None, S.MXFP4_GROUP_SIZE):
+            raise InvalidInput(f"mxfp4 experts have one scale per {S.MXFP4_GROUP_SIZE} inputs: --group-size must be "
+                               f"{S.MXFP4_GROUP_SIZE} or left out", field="group_size", value=group_size)
+        group_size = S.MXFP4_GROUP_SIZE
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise InvalidInput(f"--workers must be in [1, {MAX_WORKERS}]", field="workers", value=workers)
     return Options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite, allow_unused_tensors)
@@ -196,6 +221,8 @@ def plan_job(src: Any, options: Options, num_experts: int | None, top_k: int | N
                                 {"gate_up": spans.gate_up, "down": spans.down}))
     skipped, unused = _unused_tensors(src, model, adapter, pieces, options.allow_unused_tensors)
     _check_source_dtypes(src, pieces)
+    if options.expert_format == S.ExpertFormat.MXFP4:
+        _check_mxfp4_sources(src, pieces)
     tokenizer, tok_hashes = describe.read_tokenizer(Path(src.root), model["vocab_size"])
     header = describe.journal_header(describe.input_fingerprint(src, tok_hashes), options.journal_options())
     job = Job(src, adapter.model_type, model, options, pieces, tokenizer, header, skipped, unused)
@@ -211,6 +238,17 @@ def _check_source_dtypes(src: Any, pieces: list[Piece]) -> None:
         if dtype not in SOURCE_DTYPES:
             raise UnsupportedModel(f"tensor {name!r} is stored as {dtype}; only {', '.join(SOURCE_DTYPES)} weights "
                                    "can be converted", field=name, value=dtype)
+
+
+def _check_mxfp4_sources(src: Any, pieces: list[Piece]) -> None:
+    """mxfp4 experts are the checkpoint's own MXFP4 bytes, copied: every expert matrix must be stored as MXFP4
+    (`*_blocks` / `*_scales`, quantization_config quant_method mxfp4), refused before the first piece otherwise."""
+    is_mxfp4 = getattr(src, "is_mxfp4", lambda _: False)
+    for name in sorted({span.hf_name for p in pieces if not p.is_dense for spans in p.rows.values() for span in spans}):
+        if not is_mxfp4(name):
+            raise UnsupportedModel(f"--quantize mxfp4 copies the experts of an MXFP4 checkpoint (*_blocks / *_scales); "
+                                   f"{name!r} is not MXFP4 ({src.dtype(name)}): --quant-bits 4 quantizes it to "
+                                   "int4_group", field=name, value=src.dtype(name))
 
 
 # Stands in for each expert's quantization error when the metadata is sized before converting: as long as any
@@ -258,11 +296,14 @@ def _unused_tensors(src: Any, model: dict[str, Any], adapter: Any, pieces: list[
 
 # --- public entry point -----------------------------------------------------------------------------
 def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dtype: str = "float16",
-            quantize: str = "expert", quant_bits: int = 8, group_size: int | None = None,
+            quantize: str = "expert", quant_bits: int | None = None, group_size: int | None = None,
             num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
             verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False, force: bool = False,
             allow_unused_tensors: bool = False, allow_non_finite: bool = False) -> ConversionSummary:
     """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run.
+    Experts: `quantize="expert"` with `quant_bits` 8 (default; int8_row, or int8_group with `group_size`) or 4
+    (int4_group, `group_size` 32 (default), 64 or 128); `quantize="mxfp4"` copies an MXFP4 checkpoint's experts
+    bit for bit; `quantize="none"` stores them in `dtype`.
     `allow_pickle` lets a checkpoint without safetensors be read from `pytorch_model*.bin`
     (`torch.load(weights_only=True, mmap=True)`). An existing `.colibri` at `output_path` is replaced only
     with `force`; anything else there (another file, a checkpoint file, a symlink) is always refused.

@@ -1,4 +1,5 @@
-"""Symmetric int8 quantization of channel-last `[out, in]` weights, per row or per group.
+"""Symmetric int8 quantization of channel-last `[out, in]` weights, per row or per group; and int4_group
+(`quantize_int4_into`, at the end: the same scheme with 4-bit values and float16 scales).
 
 For each row and each group of `g` consecutive input columns (`g = in` for
 per-row): `scale = max|w| / 127`, `q = rint(w / scale)` in [-127, 127], and the
@@ -191,6 +192,109 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
     return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
 
 
+# --- int4_group: two's-complement 4-bit values, two a byte, one float16 scale per group -------------------------
+QMAX4 = 7
+F16_MAX = float(np.finfo(np.float16).max)       # 65504: a group whose max|w| / 7 passes it cannot be stored
+
+
+def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, scale_out: np.ndarray
+                       ) -> tuple[float, float]:
+    """Quantize a stored chunk [out, in] (bf16 as uint16 bits, float16, float32 or float64) to the int4_group
+    format: `scale_out` (float16 [out, in // g]) gets max|w| / 7 of each group rounded *up* to a float16 (1 for an
+    all-zero group), `q_out` (uint8 [out, in // 2], C-contiguous) the round-to-nearest-even values q = rint(w / scale)
+    in [-7, 7], two a byte: input 2k in the low nibble of byte k, 2k+1 in the high nibble (two's complement).
+    Returns (max_rel_err, mean_rel_err) measured as for int8 (|w - q*scale| / max|w[row]|, in exact arithmetic).
+
+    Rounding the scale up keeps |w / scale| <= 7, so no value clips and |w - q*scale| <= scale/2 for the stored
+    scale. NaN/inf, or a group whose max|w| / 7 exceeds the largest float16 (65504), is a NonFiniteWeight naming
+    the row and column. Deterministic: the same bits whatever the chunking, thread or machine (float32 arithmetic
+    on values whose rounding does not depend on the block)."""
+    if chunk.ndim != 2 or chunk.dtype not in _MAGNITUDE:
+        raise InvalidInput(f"quantize_int4_into needs a 2-D stored float chunk, got {chunk.dtype} {chunk.shape}",
+                           field="weight")
+    n_out, n_in = chunk.shape
+    if group_size is None:
+        raise InvalidInput("int4 quantization needs a group size", field="group_size", value=group_size)
+    g = _group(np.empty((0, n_in), np.float32), group_size)
+    if g % 2 or q_out.shape != (n_out, n_in // 2) or q_out.dtype != np.uint8 \
+            or scale_out.shape != (n_out, n_in // g) or scale_out.dtype != np.float16:
+        raise InvalidInput("quantize_int4_into: output buffers do not match the chunk", field="weight")
+    src = np.ascontiguousarray(chunk)
+    rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))
+    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
+    amax = _group_maxima(src, g)
+    if not np.isfinite(amax).all():
+        bad = int(np.argmax(~np.isfinite(amax).all(axis=1)))
+        first = bad // rows * rows
+        x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
+        _upcast(src[first:first + x.shape[0]], x)
+        raise _non_finite(x, first, "int4")
+    scale, weight = _scales_f16(amax, scale_out, src, g)
+    gmax = np.empty(amax.shape, np.float32)
+    gsum = np.empty(amax.shape, np.float32)
+    for start in range(0, n_out, rows):
+        stop = min(start + rows, n_out)
+        shape = (stop - start, n_in // g, g)
+        n = (stop - start) * n_in
+        x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
+        _upcast(src[start:stop], x)
+        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 7
+        np.rint(x, out=r)
+        codes = r.astype(np.int8).view(np.uint8).reshape(stop - start, n_in)     # two's complement, low nibble
+        np.bitwise_or(codes[:, 0::2] & np.uint8(0x0F), (codes[:, 1::2] & np.uint8(0x0F)) << np.uint8(4),
+                      out=q_out[start:stop])
+        np.subtract(x, r, out=x)
+        np.abs(x, out=x)
+        _reduce_groups(np.maximum, x, gmax[start:stop])
+        _reduce_groups(np.add, x, gsum[start:stop])
+    np.multiply(gmax, weight, out=gmax)
+    np.multiply(gsum, weight, out=gsum)
+    err_sum = 0.0
+    for start in range(0, n_out, rows):
+        err_sum = err_sum + float(gsum[start:start + rows].sum(dtype=np.float64))
+    return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
+
+
+def quantize_int4(w: np.ndarray, group_size: int) -> Quantized:
+    """`w` [out, in] float32 to int4_group: q packed uint8 [out, in // 2], scale float16 [out, in // g]
+    (`quantize_int4_into` on the whole matrix)."""
+    g = _group(w, group_size) if group_size is not None else group_size
+    q = np.empty((w.shape[0], w.shape[1] // 2), np.uint8)
+    scale = np.empty((w.shape[0], w.shape[1] // g if g else 0), np.float16)
+    max_rel, mean_rel = quantize_int4_into(w, g, q, scale)
+    return Quantized(q, scale, max_rel, mean_rel)
+
+
+def _scales_f16(amax: np.ndarray, scale_out: np.ndarray, src: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """float16 scales (max|w| / 7 rounded up; 1 for zero groups) into `scale_out`; return them as float32 and the
+    factor from a group's error in scale units to the row-relative error."""
+    exact = amax.astype(np.float64) / QMAX4
+    with np.errstate(over="ignore"):
+        s16 = exact.astype(np.float16)
+        s16 = np.where(s16.astype(np.float64) < exact, np.nextafter(s16, np.float16(np.inf)), s16)
+    s16 = np.where(amax == 0, np.float16(1), s16)
+    if not np.isfinite(s16).all():
+        row, group = (int(i) for i in np.argwhere(~np.isfinite(s16))[0])
+        cols = slice(group * g, (group + 1) * g)
+        col = group * g + int(np.argmax(np.abs(_row_f32(src, row)[cols])))
+        raise NonFiniteWeight(f"weight {float(amax[row, group]):.6g} at index [{row}, {col}] is too large for int4 "
+                              f"with float16 scales (at most {QMAX4} x {F16_MAX:g} a group)", field="weight",
+                              value=float(amax[row, group]))
+    scale_out[...] = s16
+    scale = s16.astype(np.float32)
+    err_scale = np.where(amax > 0, scale, np.float32(0))
+    row_max = amax.max(axis=1, keepdims=True)
+    # a group's scale is at least 2^-24 (the smallest float16): for a row of tiny values the weight exceeds 1, but
+    # stays finite (2^-24 / 2^-149 < float32 max); such groups round to zero and report their true error
+    return scale, err_scale / np.where(row_max > 0, row_max, np.float32(1))
+
+
+def _row_f32(src: np.ndarray, row: int) -> np.ndarray:
+    out = np.empty(src.shape[1], np.float32)
+    _upcast(src[row:row + 1], out)
+    return out
+
+
 # stored dtype -> (unsigned view of its bits, mask of the magnitude bits)
 _MAGNITUDE = {np.dtype(np.uint16): (np.uint16, 0x7FFF), np.dtype(np.float16): (np.uint16, 0x7FFF),
               np.dtype(np.float32): (np.uint32, 0x7FFF_FFFF), np.dtype(np.float64): (None, 0)}
@@ -261,14 +365,14 @@ def _widen_bf16(bits: np.ndarray, out: np.ndarray) -> None:
     np.left_shift(wide, np.uint32(16), out=wide)
 
 
-def _non_finite(w3: np.ndarray, row0: int) -> NonFiniteWeight:
+def _non_finite(w3: np.ndarray, row0: int, what: str = "int8") -> NonFiniteWeight:
     """The error for the first NaN or infinity of a block (searched only once the block failed)."""
     rows, groups, g = w3.shape
     flat = w3.reshape(rows, groups * g)
     row, col = (int(i) for i in np.argwhere(~np.isfinite(flat))[0])
     value = float(flat[row, col])
-    what = "NaN" if np.isnan(value) else f"{'+' if value > 0 else '-'}inf"
-    return NonFiniteWeight(f"weight holds {what} at index [{row0 + row}, {col}], which int8 cannot hold",
+    kind = "NaN" if np.isnan(value) else f"{'+' if value > 0 else '-'}inf"
+    return NonFiniteWeight(f"weight holds {kind} at index [{row0 + row}, {col}], which {what} cannot hold",
                            field="weight", value=value)
 
 

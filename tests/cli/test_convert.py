@@ -52,7 +52,7 @@ def test_defaults_table_and_quiet(converter, tmp_path, capsys):
     assert main(args) == 0
     kw = converter[0][2]
     assert (kw["dtype"], kw["quantize"], kw["quant_bits"], kw["group_size"], kw["workers"]) == \
-        ("float16", "expert", 8, None, 2)
+        ("float16", "expert", None, None, 2)                          # quant_bits None: 8, or 4 for mxfp4
     assert kw["resume"] is True and kw["verify"] is True and kw["allow_pickle"] is False
     assert kw["force"] is False and kw["allow_unused_tensors"] is False and kw["allow_non_finite"] is False
     assert callable(kw["progress"])                                  # the progress bar's callback

@@ -217,7 +217,7 @@ def test_cli_expert_count_mismatch(tiny_checkpoint, tmp_path, capsys, flag, valu
 
 
 @pytest.mark.parametrize("kwargs, field", [({"dtype": "int4"}, "dtype"), ({"quantize": "all"}, "quantize"),
-                                          ({"quant_bits": 4}, "quant_bits"),
+                                          ({"quant_bits": 3}, "quant_bits"),
                                           ({"quantize": "none", "group_size": 16}, "group_size"),
                                           ({"workers": 0}, "workers"), ({"group_size": 24}, "group_size")])
 def test_bad_options_are_invalid_input(tiny_checkpoint, tmp_path, kwargs, field):

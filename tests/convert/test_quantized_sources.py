@@ -104,7 +104,8 @@ def test_fp8_in_another_format_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("options, tol", [(dict(dtype="float32", quantize="none"), TOL),
-                                          (dict(dtype="float32", quantize="expert", group_size=32), TOL)])
+                                          (dict(dtype="float32", quantize="expert", group_size=32), TOL),
+                                          (dict(dtype="float32", quantize="mxfp4"), TOL)])
 def test_mxfp4_gpt_oss_converts_to_the_dequantized_model(tmp_path, options, tol):
     hf = build_hf("gpt_oss", intermediate_size=64)        # in-features multiples of 32 (H 32, I 64)
     hf.save_pretrained(tmp_path / "hf")
@@ -133,3 +134,66 @@ def test_mxfp4_experts_become_int8_groups_of_32_exactly(tmp_path):
             for e in range(q.model["num_experts"]):
                 for a, b in zip(q.expert_f32(layer, e), f.expert_f32(layer, e)):
                     np.testing.assert_array_equal(a, b)
+
+
+def _gpt_oss_mxfp4(tmp_path):
+    hf = build_hf("gpt_oss", intermediate_size=64)
+    hf.save_pretrained(tmp_path / "hf")
+    return to_mxfp4(tmp_path / "hf", tmp_path)
+
+
+def test_mxfp4_experts_are_copied_bit_for_bit(tmp_path):
+    """--quantize mxfp4: each blob holds the checkpoint's blocks and E8M0 scales themselves (gate_up rows
+    de-interleaved, gate rows first); the engine then computes exactly what the int8 g32 file (the same values,
+    held as int8) computes."""
+    import colibri_format
+    from safetensors.numpy import load_file
+
+    from colibri_format.convert.derived import _deinterleave
+
+    mxfp4, _ = _gpt_oss_mxfp4(tmp_path)
+    summary = convert(mxfp4, tmp_path / "mx.colibri", dtype="float32", quantize="mxfp4", workers=2)
+    convert(mxfp4, tmp_path / "g32.colibri", dtype="float32", quantize="expert", group_size=32, workers=1)
+    assert summary.expert_format == "mxfp4" and summary.quant_error_max == 0.0
+    raw = load_file(str(mxfp4 / "model.safetensors"))
+    with colibri_format.open(tmp_path / "mx.colibri", verify="always") as f:
+        assert (f.header.version_minor, f.header.group_size) == (1, 32)
+        assert f.metadata["quantization"]["bits"] == 4
+        for layer in f.model["moe_layers"]:
+            p = f"model.layers.{layer}.mlp.experts."
+            order = _deinterleave(raw[p + "gate_up_proj_blocks"].shape[1])
+            for e in range(f.model["num_experts"]):
+                v = f.expert(layer, e)
+                blocks, scales = raw[p + "gate_up_proj_blocks"][e][order], raw[p + "gate_up_proj_scales"][e][order]
+                np.testing.assert_array_equal(v.gate_up, blocks.reshape(blocks.shape[0], -1))
+                np.testing.assert_array_equal(v.gate_up_scale, scales)
+                np.testing.assert_array_equal(v.down, raw[p + "down_proj_blocks"][e].reshape(v.down.shape))
+                np.testing.assert_array_equal(v.down_scale, raw[p + "down_proj_scales"][e])
+    batch = prompts(96, [9, 5], seed=2)
+    with Engine(tmp_path / "mx.colibri") as mx, Engine(tmp_path / "g32.colibri") as g32:
+        for a, b in zip(mx.logits(batch), g32.logits(batch)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_mxfp4_output_needs_an_mxfp4_checkpoint(tmp_path):
+    hf = build_hf("gpt_oss", intermediate_size=64)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(UnsupportedModel, match="--quant-bits 4") as info:
+        convert(tmp_path / "hf", tmp_path / "x.colibri", quantize="mxfp4")
+    assert "experts" in info.value.field
+    assert not (tmp_path / "x.colibri").exists() and not list(tmp_path.glob(".x.colibri*"))
+
+
+def test_mxfp4_nan_scale_is_refused_by_name(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from colibri_format.errors import NonFiniteWeight
+
+    mxfp4, _ = _gpt_oss_mxfp4(tmp_path)
+    tensors = load_file(str(mxfp4 / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name][2, 5, 1] = 0xFF                                     # expert 2, row 5, block 1
+    save_file(tensors, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeight, match="0xFF") as info:
+        convert(mxfp4, tmp_path / "x.colibri", quantize="mxfp4", workers=1)
+    assert info.value.field == "model.layers.1.mlp.experts.down_proj" and "row 5, block 1" in str(info.value)
