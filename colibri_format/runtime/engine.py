@@ -394,8 +394,19 @@ class Engine:
 
     # --- step-level access (generate_batch, benchmarks, colibri serve) -------------------------------------------
     @_serialized
-    def decode_runner(self, batch: int, length: int) -> DecodeRunner:
-        """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph)."""
+    def decode_runner(self, batch: int, length: int, kv=None) -> DecodeRunner:
+        """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph).
+
+        With `kv` (another runner's `kv`, or `make_kv` buffers of at least `batch` sequences and `length` positions)
+        a new runner over those buffers, stepping their sequences 0..batch-1: not kept by the engine (the caller
+        keeps it, and its graph). colibri serve steps its running requests through runners of 1, 2, 4, ... rows
+        over the buffers of all its slots."""
+        if kv is not None:
+            if not 1 <= batch <= kv.seqs or length > kv.capacity:
+                raise InvalidInput(f"a runner of {batch} rows and {length} positions does not fit KV buffers of "
+                                   f"{kv.seqs} sequences x {kv.capacity} positions", field="batch", value=batch)
+            with self.stream:
+                return DecodeRunner(self, batch, kv.capacity, kv)
         capacity = capacity_for(length, self.config.max_seq_len)
         key = (batch, capacity)
         if key not in self._runners:
@@ -411,8 +422,9 @@ class Engine:
         """Write chunks[i] into the runner's sequence seqs[i] (default i) from position starts[i] (default 0), in one
         packed pass; device logits [S, V] of each chunk's last row. Positions before starts[i] must hold that
         sequence's earlier tokens; what lies beyond a sequence's end is never read (a serving loop reuses slots and
-        extends only some of them). Raises InvalidInput for a slot outside the runner, a slot named twice, or a
-        chunk that is empty or would pass the runner's capacity."""
+        extends only some of them). A slot is any sequence of the runner's KV buffers (shared buffers may hold more
+        than the runner's rows). Raises InvalidInput for a slot outside them, a slot named twice, or a chunk that is
+        empty or would pass the runner's capacity."""
         seqs = list(range(len(chunks))) if seqs is None else [int(s) for s in seqs]
         starts = [0] * len(chunks) if starts is None else [int(p) for p in starts]
         if len(seqs) != len(chunks) or len(starts) != len(chunks) or len(set(seqs)) != len(seqs):
@@ -421,8 +433,8 @@ class Engine:
         for s, p, c in zip(seqs, starts, chunks):
             if len(c) == 0:
                 raise InvalidInput(f"the chunk for slot {s} is empty", field="chunks", value=s)
-            if not 0 <= s < runner.batch:
-                raise InvalidInput(f"slot {s} is outside the runner's {runner.batch}", field="seqs", value=s)
+            if not 0 <= s < runner.kv.seqs:
+                raise InvalidInput(f"slot {s} is outside the runner's {runner.kv.seqs}", field="seqs", value=s)
             if p < 0 or p + len(c) > runner.capacity:
                 raise InvalidInput(f"positions {p}..{p + len(c) - 1} pass the runner's capacity {runner.capacity}",
                                    field="starts", value=p)

@@ -56,6 +56,20 @@ class KVBuffers:
             self.values = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
         self.state = RecurrentState(be, sorted(linear), seqs, linear_dims) if linear else None
 
+    def move(self, src: int, dst: int, length: int | None = None) -> None:
+        """Sequence `src` copied into sequence `dst` (colibri serve compacting its slots): its cache rows of positions
+        [0, length) (default: all) in every layer, and its recurrent state; `src` keeps its copy. Plain array copies
+        (NumPy, or CuPy on the current stream: run it on the engine's compute stream, ordered with the passes)."""
+        n = self.capacity if length is None else length
+        if src == dst or not (0 <= src < self.seqs and 0 <= dst < self.seqs and 0 <= n <= self.capacity):
+            raise ValueError(f"cannot move sequence {src} to {dst} ({n} positions) in buffers of {self.seqs} "
+                             f"sequences x {self.capacity} positions")
+        for cache in (*self.keys, *self.values):
+            if cache is not None and n:
+                cache[dst, :n] = cache[src, :n]
+        if self.state is not None:
+            self.state.move(src, dst)
+
 
 def make_kv(be, args, seqs: int, capacity: int) -> KVBuffers:
     """The KV buffers (and, for Gated DeltaNet layers, the recurrent state) of `seqs` sequences."""
@@ -81,6 +95,13 @@ class RecurrentState:
         self.lengths = {i: np.zeros(seqs, np.int64) for i in layers}
         self.strict = True     # false during a decode step: a slot whose state does not hold `pos` tokens (a
                                # serving loop's idle slot, fed another slot's token) restarts from zero states
+
+    def move(self, src: int, dst: int) -> None:
+        """Sequence `src`'s states (and the count of tokens they hold) copied into sequence `dst`."""
+        for i in self.conv:
+            self.conv[i][dst] = self.conv[i][src]
+            self.delta[i][dst] = self.delta[i][src]
+            self.lengths[i][dst] = self.lengths[i][src]
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""Step runners: a decode step for B sequences over their own KV buffers, eager once, then (on a backend with
-graphs, when nothing in the step needs the host) captured as a CUDA graph and replayed with static buffers."""
+"""Step runners: a decode step for B sequences over their own KV buffers (or the first B sequences of buffers shared
+with other runners), eager once, then (on a backend with graphs, when nothing in the step needs the host) captured
+as a CUDA graph and replayed with static buffers."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.forward import HostStep, StepInputs, Workspace, make_kv, rope_rows
+from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, make_kv, rope_rows
 
 MIN_CAPACITY = 64     # KV positions of the smallest runner
 
@@ -19,12 +20,20 @@ def capacity_for(length: int, max_seq_len: int) -> int:
 
 
 class DecodeRunner:
-    """One decode step for `batch` sequences, `capacity` positions each."""
+    """One decode step for `batch` sequences, `capacity` positions each.
 
-    def __init__(self, eng, batch: int, capacity: int) -> None:
+    With `kv` (KV buffers, and recurrent state, of S >= batch sequences and `capacity` positions, made by `make_kv`)
+    the runner owns no buffers: row r of its step is sequence r of `kv`, so runners of several batch sizes over one
+    set of buffers each step the lowest sequences (colibri serve's batch buckets); sequences >= batch are untouched.
+    """
+
+    def __init__(self, eng, batch: int, capacity: int, kv: KVBuffers | None = None) -> None:
         a, be = eng.args, eng.be
         self.eng, self.batch, self.capacity = eng, batch, capacity
-        self.kv = make_kv(be, a, batch, capacity)
+        if kv is not None and (kv.seqs < batch or kv.capacity != capacity):
+            raise ValueError(f"KV buffers of {kv.seqs} sequences x {kv.capacity} positions cannot serve a runner of "
+                             f"{batch} x {capacity}")
+        self.kv = make_kv(be, a, batch, capacity) if kv is None else kv
         self.ws = Workspace(be)
         self.inp = StepInputs(be, batch, eng.half)
         self.graph = None
