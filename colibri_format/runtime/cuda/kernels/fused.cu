@@ -41,12 +41,27 @@ __device__ __forceinline__ void add_rmsnorm_impl(float* h, const float* __restri
     const float* br = b + (size_t)blockIdx.x * D;
     float* xr = x + (size_t)blockIdx.x * D;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float v = fmaf(alpha, br[i], hr[i]);
-        hr[i] = v;
-        ss = fmaf(v, v, ss);
+    constexpr int U = 8;   // elements a thread loads before it stores any (h may alias b: the compiler cannot hoist)
+    for (int i0 = threadIdx.x; i0 < D; i0 += U * blockDim.x) {
+        float hv[U], bv[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * blockDim.x;
+            hv[u] = i < D ? hr[i] : 0.0f;
+            bv[u] = i < D ? br[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < D) {
+                const float v = fmaf(alpha, bv[u], hv[u]);
+                hr[i] = v;
+                ss = fmaf(v, v, ss);
+            }
+        }
     }
     const float inv = rsqrtf(block_sum(ss, s_red) / (float)D + eps);
+#pragma unroll 8
     for (int i = threadIdx.x; i < D; i += blockDim.x) xr[i] = hr[i] * inv * TW::to_f32(w[i]);
 }
 

@@ -14,6 +14,7 @@ __device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* __restr
     const typename TX::storage* xr = x + (size_t)blockIdx.x * D;
     typename TO::storage* orow = out + (size_t)blockIdx.x * D;
     float ss = 0.0f;
+#pragma unroll 8     // a row's loads in flight together (one row a block: latency-bound)
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         const float v = TX::to_f32(xr[i]);
         ss = fmaf(v, v, ss);
@@ -29,6 +30,7 @@ __device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* __restr
     }
     __syncthreads();
     const float inv = rsqrtf(s_red[0] / (float)D + eps);
+#pragma unroll 8
     for (int i = threadIdx.x; i < D; i += blockDim.x)
         orow[i] = TO::from_f32(TX::to_f32(xr[i]) * inv * (TW::to_f32(w[i]) + w_offset));
 }
