@@ -27,6 +27,10 @@ def command(
     group_size: Annotated[Optional[int], typer.Option("--group-size", "--group_size",
                                                       help="Inputs per scale: int8 a multiple of 16 (default: one "
                                                            "scale per row); int4 32 (default), 64 or 128.")] = None,
+    scale_search: Annotated[bool, typer.Option(
+        "--scale-search", "--scale_search",
+        help="int4: give each group the scale of least squared error (about 4x slower to convert) instead of "
+             "max|w| / 7.")] = False,
     num_experts: Annotated[Optional[int], typer.Option("--num-experts", "--num_experts",
                                                        help="Expected expert count (checked against config.json).")]
     = None,
@@ -60,7 +64,8 @@ def command(
         summary = convert(model_path, output_path, dtype=dtype, quantize=quantize, quant_bits=quant_bits,
                           group_size=group_size, num_experts=num_experts, top_k=top_k, workers=workers,
                           resume=resume, verify=verify, progress=progress, allow_pickle=allow_pickle, force=force,
-                          allow_unused_tensors=allow_unused_tensors, allow_non_finite=allow_non_finite)
+                          allow_unused_tensors=allow_unused_tensors, allow_non_finite=allow_non_finite,
+                          scale_search=scale_search)
     if as_json:
         print_json(summary.to_dict())
     elif not quiet:

@@ -124,8 +124,9 @@ class ErrorStats:
 
 
 def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dict[str, tuple[RowSpan, ...]], *,
-                allow_non_finite: bool = False) -> Filled:
-    """Stream one expert blob (gate_up, [scale], down, [scale])."""
+                allow_non_finite: bool = False, scale_search: bool = False) -> Filled:
+    """Stream one expert blob (gate_up, [scale], down, [scale]); `scale_search`: int4 scales of least squared
+    error (quantize_int4_into's `search`)."""
     stats = ErrorStats()
     source = SourceHash()
     fmt = blob.expert_format
@@ -141,7 +142,8 @@ def fill_expert(stream: PieceStream, blob: S.BlobLayout, src: Any, matrices: dic
         if convert is None:
             scale_arr = blob.array(arr.name + "_scale")
             matrix = _mxfp4_matrix if fmt == S.ExpertFormat.MXFP4 else _quantized_matrix
-            scale = matrix(stream, src, fmt, arr, scale_arr, matrices[arr.name], group, stats, source, expert)
+            scale = matrix(stream, src, fmt, arr, scale_arr, matrices[arr.name], group, stats, source, expert,
+                           scale_search)
         else:
             for span, row0, chunk in iter_span_chunks(src, matrices[arr.name]):
                 source.update(arr.name, chunk)
@@ -173,7 +175,7 @@ def _scale_buffer(shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
 
 def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S.BlobArray, scale_arr: S.BlobArray,
                       spans: tuple[RowSpan, ...], group: int | None, stats: ErrorStats, source: SourceHash,
-                      expert: Any) -> np.ndarray:
+                      expert: Any, scale_search: bool = False) -> np.ndarray:
     """Quantize and write a matrix row chunk by row chunk (int8, or int4_group: two values a byte), the rows straight
     into the stream's buffer; returns its scales (a view of a per-thread buffer, valid until the next matrix)."""
     n_out, row_bytes = arr.shape
@@ -196,7 +198,7 @@ def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S
                 q[...], scales[row:row + rows] = exact
                 max_rel = mean_rel = 0.0
             elif int4:
-                max_rel, mean_rel = quantize_int4_into(chunk, group, q, scales[row:row + rows])
+                max_rel, mean_rel = quantize_int4_into(chunk, group, q, scales[row:row + rows], search=scale_search)
             else:
                 max_rel, mean_rel = quantize_into(chunk, group, q, scales[row:row + rows])
         except NonFiniteWeight:       # NaN, inf, or (int4) a group beyond what a float16 scale holds
@@ -213,7 +215,7 @@ def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S
 
 def _mxfp4_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S.BlobArray, scale_arr: S.BlobArray,
                   spans: tuple[RowSpan, ...], group: int | None, stats: ErrorStats, source: SourceHash,
-                  expert: Any) -> np.ndarray:
+                  expert: Any, scale_search: bool = False) -> np.ndarray:
     """Copy an MXFP4 checkpoint matrix's blocks and E8M0 scales as they are stored (rows in the canonical order),
     chunk by chunk; returns its scales. The source hash is taken over the values the rows stand for, as for every
     other piece (what a resume re-reads)."""

@@ -93,6 +93,7 @@ class Options:
     workers: int
     allow_non_finite: bool = False
     allow_unused_tensors: bool = False
+    scale_search: bool = False             # int4: per-group scales of least squared error (quantize_int4_into)
 
     @property
     def expert_format(self) -> S.ExpertFormat:
@@ -107,8 +108,11 @@ class Options:
     def journal_options(self) -> dict[str, Any]:
         # workers change nothing in the output, so a resume may use another count; the allow_* flags
         # neither (a piece holding non-finite values says so in its own journal record)
-        return {"dtype": self.dtype, "quantize": self.quantize, "quant_bits": self.quant_bits,
-                "group_size": self.group_size}
+        options = {"dtype": self.dtype, "quantize": self.quantize, "quant_bits": self.quant_bits,
+                   "group_size": self.group_size}
+        if self.scale_search:       # only when set: a journal written before the option existed still matches
+            options["scale_search"] = True
+        return options
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,8 @@ class Progressive:
 
 # --- options and planning ---------------------------------------------------------------------------
 def check_options(dtype: str, quantize: str, quant_bits: int | None, group_size: int | None, workers: int, *,
-                  allow_non_finite: bool = False, allow_unused_tensors: bool = False) -> Options:
+                  allow_non_finite: bool = False, allow_unused_tensors: bool = False,
+                  scale_search: bool = False) -> Options:
     """The options, checked and normalized: quant_bits None is 8 (4 for mxfp4), an int4 group size None is 32."""
     if dtype not in DTYPES:
         raise InvalidInput(f"--dtype must be one of {', '.join(DTYPES)}", field="dtype", value=dtype)
@@ -191,9 +196,13 @@ def check_options(dtype: str, quantize: str, quant_bits: int | None, group_size:
             raise InvalidInput(f"mxfp4 experts have one scale per {S.MXFP4_GROUP_SIZE} inputs: --group-size must be "
                                f"{S.MXFP4_GROUP_SIZE} or left out", field="group_size", value=group_size)
         group_size = S.MXFP4_GROUP_SIZE
+    if scale_search and not (quantize == "expert" and quant_bits == 4):
+        raise InvalidInput("--scale-search chooses int4 scales: it needs --quant-bits 4", field="scale_search",
+                           value=scale_search)
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise InvalidInput(f"--workers must be in [1, {MAX_WORKERS}]", field="workers", value=workers)
-    return Options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite, allow_unused_tensors)
+    return Options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite, allow_unused_tensors,
+                   bool(scale_search))
 
 
 def check_expert_counts(model: dict[str, Any], num_experts: int | None, top_k: int | None) -> None:
@@ -299,10 +308,12 @@ def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dt
             quantize: str = "expert", quant_bits: int | None = None, group_size: int | None = None,
             num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
             verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False, force: bool = False,
-            allow_unused_tensors: bool = False, allow_non_finite: bool = False) -> ConversionSummary:
+            allow_unused_tensors: bool = False, allow_non_finite: bool = False,
+            scale_search: bool = False) -> ConversionSummary:
     """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run.
     Experts: `quantize="expert"` with `quant_bits` 8 (default; int8_row, or int8_group with `group_size`) or 4
-    (int4_group, `group_size` 32 (default), 64 or 128); `quantize="mxfp4"` copies an MXFP4 checkpoint's experts
+    (int4_group, `group_size` 32 (default), 64 or 128; `scale_search`: each group's scale of least squared error
+    instead of max|w| / 7); `quantize="mxfp4"` copies an MXFP4 checkpoint's experts
     bit for bit; `quantize="none"` stores them in `dtype`.
     `allow_pickle` lets a checkpoint without safetensors be read from `pytorch_model*.bin`
     (`torch.load(weights_only=True, mmap=True)`). An existing `.colibri` at `output_path` is replaced only
@@ -310,7 +321,7 @@ def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dt
     `allow_unused_tensors` converts a checkpoint holding tensors nothing uses (listed in the provenance);
     `allow_non_finite` stores NaN/inf and float16 overflow in float tensors instead of refusing them."""
     options = check_options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite=allow_non_finite,
-                            allow_unused_tensors=allow_unused_tensors)
+                            allow_unused_tensors=allow_unused_tensors, scale_search=scale_search)
     dest = Path(output_path)
     if dest.is_dir() and not dest.is_symlink():
         raise InvalidInput("--output-path is a directory; give a file name", field="output_path", value=str(dest))
@@ -467,7 +478,8 @@ def _do_piece(job: Job, writer: ColibriWriter, piece: Piece) -> tuple[Piece, Fil
     allow = job.options.allow_non_finite
     if piece.is_dense:
         return piece, fill_dense(stream, writer.dense_dtype, job.src, piece.rows["dense"], allow_non_finite=allow)
-    return piece, fill_expert(stream, writer.plan.blob, job.src, piece.rows, allow_non_finite=allow)
+    return piece, fill_expert(stream, writer.plan.blob, job.src, piece.rows, allow_non_finite=allow,
+                              scale_search=job.options.scale_search)
 
 
 def _record(piece: Piece, filled: Filled) -> dict[str, Any]:
@@ -518,6 +530,8 @@ def _per_expert(run: Progressive) -> list[list[Any]]:
 def _metadata(job: Job, run: Progressive) -> dict[str, Any]:
     quant = describe.quantization_block(job.options.expert_format, job.options.dtype, job.options.group_size or 0,
                                         _per_expert(run))
+    if job.options.scale_search:
+        quant["scale_search"] = "least_squares"     # informative: how the int4 scales were chosen
     return describe.build_metadata(architecture=job.architecture, model=job.model, quantization=quant,
                                    provenance_block=describe.provenance(job.src, job.skipped, job.unused),
                                    tokenizer=job.tokenizer)

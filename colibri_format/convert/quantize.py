@@ -197,18 +197,24 @@ QMAX4 = 7
 F16_MAX = float(np.finfo(np.float16).max)       # 65504: a group whose max|w| / 7 passes it cannot be stored
 
 
-def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, scale_out: np.ndarray
-                       ) -> tuple[float, float]:
+def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, scale_out: np.ndarray, *,
+                       search: bool = False) -> tuple[float, float]:
     """Quantize a stored chunk [out, in] (bf16 as uint16 bits, float16, float32 or float64) to the int4_group
     format: `scale_out` (float16 [out, in // g]) gets max|w| / 7 of each group rounded *up* to a float16 (1 for an
     all-zero group), `q_out` (uint8 [out, in // 2], C-contiguous) the round-to-nearest-even values q = rint(w / scale)
     in [-7, 7], two a byte: input 2k in the low nibble of byte k, 2k+1 in the high nibble (two's complement).
-    Returns (max_rel_err, mean_rel_err) measured as for int8 (|w - q*scale| / max|w[row]|, in exact arithmetic).
+    Returns (max_rel_err, mean_rel_err) measured as for int8 (|w - q*scale| / max|w[row]|).
 
     Rounding the scale up keeps |w / scale| <= 7, so no value clips and |w - q*scale| <= scale/2 for the stored
     scale. NaN/inf, or a group whose max|w| / 7 exceeds the largest float16 (65504), is a NonFiniteWeight naming
     the row and column. Deterministic: the same bits whatever the chunking, thread or machine (float32 arithmetic
-    on values whose rounding does not depend on the block)."""
+    on values whose rounding does not depend on the block).
+
+    `search`: each group's scale is instead the one of least squared error among that scale, max|w| / d for d in
+    SEARCH_DIVISORS, -w_m / 8 (w_m the group's value of largest magnitude: it becomes q = -8 exactly, the range
+    [-8, 7] used whole, as llama.cpp's Q4_0 does) and one least-squares refit of the best (sum(w q) / sum(q q)),
+    each a float16, q = rint(w / scale) clipped to [-8, 7]. The first scale stays unless another is strictly
+    better, so no group's error grows; a clipped value may then lie beyond half a step."""
     if chunk.ndim != 2 or chunk.dtype not in _MAGNITUDE:
         raise InvalidInput(f"quantize_int4_into needs a 2-D stored float chunk, got {chunk.dtype} {chunk.shape}",
                            field="weight")
@@ -229,7 +235,7 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
         x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
         _upcast(src[first:first + x.shape[0]], x)
         raise _non_finite(x, first, "int4")
-    scale, weight = _scales_f16(amax, scale_out, src, g)
+    scale = _scales_f16(amax, src, g)
     gmax = np.empty(amax.shape, np.float32)
     gsum = np.empty(amax.shape, np.float32)
     for start in range(0, n_out, rows):
@@ -238,8 +244,12 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
         n = (stop - start) * n_in
         x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
         _upcast(src[start:stop], x)
-        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 7
+        if search:
+            scale[start:stop] = _search_scales(x, scale[start:stop])
+        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 7 (searched: may pass 8)
         np.rint(x, out=r)
+        if search:
+            np.clip(r, -8, 7, out=r)
         codes = r.astype(np.int8).view(np.uint8).reshape(stop - start, n_in)     # two's complement, low nibble
         np.bitwise_or(codes[:, 0::2] & np.uint8(0x0F), (codes[:, 1::2] & np.uint8(0x0F)) << np.uint8(4),
                       out=q_out[start:stop])
@@ -247,6 +257,11 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
         np.abs(x, out=x)
         _reduce_groups(np.maximum, x, gmax[start:stop])
         _reduce_groups(np.add, x, gsum[start:stop])
+    scale_out[...] = scale                 # float16 values already: exact
+    # |w - q*scale| / rowmax == |x - q| * |scale| / rowmax (zero groups: error 0; a group's scale is at least 2^-24,
+    # the smallest float16, so for a row of tiny values the factor passes 1 but stays finite)
+    row_max = amax.max(axis=1, keepdims=True)
+    weight = np.where(amax > 0, np.abs(scale), np.float32(0)) / np.where(row_max > 0, row_max, np.float32(1))
     np.multiply(gmax, weight, out=gmax)
     np.multiply(gsum, weight, out=gsum)
     err_sum = 0.0
@@ -255,19 +270,18 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
     return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
 
 
-def quantize_int4(w: np.ndarray, group_size: int) -> Quantized:
+def quantize_int4(w: np.ndarray, group_size: int, *, search: bool = False) -> Quantized:
     """`w` [out, in] float32 to int4_group: q packed uint8 [out, in // 2], scale float16 [out, in // g]
     (`quantize_int4_into` on the whole matrix)."""
     g = _group(w, group_size) if group_size is not None else group_size
     q = np.empty((w.shape[0], w.shape[1] // 2), np.uint8)
     scale = np.empty((w.shape[0], w.shape[1] // g if g else 0), np.float16)
-    max_rel, mean_rel = quantize_int4_into(w, g, q, scale)
+    max_rel, mean_rel = quantize_int4_into(w, g, q, scale, search=search)
     return Quantized(q, scale, max_rel, mean_rel)
 
 
-def _scales_f16(amax: np.ndarray, scale_out: np.ndarray, src: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
-    """float16 scales (max|w| / 7 rounded up; 1 for zero groups) into `scale_out`; return them as float32 and the
-    factor from a group's error in scale units to the row-relative error."""
+def _scales_f16(amax: np.ndarray, src: np.ndarray, g: int) -> np.ndarray:
+    """float16 scales max|w| / 7 rounded up (1 for zero groups), as float32 values."""
     exact = amax.astype(np.float64) / QMAX4
     with np.errstate(over="ignore"):
         s16 = exact.astype(np.float16)
@@ -280,13 +294,44 @@ def _scales_f16(amax: np.ndarray, scale_out: np.ndarray, src: np.ndarray, g: int
         raise NonFiniteWeight(f"weight {float(amax[row, group]):.6g} at index [{row}, {col}] is too large for int4 "
                               f"with float16 scales (at most {QMAX4} x {F16_MAX:g} a group)", field="weight",
                               value=float(amax[row, group]))
-    scale_out[...] = s16
-    scale = s16.astype(np.float32)
-    err_scale = np.where(amax > 0, scale, np.float32(0))
-    row_max = amax.max(axis=1, keepdims=True)
-    # a group's scale is at least 2^-24 (the smallest float16): for a row of tiny values the weight exceeds 1, but
-    # stays finite (2^-24 / 2^-149 < float32 max); such groups round to zero and report their true error
-    return scale, err_scale / np.where(row_max > 0, row_max, np.float32(1))
+    return s16.astype(np.float32)
+
+
+SEARCH_DIVISORS = (7.25, 7.5, 7.75, 8.0, 8.5)
+
+
+def _as_f16(s: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return s.astype(np.float16).astype(np.float32)
+
+
+def _group_sse(x: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(squared error of each group [r, G] with scales s, clipped q [r, G, g]); inf for a zero or infinite scale."""
+    ok = np.isfinite(s) & (s != 0)
+    safe = np.where(ok, s, np.float32(1))[..., None]
+    q = np.clip(np.rint(x / safe), -8, 7)
+    d = x - q * safe
+    return np.where(ok, np.einsum("rgk,rgk->rg", d, d), np.float32(np.inf)), q
+
+
+def _search_scales(x: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """The least-squared-error scale of each group of x [r, G, g] (see quantize_int4_into's `search`)."""
+    mag = np.abs(x)
+    amax = mag.max(-1)
+    wm = np.take_along_axis(x, mag.argmax(-1)[..., None], -1)[..., 0]
+    best = base.copy()
+    best_err, _ = _group_sse(x, best)
+    for cand in [amax / np.float32(d) for d in SEARCH_DIVISORS] + [-wm / np.float32(8)]:
+        s = _as_f16(cand)
+        err, _ = _group_sse(x, s)
+        better = err < best_err
+        best, best_err = np.where(better, s, best), np.where(better, err, best_err)
+    _, q = _group_sse(x, best)
+    den = np.einsum("rgk,rgk->rg", q, q)
+    fit = _as_f16(np.einsum("rgk,rgk->rg", x, q) / np.where(den > 0, den, np.float32(1)))
+    err, _ = _group_sse(x, fit)
+    better = (err < best_err) & (den > 0)
+    return np.where(better, fit, best).astype(np.float32)
 
 
 def _row_f32(src: np.ndarray, row: int) -> np.ndarray:

@@ -43,7 +43,8 @@ def test_options_reach_the_converter(converter, tmp_path, capsys):
     assert str(model_path) == str(tmp_path) and str(output_path) == str(tmp_path / "o.colibri")
     assert kw == {"dtype": "bfloat16", "quantize": "none", "quant_bits": 8, "group_size": 32, "num_experts": 8,
                   "top_k": 2, "workers": 3, "resume": False, "verify": False, "progress": None,
-                  "allow_pickle": True, "force": True, "allow_unused_tensors": True, "allow_non_finite": True}
+                  "allow_pickle": True, "force": True, "allow_unused_tensors": True, "allow_non_finite": True,
+                  "scale_search": False}
     assert json.loads(capsys.readouterr().out) == SUMMARY
 
 
@@ -55,6 +56,7 @@ def test_defaults_table_and_quiet(converter, tmp_path, capsys):
         ("float16", "expert", None, None, 2)                          # quant_bits None: 8, or 4 for mxfp4
     assert kw["resume"] is True and kw["verify"] is True and kw["allow_pickle"] is False
     assert kw["force"] is False and kw["allow_unused_tensors"] is False and kw["allow_non_finite"] is False
+    assert kw["scale_search"] is False
     assert callable(kw["progress"])                                  # the progress bar's callback
     out = capsys.readouterr().out
     assert "colibri convert" in out and "mixtral" in out and "quant. error" in out

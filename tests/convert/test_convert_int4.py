@@ -86,8 +86,32 @@ def test_scale_is_rounded_up_to_a_float16() -> None:
     assert s == float(np.nextafter(np.float16(np.float64(np.float32(0.1)) / 7), np.float16(1)))
 
 
+@settings(max_examples=80, deadline=None)
+@given(weight_and_group())
+def test_scale_search_never_worsens_a_group(case) -> None:
+    """--scale-search keeps max|w|/7 unless another float16 scale has a strictly smaller squared error; q in [-8, 7]."""
+    w, g = case
+    rtn, found = quantize_int4(w, g), quantize_int4(w, g, search=True)
+    sq = lambda q: ((w.astype(np.float64) - _deq(q)) ** 2).reshape(w.shape[0], -1, g).sum(-1)  # noqa: E731
+    assert np.all(sq(found) <= sq(rtn))
+    codes = dequantize_matrix(INT4, found.q, np.ones_like(found.scale), np.float64)
+    assert codes.min() >= -8 and codes.max() <= 7
+    zero = np.abs(w).reshape(w.shape[0], -1, g).max(-1) == 0
+    assert np.all(found.scale[zero] == 1.0)
+
+
+def test_scale_search_lowers_the_error_of_gaussian_weights() -> None:
+    w = np.random.default_rng(5).standard_normal((256, 256)).astype(np.float32)
+    rtn, found = quantize_int4(w, 32), quantize_int4(w, 32, search=True)
+    err = lambda q: float(np.sqrt(((w - _deq(q)) ** 2).mean()))  # noqa: E731
+    assert err(found) < 0.9 * err(rtn)
+    assert found.mean_rel_err < rtn.mean_rel_err
+    assert (found.scale < 0).any()                     # some groups use the range [-8, 7] whole, sign flipped
+
+
+@pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", np.float16, np.float32, np.float64])
-def test_stored_chunks_and_row_blocks_give_the_same_bits(dtype, monkeypatch) -> None:
+def test_stored_chunks_and_row_blocks_give_the_same_bits(dtype, search, monkeypatch) -> None:
     """Chunk by chunk in any stored dtype, and in row blocks of any size, the bytes are those of the whole matrix."""
     from colibri_format.convert import quantize as qz
 
@@ -95,12 +119,12 @@ def test_stored_chunks_and_row_blocks_give_the_same_bits(dtype, monkeypatch) -> 
     w = (rng.standard_normal((37, 128)) * 0.02).astype(np.float32)
     stored = (w.view(np.uint32) >> 16).astype(np.uint16) if dtype == "bf16" else w.astype(dtype)
     as32 = (stored.astype(np.uint32) << 16).view(np.float32) if dtype == "bf16" else stored.astype(np.float32)
-    whole = quantize_int4(as32, 64)
+    whole = quantize_int4(as32, 64, search=search)
     monkeypatch.setattr(qz, "BLOCK_BYTES", 7 * 4 * 128)               # blocks of 7 rows
     q = np.empty_like(whole.q)
     scale = np.empty_like(whole.scale)
     for lo in range(0, 37, 10):
-        quantize_int4_into(stored[lo:lo + 10], 64, q[lo:lo + 10], scale[lo:lo + 10])
+        quantize_int4_into(stored[lo:lo + 10], 64, q[lo:lo + 10], scale[lo:lo + 10], search=search)
     np.testing.assert_array_equal(q, whole.q)
     np.testing.assert_array_equal(scale, whole.scale)
 
@@ -176,6 +200,26 @@ def test_int4_g32_experts_take_at_most_057_of_int8(ckpt, tmp_path) -> None:
     assert big[1] / big[0] <= 0.5626
 
 
+def test_scale_search_file(ckpt, tmp_path) -> None:
+    """--scale-search: the same quantizer as quantize_int4(search=True), recorded in the metadata; the journal
+    keeps a search run's pieces from a plain run's."""
+    out = tmp_path / "s.colibri"
+    convert(ckpt, out, quant_bits=4, group_size=32, scale_search=True, workers=2)
+    assert validate_file(out).valid
+    (gate, up, down), = [v for k, v in _source_experts(ckpt).items() if k == (1, 2)]
+    with colibri_format.open(out) as f:
+        assert f.metadata["quantization"]["scale_search"] == "least_squares"
+        v = f.expert(1, 2)
+        ref = quantize_int4(down, 32, search=True)
+        np.testing.assert_array_equal(v.down, ref.q)
+        np.testing.assert_array_equal(v.down_scale, ref.scale)
+        err = f.metadata["quantization"]["error"]["mean_rel"]
+    convert(ckpt, tmp_path / "r.colibri", quant_bits=4, group_size=32)
+    with colibri_format.open(tmp_path / "r.colibri") as f:
+        assert "scale_search" not in f.metadata["quantization"]
+        assert err < f.metadata["quantization"]["error"]["mean_rel"]
+
+
 def test_int4_conversion_is_deterministic_across_workers(ckpt, tmp_path) -> None:
     convert(ckpt, tmp_path / "a.colibri", quant_bits=4, group_size=64, workers=1)
     convert(ckpt, tmp_path / "b.colibri", quant_bits=4, group_size=64, workers=3)
@@ -207,6 +251,7 @@ def test_int4_resumes_after_a_crash_byte_identical(ckpt, tmp_path) -> None:
     ({"quant_bits": 4, "group_size": 16}, "group_size"), ({"quant_bits": 4, "group_size": 48}, "group_size"),
     ({"quant_bits": 4, "group_size": 256}, "group_size"), ({"quantize": "none", "quant_bits": 4}, "quant_bits"),
     ({"quantize": "mxfp4", "quant_bits": 8}, "quant_bits"), ({"quantize": "mxfp4", "group_size": 64}, "group_size"),
+    ({"scale_search": True}, "scale_search"), ({"quantize": "mxfp4", "scale_search": True}, "scale_search"),
 ])
 def test_bad_4bit_options_are_invalid_input(ckpt, tmp_path, kwargs, field) -> None:
     with pytest.raises(InvalidInput) as info:
