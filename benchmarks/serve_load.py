@@ -13,8 +13,9 @@ closed loop); one warm-up request runs before the first level.
 
 Per level: throughput = completion tokens / wall time of the level; time to first token (TTFT) = from sending a
 request to its first token event, median and p90; per-request decode tokens/s after the first token (median);
-mean decode batch = running requests per decode step, from the server's /metrics (as are the expert cache hit
-rate and the paging GB/s, for `--cache` below 100%).
+mean decode batch = running requests per decode step, from the server's /metrics (as are the rows each step ran:
+its batch bucket, the share of steps that replayed a CUDA graph, the expert cache hit rate and the paging GB/s, for
+`--cache` below 100%).
 
 --file: a .colibri file (default: the bundled models/colibri-demo-moe, converted to /tmp once).
 --qwen3-30b PATH: a full-depth Qwen3-30B-A3B-shaped synthetic file (48 layers, 128 experts top-8, hidden 2048,
@@ -228,7 +229,13 @@ def level_metrics(before: dict[str, float], after: dict[str, float]) -> dict:
 
     steps = delta("colibri_decode_steps_total")
     hits, misses = delta("colibri_expert_cache_hits_total"), delta("colibri_expert_cache_misses_total")
+    buckets = {int(m.group(1)): delta(k) for k in after
+               if (m := re.fullmatch(r'colibri_decode_batch_steps_total\{batch="(\d+)"\}', k))}
+    graph = delta('colibri_decode_steps_by_form_total{form="graph"}')
     return {"mean_decode_batch": delta("colibri_decode_rows_total") / steps if steps else 0.0,
+            "mean_step_rows": sum(b * n for b, n in buckets.items()) / steps if steps else 0.0,
+            "graph_step_share": graph / steps if steps else 0.0,
+            "batch_steps": {b: int(n) for b, n in sorted(buckets.items()) if n},
             "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
             "paged_gb": delta("colibri_expert_bytes_paged_total") / 1e9}
 
@@ -245,15 +252,17 @@ def machine() -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| cache | clients | requests | tokens | wall s | throughput tok/s | TTFT median s | TTFT p90 s | "
-            "decode tok/s per request | mean decode batch | expert hit rate | paged GB |")
-    lines = [head, "| " + " | ".join(["---"] + ["---:"] * 11) + " |"]
+            "decode tok/s per request | mean decode batch | rows run per step | graph steps | expert hit rate | "
+            "paged GB |")
+    lines = [head, "| " + " | ".join(["---"] + ["---:"] * 13) + " |"]
     for r in rows:
         hit = "-" if r["expert_hit_rate"] is None else f"{100 * r['expert_hit_rate']:.1f}%"
         short = f" ({r['errors']} failed, {r['unfinished']} unfinished)" if r["errors"] or r["unfinished"] else ""
         lines.append(f"| {r['cache']} | {r['clients']} | {r['requests']}{short}"
                      f" | {r['tokens']} | {r['wall_s']:.2f} | {r['throughput_tok_s']:.1f} | "
                      f"{_s(r['ttft_median_s'])} | {_s(r['ttft_p90_s'])} | {_f(r['decode_tok_s_per_request'])} | "
-                     f"{r['mean_decode_batch']:.2f} | {hit} | {r['paged_gb']:.2f} |")
+                     f"{r['mean_decode_batch']:.2f} | {r.get('mean_step_rows', 0.0):.2f} | "
+                     f"{100 * r.get('graph_step_share', 0.0):.0f}% | {hit} | {r['paged_gb']:.2f} |")
     return "\n".join(lines)
 
 

@@ -63,7 +63,10 @@ def create_app(scheduler: Scheduler, info: ModelInfo) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if scheduler.alive:
-            return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": len(scheduler.waiting)})
+            snap = metrics.snapshot()
+            return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": len(scheduler.waiting),
+                                 "decode": {"mode": snap["decode_mode"], "graphs": snap["decode_graphs"],
+                                            "batch_steps": snap["decode_batches"]}})
         reason = "stopped" if scheduler.error is None else f"{type(scheduler.error).__name__}: {scheduler.error}"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 

@@ -1,6 +1,7 @@
 """What `/metrics` shows, in the Prometheus text format: request outcomes, tokens and tokens/s, queue depth and
-running batch size, time to first token, and from the engine's `stats()` (a snapshot the scheduler thread takes
-about once a second) the expert cache hit rate and the rate experts are paged in (PCIe GB/s on the CUDA engine).
+running batch size, the rows each decode step ran (its batch bucket) and whether it replayed a CUDA graph, slot
+moves, time to first token, and from the engine's `stats()` (a snapshot the scheduler thread takes about once a
+second) the expert cache hit rate and the rate experts are paged in (PCIe GB/s on the CUDA engine).
 
 Counters only grow; gauges are the latest value. Everything is updated from the scheduler thread and the event
 loop and read from the event loop, under one lock.
@@ -32,6 +33,12 @@ class Metrics:
         self.decode_steps = 0
         self.decode_rows = 0
         self.decode_seconds = 0.0
+        self.decode_batches: dict[int, int] = {}      # rows a step ran (runner: its bucket) -> steps
+        self.decode_graph_steps = 0                   # steps that replayed a captured graph
+        self.decode_eager_steps = 0                   # steps run op by op (packed passes, uncaptured buckets)
+        self.slot_moves_total = 0
+        self.decode_mode = ""                         # the scheduler's: packed | runner
+        self.decode_graphs: dict[int, str] = {}       # bucket -> captured | why not | unused (the scheduler's)
         self.ttft_buckets = [0] * len(TTFT_BUCKETS)
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -52,12 +59,24 @@ class Metrics:
             self.prompt_tokens += prompt_tokens
             self._tokens(first_tokens)
 
-    def decode_step(self, rows: int, seconds: float) -> None:
+    def decode_step(self, rows: int, seconds: float, *, batch: int | None = None, graph: bool = False) -> None:
+        """One decode step of `rows` running requests that ran `batch` rows (default `rows`), by graph replay or
+        not."""
         with self._lock:
             self.decode_steps += 1
             self.decode_rows += rows
             self.decode_seconds += seconds
+            b = rows if batch is None else batch
+            self.decode_batches[b] = self.decode_batches.get(b, 0) + 1
+            if graph:
+                self.decode_graph_steps += 1
+            else:
+                self.decode_eager_steps += 1
             self._tokens(rows)
+
+    def slot_moves(self, n: int) -> None:
+        with self._lock:
+            self.slot_moves_total += n
 
     def _tokens(self, n: int) -> None:
         now = time.monotonic()
@@ -103,6 +122,10 @@ class Metrics:
                     "tokens_per_s": rate, "prefill_passes": self.prefill_passes,
                     "prefill_seconds": self.prefill_seconds, "decode_steps": self.decode_steps,
                     "decode_rows": self.decode_rows, "decode_seconds": self.decode_seconds,
+                    "decode_batches": dict(sorted(self.decode_batches.items())),
+                    "decode_graph_steps": self.decode_graph_steps, "decode_eager_steps": self.decode_eager_steps,
+                    "slot_moves": self.slot_moves_total, "decode_mode": self.decode_mode,
+                    "decode_graphs": dict(self.decode_graphs),
                     "ttft_buckets": list(self.ttft_buckets), "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
                     "experts_resident": resident, "expert_hit_rate": hit_rate,
                     "expert_hits": paging.get("hits", 0), "expert_misses": paging.get("misses", 0),
@@ -135,6 +158,20 @@ class Metrics:
         metric("decode_rows_total", "counter", "Running requests summed over decode steps (mean batch size = "
                "rows / steps).", [("", s["decode_rows"])])
         metric("decode_seconds_total", "counter", "Seconds spent in decode steps.", [("", s["decode_seconds"])])
+        batches = sorted(set(s["decode_batches"]) | set(s["decode_graphs"]))
+        metric("decode_batch_steps_total", "counter", "Decode steps by the rows they ran: the batch bucket (runner "
+               "decode), or the running requests (packed decode).",
+               [(f'{{batch="{b}"}}', s["decode_batches"].get(b, 0)) for b in batches])
+        metric("decode_steps_by_form_total", "counter", "Decode steps that replayed a captured CUDA graph, and steps "
+               "run op by op (packed passes, a bucket's first step, buckets that cannot be captured).",
+               [('{form="graph"}', s["decode_graph_steps"]), ('{form="eager"}', s["decode_eager_steps"])])
+        metric("decode_graph_captured", "gauge", "1 when the bucket's decode step is a captured CUDA graph (0: not "
+               "captured, or not used yet; /health says why).",
+               [(f'{{batch="{b}"}}', int(v == "captured")) for b, v in s["decode_graphs"].items()])
+        metric("decode_mode", "gauge", "The serving loop's decode form (1 for the one in use).",
+               [(f'{{mode="{m}"}}', int(m == s["decode_mode"])) for m in ("packed", "runner")])
+        metric("slot_moves_total", "counter", "Running requests moved down into a freed slot (their KV rows and "
+               "recurrent state copied) so the running batch stays in the lowest slots.", [("", s["slot_moves"])])
         cumulative = [(f'{{le="{b:g}"}}', n) for b, n in zip(TTFT_BUCKETS, s["ttft_buckets"])]
         lines.append("# HELP colibri_time_to_first_token_seconds From arrival to the first generated token.")
         lines.append("# TYPE colibri_time_to_first_token_seconds histogram")

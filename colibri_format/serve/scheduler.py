@@ -1,23 +1,30 @@
-"""Continuous batching over one engine: one thread owns the engine and a decode runner of `max_batch_size` slots.
+"""Continuous batching over one engine: one thread owns the engine, the KV buffers (and recurrent states) of
+`max_batch_size` slots, and decode runners of 1, 2, 4, ... rows over them (batch buckets).
 
     sched = Scheduler("model.colibri", EngineConfig(max_batch_size=8), max_queue=64).start()
     job = Job(prompt_ids, SamplingParams(max_tokens=32), sink=events.append)
     sched.submit(job)            # QueueFull beyond max_queue waiting requests
     sched.cancel(job)            # its slot is free before the next step
 
-Each turn of the loop: drop cancelled requests (their slots free at once), prefill waiting requests into free
-slots (up to `prefill_tokens` prompt tokens a turn, one packed pass, each from position 0 of its own slot), then
-one decode step for every running request. A finished request leaves its slot at once, so a waiting one joins at
-the next turn. The engine, its tokenizer decoding, the samplers and the stop checks all run on this thread; a
-request's `sink` gets its events from here (the app forwards them to the event loop).
+Each turn of the loop: drop cancelled requests (their slots free at once), prefill waiting requests into the
+lowest free slots (up to `prefill_tokens` prompt tokens a turn, one packed pass, each from position 0 of its own
+slot), compact the slots, then one decode step for every running request. A finished request leaves its slot at
+once, so a waiting one joins at the next turn. The engine, its tokenizer decoding, the samplers and the stop checks
+all run on this thread; a request's `sink` gets its events from here (the app forwards them to the event loop).
+
+Compaction keeps the running requests in slots 0..n-1: while a free slot lies below a running request, the highest
+running request moves down into it (`KVBuffers.move`: its KV rows up to its position in every layer, and its
+recurrent state). So a step costs what n requests need, not what `max_batch_size` slots would.
 
 Two decode steps, the same tokens:
-- `packed` (the NumPy backend): one eager pass over the running requests' last tokens only, each at its own
-  position of its own slot (`Engine.prefill_into` with `seqs` and `starts`): free slots cost nothing.
-- `runner` (the CUDA backend): the runner's fixed-shape step over all slots, replayed as a CUDA graph. Free slots
-  repeat the first running request's token and position: they write only their own KV rows (a slot's rows beyond
-  its sequence are never read, and a prefill rewrites them from position 0) and route to experts already needed,
-  so they neither disturb running requests nor page in experts.
+- `packed` (the NumPy backend, and CUDA without graphs): one eager pass over the running requests' last tokens
+  only, each at its own position of its own slot (`Engine.prefill_into` with `seqs` and `starts`).
+- `runner` (CUDA with graphs): the fixed-shape step of the smallest bucket runner (1, 2, 4, ... rows, and
+  `max_batch_size`) that holds slots 0..n-1, each bucket's step captured as a CUDA graph on its first use and
+  replayed after (a bucket the backend cannot capture, e.g. over the GEMV row limit, runs eagerly). The rows of
+  free slots inside the bucket repeat the first running request's token and position: they write only their own KV
+  rows (a slot's rows beyond its sequence are never read, and a prefill rewrites them from position 0) and route to
+  experts already needed, so they neither disturb running requests nor page in experts.
 Greedy requests are picked by one argmax on the device; others by their own seeded `Sampler` on the host.
 """
 
@@ -44,6 +51,15 @@ log = logging.getLogger("colibri.serve")
 
 DECODE_MODES = ("auto", "packed", "runner")
 STATS_INTERVAL = 1.0          # seconds between engine.stats() snapshots for /metrics
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The decode runners' row counts: powers of two below `max_batch_size`, then `max_batch_size`."""
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return out + [max_batch_size]
 
 
 class QueueFull(Exception):
@@ -143,7 +159,9 @@ class Scheduler:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="colibri-scheduler", daemon=True)
         self._engine: Engine | None = None
-        self._runner: Any = None
+        self.buckets = batch_buckets(self.max_batch_size)
+        self._runners: dict[int, Any] = {}            # bucket -> DecodeRunner over the shared KV buffers (lazy)
+        self._kv: Any = None                          # the KV buffers (and recurrent states) of every slot
         self._stats_at = 0.0
 
     # --- lifetime (any thread) ----------------------------------------------------------------------------------
@@ -232,15 +250,18 @@ class Scheduler:
                 self.slots = [None] * self.max_batch_size
             for job in jobs:
                 self._fail(job, reason, 503)
+            self._runners, self._kv = {}, None
             self._engine.close()
 
     def _open(self) -> None:
         eng = self._engine = Engine(self.path, self.config)
         try:
             self.tokenizer, self.vocab_size, self.backend = eng.tokenizer, eng.vocab_size, eng.be.name
-            self._runner = eng.decode_runner(self.max_batch_size, self.max_seq_len)
+            top = eng.decode_runner(self.max_batch_size, self.max_seq_len)     # owns the KV buffers of all slots
+            self._runners, self._kv = {self.max_batch_size: top}, top.kv
             if self.decode_mode == "auto":
-                self.decode_mode = "runner" if eng.be.graphs and self._runner.reason is None else "packed"
+                self.decode_mode = "runner" if eng.graph_blocker(1) is None else "packed"
+            self.metrics.decode_mode = self.decode_mode
             self._refresh_stats(force=True)
         except BaseException:
             eng.close()
@@ -260,6 +281,7 @@ class Scheduler:
                 admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
+            self._compact()
             if self.running:
                 self._decode()
             self._refresh_stats()
@@ -287,6 +309,47 @@ class Scheduler:
         self.metrics.running = self.running
         return admitted
 
+    def _compact(self) -> None:
+        """Running requests into the lowest slots: while a slot below the highest running request is free, that
+        request moves down into it (its KV rows of positions 0..pos-1 and its recurrent state are copied on the
+        compute stream), so a decode step needs only the bucket of the running count."""
+        moves = []
+        with self.cv:
+            while True:
+                free = next((s for s, job in enumerate(self.slots) if job is None), None)
+                top = max((s for s, job in enumerate(self.slots) if job is not None), default=-1)
+                if free is None or top < free:
+                    break
+                job = self.slots[top]
+                self.slots[free], self.slots[top] = job, None
+                job.slot = free
+                moves.append((top, free, job.pos))
+        if moves:
+            with self._engine.stream:
+                for src, dst, length in moves:
+                    self._kv.move(src, dst, length)
+            self.metrics.slot_moves(len(moves))
+
+    def _runner_for(self, rows: int):
+        """The smallest bucket's runner with at least `rows` rows (made on first use; it captures its graph on its
+        first step where the backend can)."""
+        bucket = next(b for b in self.buckets if b >= rows)
+        runner = self._runners.get(bucket)
+        if runner is None:
+            runner = self._runners[bucket] = self._engine.decode_runner(bucket, self.max_seq_len, kv=self._kv)
+        return runner
+
+    def decode_graphs(self) -> dict[int, str]:
+        """Each bucket's graph: "captured", why not (the runner's reason), or "unused" (no step ran it yet)."""
+        out = {}
+        for b in self.buckets:
+            r = self._runners.get(b)
+            if r is None or (r.graph is None and not r.eager_steps):
+                out[b] = "unused"
+            else:
+                out[b] = "captured" if r.graph is not None else r.reason or "not captured"
+        return out
+
     def _prefill(self, jobs: list[Job]) -> None:
         eng = self._engine
         t0 = time.perf_counter()
@@ -297,7 +360,8 @@ class Scheduler:
                                       repetition_penalty=p.repetition_penalty, context=job.prompt_ids)
                 if self.tokenizer is not None:
                     job.stream = TextStream(self.tokenizer, job._pieces.append, p.stop)
-            logits = eng.prefill_into(self._runner, [np.asarray(j.prompt_ids, np.int64) for j in jobs],
+            logits = eng.prefill_into(self._runners[self.max_batch_size],
+                                      [np.asarray(j.prompt_ids, np.int64) for j in jobs],
                                       seqs=[j.slot for j in jobs])
             tokens = self._pick(jobs, logits, range(len(jobs)))
         except ColibriFormatError as exc:             # e.g. an expert failing its checksum: these requests fail
@@ -311,26 +375,33 @@ class Scheduler:
             self._accept(job, token)
 
     def _decode(self) -> None:
-        eng, runner = self._engine, self._runner
+        eng = self._engine
         active = [job for job in self.slots if job is not None]
         t0 = time.perf_counter()
         try:
             if self.decode_mode == "packed":
-                logits = eng.prefill_into(runner, [np.array([j.out[-1]]) for j in active],
+                logits = eng.prefill_into(self._runners[self.max_batch_size], [np.array([j.out[-1]]) for j in active],
                                           seqs=[j.slot for j in active], starts=[j.pos for j in active])
                 rows: Any = range(len(active))
+                batch, graph = len(active), False
             else:
+                runner = self._runner_for(max(j.slot for j in active) + 1)    # compacted: the running count
                 first = active[0]
-                fill = [job or first for job in self.slots]
+                fill = [self.slots[s] or first for s in range(runner.batch)]
+                eager = runner.eager_steps
                 logits = runner.step(np.array([j.out[-1] for j in fill]), np.array([j.pos for j in fill]))
                 rows = [j.slot for j in active]
+                batch, graph = runner.batch, runner.eager_steps == eager
+                if eager == 0 and not graph:            # the bucket's first step: say what its next ones will be
+                    log.info("decode bucket of %d rows: %s", batch,
+                             "graph captured" if runner.graph is not None else f"eager ({runner.reason})")
             tokens = self._pick(active, logits, rows)
         except ColibriFormatError as exc:
             for job in active:
                 self._release(job, None)
                 self._fail(job, str(exc), 500)
             return
-        self.metrics.decode_step(len(active), time.perf_counter() - t0)
+        self.metrics.decode_step(len(active), time.perf_counter() - t0, batch=batch, graph=graph)
         for job, token in zip(active, tokens):
             job.pos += 1
             self._accept(job, token)
@@ -413,3 +484,4 @@ class Scheduler:
             return
         self._stats_at = now
         self.metrics.engine_stats(self._engine.stats(), now)
+        self.metrics.decode_graphs = self.decode_graphs()

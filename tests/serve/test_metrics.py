@@ -1,5 +1,6 @@
 """/metrics: the Prometheus text is well formed (HELP and TYPE before every family, one number per sample), the
-time-to-first-token histogram is cumulative, and the expert figures come from the engine's stats snapshots."""
+time-to-first-token histogram is cumulative, the decode steps are counted by the rows (bucket) they ran and by graph
+replay or not, and the expert figures come from the engine's stats snapshots."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ def test_render_and_figures():
     assert s["colibri_expert_cache_hit_rate"] == 0.75 and s["colibri_experts_resident"] == 0
     assert s["colibri_expert_paging_gb_per_second"] == 1.5              # 3 GB in 2 s
     assert s["colibri_expert_bytes_paged_total"] == 3e9
+
+
+def test_decode_buckets_and_graphs():
+    m = Metrics(max_batch_size=8)
+    m.decode_mode = "runner"
+    m.decode_graphs = {1: "captured", 2: "unused", 4: "captured", 8: "batch 8 > 4 uses cuBLAS"}
+    m.decode_step(rows=1, seconds=0.01, batch=1, graph=False)       # a bucket's first step runs eagerly
+    for _ in range(3):
+        m.decode_step(rows=1, seconds=0.01, batch=1, graph=True)
+    m.decode_step(rows=3, seconds=0.01, batch=4, graph=True)
+    m.decode_step(rows=5, seconds=0.01, batch=8, graph=False)
+    m.decode_step(rows=2, seconds=0.01)                             # packed: the rows it ran are the running ones
+    m.slot_moves(2)
+    s = parse(m.render())
+    assert {b: s[f'colibri_decode_batch_steps_total{{batch="{b}"}}'] for b in (1, 2, 4, 8)} == {1: 4, 2: 1, 4: 1, 8: 1}
+    assert s['colibri_decode_steps_by_form_total{form="graph"}'] == 4
+    assert s['colibri_decode_steps_by_form_total{form="eager"}'] == 3
+    assert [s[f'colibri_decode_graph_captured{{batch="{b}"}}'] for b in (1, 2, 4, 8)] == [1, 0, 1, 0]
+    assert s['colibri_decode_mode{mode="runner"}'] == 1 and s['colibri_decode_mode{mode="packed"}'] == 0
+    assert s["colibri_slot_moves_total"] == 2 and s["colibri_decode_rows_total"] == 14
+    snap = m.snapshot()
+    assert snap["decode_batches"] == {1: 4, 2: 1, 4: 1, 8: 1} and snap["decode_graphs"][8].startswith("batch 8")
 
 
 def test_resident_experts_hit_rate_is_one():

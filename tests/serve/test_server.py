@@ -48,7 +48,9 @@ def complete(client, server, prompt: str, **kw):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["colibri-demo-moe"]
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok"
+    assert health["decode"]["mode"] == "packed" and set(health["decode"]["graphs"]) <= {"1", "2", "4", "8"}
     text = httpx.get(server.url + "/metrics").text
     for name in ("colibri_generation_tokens_per_second", "colibri_queue_depth", "colibri_running_requests",
                  "colibri_expert_cache_hit_rate", "colibri_expert_paging_gb_per_second",
