@@ -130,3 +130,15 @@ def test_a_context_past_index_topk_is_refused_in_one_line(pair):
     with pytest.raises(UnsupportedModel) as info:
         Engine(path, EngineConfig(max_seq_len=topk + 1))
     assert info.value.field == "model.index_topk" and "index_topk" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_float64_oracle_runs_mla_and_the_engine_agrees_with_it(tmp_path):
+    # the CUDA kernels' future oracle: the same decoder in float64 over an int8 file
+    path = convert_file(build("deepseek_v3", seed=2), tmp_path, quantize="expert", group_size=16)
+    batch = prompts(96, [13, 5], seed=7)
+    with Engine(path, EngineConfig(max_seq_len=CONTEXT)) as f32, \
+            Engine(path, EngineConfig(max_seq_len=CONTEXT, precision="float64")) as f64:
+        assert f64.decode_runner(1, 16).kv.keys[0].dtype == np.float64          # the latent cache too
+        for a, b in zip(f32.logits(batch), f64.logits(batch)):
+            assert rel_err(a, b) < 1e-5
+        assert f32.generate_batch(batch, 6) == f64.generate_batch(batch, 6)
