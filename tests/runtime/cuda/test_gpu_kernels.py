@@ -300,7 +300,7 @@ def test_residual_add_and_silu_mul(cp, rng):
 
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("T,N,K", [(1, 4096, 2048), (1, 5, 1032), (2, 9, 520), (3, 33, 4104), (4, 64, 4096),
-                                   (5, 130, 256), (8, 7, 64), (11, 20, 136)])   # every token plan, ragged K, passes
+                                   (5, 130, 256), (8, 7, 64)])   # every token plan, ragged K
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
     x = rng.standard_normal((T, K)).astype(np.float32)
@@ -308,3 +308,5 @@ def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
     bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
     y = ops.dense_gemv(cp.asarray(x), w, bias=None if bias is None else cp.asarray(bias), out=nan_like(cp, (T, N)))
     assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < F32_TOL
+    with pytest.raises(ValueError, match="T <= 8"):          # more rows go to cuBLAS (runtime/cuda/dense.py)
+        ops.dense_gemv(cp.asarray(np.zeros((9, K), np.float32)), w)

@@ -420,7 +420,7 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ gu, float* __r
 
 // ------------------------------------------------------------------------------------------------ dense GEMV
 // y[t, n] = x[t, :] . W[n, :] (+ bias[n]) for small T: x [T, K] fp32, W [N, K] (f32/f16/bf16), y [T, N] fp32.
-// A kernel per token count TOK (1, 2, 4, 8; more tokens go in passes of TOK): one warp per ROWS output rows, each
+// A kernel per token count TOK (1, 2, 4, 8; T <= TOK tokens): one warp per ROWS output rows, each
 // lane issuing UNROLL 16-byte weight loads per row before it multiplies (the loads in flight are what bandwidth
 // needs at one token); weights are streamed past L1. (ROWS, UNROLL) per TOK come from runtime/cuda/limits.py
 // (DG_PLANS, measured on the H200). N >= ROWS; K % 8 == 0 for 16-bit weights, K % 4 == 0 for fp32.
@@ -460,19 +460,22 @@ __device__ __forceinline__ uint4 load16_stream(const void* p) {
     return r;
 }
 
+// dot product of 16 bytes of TW weights with the Vec16<TW>::N floats xv
 template <typename TW>
-__device__ __forceinline__ void unpack16(uint4 v, float* out) {   // 16 bytes of TW -> Vec16<TW>::N floats
+__device__ __forceinline__ float dot16(uint4 v, const float* xv) {
+    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+    float s = 0.0f;
     if constexpr (Vec16<TW>::N == 4) {
-        out[0] = __uint_as_float(v.x); out[1] = __uint_as_float(v.y);
-        out[2] = __uint_as_float(v.z); out[3] = __uint_as_float(v.w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s = fmaf(__uint_as_float(u[i]), xv[i], s);
     } else {
-        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            out[2 * i] = TW::to_f32((u16)(u[i] & 0xffffu));
-            out[2 * i + 1] = TW::to_f32((u16)(u[i] >> 16));
+            s = fmaf(TW::to_f32((u16)(u[i] & 0xffffu)), xv[2 * i], s);
+            s = fmaf(TW::to_f32((u16)(u[i] >> 16)), xv[2 * i + 1], s);
         }
     }
+    return s;
 }
 
 template <typename TW, int TOK, int ROWS, int UNROLL>
@@ -485,55 +488,47 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < n_items; item += warps_total) {
         const int r0 = min(item * ROWS, N - ROWS);  // shifted in range (N >= ROWS)
-        for (int t0 = 0; t0 < T; t0 += TOK) {
-            const int nt = min(TOK, T - t0);
-            float acc[ROWS][TOK];
+        float acc[ROWS][TOK];
 #pragma unroll
-            for (int q = 0; q < ROWS; ++q)
+        for (int q = 0; q < ROWS; ++q)
 #pragma unroll
-                for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
-            for (int c0 = lane * V; c0 < K; c0 += STEP * UNROLL) {
-                uint4 wv[UNROLL][ROWS];
+            for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
+        for (int c0 = lane * V; c0 < K; c0 += STEP * UNROLL) {
+            uint4 wv[UNROLL][ROWS];
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u)
+            for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-                    for (int q = 0; q < ROWS; ++q)
-                        wv[u][q] = c0 + u * STEP < K ? load16_stream(w + (size_t)(r0 + q) * K + c0 + u * STEP)
-                                                     : make_uint4(0u, 0u, 0u, 0u);
+                for (int q = 0; q < ROWS; ++q)
+                    wv[u][q] = c0 + u * STEP < K ? load16_stream(w + (size_t)(r0 + q) * K + c0 + u * STEP)
+                                                 : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int c = c0 + u * STEP;
-                    if (c >= K) break;
-                    float wf[ROWS][V];
-#pragma unroll
-                    for (int q = 0; q < ROWS; ++q) unpack16<TW>(wv[u][q], wf[q]);
+            for (int u = 0; u < UNROLL; ++u) {
+                const int c = c0 + u * STEP;
+                if (c < K) {
 #pragma unroll
                     for (int j = 0; j < TOK; ++j) {
-                        if (j < nt) {
+                        if (j < T) {
+                            float xv[V];      // loaded once, used by every row
 #pragma unroll
                             for (int e = 0; e < V; e += 4) {
-                                const float4 xv = __ldg(reinterpret_cast<const float4*>(x + (size_t)(t0 + j) * K + c + e));
-#pragma unroll
-                                for (int q = 0; q < ROWS; ++q) {
-                                    acc[q][j] = fmaf(wf[q][e], xv.x, acc[q][j]);
-                                    acc[q][j] = fmaf(wf[q][e + 1], xv.y, acc[q][j]);
-                                    acc[q][j] = fmaf(wf[q][e + 2], xv.z, acc[q][j]);
-                                    acc[q][j] = fmaf(wf[q][e + 3], xv.w, acc[q][j]);
-                                }
+                                const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c + e));
+                                xv[e] = a.x; xv[e + 1] = a.y; xv[e + 2] = a.z; xv[e + 3] = a.w;
                             }
+#pragma unroll
+                            for (int q = 0; q < ROWS; ++q) acc[q][j] += dot16<TW>(wv[u][q], xv);
                         }
                     }
                 }
             }
-#pragma unroll
-            for (int q = 0; q < ROWS; ++q)
-#pragma unroll
-                for (int j = 0; j < TOK; ++j) {
-                    const float s = warp_sum(acc[q][j]);
-                    if (lane == 0 && j < nt && r0 + q >= item * ROWS)
-                        y[(size_t)(t0 + j) * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
-                }
         }
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q)
+#pragma unroll
+            for (int j = 0; j < TOK; ++j) {
+                const float s = warp_sum(acc[q][j]);
+                if (lane == 0 && j < T && r0 + q >= item * ROWS)
+                    y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
+            }
     }
 }
 #define DENSE_GEMV_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                          \

@@ -642,8 +642,7 @@ def silu_mul(gu, *, out=None):
 def dense_gemv(x, w, *, bias=None, out=None):
     """y [T, N] f32 = x [T, K] f32 @ w[N, K].T (+ bias), w f32/f16/bf16; for T <= 8 (graph-capturable).
 
-    One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); more tokens go in passes of 8 over the weights,
-    so beyond a few tokens cuBLAS (cupy.matmul) is much faster.
+    One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); beyond 8 tokens use cuBLAS (cupy.matmul).
     """
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
@@ -652,13 +651,13 @@ def dense_gemv(x, w, *, bias=None, out=None):
     N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"w is {tuple(w.shape)}, expected [N, {K}]")
-    if K % 8 or N < DG_ROWS:
-        raise ValueError(f"dense_gemv needs K % 8 == 0 and N >= {DG_ROWS} (K={K}, N={N})")
+    if K % 8 or N < DG_ROWS or T > max(DG_PLANS):
+        raise ValueError(f"dense_gemv needs K % 8 == 0, N >= {DG_ROWS} and T <= {max(DG_PLANS)} (K={K}, N={N}, T={T})")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
     y = _out("out", out, (T, N), cp.float32)
     if T:
-        tok = min((t for t in DG_PLANS if t >= T), default=max(DG_PLANS))     # more tokens: passes of the largest
+        tok = min(t for t in DG_PLANS if t >= T)
         rows = DG_PLANS[tok][0]
         blocks = -(-N // rows // (DG_THREADS // 32))                          # a warp per `rows` output rows
         kernel("layers", f"dense_gemv_{dtype_code(w)}_t{tok}")(
