@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri_format.runtime.cuda.limits import DG_PLANS
 from colibri_format.runtime.dense import fused_dense_tensors
 
-GEMV_MAX_ROWS = 8    # rows up to which dense products use dense_gemv (graph-capturable) instead of cuBLAS:
-                     # dense_gemv re-reads the weight every 4 rows, so at 32 rows cuBLAS is ~10x faster
+GEMV_MAX_ROWS = max(DG_PLANS)   # rows up to which dense products use dense_gemv (graph-capturable), not cuBLAS
 BF16_SPLIT_MIN_ROWS = 9   # from this many rows, bf16-stored matrices multiply on the tensor cores (bf16 hi+lo
                           # split of x, fp32 accumulation: ~1e-5 relative) instead of f32 cuBLAS
 MIRROR_SHARE = 0.25  # f32 copies of the matrices (for cuBLAS) are kept if they take at most this share of free memory
