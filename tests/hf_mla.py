@@ -1,6 +1,6 @@
 """Tiny seeded DeepSeek-V3-family models (multi-head latent attention, the sigmoid router with grouped top-k, leading
-dense layers, shared experts; V3.2 / GLM-5 with their DSA indexer) for the converter and engine tests; transformers'
-modeling_deepseek_v3 / _deepseek_v32 / _glm_moe_dsa are the oracle."""
+dense layers, shared experts; V3.2 / GLM-5 with their DSA indexer; GLM-4.7-Flash) for the converter and engine tests;
+transformers' modeling_deepseek_v3 / _deepseek_v32 / _glm_moe_dsa / _glm4_moe_lite are the oracle."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ CONFIGS = {
     "glm_moe_dsa": (tf.GlmMoeDsaConfig, dict(q_lora_rank=16, mlp_layer_types=["dense", "sparse", "sparse"],
                                              rope_parameters={"rope_type": "default", "rope_theta": 2000.0},
                                              **INDEX)),
+    # GLM-4.7-Flash: no indexer, no q LoRA, rope halves, mlp_layer_types left to its default (one dense layer),
+    # 2 groups keeping 1
+    "glm4_moe_lite": (tf.Glm4MoeLiteConfig, dict(q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=1)),
 }
 
 

@@ -231,7 +231,8 @@ def _mla(f: Fields, model: Model) -> None:
     model["multipliers"]["attention"] = scale
 
 
-def _deepseek_v3(f: Fields, model: Model, groups: tuple[int, int] = (8, 4), layer_types: bool = False) -> None:
+def _deepseek_v3(f: Fields, model: Model, groups: tuple[int, int] = (8, 4), layer_types: bool = False,
+                 first_dense: int = 3) -> None:
     """DeepSeek-V3 / R1 / V3.1 and Kimi-K2: MLA, the first `first_k_dense_replace` layers dense (or, with
     `layer_types`, those `mlp_layer_types` calls dense where the config lists them: V3.2, GLM-5), the rest MoE with the
     sigmoid router (selection-only correction bias, grouped top-k, renormalised, times routed_scaling_factor) and
@@ -252,7 +253,7 @@ def _deepseek_v3(f: Fields, model: Model, groups: tuple[int, int] = (8, 4), laye
                                    "(one of 'dense' / 'sparse' per layer)", field="mlp_layer_types")
         moe = [i for i, k in enumerate(kinds) if k == "sparse"]
     else:
-        moe = list(range(min(f.integer("first_k_dense_replace", 3, lo=0, hi=MAX_LAYERS), n), n))
+        moe = list(range(min(f.integer("first_k_dense_replace", first_dense, lo=0, hi=MAX_LAYERS), n), n))
     if not moe:
         raise UnsupportedModel(f"{model_type_of(f.raw)} with no MoE layer (first_k_dense_replace / mlp_layer_types) "
                                "is not supported", field="first_k_dense_replace", value=n)
@@ -422,9 +423,14 @@ GLM_MOE_DSA = replace(DEEPSEEK_V32, model_type="glm_moe_dsa",
                       defaults=replace(DEEPSEEK_V3.defaults, rms_norm_eps=1e-5, max_position_embeddings=202752),
                       fields=lambda f, model: _deepseek_v32(f, model, groups=(1, 1)))
 
+# GLM-4.7-Flash: DeepSeek-V3's graph without an indexer, dense / sparse layers from mlp_layer_types (one dense layer by
+# default), rope_interleave from the config
+GLM4_MOE_LITE = replace(DEEPSEEK_V3, model_type="glm4_moe_lite", defaults=GLM_MOE_DSA.defaults,
+                        fields=lambda f, model: _deepseek_v3(f, model, groups=(1, 1), layer_types=True, first_dense=1))
+
 ADAPTERS = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, GRANITEMOE, GRANITEMOESHARED, GLM4_MOE,
                                       MINIMAX_M2, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE_TEXT, QWEN3_5_MOE, DEEPSEEK_V3,
-                                      KIMI_K2, DEEPSEEK_V32, GLM_MOE_DSA)}
+                                      KIMI_K2, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE)}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 # Families users will try, with the feature that keeps them out of v1.

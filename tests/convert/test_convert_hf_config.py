@@ -87,7 +87,7 @@ def test_registry_lists_every_fixture_arch() -> None:
     # the hybrid models' fixtures are tests/hf_hybrid.py (converter tests: tests/convert/test_convert_qwen3_next.py),
     # the DeepSeek-V3 family's tests/hf_mla.py (tests/convert/test_convert_mla.py)
     assert set(SUPPORTED_MODEL_TYPES) == set(ARCHS) | {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v3",
-                                                       "kimi_k2", "deepseek_v32", "glm_moe_dsa"}
+                                                       "kimi_k2", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite"}
     assert all(get_adapter(a).model_type == a for a in ARCHS)
 
 

@@ -24,7 +24,8 @@ from tests.hf_mla import CONFIGS, build, save
 from tests.runtime.hf_tiny import hf_logits, prompts, rel_err
 
 TOL = 1e-4
-INTERLEAVED = {"deepseek_v3": True, "deepseek_v3-plain": False, "deepseek_v32": True, "glm_moe_dsa": True}
+INTERLEAVED = {"deepseek_v3": True, "deepseek_v3-plain": False, "deepseek_v32": True, "glm_moe_dsa": True,
+               "glm4_moe_lite": False}
 
 
 def _mscale(factor: float, m: float) -> float:
