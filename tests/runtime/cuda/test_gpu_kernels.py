@@ -277,6 +277,23 @@ def test_attention_long_context(cp, rng, rows):
         assert rel(out.get(), exp) < F32_TOL, variant
 
 
+def test_attention_decode_merges_in_its_last_block_and_leaves_tickets_zero(cp, rng):
+    """The decode kernel's split merge: repeated launches on one workspace (as graph replays do) stay exact."""
+    S, cap, nkv, nh, hd, ns = 2, 300, 4, 32, 128, 7
+    kc = cp.asarray(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32))
+    vc = cp.asarray(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32))
+    q_seq, q_len = np.array([0, 1], np.int32), np.array([300, 3], np.int32)
+    q = rng.standard_normal((2, nh, hd)).astype(np.float32)
+    sinks = rng.standard_normal(nh).astype(np.float32)
+    exp = nb.attention(f64(q), f64(kc.get()), f64(vc.get()), q_seq, q_len, 0.1, sinks=f64(sinks))
+    ws = ops.AttentionWorkspace(2, nh, hd, ns)
+    for _ in range(3):
+        out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1, sinks=cp.asarray(sinks),
+                            out=nan_like(cp, q.shape), nsplit=ns, workspace=ws)
+        assert rel(out.get(), exp) < F32_TOL
+        assert int(ws.tickets.sum()) == 0
+
+
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
 def test_embedding(cp, rng, wdt):
     V, H = 100, 64

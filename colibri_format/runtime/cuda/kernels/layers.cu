@@ -228,28 +228,26 @@ ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 // of ATT_GMAX heads; lanes split the head dimension (HPL = HD / 32 values each). Keys go in batches of
 // KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, so a split of c keys costs
 // about c / KB memory round trips (the split kernel's lane-per-key tiles cost ~HD/16 round trips per 32 keys
-// whatever the length, which dominates short decode contexts).
+// whatever the length, which dominates short decode contexts). With splits the last block merges (no
+// attention_merge launch; tickets: one zeroed int per (row, kv head, head chunk)).
 #ifndef ATT_LANE_FLOATS
 #error "ATT_LANE_FLOATS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 #define ATT_HPW (ATT_GMAX / ATT_WARPS)
 static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
+// One warp's heads of attention_decode over its split's keys: the partials (or, unsplit, the output).
 template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q,
+__device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
                                                       const typename TC::storage* __restrict__ kc,
                                                       const typename TC::storage* __restrict__ vc,
                                                       const int* __restrict__ q_seq, const int* __restrict__ q_len,
-                                                      const float* __restrict__ sinks, float* __restrict__ part_ml,
-                                                      float* __restrict__ part_acc, float* __restrict__ out, int nh,
-                                                      int nkv, int capacity, int window, float scale, int nsplit) {
+                                                      const float* __restrict__ sinks, float* part_ml,
+                                                      float* part_acc, float* __restrict__ out, int nh, int nkv,
+                                                      int capacity, int window, float scale, int nsplit, int n,
+                                                      int kvh, int split, int G, int g0, int ng) {
     constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
-    static_assert(KB >= 1, "a key per batch at least");
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = blockIdx.x, kvh = blockIdx.y;
-    const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
-    const int G = nh / nkv, g0 = gchunk * ATT_GMAX, ng = min(ATT_GMAX, G - g0);
-    if (warp * ATT_HPW >= ng) return;               // no head of this chunk for this warp (no block-wide sync below)
     const int len = q_len[n];
     const int first = window > 0 ? max(0, len - window) : 0;
     const int chunk = (len - first + nsplit - 1) / nsplit;
@@ -335,13 +333,77 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     }
 }
 
+// With splits, the last block of a (row, kv head, head chunk) to finish merges the chunk's heads (as
+// attention_merge does, sinks included) and resets the ticket to 0 for the next launch (graph replays): one launch
+// less per layer. Partials are read past L1 (written by other blocks); the fence orders them before the ticket.
+template <int HD>
+__device__ __forceinline__ void attention_merge_last(const float* part_ml, const float* part_acc,
+                                                     const float* __restrict__ sinks, int* __restrict__ tickets,
+                                                     float* __restrict__ out, int nh, int nsplit, int n, int kvh,
+                                                     int G, int g0, int ng) {
+    __shared__ int s_last;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int ticket_id = (n * gridDim.y + kvh) * (gridDim.z / nsplit) + g0 / ATT_GMAX;
+    __syncthreads();                                  // every warp's partials are written
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(tickets + ticket_id, 1) == nsplit - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < ng * HD; i += blockDim.x) {
+        const int g = i / HD, d = i - g * HD;
+        const int head = kvh * G + g0 + g;
+        const size_t r = (size_t)n * nh + head;
+        float mx = sinks != nullptr ? __ldg(sinks + head) : NEG_INF;
+        const float sink = mx;
+        for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (r * nsplit + sp) * 2));
+        float num = 0.0f, den = 0.0f;
+        if (mx != NEG_INF) {
+            for (int sp = 0; sp < nsplit; ++sp) {
+                const float ms = __ldcg(part_ml + (r * nsplit + sp) * 2);
+                if (ms == NEG_INF) continue;
+                const float c = expf(ms - mx);
+                num = fmaf(__ldcg(part_acc + (r * nsplit + sp) * HD + d), c, num);
+                den = fmaf(__ldcg(part_ml + (r * nsplit + sp) * 2 + 1), c, den);
+            }
+            if (sink != NEG_INF) den += expf(sink - mx);
+        }
+        out[r * HD + d] = den > 0.0f ? num / den : 0.0f;
+    }
+    if (threadIdx.x == 0) tickets[ticket_id] = 0;
+}
+
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q,
+                                                      const typename TC::storage* __restrict__ kc,
+                                                      const typename TC::storage* __restrict__ vc,
+                                                      const int* __restrict__ q_seq, const int* __restrict__ q_len,
+                                                      const float* __restrict__ sinks, float* part_ml,
+                                                      float* part_acc, int* __restrict__ tickets,
+                                                      float* __restrict__ out, int nh, int nkv, int capacity,
+                                                      int window, float scale, int nsplit) {
+    constexpr int HD = HPL * 32;
+    static_assert(ATT_LANE_FLOATS / HPL >= 1, "a key per batch at least");
+    const int warp = threadIdx.x >> 5;
+    const int n = blockIdx.x, kvh = blockIdx.y;
+    const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
+    const int G = nh / nkv, g0 = gchunk * ATT_GMAX, ng = min(ATT_GMAX, G - g0);
+    if (warp * ATT_HPW < ng)                        // else no head of this chunk for this warp
+        attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv, capacity,
+                                       window, scale, nsplit, n, kvh, split, G, g0, ng);
+    if (nsplit > 1) attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, n, kvh, G, g0, ng);
+}
+
 #define ATTENTION_DECODE_KERNEL(SUF, TC, HPL)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                 \
         attention_decode_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq,  \
                                const int* q_len, const float* sinks, float* part_ml, float* part_acc,          \
-                               float* out, int nh, int nkv, int capacity, int window, float scale, int nsplit) { \
-        attention_decode_impl<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv,        \
-                                       capacity, window, scale, nsplit);                                       \
+                               int* tickets, float* out, int nh, int nkv, int capacity, int window,            \
+                               float scale, int nsplit) {                                                      \
+        attention_decode_impl<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, tickets, out, nh,    \
+                                       nkv, capacity, window, scale, nsplit);                                  \
     }
 ATTENTION_DECODE_KERNEL(f32_hd64, TF32, 2)
 ATTENTION_DECODE_KERNEL(f32_hd128, TF32, 4)

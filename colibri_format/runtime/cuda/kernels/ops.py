@@ -541,13 +541,15 @@ def attention_splits(num_rows: int, kv_heads: int, group: int, max_len: int) -> 
 
 
 class AttentionWorkspace:
-    """Partials of the split attention kernel (preallocate for CUDA-graph capture)."""
+    """Partials of the split attention kernels and the decode kernel's merge tickets (zeroed; every launch leaves
+    them zero), preallocated for CUDA-graph capture."""
 
     def __init__(self, num_rows: int, heads: int, head_dim: int, nsplit: int) -> None:
         cp = _cupy()
         self.shape = (num_rows, heads, head_dim, nsplit)
         self.ml = cp.empty(num_rows * heads * nsplit * 2, cp.float32)
         self.acc = cp.empty(num_rows * heads * nsplit * head_dim, cp.float32)
+        self.tickets = cp.zeros(num_rows * heads, cp.int32)     # >= rows x kv heads x head chunks
 
 
 def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
@@ -586,11 +588,16 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         ws = workspace or AttentionWorkspace(NQ, nh, hd, ns)
         if ws.shape != (NQ, nh, hd, ns):
             raise ValueError(f"attention workspace is {ws.shape}, needs {(NQ, nh, hd, ns)}")
-        ml, acc = ws.ml, ws.acc
+        ml, acc, tickets = ws.ml, ws.acc, ws.tickets
     else:
         ml = acc = o  # unused
-    kind = "decode" if NQ <= ATT_DECODE_MAX_ROWS else "split"
-    kernel("layers", f"attention_{kind}_{dtype_code(k_cache)}_hd{hd}")(
+        tickets = None
+    if NQ <= ATT_DECODE_MAX_ROWS:        # merges in its last block of each (row, kv head, head chunk)
+        kernel("layers", f"attention_decode_{dtype_code(k_cache)}_hd{hd}")(
+            (NQ, nkv, gchunks * ns), (ATT_THREADS,),
+            (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, _ptr(tickets), o) + args_tail + (np.int32(ns),))
+        return o
+    kernel("layers", f"attention_split_{dtype_code(k_cache)}_hd{hd}")(
         (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, o)
         + args_tail + (np.int32(ns),))
     if ns > 1:
