@@ -1,11 +1,12 @@
 """Where a full-depth decode step's time goes, and dense GEMV candidates at the shapes decode multiplies.
 
-    PYTHONPATH=. python benchmarks/decode_profile.py --out OUT_DIR [--qwen3-file /dev/shm/qwen3_30b_a3b_full.colibri]
+    PYTHONPATH=. python benchmarks/decode_profile.py --out OUT_DIR [--shapes qwen3,olmoe,mixtral] [--peer PEER.py]
 
-(a) `runtime.cuda.bench.run_bench` on the full-depth Qwen3-30B-A3B shape (48 layers, vocabulary 151,936, hidden
-    2048, 128 experts top-8 of FFN 768, 32/4 heads of 128; bf16 dense, int8 experts; written by
-    `synthetic.write_synthetic(reuse_expert=True)` if the file is missing) at batch 1 and 8: tokens/s, and the
-    device timeline of replayed decode steps from CUPTI (every kernel's time per step, busy + idle = span).
+(a) `runtime.cuda.bench.run_bench` on full-depth files (`--shapes`: Qwen3-30B-A3B, OLMoE-1B-7B, Mixtral-8x7B; bf16
+    dense, int8 experts; written by `synthetic.write_synthetic(reuse_expert=True)` if missing) at batch 1 and 8:
+    tokens/s, roofline share, and the device timeline of replayed decode steps from CUPTI (every kernel's time per
+    step, busy + idle = span); `--peer ../shared/tools/peer_torch_compile_moe.py` then runs the torch.compile int8
+    peer on the same shapes in the same call.
 (b) dense GEMV candidates (rows per warp x 16-byte loads in flight per row, T = 1 and 8 tokens) against the
     engine's `dense_gemv`, each captured in a CUDA graph of many launches over rotated weight copies (so the
     weights come from HBM, not L2), GB/s of weight bytes beside the device-to-device copy rate; each candidate is
@@ -27,8 +28,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernels import copy_bandwidth, time_graph  # noqa: E402
 
-QWEN3_FULL = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
-                  expert_inter=768, qk_norm="per_head")
+SHAPES = {  # full depth: every layer, the real vocabulary (head_dim 128 for all three)
+    "qwen3": dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
+                  expert_inter=768, qk_norm="per_head"),                                 # Qwen3-30B-A3B
+    "olmoe": dict(vocab=50304, hidden=2048, layers=16, heads=16, kv_heads=16, experts=64, top_k=8,
+                  expert_inter=1024, qk_norm="full"),                                    # OLMoE-1B-7B
+    "mixtral": dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2,
+                    expert_inter=14336),                                                 # Mixtral-8x7B
+}
+PEER_NAMES = {"qwen3": "qwen3_30b_a3b", "olmoe": "olmoe_1b7b", "mixtral": "mixtral_8x7b"}
 GEMV_SHAPES = {  # name: (N, K) of the dense products a decode step runs
     "qwen3 qkv": (5120, 2048), "qwen3 o_proj": (2048, 4096), "qwen3 lm_head": (151936, 2048),
     "olmoe qkv": (6144, 2048), "olmoe o_proj": (2048, 2048), "mixtral qkv": (6144, 4096),
@@ -112,13 +120,13 @@ def log(msg: str) -> None:
     print(f"[decode_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def ensure_model(path: Path) -> Path:
+def ensure_model(path: Path, shape: str) -> Path:
     if path.exists():
         return path
     from colibri_format import spec as S
     from colibri_format.synthetic import synthetic_model, write_synthetic
 
-    model = synthetic_model(**QWEN3_FULL)
+    model = synthetic_model(**SHAPES[shape])
     model["head_dim"] = 128
     model["max_position_embeddings"] = 4096
     t0 = time.perf_counter()
@@ -181,7 +189,10 @@ def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--qwen3-file", default="/dev/shm/qwen3_30b_a3b_full.colibri")
+    ap.add_argument("--qwen3-file", default="/dev/shm/qwen3_30b_a3b_full.colibri", help="kept (other shapes: "
+                    "/dev/shm/<shape>_full.colibri, deleted after their run)")
+    ap.add_argument("--shapes", default="qwen3", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--peer", help="the peer script (peer_torch_compile_moe.py): run on the same shapes after ours")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
@@ -193,10 +204,28 @@ def main() -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     result["copy_gbps"] = copy_bandwidth(cp)
     log(f"device-to-device copy {result['copy_gbps']:.0f} GB/s")
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     if not args.skip_engine:
-        path = ensure_model(Path(args.qwen3_file))
-        result["engine"] = engine_profile(path, [int(b) for b in args.batches.split(",")])
-        (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
+        result["engine"] = {}
+        for shape in shapes:
+            path = Path(args.qwen3_file) if shape == "qwen3" else Path(f"/dev/shm/{shape}_full.colibri")
+            ensure_model(path, shape)
+            result["engine"][shape] = engine_profile(path, [int(b) for b in args.batches.split(",")])
+            if shape != "qwen3":
+                path.unlink()
+            (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
+    if args.peer:
+        import os
+        import subprocess
+
+        env = dict(os.environ, OUT=str(out))
+        peer = subprocess.run([sys.executable, args.peer, *(PEER_NAMES[s] for s in shapes)], env=env,
+                              capture_output=True, text=True)
+        log(f"peer ({args.peer}, rc {peer.returncode}):\n{peer.stdout[-3000:]}{peer.stderr[-2000:]}")
+        result["peer"] = {"rc": peer.returncode, "stdout": peer.stdout[-5000:]}
     if not args.skip_gemv:
         result["gemv"] = gemv_candidates(cp, result["copy_gbps"])
     (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
