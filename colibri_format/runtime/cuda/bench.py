@@ -17,7 +17,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -153,10 +156,6 @@ def timeline_profile(eng, step: Callable[[], None], steps: int = 8) -> dict | No
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 -- CUPTI, only when asked
     except ImportError:
         return None
-    import json as _json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     step()
     eng.be.sync_event(eng.be.record(eng.stream))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -168,7 +167,7 @@ def timeline_profile(eng, step: Callable[[], None], steps: int = 8) -> dict | No
     try:
         prof.export_chrome_trace(trace)
         with open(trace, encoding="utf-8") as f:
-            events = _json.load(f).get("traceEvents", [])
+            events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(trace)
     return summarize_timeline(events, steps)
