@@ -170,6 +170,8 @@ class Decoder:
                                                     # copied over the routing (static buffers: graphs replay it)
         self.mla_form = "auto"                      # MLA attention: auto (a sequence's single new row absorbed,
                                                     # several expanded), or "expanded" / "absorbed" throughout
+        self.delta_form = "auto"                    # Gated DeltaNet: auto (a sequence's several new rows chunked,
+                                                    # a single one recurrent), or "chunked" / "recurrent" throughout
 
     # --- the pass -------------------------------------------------------------------------------------------
     def run(self, inp: StepInputs, kv: KVBuffers, ws: Workspace, T: int, out_rows=None, max_len: int = 0):
@@ -241,7 +243,8 @@ class Decoder:
 
     def linear_attention(self, i: int, x, inp, kv, ws, T: int):
         """A Gated DeltaNet layer: the q|k|v, z, b, a products, then the backend's op (causal conv with its rolling
-        state, the gated delta rule over each sequence's state, the z-gated norm), then the output product."""
+        state, the gated delta rule over each sequence's state, chunked or recurrent per `delta_form`, the z-gated
+        norm), then the output product."""
         p, lin = f"layers.{i}.linear", self.a.linear
         nv, dv = lin["num_value_heads"], lin["value_head_dim"]
         qkv = self.w.linear(x, f"{p}.qkv_proj", None, ws.buf("lin_qkv", (T, self.w[f"{p}.qkv_proj"].shape[0])))
@@ -252,7 +255,8 @@ class Decoder:
         y = self.be.gated_delta_net(qkv, z, b, g, self.w[f"{p}.conv"], self.w[f"{p}.A_log"], self.w[f"{p}.dt_bias"],
                                     self.w[f"{p}.norm"], inp.seq[:T], inp.pos[:T], st.conv[i], st.delta[i],
                                     st.lengths[i], heads=(lin["num_key_heads"], nv), dims=(lin["key_head_dim"], dv),
-                                    eps=self.a.eps, strict=st.strict, out=ws.buf("lin_y", (T, nv * dv)))
+                                    eps=self.a.eps, strict=st.strict, form=self.delta_form,
+                                    out=ws.buf("lin_y", (T, nv * dv)))
         return self.w.linear(y, f"{p}.o_proj", None, ws.buf("o", (T, self.a.hidden_size)))
 
     def mla_attention(self, i: int, x, inp, kv, ws, T: int):

@@ -225,6 +225,10 @@ def causal_conv(u: np.ndarray, w: np.ndarray, state: np.ndarray) -> np.ndarray:
     return silu(y)
 
 
+DELTA_CHUNK = 64        # rows per chunk of the chunked form (transformers' torch_chunk_gated_delta_rule uses 64)
+DELTA_FORMS = ("auto", "chunked", "recurrent")
+
+
 def delta_rule(q, k, v, g, beta, state):
     """The gated delta rule, one token at a time, over state [nv, dk, dv] (updated in place): per token
     S = S * exp(g); S += k (beta (v - k S)); o = q S. q, k [n, nv, dk], v [n, nv, dv], g, beta [n, nv]."""
@@ -239,15 +243,82 @@ def delta_rule(q, k, v, g, beta, state):
     return o
 
 
+def _delta_chunks(q, k, v, g, beta, state, o) -> None:
+    """The chunked form over m chunks of C rows each: q, k [H, m, C, dk], v [H, m, C, dv], g, beta [H, m, C];
+    writes o [H, m, C, dv] and advances state [H, dk, dv] (in place) over the m chunks in order.
+
+    Within a chunk, with G_t = g_1 + ... + g_t (cumulative log decay from the chunk's start), the rows the recurrent
+    form adds to the state, u_t = beta_t (v_t - k_t S_t^-) (S_t^- the state decayed, before row t's update), obey
+    u_t + beta_t sum_{j<t} e^(G_t - G_j) (k_t.k_j) u_j = beta_t v_t - beta_t e^(G_t) k_t S_0, S_0 the state before the
+    chunk: a unit lower-triangular system (I + A) U = beta V - diag(beta e^G) K S_0 (the UT transform). One solve per
+    chunk, independent of S_0, gives W = (I + A)^-1 beta V and D = (I + A)^-1 diag(beta e^G) K, so U = W - D S_0.
+    Then o_t = e^(G_t) q_t S_0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and the state after the chunk is
+    e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j u_j. Every exponent is <= 0 (g <= 0), so nothing overflows; the only
+    sequential part is the scan over chunks."""
+    C, dv = q.shape[2], v.shape[-1]
+    cum = np.cumsum(g, axis=-1)                                               # [H, m, C]
+    causal = np.tri(C, dtype=bool)                                            # j <= t
+    gap = np.where(causal, cum[..., :, None] - cum[..., None, :], 0)         # G_t - G_j where j <= t
+    decay = np.where(causal, np.exp(gap), 0).astype(v.dtype, copy=False)     # [H, m, C, C]
+    kt = np.swapaxes(k, -1, -2)
+    A = beta[..., :, None] * (k @ kt) * decay
+    system = np.tril(A, -1) + np.eye(C, dtype=v.dtype)                        # I + A: unit lower triangular
+    rhs = np.concatenate([v * beta[..., None], k * (beta * np.exp(cum))[..., None]], axis=-1)
+    solved = np.linalg.solve(system, rhs)                                     # [H, m, C, dv + dk]
+    W, D = solved[..., :dv], solved[..., dv:]
+    scores = (q @ kt) * decay                                                 # [H, m, C, C], diagonal included
+    q_in = q * np.exp(cum)[..., None]                                         # reads S_0 decayed to row t
+    k_out = k * np.exp(cum[..., -1:] - cum)[..., None]                        # writes decayed to the chunk's end
+    end = np.exp(cum[..., -1])                                                # [H, m]
+    for c in range(q.shape[1]):
+        U = W[:, c] - D[:, c] @ state                                         # [H, C, dv]
+        o[:, c] = q_in[:, c] @ state + scores[:, c] @ U
+        state *= end[:, c, None, None]
+        state += np.swapaxes(k_out[:, c], -1, -2) @ U
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, group: int | None = None):
+    """The gated delta rule of `delta_rule` (same arguments, same numbers up to rounding) in the chunked form:
+    the rows in chunks of `chunk` (the last one shorter), the rows of a chunk at once through matrix products and one
+    triangular solve (see `_delta_chunks`), the chunks one after another. state [nv, dk, dv] ends as the recurrent
+    form leaves it. The solves run `group` chunks at a time (default: as many as keep each [heads, chunks, C, C]
+    temporary near 2M elements)."""
+    n, H, dk = k.shape
+    dv = v.shape[-1]
+    o = np.empty_like(v)
+    full = n - n % chunk
+    group = group or max(1, (1 << 21) // (H * chunk * chunk))
+
+    def heads_first(x, t0, m, C):                           # rows [t0, t0 + m C) as [H, m, C, ...]
+        x = x[t0:t0 + m * C]
+        return np.moveaxis(x.reshape(m, C, *x.shape[1:]), 2, 0)
+
+    spans = [(t0, min(group, (full - t0) // chunk), chunk) for t0 in range(0, full, group * chunk)]
+    if n > full:
+        spans.append((full, 1, n - full))
+    for t0, m, C in spans:
+        part = np.empty((H, m, C, dv), v.dtype)
+        _delta_chunks(*(heads_first(x, t0, m, C) for x in (q, k, v, g, beta)), state, part)
+        o[t0:t0 + m * C] = np.moveaxis(part, 0, 2).reshape(m * C, H, dv)
+    return o
+
+
 def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv_state, delta_state, lengths, *,
-                    heads: tuple[int, int], dims: tuple[int, int], eps: float, strict: bool = True, out=None):
+                    heads: tuple[int, int], dims: tuple[int, int], eps: float, strict: bool = True,
+                    form: str = "auto", out=None):
     """One Gated DeltaNet layer after its input products (qkv [T, 2 nk dk + nv dv], z [T, nv dv], b, a [T, nv]),
     the rows of each sequence in position order: causal conv (state conv_state[s]), silu, l2-normed q and k (q also
     times dk^-1/2), each key head serving nv/nk consecutive value heads, beta = sigmoid(b), g = -exp(A_log)
-    softplus(a + dt_bias), the delta rule over delta_state[s] token by token (prefill and decode alike), then
-    rmsnorm(o) * norm_w * silu(z) per value head; returns [T, nv dv]. A sequence whose rows start at position 0
-    starts from zero states; one that starts at p continues from states that hold p tokens (`lengths[s]`); any
-    other start raises InvalidInput, or with `strict` false (decode steps) starts that sequence from zero states."""
+    softplus(a + dt_bias), the gated delta rule over delta_state[s], then rmsnorm(o) * norm_w * silu(z) per value
+    head; returns [T, nv dv]. The delta rule runs in one of two forms that give the same numbers and leave the same
+    state up to rounding: recurrent (`delta_rule`, token by token) or chunked (`delta_rule_chunked`, DELTA_CHUNK rows
+    at a time). form "auto" runs a sequence with several rows in the pass (a prefill) chunked and one with a single
+    row (a decode step) recurrent; "chunked" or "recurrent" runs every sequence so. A sequence whose rows start at
+    position 0 starts from zero states; one that starts at p continues from states that hold p tokens (`lengths[s]`);
+    any other start raises InvalidInput, or with `strict` false (decode steps) starts that sequence from zero
+    states."""
+    if form not in DELTA_FORMS:
+        raise ValueError(f"unknown Gated DeltaNet form {form!r} (one of {', '.join(DELTA_FORMS)})")
     (nk, nv), (dk, dv) = heads, dims
     dt = qkv.dtype.type
     seq_h, pos_h = np.asarray(seq).astype(np.int64), np.asarray(pos).astype(np.int64)
@@ -272,7 +343,8 @@ def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv
         k = l2norm(u[:, nk * dk:2 * nk * dk].reshape(n, nk, dk))
         v = u[:, 2 * nk * dk:].reshape(n, nv, dv)
         q, k = np.repeat(q, nv // nk, axis=1), np.repeat(k, nv // nk, axis=1)
-        y[rows] = delta_rule(q, k, v, g[rows], beta[rows], delta_state[s])
+        chunked = form == "chunked" or (form == "auto" and n > 1)
+        y[rows] = (delta_rule_chunked if chunked else delta_rule)(q, k, v, g[rows], beta[rows], delta_state[s])
     gated = rmsnorm(y, nw, eps) * silu(np.asarray(z).reshape(-1, nv, dv))
     return _store(out, gated.reshape(-1, nv * dv))
 
