@@ -278,10 +278,12 @@ def _rope_source(f: Fields) -> tuple[Mapping[str, Any], Any]:
     return f.mapping("rope_scaling") or {}, f.raw.get("rope_theta")
 
 
-def _partial_rotary_factor(f: Fields, p: Fields, default: float) -> float:
-    """The share of head_dim that RoPE rotates: `partial_rotary_factor` (rope parameters, else top level), or
-    `rotary_dim` / head_dim (MiniMax), else `default`; the rotated width must be even and non-zero."""
-    hd = head_dim(f, f.integer("hidden_size"), f.integer("num_attention_heads", hi=MAX_HEADS))
+def _partial_rotary_factor(f: Fields, p: Fields, default: float, hd: int | None = None) -> float:
+    """The share of head_dim (`hd`, else the config's) that RoPE rotates: `partial_rotary_factor` (rope parameters,
+    else top level), or `rotary_dim` / head_dim (MiniMax), else `default`; the rotated width must be even and
+    non-zero."""
+    if hd is None:
+        hd = head_dim(f, f.integer("hidden_size"), f.integer("num_attention_heads", hi=MAX_HEADS))
     if p.has("partial_rotary_factor"):
         factor = p.number("partial_rotary_factor", lo=0.0, hi=1.0, lo_open=True)
     elif f.has("partial_rotary_factor"):
@@ -298,9 +300,9 @@ def _partial_rotary_factor(f: Fields, p: Fields, default: float) -> float:
     return factor
 
 
-def rope(f: Fields, default_theta: float, default_partial: float = 1.0) -> dict[str, Any]:
+def rope(f: Fields, default_theta: float, default_partial: float = 1.0, rotated: int | None = None) -> dict[str, Any]:
     """The design-doc `rope` object: type, theta, the HF scaling parameters under their HF names, and
-    `partial_rotary_factor` when RoPE rotates only part of each head."""
+    `partial_rotary_factor` when RoPE rotates only part of each head (of `rotated` channels, else head_dim)."""
     params, theta = _rope_source(f)
     p = Fields(params, where=f"{f.where} rope")
     if any(isinstance(v, dict) for v in params.values()):  # v5 per-layer-type rope (Gemma-style)
@@ -319,7 +321,7 @@ def rope(f: Fields, default_theta: float, default_partial: float = 1.0) -> dict[
             out[key] = p.number(key)
     if kind == "yarn" and p.has("truncate"):  # gpt-oss: false (an unrounded correction range)
         out["truncate"] = p.flag("truncate")
-    partial = _partial_rotary_factor(f, p, default_partial)
+    partial = _partial_rotary_factor(f, p, default_partial, rotated)
     if partial != 1.0:
         out["partial_rotary_factor"] = partial
     if kind == "longrope":
@@ -354,17 +356,22 @@ def common_model(f: Fields, defaults: ConfigDefaults) -> dict[str, Any]:
     hidden = f.integer("hidden_size")
     heads = f.integer("num_attention_heads", hi=MAX_HEADS)
     num_layers = f.integer("num_hidden_layers", hi=MAX_LAYERS)
+    if defaults.mla:    # a head's q.k width; RoPE turns its rope part (hidden / heads may not even divide: GLM-4.7-Flash)
+        rotated = f.integer("qk_rope_head_dim", hi=4096)
+        hd = f.integer("qk_nope_head_dim", hi=4096) + rotated
+    else:
+        hd = rotated = head_dim(f, hidden, heads)
     return {
         "vocab_size": f.integer("vocab_size", hi=MAX_VOCAB),
         "hidden_size": hidden,
         "num_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": f.integer("num_key_value_heads", heads, hi=MAX_HEADS),
-        "head_dim": head_dim(f, hidden, heads),
+        "head_dim": hd,
         "rms_norm_eps": f.number("rms_norm_eps", defaults.rms_norm_eps, lo=0.0, hi=1.0, lo_open=True),
         "max_position_embeddings": f.integer("max_position_embeddings", defaults.max_position_embeddings,
                                              hi=MAX_POSITIONS),
-        "rope": rope(f, defaults.rope_theta, defaults.partial_rotary_factor),
+        "rope": rope(f, defaults.rope_theta, defaults.partial_rotary_factor, rotated),
         "qkv_bias": False, "o_bias": False, "qk_norm": "none", "clip_qkv": None,
         "sliding_window": None,
         "tie_word_embeddings": f.flag("tie_word_embeddings", False),

@@ -236,6 +236,15 @@ PUBLISHED = {
                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
               dict(heads=64, q_lora=2048, moe=(3, 78), groups=(1, 1), shared=2048, experts=256, scale=256 ** -0.5,
                    index_topk=2048)),
+    # transformers' Glm4MoeLiteConfig defaults (GLM-4.7-Flash): 20 heads do not divide hidden 2048, no head_dim key
+    "GLM-4.7-Flash": ({"model_type": "glm4_moe_lite", "hidden_size": 2048, "intermediate_size": 10240,
+                       "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+                       "num_key_value_heads": 20, "n_shared_experts": 1, "n_routed_experts": 64,
+                       "routed_scaling_factor": 1.8, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
+                       "v_head_dim": 256, "qk_nope_head_dim": 192, "num_experts_per_tok": 4, "rms_norm_eps": 1e-5,
+                       "max_position_embeddings": 202752, "vocab_size": 154880, "rope_interleave": True,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+                      dict(heads=20, q_lora=768, moe=(1, 47), groups=(1, 1), shared=1536, experts=64, scale=256 ** -0.5)),
 }
 
 
