@@ -255,21 +255,24 @@ def _delta_chunks(q, k, v, g, beta, state, o) -> None:
     Then o_t = e^(G_t) q_t S_0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and the state after the chunk is
     e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j u_j. Every exponent is <= 0 (g <= 0), so nothing overflows; the only
     sequential part is the scan over chunks."""
-    C, dv = q.shape[2], v.shape[-1]
-    cum = np.cumsum(g, axis=-1)                                               # [H, m, C]
+    C, dv, dt = q.shape[2], v.shape[-1], v.dtype
+    # G in float64 whatever the compute dtype: a difference G_t - G_j of two float32 sums near -1000 (strongly decaying
+    # heads) would lose the small gaps between neighbouring rows; each exponent is rounded to `dt` once, then exp'd
+    cum = np.cumsum(g, axis=-1, dtype=np.float64)                             # [H, m, C]
     causal = np.tri(C, dtype=bool)                                            # j <= t
-    gap = np.where(causal, cum[..., :, None] - cum[..., None, :], 0)         # G_t - G_j where j <= t
-    decay = np.where(causal, np.exp(gap), 0).astype(v.dtype, copy=False)     # [H, m, C, C]
+    gap = np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf)   # G_t - G_j where j <= t
+    decay = np.exp(gap.astype(dt))                                            # [H, m, C, C], 0 above the diagonal
+    from_start, to_end = np.exp(cum.astype(dt)), np.exp((cum[..., -1:] - cum).astype(dt))
     kt = np.swapaxes(k, -1, -2)
     A = beta[..., :, None] * (k @ kt) * decay
-    system = np.tril(A, -1) + np.eye(C, dtype=v.dtype)                        # I + A: unit lower triangular
-    rhs = np.concatenate([v * beta[..., None], k * (beta * np.exp(cum))[..., None]], axis=-1)
+    system = np.tril(A, -1) + np.eye(C, dtype=dt)                             # I + A: unit lower triangular
+    rhs = np.concatenate([v * beta[..., None], k * (beta * from_start)[..., None]], axis=-1)
     solved = np.linalg.solve(system, rhs)                                     # [H, m, C, dv + dk]
     W, D = solved[..., :dv], solved[..., dv:]
     scores = (q @ kt) * decay                                                 # [H, m, C, C], diagonal included
-    q_in = q * np.exp(cum)[..., None]                                         # reads S_0 decayed to row t
-    k_out = k * np.exp(cum[..., -1:] - cum)[..., None]                        # writes decayed to the chunk's end
-    end = np.exp(cum[..., -1])                                                # [H, m]
+    q_in = q * from_start[..., None]                                          # reads S_0 decayed to row t
+    k_out = k * to_end[..., None]                                             # writes decayed to the chunk's end
+    end = from_start[..., -1]                                                 # [H, m]
     for c in range(q.shape[1]):
         U = W[:, c] - D[:, c] @ state                                         # [H, C, dv]
         o[:, c] = q_in[:, c] @ state + scores[:, c] @ U
