@@ -209,6 +209,12 @@ class HostSource:
             except Exception:  # noqa: BLE001 -- closing: nothing useful to do
                 pass
 
+    def __del__(self) -> None:
+        # an engine dropped without close(): undo the registration while self.reader still keeps the mapping
+        # alive (a range left registered after its munmap pins pages of a file that is gone, and the next file
+        # mapped at that address is refused or read through the stale pages)
+        self.close()
+
 
 def _mapping(reader) -> tuple[int, int]:
     """(address, size) of the whole file mapping, found through a (verified) dense tensor's view of it."""

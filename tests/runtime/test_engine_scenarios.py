@@ -228,6 +228,24 @@ def test_a_failed_open_unregisters_the_file_mapping(tmp_path_factory, device, mo
     assert live == []
 
 
+def test_an_engine_dropped_without_close_unregisters_the_file_mapping(mixtral_file, device, monkeypatch):
+    import gc
+
+    with Engine(mixtral_file, EngineConfig(device=device, verify="never")) as probe:
+        backend = type(probe.be)
+    live = []
+    register, unregister = backend.register_host, backend.unregister_host
+    monkeypatch.setattr(backend, "register_host", lambda self, a, n: (register(self, a, n), live.append(a)))
+    monkeypatch.setattr(backend, "unregister_host", lambda self, a: (unregister(self, a), live.remove(a)))
+    monkeypatch.setattr(backend, "host_is_device", False)      # the NumPy backend copies into a pool too
+    eng = Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=4))
+    eng.infer([[1, 2, 3]])
+    assert len(live) == 1
+    del eng
+    gc.collect()
+    assert live == []
+
+
 def test_over_budget_names_the_largest_that_fits(mixtral_file, device, monkeypatch):
     with colibri_format.open(mixtral_file) as f:
         blob = len(f.expert_blob(0, 0))
