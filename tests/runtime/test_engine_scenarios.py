@@ -207,6 +207,19 @@ def test_corrupt_expert_is_caught_before_use(tmp_path_factory, device):
         eng.infer(prompts[:3])              # the user asked not to check
 
 
+def track_registrations(path, device: str, monkeypatch) -> list:
+    """The addresses registered with the device and not yet unregistered, kept up to date by the backend's calls
+    (the NumPy backend is made to use a host source too)."""
+    with Engine(path, EngineConfig(device=device, verify="never")) as probe:
+        backend = type(probe.be)
+    live: list = []
+    register, unregister = backend.register_host, backend.unregister_host
+    monkeypatch.setattr(backend, "register_host", lambda self, a, n: (register(self, a, n), live.append(a)))
+    monkeypatch.setattr(backend, "unregister_host", lambda self, a: (unregister(self, a), live.remove(a)))
+    monkeypatch.setattr(backend, "host_is_device", False)      # the NumPy backend copies into a pool too
+    return live
+
+
 def test_a_failed_open_unregisters_the_file_mapping(tmp_path_factory, device, monkeypatch):
     """A corrupt blob found while loading resident experts: the registration of the mapping is undone (a mapping
     left registered pins pages of a file that is gone, and the next file mapped there is refused)."""
@@ -216,13 +229,7 @@ def test_a_failed_open_unregisters_the_file_mapping(tmp_path_factory, device, mo
     with open(path, "r+b") as fh:
         fh.seek(offset + 3)
         fh.write(b"\x7f")
-    with Engine(path, EngineConfig(device=device, verify="never")) as probe:
-        backend = type(probe.be)
-    live = []
-    register, unregister = backend.register_host, backend.unregister_host
-    monkeypatch.setattr(backend, "register_host", lambda self, a, n: (register(self, a, n), live.append(a)))
-    monkeypatch.setattr(backend, "unregister_host", lambda self, a: (unregister(self, a), live.remove(a)))
-    monkeypatch.setattr(backend, "host_is_device", False)      # the NumPy backend copies into a pool too
+    live = track_registrations(path, device, monkeypatch)
     with pytest.raises(CorruptExpert):
         Engine(path, EngineConfig(device=device))
     assert live == []
@@ -231,13 +238,7 @@ def test_a_failed_open_unregisters_the_file_mapping(tmp_path_factory, device, mo
 def test_an_engine_dropped_without_close_unregisters_the_file_mapping(mixtral_file, device, monkeypatch):
     import gc
 
-    with Engine(mixtral_file, EngineConfig(device=device, verify="never")) as probe:
-        backend = type(probe.be)
-    live = []
-    register, unregister = backend.register_host, backend.unregister_host
-    monkeypatch.setattr(backend, "register_host", lambda self, a, n: (register(self, a, n), live.append(a)))
-    monkeypatch.setattr(backend, "unregister_host", lambda self, a: (unregister(self, a), live.remove(a)))
-    monkeypatch.setattr(backend, "host_is_device", False)      # the NumPy backend copies into a pool too
+    live = track_registrations(mixtral_file, device, monkeypatch)
     eng = Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=4))
     eng.infer([[1, 2, 3]])
     assert len(live) == 1
