@@ -250,25 +250,33 @@ def _delta_chunks(q, k, v, g, beta, state, o) -> None:
     Within a chunk, with G_t = g_1 + ... + g_t (cumulative log decay from the chunk's start), the rows the recurrent
     form adds to the state, u_t = beta_t (v_t - k_t S_t^-) (S_t^- the state decayed, before row t's update), obey
     u_t + beta_t sum_{j<t} e^(G_t - G_j) (k_t.k_j) u_j = beta_t v_t - beta_t e^(G_t) k_t S_0, S_0 the state before the
-    chunk: a unit lower-triangular system (I + A) U = beta V - diag(beta e^G) K S_0 (the UT transform). One solve per
-    chunk, independent of S_0, gives W = (I + A)^-1 beta V and D = (I + A)^-1 diag(beta e^G) K, so U = W - D S_0.
+    chunk: a unit lower-triangular system (I + A) U = beta V - diag(beta e^G) K S_0 (the UT transform). Its inverse
+    (one C x C solve per chunk, independent of S_0; cheaper than solving for the dv + dk right-hand sides) gives
+    W = (I + A)^-1 beta V and D = (I + A)^-1 diag(beta e^G) K, so U = W - D S_0.
     Then o_t = e^(G_t) q_t S_0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and the state after the chunk is
-    e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j u_j. Every exponent is <= 0 (g <= 0), so nothing overflows; the only
-    sequential part is the scan over chunks."""
+    e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j u_j. Every exponent is <= 0 (g <= 0), so nothing overflows; one below
+    half the log of the dtype's smallest normal number (-43.7 in float32) counts as -inf, so that no product of two
+    decays is subnormal (a strongly decaying head otherwise fills the chunk's arrays with subnormals, which the CPU
+    multiplies ~100 times slower) and the value dropped is below 1e-19 of the row's own term. The only sequential
+    part is the scan over chunks."""
     C, dv, dt = q.shape[2], v.shape[-1], v.dtype
+    floor = np.log(np.finfo(dt).tiny) / 2
+
+    def exp(x):            # e^x rounded to dt, 0 below the floor
+        return np.exp(np.where(x < floor, -np.inf, x).astype(dt))
+
     # G in float64 whatever the compute dtype: a difference G_t - G_j of two float32 sums near -1000 (strongly decaying
     # heads) would lose the small gaps between neighbouring rows; each exponent is rounded to `dt` once, then exp'd
     cum = np.cumsum(g, axis=-1, dtype=np.float64)                             # [H, m, C]
     causal = np.tri(C, dtype=bool)                                            # j <= t
-    gap = np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf)   # G_t - G_j where j <= t
-    decay = np.exp(gap.astype(dt))                                            # [H, m, C, C], 0 above the diagonal
-    from_start, to_end = np.exp(cum.astype(dt)), np.exp((cum[..., -1:] - cum).astype(dt))
+    decay = exp(np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf))  # e^(G_t - G_j), 0 for j > t
+    from_start, to_end = exp(cum), exp(cum[..., -1:] - cum)
     kt = np.swapaxes(k, -1, -2)
     A = beta[..., :, None] * (k @ kt) * decay
     system = np.tril(A, -1) + np.eye(C, dtype=dt)                             # I + A: unit lower triangular
-    rhs = np.concatenate([v * beta[..., None], k * (beta * from_start)[..., None]], axis=-1)
-    solved = np.linalg.solve(system, rhs)                                     # [H, m, C, dv + dk]
-    W, D = solved[..., :dv], solved[..., dv:]
+    inverse = np.linalg.solve(system, np.broadcast_to(np.eye(C, dtype=dt), system.shape))
+    W = inverse @ (v * beta[..., None])                                       # [H, m, C, dv]
+    D = inverse @ (k * (beta * from_start)[..., None])                        # [H, m, C, dk]
     scores = (q @ kt) * decay                                                 # [H, m, C, C], diagonal included
     q_in = q * from_start[..., None]                                          # reads S_0 decayed to row t
     k_out = k * to_end[..., None]                                             # writes decayed to the chunk's end
@@ -282,8 +290,8 @@ def _delta_chunks(q, k, v, g, beta, state, o) -> None:
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, group: int | None = None):
     """The gated delta rule of `delta_rule` (same arguments, same numbers up to rounding) in the chunked form:
-    the rows in chunks of `chunk` (the last one shorter), the rows of a chunk at once through matrix products and one
-    triangular solve (see `_delta_chunks`), the chunks one after another. state [nv, dk, dv] ends as the recurrent
+    the rows in chunks of `chunk` (the last one shorter), the rows of a chunk at once through matrix products and the
+    inverse of one triangular matrix (see `_delta_chunks`), the chunks one after another. state [nv, dk, dv] ends as the recurrent
     form leaves it. The solves run `group` chunks at a time (default: as many as keep each [heads, chunks, C, C]
     temporary near 2M elements)."""
     n, H, dk = k.shape
