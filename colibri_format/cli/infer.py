@@ -27,7 +27,8 @@ from .errors import Interrupted
 # Options the ranks of several --devices do not take yet (runtime/parallel/run.py): run_infer's name, the flag,
 # the default.
 SINGLE_PROCESS_ONLY = (("system", "--system", None), ("top_k", "--top-k", 0), ("min_p", "--min-p", 0.0),
-                       ("repetition_penalty", "--repeat-penalty", 1.0), ("stop_strings", "--stop", None))
+                       ("repetition_penalty", "--repeat-penalty", 1.0), ("stop_strings", "--stop", None),
+                       ("max_seq_len", "--max-seq-len", None))
 
 
 def command(ctx: typer.Context, path: FileArg,
@@ -54,6 +55,10 @@ def command(ctx: typer.Context, path: FileArg,
             max_cached_experts: Annotated[Optional[int], typer.Option(
                 "--max-cached-experts", "--max_cached_experts", min=1,
                 help="Expert cache capacity (default: unbounded).")] = None,
+            max_seq_len: Annotated[Optional[int], typer.Option(
+                "--max-seq-len", min=1, help="Longest sequence the engine holds, prompt and generated tokens "
+                                             "(default 2048; a DSA checkpoint's index_topk may ask for less).",
+                show_default=False)] = None,
             gpu_memory: Annotated[Optional[str], typer.Option(
                 "--gpu-memory", help="Device memory budget, e.g. 20GiB: the expert cache gets what the dense weights, "
                                      "one sequence's KV cache and a workspace leave (instead of --max-cached-experts).",
@@ -77,7 +82,7 @@ def command(ctx: typer.Context, path: FileArg,
     prompt_ids = parse_ids(ids)
     chat = chat or system is not None
     extra = {"system": system, "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
-             "stop_strings": stops}
+             "stop_strings": stops, "max_seq_len": max_seq_len}
     worker = devices is not None and _is_worker()      # a rank of --devices: the parent checked --trace
     if trace is not None and not worker:
         check_trace(trace, path, force)
@@ -97,6 +102,8 @@ def command(ctx: typer.Context, path: FileArg,
             stream(text)
     else:
         extra["echo"] = stream is not None
+        if max_seq_len is None:                       # the engine's default
+            del extra["max_seq_len"]
     request = _stop_request()
     try:
         with soft_interrupt(request):

@@ -386,6 +386,14 @@ def test_chat_needs_a_tokenizer(model_file):
 
 
 
+def test_max_seq_len_bounds_the_sequence_in_one_line(model_file):
+    ok = colibri("infer", model_file, "--ids", "1,2", "--max-new-tokens", "3", "--max-seq-len", "8", "--json")
+    assert ok.returncode == 0 and len(json.loads(ok.stdout)["output_ids"]) == 3
+    assert_one_error(colibri("infer", model_file, "--ids", ",".join(["1"] * 9), "--max-seq-len", "8"), 1,
+                     "max_seq_len", hint=True)
+    assert_one_error(colibri("infer", model_file, "--ids", "1,2", "--max-seq-len", "0"), 2, "--max-seq-len")
+
+
 def test_gpu_memory_sizes_the_cache_or_says_why_in_one_line(model_file):
     ok = colibri("infer", model_file, "--ids", "1,2", "--max-new-tokens", "3", "--gpu-memory", "1TiB", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["output_ids"]
