@@ -207,13 +207,16 @@ class Mxfp4:
 
     def int8_rows(self, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """The same rows as int8 groups of 32, exactly: q = 2 * FP4 value (an integer in [-12, 12]) and
-        scale = 2^(s - 128) per block, so q * scale is the dequantized value."""
+        scale = 2^(s - 128) per block, so q * scale is the dequantized value; NaN for a scale byte 0xFF (NaN in
+        OCP MX), which the caller refuses."""
         b = (self.blocks if index is None else self.blocks[index])[start:stop]
         e = (self.scales if index is None else self.scales[index])[start:stop]
         q = np.empty(b.shape[:-1] + (32,), np.int8)
         q[..., 0::2] = FP4_TIMES_2[b & 0x0F]
         q[..., 1::2] = FP4_TIMES_2[b >> 4]
-        return q.reshape(q.shape[0], -1), np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+        scales = np.ldexp(np.float32(1.0), e.astype(np.int32) - 128).astype(np.float32)
+        scales[e == 0xFF] = np.nan
+        return q.reshape(q.shape[0], -1), scales
 
 
     def mxfp4_rows(self, index: int | None, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -195,6 +195,8 @@ def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S
         exact = None if int4 else _exact_int8(src, span, row0, rows, group)
         try:
             if exact is not None:
+                if not np.isfinite(exact[1]).all():     # an E8M0 scale byte 0xFF: NaN, and int8 holds none
+                    raise NonFiniteWeight("non-finite source scale")
                 q[...], scales[row:row + rows] = exact
                 max_rel = mean_rel = 0.0
             elif int4:

@@ -197,3 +197,20 @@ def test_mxfp4_nan_scale_is_refused_by_name(tmp_path):
     with pytest.raises(NonFiniteWeight, match="0xFF") as info:
         convert(mxfp4, tmp_path / "x.colibri", quantize="mxfp4", workers=1)
     assert info.value.field == "model.layers.1.mlp.experts.down_proj" and "row 5, block 1" in str(info.value)
+
+
+def test_mxfp4_nan_scale_is_refused_when_converting_to_int8_groups(tmp_path):
+    """The exact MXFP4 -> int8 g32 path (no second rounding) refuses a 0xFF scale as the rounding path does."""
+    from safetensors.numpy import load_file, save_file
+
+    from colibri_format.errors import NonFiniteWeight
+
+    mxfp4, _ = _gpt_oss_mxfp4(tmp_path)
+    tensors = load_file(str(mxfp4 / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name][2, 5, 1] = 0xFF                                     # expert 2, row 5, block 1
+    save_file(tensors, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeight) as info:
+        convert(mxfp4, tmp_path / "x.colibri", quantize="expert", group_size=32, workers=1)
+    assert info.value.field == "model.layers.1.mlp.experts.down_proj" and "expert 2 of layer 1" in str(info.value)
+    assert not (tmp_path / "x.colibri").exists()
