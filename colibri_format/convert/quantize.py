@@ -36,6 +36,7 @@ float32 operations in the same order, so q, scales and both errors are bit-ident
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import NamedTuple
@@ -52,6 +53,12 @@ SMALL_GROUP = 32  # at or below this group size, reduce with strided element-wis
 # with NumPy's default (8192 elements) a broadcast operand whose inner extent is shorter is copied through
 # the buffer, which doubles the cost of the division (same values either way; smaller groups lose by it).
 UNBUFFERED_GROUP = 512
+# Maxima of groups at least this long are taken in one `reduceat` over the whole block (NumPy's reduce along a short
+# last axis pays a fixed cost per group): the |error| maxima from this size, on the int32 patterns of the non-negative
+# float32 values (they order as the values do, and integer maxima skip the NaN checks of float ones), the source
+# magnitude maxima from MAG_REDUCEAT_GROUP. Same maxima either way (a maximum does not depend on the order).
+ERR_REDUCEAT_GROUP = 32
+MAG_REDUCEAT_GROUP = 64
 
 
 class Quantized(NamedTuple):
@@ -112,7 +119,7 @@ def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.
     # |w - q*scale| / rowmax == |x - rint(x)| * scale / rowmax: no int8 -> float pass needed.
     np.subtract(x, r, out=x)
     np.abs(x, out=x)
-    group_max = _reduce_groups(np.maximum, x) * weight
+    group_max = _abs_error_max(x) * weight
     group_sum = _reduce_groups(np.add, x) * weight
     return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
 
@@ -182,7 +189,7 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
         np.copyto(q_out[start:stop].reshape(shape), r, casting="unsafe")
         np.subtract(x, r, out=x)
         np.abs(x, out=x)
-        _reduce_groups(np.maximum, x, gmax[start:stop])
+        _abs_error_max(x, gmax[start:stop])
         _reduce_groups(np.add, x, gsum[start:stop])
     np.multiply(gmax, weight, out=gmax)
     np.multiply(gsum, weight, out=gsum)
@@ -255,7 +262,7 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
                       out=q_out[start:stop])
         np.subtract(x, r, out=x)
         np.abs(x, out=x)
-        _reduce_groups(np.maximum, x, gmax[start:stop])
+        _abs_error_max(x, gmax[start:stop])
         _reduce_groups(np.add, x, gsum[start:stop])
     scale_out[...] = scale                 # float16 values already: exact
     # |w - q*scale| / rowmax == |x - q| * |scale| / rowmax (zero groups: error 0; a group's scale is at least 2^-24,
@@ -354,9 +361,12 @@ def _group_maxima(src: np.ndarray, g: int) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):
             return _reduce_groups(np.maximum, np.abs(src).reshape(n_out, n_in // g, g)).astype(np.float32)
     bits = src.view(view)
-    mag = _magnitude_buffer(src.size, view).reshape(n_out, n_in // g, g)
-    np.bitwise_and(bits.reshape(mag.shape), view(mask), out=mag)
-    top = _reduce_groups(np.maximum, mag)
+    mag = _magnitude_buffer(src.size, view)
+    np.bitwise_and(bits.reshape(-1), view(mask), out=mag)
+    if g >= MAG_REDUCEAT_GROUP:
+        top = np.maximum.reduceat(mag, _group_starts(mag.size, g)).reshape(n_out, n_in // g)
+    else:
+        top = _reduce_groups(np.maximum, mag.reshape(n_out, n_in // g, g))
     if src.dtype == np.uint16:  # bf16: the float32 with these top 16 bits
         return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
     return top.view(src.dtype).astype(np.float32)
@@ -419,6 +429,27 @@ def _non_finite(w3: np.ndarray, row0: int, what: str = "int8") -> NonFiniteWeigh
     kind = "NaN" if np.isnan(value) else f"{'+' if value > 0 else '-'}inf"
     return NonFiniteWeight(f"weight holds {kind} at index [{row0 + row}, {col}], which {what} cannot hold",
                            field="weight", value=value)
+
+
+@functools.lru_cache(maxsize=32)
+def _group_starts(n: int, g: int) -> np.ndarray:
+    """The first index of every group of g in n values (read-only, shared by threads): `reduceat`'s indices."""
+    starts = np.arange(0, n, g, dtype=np.intp)
+    starts.flags.writeable = False
+    return starts
+
+
+def _abs_error_max(x3: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """max over the last axis of a C-contiguous [rows, G, g] float32 block of finite values >= +0 (|errors|), into
+    `out` ([rows, G], C-contiguous) when given."""
+    rows, groups, g = x3.shape
+    if g < ERR_REDUCEAT_GROUP or not x3.flags.c_contiguous or x3.size == 0 \
+            or (out is not None and not out.flags.c_contiguous):
+        return _reduce_groups(np.maximum, x3, out)
+    if out is None:
+        out = np.empty((rows, groups), np.float32)
+    np.maximum.reduceat(x3.reshape(-1).view(np.int32), _group_starts(x3.size, g), out=out.reshape(-1).view(np.int32))
+    return out
 
 
 def _reduce_groups(ufunc: np.ufunc, x3: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
