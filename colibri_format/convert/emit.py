@@ -192,7 +192,7 @@ def _quantized_matrix(stream: PieceStream, src: Any, fmt: S.ExpertFormat, arr: S
         nbytes = rows * row_bytes
         room = stream.reserve(nbytes)
         q = room.view(storage).reshape(rows, row_bytes) if room is not None else np.empty((rows, row_bytes), storage)
-        exact = None if int4 else _exact_int8(src, span, row0, rows, group)
+        exact = _exact_int4(src, span, row0, rows, group) if int4 else _exact_int8(src, span, row0, rows, group)
         try:
             if exact is not None:
                 if not np.isfinite(exact[1]).all():     # an E8M0 scale byte 0xFF: NaN, and int8 holds none
@@ -250,4 +250,12 @@ def _exact_int8(src: Any, span: RowSpan, row0: int, rows: int, group: int | None
     """(int8 rows, scales) when the source stores these rows as int8 groups already (MXFP4 at group 32,
     convert/derived.py): copied as they are, with no second rounding; else None."""
     exact = getattr(src, "exact_int8", None)
+    return None if exact is None else exact(span.hf_name, span.index, row0, row0 + rows, group)
+
+
+def _exact_int4(src: Any, span: RowSpan, row0: int, rows: int, group: int | None) -> Any:
+    """(int4_group rows: uint8 two values a byte, float16 scales) when the source stores these rows as 4-bit groups of
+    this size already (compressed-tensors pack-quantized, convert/derived.py): copied as they are, with no second
+    rounding; else None (the rows are quantized)."""
+    exact = getattr(src, "exact_int4", None)
     return None if exact is None else exact(span.hf_name, span.index, row0, row0 + rows, group)
