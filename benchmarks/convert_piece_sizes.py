@@ -24,9 +24,11 @@ For each shape (synthetic bf16 Mixtral-layout checkpoints, written once into --d
    workers=N, resume=False)` (what `colibri convert --quantize expert --workers N --restart` runs), output in
    --out-dir (default /dev/shm when it exists; the previous output is removed before each run); --repeats
    runs, the best wall time is reported (and the median); with --baseline as many runs, interleaved, with
-   another tree's package; with --quiet-wait each run first waits for idle CPUs. CPU user/sys come from
-   `os.wait4` of that child, peak RSS from the child's own VmHWM, write syscalls from its /proc/self/io
-   (`syscw`: every write, pwrite and journal append), other processes' CPU time from /proc/stat;
+   another tree's package; with --quiet-wait each run first waits for idle CPUs; with --sha256 every output is
+   hashed and all runs of all trees must have written the same bytes (exit status 3 otherwise). CPU user/sys
+   come from `os.wait4` of that child (the table gives the best run's and the median of all runs), peak RSS from
+   the child's own VmHWM, write syscalls from its /proc/self/io (`syscw`: every write, pwrite and journal
+   append), other processes' CPU time from /proc/stat and the 1-minute load average at each run's start;
 3. one in-process conversion under cProfile with the pieces run on the calling thread, self time
    aggregated to stages (builtins and library-external frames are charged to the colibri function that
    called them): reads/casts (source reads, bf16 upcast, dense dtype casts), quantize, checksum, writes,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import shutil
@@ -116,8 +119,18 @@ def wait_quiet(limit_s: float, busy_below: float = 0.08) -> float:
     return busy
 
 
-def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT) -> dict:
-    """One conversion in a child process whose `colibri_format` is the one under `root`."""
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bool = False) -> dict:
+    """One conversion in a child process whose `colibri_format` is the one under `root`; with `sha256`, the
+    output's SHA-256 is taken (after the child's figures) before the output is removed."""
+    load1 = os.getloadavg()[0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
@@ -132,14 +145,16 @@ def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT) -> dict:
         proc.returncode = os.waitstatus_to_exitcode(status)
         so.seek(0), se.seek(0)
         stdout, stderr = so.read(), se.read()
+    digest = file_sha256(out) if sha256 and proc.returncode == 0 else None
     out.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise SystemExit(f"conversion failed ({proc.returncode}): {stderr[-3000:]}")
     # CPU time other processes took from the machine's cores while the conversion ran
     others = max(0.0, (busy1 - busy0) / hz - ru.ru_utime - ru.ru_stime)
     return {"wall_s": wall, "user_s": ru.ru_utime, "sys_s": ru.ru_stime, "others_cpu_s": others,
-            "vm_hwm": int(stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024,
-            "write_syscalls": int(stderr.rsplit("syscw:", 1)[1].split()[0]), "summary": json.loads(stdout)}
+            "load_avg_1m": round(load1, 2), "vm_hwm": int(stderr.rsplit("VmHWM:", 1)[1].split()[0]) * 1024,
+            "write_syscalls": int(stderr.rsplit("syscw:", 1)[1].split()[0]), "summary": json.loads(stdout),
+            **({"sha256": digest} if digest else {})}
 
 
 # Stage of a colibri_format function, by (file, function) -- read off convert/, writer.py, fsutil.py, dtypes.py.
@@ -221,11 +236,22 @@ def profile_run(ckpt: Path, out: Path) -> dict:
     return {"wall_s": wall, "stages_s": stage_profile(stats)}
 
 
+def _median(values) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def _loads(runs: list[dict]) -> str:
+    loads = [x["load_avg_1m"] for x in runs if "load_avg_1m" in x]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+
+
 def table(results: list[dict]) -> str:
     rows = ["| shape | expert matrix | source GB | wall s | source GB/s (best / median wall, converter timer) | "
-            "CPU user / sys s per GB | CPU s per GB | others' CPU s | peak RSS | write syscalls per GB | "
+            "CPU user / sys s per GB | CPU s per GB | CPU user / sys s per GB, median of runs | others' CPU s | "
+            "load avg 1 min at runs | peak RSS | write syscalls per GB | "
             "profile (1 thread): s per GB " + " / ".join(STAGES) + " |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         gb, c, p = r["source_bytes"] / 1e9, r["best"], r["profile"]
         prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
@@ -234,7 +260,8 @@ def table(results: list[dict]) -> str:
                     f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {gb / r['median_wall_s']:.2f}, "
                     f"{c['summary']['gb_per_s']:.2f} | "
                     f"{c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | {(c['user_s'] + c['sys_s']) / gb:.2f} | "
-                    f"{c.get('others_cpu_s', float('nan')):.1f} | {c['vm_hwm'] / 2**20:.0f} MiB | "
+                    f"{_median(x['user_s'] for x in r['runs']) / gb:.2f} / {_median(x['sys_s'] for x in r['runs']) / gb:.2f} | "
+                    f"{c.get('others_cpu_s', float('nan')):.1f} | {_loads(r['runs'])} | {c['vm_hwm'] / 2**20:.0f} MiB | "
                     f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
     return "\n".join(rows)
 
@@ -256,6 +283,9 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
                     help="also convert with the colibri_format package under DIR (an older checkout), each run "
                          "interleaved with this tree's; its rows are marked (baseline) and have no profile")
+    ap.add_argument("--sha256", action="store_true",
+                    help="hash every output (outside the child's figures) and check that all runs of all trees wrote "
+                         "the same bytes (exit status 3 when they differ)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
@@ -272,6 +302,7 @@ def main() -> None:
             "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "gb": gb,
             "output_dir": str(out_dir), "command": " ".join(["benchmarks/convert_piece_sizes.py", *sys.argv[1:]])}
     results = []
+    mismatched = False
     try:
         for name in args.shapes.split(","):
             dims = shapes[name]
@@ -293,9 +324,14 @@ def main() -> None:
                     if args.quiet_wait > 0:
                         wait_quiet(args.quiet_wait)
                         warm(ckpt)  # a quiet wait may outlast the page cache's patience
-                    runs[label].append(run_child(ckpt, out, args.workers, root))
+                    runs[label].append(run_child(ckpt, out, args.workers, root, sha256=args.sha256))
                     print(f"  convert{label}: {runs[label][-1]['wall_s']:.2f} s "
                           f"(others' CPU {runs[label][-1]['others_cpu_s']:.1f} s)", file=sys.stderr, flush=True)
+            if args.sha256:
+                digests = {x["sha256"] for label, _ in trees for x in runs[label]}
+                print(f"  sha256: {'identical' if len(digests) == 1 else 'DIFFERENT'} "
+                      f"({', '.join(sorted(d[:16] for d in digests))})", file=sys.stderr, flush=True)
+                mismatched = mismatched or len(digests) != 1
             for label, _ in trees:
                 walls = sorted(x["wall_s"] for x in runs[label])
                 r = {"shape": name + label, "hidden": dims[0], "inter": dims[1],
@@ -322,6 +358,8 @@ def main() -> None:
         print(json.dumps({"machine": meta, "results": results}, indent=1))
     else:
         print(head + "\n" + table(results))
+    if mismatched:
+        raise SystemExit(3)
 
 
 if __name__ == "__main__":
