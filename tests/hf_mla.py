@@ -43,16 +43,16 @@ CONFIGS = {
 }
 
 
-def config(name: str):
+def config(name: str, **overrides):
     cls, changes = CONFIGS[name]
-    return cls(**{**COMMON, **changes})
+    return cls(**{**COMMON, **changes, **overrides})
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, **overrides):
     """A seeded fp32 eager model whose every parameter is random: norms near 1, routers decisive (sigmoid scores off
-    saturation, the correction bias steering the choice)."""
+    saturation, the correction bias steering the choice). `overrides`: config fields changed (e.g. widths)."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config(name), attn_implementation="eager",
+    model = tf.AutoModelForCausalLM.from_config(config(name, **overrides), attn_implementation="eager",
                                                 experts_implementation="eager").float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -16,6 +16,7 @@ bf16 checkpoint, which keeps one expert matrix per reading thread.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ import numpy as np
 
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.dtypes import to_float32
-from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.errors import InvalidInput, NonFiniteWeight, UnsupportedModel
 
 
 class Derived(Protocol):
@@ -106,6 +107,14 @@ class DerivedSource:
         them (for mxfp4 experts: copied, not requantized); None when the tensor is not MXFP4."""
         t = self.derived_tensor(name)
         return None if t is None or not hasattr(t, "mxfp4_rows") else t.mxfp4_rows(index, start, stop)
+
+    def exact_int4(self, name: str, index: int | None, start: int, stop: int, group: int | None
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(int4_group rows uint8 [n, C/2], float16 scales [n, C/g]) of rows [start, stop) as a pack-quantized int4
+        checkpoint stores them, when its groups are `group` inputs wide and float16 holds its scales exactly (for
+        int4_group experts: copied, not requantized); None otherwise."""
+        t = self.derived_tensor(name)
+        return None if t is None or not hasattr(t, "int4_rows") else t.int4_rows(index, start, stop, group)
 
     def is_mxfp4(self, name: str) -> bool:
         t = self.derived_tensor(name)
@@ -227,6 +236,210 @@ class Mxfp4:
         return np.array(b, np.uint8).reshape(b.shape[0], -1), np.array(e, np.uint8)
 
 
+# --- compressed-tensors "pack-quantized" int4 (Kimi-K2-Thinking, K2.5) ------------------------------------------
+# The layout as the compressed-tensors package writes and reads it (source read: vllm-project/compressed-tensors,
+# src/compressed_tensors/compressors/quantized_compressors/pack_quantized.py, `pack_to_int32` / `unpack_from_int32`,
+# and quantization/lifecycle/forward.py's dequantize; the package is not installed here, and transformers'
+# integrations/compressed_tensors.py only hands the tensors to it):
+# - `<module>.weight_packed` int32 [R, ceil(C / 8)] (packed along the input dim): input column c of row r is the
+#   4-bit field at bits 4 * (c % 8) of word [r, c // 8], the lowest bits holding the first column; a row's last
+#   word is padded with zero fields;
+# - a field is offset-8 unsigned: q = field - 8 in [-8, 7] (not two's complement); so the little-endian bytes of a
+#   word, each XOR 0x88, are int4_group's two's-complement pairs, low nibble first;
+# - `<module>.weight_scale` [R, ceil(C / g)] ("group" strategy, g = group_size) or [R, 1] ("channel"), in the
+#   checkpoint's float dtype; `<module>.weight_shape` int [2] = (R, C); symmetric schemes store no zero point;
+# - W[r, c] = q[r, c] * scale[r, c // g]. compressed-tensors computes that product in the scale's dtype (rounding
+#   it to bf16); here it is float32, which holds it exactly (an 8- or 11-bit significand times 4 bits).
+# Which modules are packed: those the config group's `targets` match (a `re:` regex, `re.match`ed against the
+# module name, or a class name such as "Linear") and `ignore` does not; Kimi: targets ["Linear"], ignore lm_head,
+# attention, shared experts and the dense MLPs, so the routed experts are packed. The tensors present decide what
+# is dequantized; the config decides how, and a packed module the config ignores or no group targets is refused.
+PACKED_SUFFIXES = ("_packed", "_scale", "_shape")
+PACK_FORMAT = "pack-quantized"
+
+
+class PackedInt:
+    """`weight_packed` int32 [R, ceil(C * bits / 32)] + `weight_scale` [R, ceil(C / g)] -> float32 [R, C]."""
+
+    def __init__(self, src: Any, name: str, bits: int, group: int | None) -> None:
+        self.name, self.bits = name, bits
+        self.packed, self.scale = src.int_view(name + "_packed"), src.native_view(name + "_scale")
+        per_word = 32 // bits
+        if self.packed.dtype != np.int32 or self.packed.ndim != 2:
+            raise InvalidInput(f"{name + '_packed'!r} is {self.packed.dtype} {tuple(self.packed.shape)}; packed weights "
+                               "are int32 matrices", field=name + "_packed", value=tuple(self.packed.shape))
+        r, words = self.packed.shape
+        c = words * per_word
+        if src.has(name + "_shape"):
+            stored = np.asarray(src.int_view(name + "_shape")).reshape(-1)
+            if stored.size != 2 or stored[0] != r or not words * per_word - per_word < stored[1] <= words * per_word:
+                raise InvalidInput(f"{name + '_packed'!r} has shape {(r, words)}, which does not hold "
+                                   f"{name + '_shape'!r} {stored.tolist()} ({per_word} values of {bits} bits a word)",
+                                   field=name + "_packed", value=(r, words))
+            c = int(stored[1])
+        self.scheme_group = group                           # the config's: None for "channel"
+        self.group = c if group is None else group          # "channel": one scale a row
+        expected = (r, -(-c // self.group))
+        if tuple(self.scale.shape) != expected:
+            raise InvalidInput(f"{name + '_scale'!r} has shape {tuple(self.scale.shape)}, expected {expected} for "
+                               f"{name!r} ({r} x {c}) in groups of {self.group}", field=name + "_scale",
+                               value=tuple(self.scale.shape))
+        self.shape = (r, c)
+
+    def _scales(self, start: int, stop: int) -> np.ndarray:
+        """float32 scales of rows [start, stop); a NaN or infinite one is refused, naming it."""
+        s = to_float32(np.asarray(self.scale[start:stop]))
+        bad = np.argwhere(~np.isfinite(s))
+        if bad.size:
+            r, g = (int(i) for i in bad[0])
+            raise NonFiniteWeight(f"{self.name + '_scale'}: the scale of row {start + r}, group {g} is {s[r, g]}, so "
+                                  "the weights it scales are not numbers", field=self.name + "_scale",
+                                  value=str(s[r, g]))
+        return s
+
+    def _fields(self, start: int, stop: int) -> np.ndarray:
+        """The unsigned fields of rows [start, stop), int8 [n, C]."""
+        words = np.asarray(self.packed[start:stop]).view(np.uint32)
+        per_word = 32 // self.bits
+        shifts = np.arange(per_word, dtype=np.uint32) * self.bits
+        fields = (words[..., None] >> shifts) & np.uint32((1 << self.bits) - 1)
+        return fields.reshape(words.shape[0], -1)[:, :self.shape[1]].astype(np.int16)
+
+    def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
+        s = self._scales(start, stop)
+        values = (self._fields(start, stop) - (1 << (self.bits - 1))).astype(np.float32)
+        values *= np.repeat(s, self.group, axis=1)[:, :self.shape[1]]
+        return values
+
+    def int4_rows(self, index: int | None, start: int, stop: int, group: int | None
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The same rows as int4_group stores them, when they are 4-bit groups of `group` inputs whose scales float16
+        holds exactly: (uint8 [n, C/2], the stored bytes XOR 0x88; float16 [n, C/g]); None otherwise (the rows are
+        then requantized; bf16 -> float16 is exact for scales in float16's normal range)."""
+        if self.bits != 4 or group is None or group != self.scheme_group or self.shape[1] % group:
+            return None
+        s = self._scales(start, stop)
+        with np.errstate(over="ignore"):
+            s16 = s.astype(np.float16)
+        if not np.array_equal(s16.astype(np.float32), s):
+            return None
+        words = np.ascontiguousarray(self.packed[start:stop])
+        pairs = words.view(np.uint8).reshape(words.shape[0], -1)[:, :self.shape[1] // 2] ^ np.uint8(0x88)
+        return pairs, s16
+
+
+def packed_provenance(src: Any, expert_format: str, group_size: int | None,
+                      requantized: int | None) -> dict[str, Any] | None:
+    """The provenance entry of a pack-quantized source (None for any other): its schemes and how its values were
+    read for this output. `requantized`: experts with a non-zero quantization error, where int4 values are copied
+    (those had a group whose scale float16 does not hold exactly, so their rows were quantized again)."""
+    info = getattr(src, "packed_source", None)
+    if not isinstance(info, dict):
+        return None
+    copied = expert_format == "int4_group" and {"bits": 4, "group_size": group_size} in info["schemes"]
+    read = ("int4_group experts: the 4-bit values and their scales (as float16) copied where float16 holds the "
+            "scale exactly, rows with a scale it does not hold requantized from the dequantized values; every other "
+            "tensor dequantized to float32 (q * scale, exact) while read" if copied else
+            "dequantized to float32 (q * scale, exact) while read, then stored in the output's formats")
+    out = {**info, "read": read}
+    if copied:
+        out["experts_requantized"] = requantized or 0
+    return out
+
+
+def _matches(pattern: str, module: str) -> bool:
+    """compressed-tensors' match of a target / ignore entry: `re:<regex>` re.match-ed against the module name; a
+    plain entry the module's name itself, or a class name (a capitalised word such as "Linear", which every packed
+    module, a linear layer, is taken to be)."""
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], module) is not None
+        except re.error:
+            raise InvalidInput(f"quantization_config: {short_repr(pattern)} is not a regular expression",
+                               field="quantization_config", value=pattern) from None
+    return pattern == module or (pattern[:1].isupper() and "." not in pattern)
+
+
+def _scheme(quant: dict[str, Any], key: str, group: Any, tensor: str) -> tuple[int, int | None]:
+    """(bits, group size or None for one scale a row) of a config group, refused unless it is a weight-only,
+    symmetric int scheme in pack-quantized format, by groups or channels, without activation ordering."""
+    where = f"quantization_config.config_groups.{key}"
+    fmt = group.get("format") or quant.get("format")
+    if fmt != PACK_FORMAT:
+        raise UnsupportedModel(f"{tensor}: compressed-tensors format {short_repr(fmt)} is not supported (only "
+                               f"{PACK_FORMAT!r}, int4 / int8 by groups or channels)", field=f"{where}.format",
+                               value=fmt)
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise UnsupportedModel(f"{tensor}: {where} quantizes no weights", field=f"{where}.weights")
+    for what in ("input_activations", "output_activations"):
+        if group.get(what) is not None:
+            raise UnsupportedModel(f"{tensor}: {where} quantizes {what.replace('_', ' ')}, which the converter would "
+                                   "not reproduce (weight-only schemes are converted)", field=f"{where}.{what}")
+    checks = (("type", w.get("type") == "int", "'int'"), ("num_bits", w.get("num_bits") in (4, 8), "4 or 8"),
+              ("strategy", w.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
+              ("symmetric", w.get("symmetric", True) is True, "true (zero points are not supported)"),
+              ("actorder", w.get("actorder") is None, "null (activation-ordered groups are not supported)"),
+              ("dynamic", w.get("dynamic", False) is False, "false"))
+    for field, ok, expected in checks:
+        if not ok:
+            raise UnsupportedModel(f"{tensor}: {where}.weights.{field} is {short_repr(w.get(field))}; the converter "
+                                   f"reads {expected}", field=f"{where}.weights.{field}", value=w.get(field))
+    if w["strategy"] == "channel":
+        return w["num_bits"], None
+    g = w.get("group_size")
+    if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= 1 << 20:
+        raise InvalidInput(f"{tensor}: {where}.weights.group_size must be a positive integer, got {short_repr(g)}",
+                           field=f"{where}.weights.group_size", value=g)
+    return w["num_bits"], g
+
+
+def _compressed_tensors(src: Any, quant: dict[str, Any]) -> tuple[dict[str, Derived], set[str]]:
+    for key in ("sparsity_config", "transform_config"):
+        if quant.get(key):
+            raise UnsupportedModel(f"compressed-tensors {key.split('_')[0]} compression is not supported",
+                                   field=f"quantization_config.{key}")
+    status = quant.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise UnsupportedModel(f"compressed-tensors quantization_status {short_repr(status)} is not supported (only "
+                               "'compressed' checkpoints)", field="quantization_config.quantization_status",
+                               value=status)
+    groups = quant.get("config_groups")
+    ignore = quant.get("ignore") or []
+    if not isinstance(groups, dict) or not groups or not isinstance(ignore, list) \
+            or not all(isinstance(p, str) for p in ignore):
+        raise InvalidInput("quantization_config needs config_groups (an object) and ignore (a list of strings)",
+                           field="quantization_config.config_groups")
+    derived: dict[str, Derived] = {}
+    consumed: set[str] = set()
+    names = src.tensor_names()
+    for name in names:
+        if name.endswith((".weight_zero_point", ".weight_g_idx")):
+            what = "zero points (asymmetric)" if name.endswith("zero_point") else "activation-ordered groups (g_idx)"
+            raise UnsupportedModel(f"{name!r}: compressed-tensors {what} are not supported; the converter reads "
+                                   "symmetric pack-quantized weights", field=name)
+    for packed in names:
+        if not packed.endswith(".weight_packed"):
+            continue
+        weight, module = packed[:-len("_packed")], packed[:-len(".weight_packed")]
+        if any(_matches(p, module) for p in ignore):
+            raise InvalidInput(f"{packed!r} is packed, but quantization_config ignores {module!r}", field=packed)
+        targeted = [(k, g) for k, g in groups.items() if isinstance(g, dict) and isinstance(g.get("targets"), list)
+                    and any(isinstance(t, str) and _matches(t, module) for t in g["targets"])]
+        by_regex = [(k, g) for k, g in targeted if any(t.startswith("re:") and _matches(t, module)
+                                                        for t in g["targets"])]
+        if not targeted:
+            raise InvalidInput(f"{packed!r} is packed, but no quantization_config group targets {module!r}",
+                               field=packed)
+        key, group = (by_regex or targeted)[0]
+        bits, size = _scheme(quant, key, group, packed)
+        if not src.has(weight + "_scale"):
+            raise InvalidInput(f"packed weight {packed!r} has no {weight + '_scale'!r}", field=packed)
+        derived[weight] = PackedInt(src, weight, bits, size)
+        consumed |= {weight + s for s in PACKED_SUFFIXES if src.has(weight + s)}
+    return derived, consumed
+
+
 # --- the sources of a checkpoint ----------------------------------------------------------------------------------
 def _block(quant: dict[str, Any]) -> tuple[int, int]:
     block = quant.get("weight_block_size", [128, 128])
@@ -280,6 +493,13 @@ def prepare_source(src: Any, derive: Derive | None = None) -> Any:
         src = DerivedSource(src, *_fp8(src, quant))
     elif isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
         src = DerivedSource(src, *_mxfp4(src))
+    elif isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+        derived, consumed = _compressed_tensors(src, quant)
+        src = DerivedSource(src, derived, consumed)
+        schemes = sorted({(t.bits, t.scheme_group) for t in derived.values()},
+                         key=lambda b: (b[0], b[1] or 0))
+        src.packed_source = {"quant_method": "compressed-tensors", "format": PACK_FORMAT, "tensors": len(derived),
+                             "schemes": [{"bits": b, "group_size": g} for b, g in schemes]}
     if derive is not None:
         src = DerivedSource(src, *derive(src))
     return src

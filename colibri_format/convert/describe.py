@@ -60,18 +60,24 @@ def _names(names: list[str]) -> dict[str, Any]:
     return {"count": len(names), "names": sorted(names)[:MAX_LISTED_NAMES]}
 
 
-def provenance(src: Any, skipped: dict[str, str] | None = None, unused: list[str] | None = None) -> dict[str, Any]:
+def provenance(src: Any, skipped: dict[str, str] | None = None, unused: list[str] | None = None,
+               source_quantization: dict[str, Any] | None = None) -> dict[str, Any]:
     """Where the file came from. `skipped`: checkpoint tensors left out on purpose (name -> reason), listed
-    by reason; `unused`: tensors nothing used, accepted with allow_unused_tensors."""
+    by reason; `unused`: tensors nothing used, accepted with allow_unused_tensors; `source_quantization`: how a
+    pre-quantized source's values were read (pack-quantized int4, convert/derived.py::packed_provenance), when
+    there is something to say."""
     by_reason: dict[str, list[str]] = {}
     for name, reason in (skipped or {}).items():
         by_reason.setdefault(reason, []).append(name)
-    return {"source_format": src.source_format,
-            "source_files": [{"name": f.name, "size": f.size} for f in src.files],
-            "config_xxh3": src.config_xxh3, "index_xxh3": src.index_xxh3,
-            "skipped_tensors": [{"reason": reason, **_names(names)} for reason, names in sorted(by_reason.items())],
-            "unused_tensors": _names(list(unused or [])),
-            "tool": "colibri-format", "tool_version": __version__}
+    out = {"source_format": src.source_format,
+           "source_files": [{"name": f.name, "size": f.size} for f in src.files],
+           "config_xxh3": src.config_xxh3, "index_xxh3": src.index_xxh3,
+           "skipped_tensors": [{"reason": reason, **_names(names)} for reason, names in sorted(by_reason.items())],
+           "unused_tensors": _names(list(unused or [])),
+           "tool": "colibri-format", "tool_version": __version__}
+    if source_quantization is not None:
+        out["source_quantization"] = source_quantization
+    return out
 
 
 def build_metadata(*, architecture: str, model: dict[str, Any], quantization: dict[str, Any],

@@ -218,8 +218,9 @@ class Fields:
         return value
 
 
-# quantization_config methods whose weights the converter dequantizes while reading (convert/dequant.py)
-DEQUANTIZED_METHODS = ("fp8", "mxfp4")
+# quantization_config methods whose weights the converter dequantizes while reading (convert/derived.py;
+# compressed-tensors: its pack-quantized int4 / int8 format only)
+DEQUANTIZED_METHODS = ("fp8", "mxfp4", "compressed-tensors")
 
 
 def reject_unsupported_features(raw: Mapping[str, Any], mla: bool = False) -> None:

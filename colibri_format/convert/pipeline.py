@@ -32,6 +32,7 @@ from typing import Any
 from colibri_format import spec as S
 from colibri_format.convert import crashpoint, describe, layout, schedule
 from colibri_format.convert.adapters import get_adapter
+from colibri_format.convert.derived import packed_provenance
 from colibri_format.convert.emit import ErrorStats, Filled, fill_dense, fill_expert
 from colibri_format.convert.journal import (Journal, JournalState, WriterLock, journal_path_for, lock_path_for,
                                             read_journal)
@@ -532,8 +533,11 @@ def _metadata(job: Job, run: Progressive) -> dict[str, Any]:
                                         _per_expert(run))
     if job.options.scale_search:
         quant["scale_search"] = "least_squares"     # informative: how the int4 scales were chosen
+    requantized = sum(1 for s in run.stats.values() if s.max_rel != 0.0)
+    source_quant = packed_provenance(job.src, quant["experts"], job.options.group_size, requantized)
     return describe.build_metadata(architecture=job.architecture, model=job.model, quantization=quant,
-                                   provenance_block=describe.provenance(job.src, job.skipped, job.unused),
+                                   provenance_block=describe.provenance(job.src, job.skipped, job.unused,
+                                                                        source_quant),
                                    tokenizer=job.tokenizer)
 
 

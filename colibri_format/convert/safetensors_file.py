@@ -38,6 +38,9 @@ MAX_EXTENT = 1 << 62  # a dimension or offset above this cannot describe bytes o
 
 # safetensors dtype tag -> the name of a float dtype we convert (colibri_format.dtypes.STORAGE)
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+# integer tags -> their numpy dtype (safetensors stores little-endian), for `int_view`
+INT_DTYPES = {"I8": np.dtype("i1"), "U8": np.dtype("u1"), "I16": np.dtype("<i2"), "U16": np.dtype("<u2"),
+              "I32": np.dtype("<i4"), "U32": np.dtype("<u4"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8")}
 # Legal in the format but not a weight we can convert (FP8 block scales, int weights, ...).
 OTHER_DTYPES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4,
                 "I64": 8, "U64": 8, "BOOL": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
@@ -188,6 +191,15 @@ class SafetensorsFile:
             raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}, not a one-byte type",
                                    field=name, value=e.dtype)
         return self._data()[e.begin:e.end].reshape(e.shape)
+
+    def int_view(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of an integer tensor (I8 .. I64, U8 .. U64) in its little-endian dtype (the
+        int32 words of compressed-tensors' packed weights, their int64 `weight_shape`)."""
+        e = self.entries[name]
+        if e.dtype not in INT_DTYPES:
+            raise UnsupportedModel(f"{self.name}: tensor {short_repr(name)} has dtype {e.dtype}, not an integer type",
+                                   field=name, value=e.dtype)
+        return self._data()[e.begin:e.end].view(INT_DTYPES[e.dtype]).reshape(e.shape)
 
     def element_offset(self, name: str, flat_index: int) -> int:
         """Byte offset in the file of element `flat_index` (row-major) of tensor `name`."""

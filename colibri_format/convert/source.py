@@ -132,6 +132,14 @@ class SourceCheckpoint:
                                    "read from safetensors only", field=name)
         return f.raw_view(name)
 
+    def int_view(self, name: str) -> np.ndarray:
+        """An integer tensor in its stored dtype (compressed-tensors' packed int4 weights, convert/derived.py)."""
+        f = self._file(name)
+        if not hasattr(f, "int_view"):
+            raise UnsupportedModel(f"tensor {name!r} is {f.dtype(name)} in a pickled file; quantized weights are "
+                                   "read from safetensors only", field=name)
+        return f.int_view(name)
+
     def positional_reader(self, name: str, view: np.ndarray) -> tuple[Any, int] | None:
         """(file, byte offset) to read the bytes of `view` with `file.read_at`, when `view` is a view of the
         mapped file that holds tensor `name` (safetensors); None otherwise (pickled files, computed views)."""

@@ -112,3 +112,67 @@ def load_reference(folder: Path):
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().numpy()
+
+
+# --- compressed-tensors "pack-quantized" (Kimi-K2-Thinking / K2.5) -------------------------------------------------
+# As the compressed-tensors package writes it (pack_quantized.py's pack_to_int32, read in its source; the package is
+# not installed): symmetric int4 q = clamp(round(w / s), -8, 7) with s = group absmax / 7.5 (its minmax observer:
+# max|w| over half the 15-step range), stored as offset-8 fields, eight a little-endian int32 word, the first column in
+# the lowest bits; `weight_scale` in bf16, `weight_shape` int64.
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int q [R, C] in [-8, 7] -> int32 [R, ceil(C / 8)], pack_to_int32's layout (zero fields pad the last word)."""
+    r, c = q.shape
+    fields = torch.zeros(r, -(-c // 8) * 8, dtype=torch.int64)
+    fields[:, :c] = q.to(torch.int64) + 8
+    words = (fields.reshape(r, -1, 8) << (4 * torch.arange(8))).sum(-1)          # < 2^32
+    return (words - ((words >> 31) << 32)).to(torch.int32)                          # as a signed int32
+
+
+def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (q int8 [R, C], bf16 scales [R, ceil(C / group)], dequantized f32 q * scale)."""
+    r, c = w.shape
+    ng = -(-c // group)
+    padded = torch.zeros(r, ng * group)
+    padded[:, :c] = w.float()
+    scale = (padded.reshape(r, ng, group).abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+    full = scale.float().repeat_interleave(group, 1)[:, :c]
+    q = torch.clamp(torch.round(w.float() / full), -8, 7).to(torch.int8)
+    return q, scale, q.float() * full
+
+
+def packed_quant_config(group: int | None = 32, ignore: list[str] | None = None, **weights) -> dict:
+    """Kimi-K2-Thinking's quantization_config (group None: the "channel" strategy), `weights` changed."""
+    args = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group, "num_bits": 4,
+            "observer": "minmax", "observer_kwargs": {}, "strategy": "group" if group else "channel",
+            "symmetric": True, "type": "int", **weights}
+    return {"config_groups": {"group_0": {"input_activations": None, "output_activations": None,
+                                          "targets": ["Linear"], "weights": args}},
+            "format": "pack-quantized", "ignore": KIMI_IGNORE if ignore is None else ignore,
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+def to_pack_quantized(folder: Path, out: Path, group: int | None = 32, model_type: str | None = None
+                      ) -> tuple[Path, Path]:
+    """(pack-quantized checkpoint of the routed experts, its dequantized float32 twin), under `out`; `model_type`
+    replaces config.json's (Kimi ships "kimi_k2")."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    packed, deq = {}, {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            q, scale, d = int4_groups(t, group or t.shape[1])
+            base = name[:-len(".weight")]
+            packed[base + ".weight_packed"], packed[base + ".weight_scale"] = pack_int4(q), scale
+            packed[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+            deq[name] = d
+        else:
+            packed[name] = deq[name] = t
+    dirs = _rewrite(folder, out / "packed", packed, packed_quant_config(group)), _rewrite(folder, out / "dequantized",
+                                                                                         deq, None)
+    if model_type is not None:
+        for d in dirs:
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return dirs
