@@ -297,18 +297,27 @@ class PackedInt:
                                   value=str(s[r, g]))
         return s
 
-    def _fields(self, start: int, stop: int) -> np.ndarray:
-        """The unsigned fields of rows [start, stop), int8 [n, C]."""
-        words = np.asarray(self.packed[start:stop]).view(np.uint32)
-        per_word = 32 // self.bits
-        shifts = np.arange(per_word, dtype=np.uint32) * self.bits
-        fields = (words[..., None] >> shifts) & np.uint32((1 << self.bits) - 1)
-        return fields.reshape(words.shape[0], -1)[:, :self.shape[1]].astype(np.int16)
+    def _q(self, start: int, stop: int) -> np.ndarray:
+        """The signed values of rows [start, stop), int8 [n, C]: the words' little-endian bytes hold the columns in
+        order (4 bits: two a byte, the low nibble first; 8 bits: one a byte), each offset by 2^(bits - 1)."""
+        b = np.ascontiguousarray(self.packed[start:stop]).view(np.uint8)
+        if self.bits == 8:
+            return (b ^ np.uint8(0x80)).view(np.int8)[:, :self.shape[1]]
+        q = np.empty(b.shape + (2,), np.uint8)
+        np.bitwise_and(b, 0x0F, out=q[..., 0])
+        np.right_shift(b, 4, out=q[..., 1])
+        q = q.view(np.int8)
+        q -= 8
+        return q.reshape(b.shape[0], -1)[:, :self.shape[1]]
 
     def rows(self, index: int | None, start: int, stop: int) -> np.ndarray:
         s = self._scales(start, stop)
-        values = (self._fields(start, stop) - (1 << (self.bits - 1))).astype(np.float32)
-        values *= np.repeat(s, self.group, axis=1)[:, :self.shape[1]]
+        values = self._q(start, stop).astype(np.float32)
+        n, c = values.shape
+        if c % self.group == 0:
+            values.reshape(n, c // self.group, self.group)[...] *= s[..., None]
+        else:
+            values *= np.repeat(s, self.group, axis=1)[:, :c]
         return values
 
     def int4_rows(self, index: int | None, start: int, stop: int, group: int | None
@@ -347,17 +356,18 @@ def packed_provenance(src: Any, expert_format: str, group_size: int | None,
     return out
 
 
-def _matches(pattern: str, module: str) -> bool:
+def _matches(pattern: str, module: str, classes: bool = True) -> bool:
     """compressed-tensors' match of a target / ignore entry: `re:<regex>` re.match-ed against the module name; a
-    plain entry the module's name itself, or a class name (a capitalised word such as "Linear", which every packed
-    module, a linear layer, is taken to be)."""
+    plain entry the module's name itself, or (`classes`: targets) a class name (a capitalised word such as "Linear",
+    which every packed module, a linear layer, is taken to be). A class name in `ignore` is not matched: the classes
+    are not known here, and the packed tensors present decide what is quantized."""
     if pattern.startswith("re:"):
         try:
             return re.match(pattern[3:], module) is not None
         except re.error:
             raise InvalidInput(f"quantization_config: {short_repr(pattern)} is not a regular expression",
                                field="quantization_config", value=pattern) from None
-    return pattern == module or (pattern[:1].isupper() and "." not in pattern)
+    return pattern == module or (classes and pattern[:1].isupper() and "." not in pattern)
 
 
 def _scheme(quant: dict[str, Any], key: str, group: Any, tensor: str) -> tuple[int, int | None]:
@@ -422,7 +432,7 @@ def _compressed_tensors(src: Any, quant: dict[str, Any]) -> tuple[dict[str, Deri
         if not packed.endswith(".weight_packed"):
             continue
         weight, module = packed[:-len("_packed")], packed[:-len(".weight_packed")]
-        if any(_matches(p, module) for p in ignore):
+        if any(_matches(p, module, classes=False) for p in ignore):
             raise InvalidInput(f"{packed!r} is packed, but quantization_config ignores {module!r}", field=packed)
         targeted = [(k, g) for k, g in groups.items() if isinstance(g, dict) and isinstance(g.get("targets"), list)
                     and any(isinstance(t, str) and _matches(t, module) for t in g["targets"])]

@@ -73,6 +73,16 @@ def test_unpacking_random_matrices_and_padded_rows(c):
     np.testing.assert_array_equal(np.concatenate([t.rows(None, 0, 2), t.rows(None, 2, 5)]), deq.numpy())
 
 
+def test_8_bit_packing():
+    """pack-quantized int8: four offset-128 bytes a word, the first column in the lowest byte (pack_to_int32's
+    docstring: [1, 2] -> 33409)."""
+    words = np.array([[33409 + (128 << 16) + (128 << 24)]], np.uint32).view(np.int32)     # [1, 2, 0, 0]
+    t = PackedInt(_Src({"w_packed": words, "w_scale": np.array([[2.0]], np.float32),
+                        "w_shape": np.array([1, 3], np.int32)}), "w", 8, None)
+    np.testing.assert_array_equal(t.rows(None, 0, 1), [[2.0, 4.0, 0.0]])
+    assert t.int4_rows(None, 0, 1, 32) is None
+
+
 def _pair(tmp_path, group=32, model_type=None, **widths):
     hf = build("deepseek_v3", **{**WIDTHS, **widths})
     return hf, *to_pack_quantized(save(hf, tmp_path / "hf"), tmp_path, group, model_type)
