@@ -266,8 +266,8 @@ class PackedInt:
         self.packed, self.scale = src.int_view(name + "_packed"), src.native_view(name + "_scale")
         per_word = 32 // bits
         if self.packed.dtype != np.int32 or self.packed.ndim != 2:
-            raise InvalidInput(f"{name + '_packed'!r} is {self.packed.dtype} {tuple(self.packed.shape)}; packed weights "
-                               "are int32 matrices", field=name + "_packed", value=tuple(self.packed.shape))
+            raise InvalidInput(f"{name + '_packed'!r} is {self.packed.dtype} {tuple(self.packed.shape)}; packed "
+                               "weights are int32 matrices", field=name + "_packed", value=tuple(self.packed.shape))
         r, words = self.packed.shape
         c = words * per_word
         if src.has(name + "_shape"):
@@ -424,6 +424,11 @@ def _compressed_tensors(src: Any, quant: dict[str, Any]) -> tuple[dict[str, Deri
     consumed: set[str] = set()
     names = src.tensor_names()
     for name in names:
+        weight = name[:-len("_scale")]
+        if name.endswith(".weight_scale") and not src.has(weight + "_packed"):
+            stored = src.dtype(weight) if src.has(weight) else "absent"
+            raise UnsupportedModel(f"{name!r} scales a weight that is not pack-quantized ({weight!r} is {stored}); of "
+                                   "compressed-tensors' formats only 'pack-quantized' int4 / int8 is read", field=name)
         if name.endswith((".weight_zero_point", ".weight_g_idx")):
             what = "zero points (asymmetric)" if name.endswith("zero_point") else "activation-ordered groups (g_idx)"
             raise UnsupportedModel(f"{name!r}: compressed-tensors {what} are not supported; the converter reads "

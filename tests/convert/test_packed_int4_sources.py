@@ -230,6 +230,12 @@ def _nan_scale(raw):
     raw[P + "weight_scale"][7, 0] = float("nan")
 
 
+def _fp8_module(raw):            # a float-quantized (FP8) module beside the packed ones, as mixed configs have
+    raw[P + "weight"] = torch.zeros(32, 32).to(torch.float8_e4m3fn)
+    raw[P + "weight_scale"] = torch.ones(32, 1)
+    del raw[P + "weight_packed"], raw[P + "weight_shape"]
+
+
 def _zero_point(raw):
     raw[P + "weight_zero_point"] = torch.zeros(raw[P + "weight_scale"].shape, dtype=torch.int8)
 
@@ -245,6 +251,7 @@ def _zero_point(raw):
     (None, lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), UnsupportedModel,
      GROUP + ".weights.symmetric", "zero points"),
     (_zero_point, None, UnsupportedModel, P + "weight_zero_point", "asymmetric"),
+    (_fp8_module, None, UnsupportedModel, P + "weight_scale", "not pack-quantized"),
     (None, lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), UnsupportedModel,
      GROUP + ".weights.actorder", "activation-ordered"),
     (None, lambda q: q["ignore"].append(r"re:.*layers\.1\.mlp\.experts\.3\.up_proj$"), InvalidInput,
