@@ -152,6 +152,65 @@ def test_quantize_into_refuses_what_quantize_int8_refuses(dtype, value, word):
             quantize_into(big, None, np.empty((4, 16), np.int8), np.empty((4, 1), np.float32))
 
 
+def test_error_maxima_on_int32_patterns_are_the_float_maxima():
+    """`_abs_error_max` (one reduceat over the int32 patterns) against NumPy's float maximum, on values >= +0 with
+    zeros, subnormals and ties, for group sizes on both sides of ERR_REDUCEAT_GROUP; `out` filled in place."""
+    rng = np.random.default_rng(5)
+    for g in (1, 8, 16, 31, 32, 64, 96, 128, 768, 2048):
+        x = np.abs(rng.standard_normal((13, 4, g), dtype=np.float32)) * np.float32(0.5)
+        x[0] = 0.0                                          # whole zero rows
+        x[1, :, : (g + 1) // 2] = np.float32(1e-45)         # the smallest subnormal, and ties with it
+        x[2, 1] = np.float32(0.5)                           # a group of equal values
+        ref = np.maximum.reduce(x, axis=2)
+        got = qmod._abs_error_max(x)
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+        out = np.full((13, 4), -1.0, np.float32)
+        assert qmod._abs_error_max(x, out) is out and np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_group_maxima_by_reduceat_are_the_plain_maxima(dtype):
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((9, 768), dtype=np.float32) * 0.02)
+    w[3] = 0.0
+    w[4, ::5] = -w[4, ::5]
+    chunk = _stored(w, dtype)
+    for g in (16, 32, 64, 128, 256, 768):
+        ref = np.abs(to_float32(chunk)).reshape(9, 768 // g, g).max(axis=2)
+        assert np.array_equal(qmod._group_maxima(chunk, g), ref)
+
+
+@pytest.mark.parametrize("err_group, mag_group", [(1, 1), (1 << 30, 1 << 30)])
+def test_quantizers_whatever_the_maxima_paths(monkeypatch, err_group, mag_group):
+    """The reduceat maxima (all group sizes, or none) give the bytes of the default thresholds: int8 through
+    quantize_into (against quantize_int8, itself on the forced path) and int4 (both scale choices)."""
+    from colibri_format.convert.quantize import quantize_int4_into
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((70, 768), dtype=np.float32) * 0.05
+    w[5] = 0.0
+    w[6, :64] = 0.0
+    cases = [(_stored(w, dtype), group) for dtype in ("bfloat16", "float16", "float32")
+             for group in (None, 16, 32, 64, 128)]
+
+    def int4(chunk, group, search):
+        q = np.empty((chunk.shape[0], chunk.shape[1] // 2), np.uint8)
+        scale = np.empty((chunk.shape[0], chunk.shape[1] // group), np.float16)
+        errors = quantize_int4_into(chunk, group, q, scale, search=search)
+        return errors, q, scale.view(np.uint16)
+
+    expected = [int4(chunk, group, search) for chunk, group in cases if group in (32, 64, 128)
+                for search in (False, True)]
+    monkeypatch.setattr(qmod, "ERR_REDUCEAT_GROUP", err_group)
+    monkeypatch.setattr(qmod, "MAG_REDUCEAT_GROUP", mag_group)
+    for chunk, group in cases:
+        _same(chunk, group)
+    got = [int4(chunk, group, search) for chunk, group in cases if group in (32, 64, 128)
+           for search in (False, True)]
+    for (e_err, e_q, e_s), (g_err, g_q, g_s) in zip(expected, got):
+        assert e_err == g_err and np.array_equal(e_q, g_q) and np.array_equal(e_s, g_s)
+
+
 def test_quantize_into_checks_its_buffers():
     chunk = np.ones((4, 16), np.float32)
     with pytest.raises(InvalidInput):
