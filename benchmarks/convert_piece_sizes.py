@@ -29,7 +29,10 @@ For each shape (synthetic bf16 Mixtral-layout checkpoints, written once into --d
    come from `os.wait4` of that child (the table gives the best run's and the median of all runs), peak RSS from
    the child's own VmHWM, write syscalls from its /proc/self/io (`syscw`: every write, pwrite and journal
    append), other processes' CPU time from /proc/stat and the 1-minute load average at each run's start;
-3. one in-process conversion under cProfile with the pieces run on the calling thread, self time
+3. with --cpu-stages, one more conversion (this tree, in a child, same workers) with the CPU time (user + sys,
+   `time.thread_time`) of each stage summed over all threads: source reads, source hash, quantize, dense cast,
+   output hash, writes, verify re-read, and the rest of the conversion's CPU; start-up (imports) apart;
+4. one in-process conversion under cProfile with the pieces run on the calling thread, self time
    aggregated to stages (builtins and library-external frames are charged to the colibri function that
    called them): reads/casts (source reads, bf16 upcast, dense dtype casts), quantize, checksum, writes,
    fsync/journal, other.
@@ -69,6 +72,67 @@ CHILD = ("import json, sys\n"
          "print(json.dumps(s.to_dict()))\n"
          "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
          "sys.stderr.write([l for l in open('/proc/self/io') if l.startswith('syscw')][0])\n")
+
+
+# --cpu-stages: one more conversion in a child, same call and workers, with each stage's CPU time (user + sys of the
+# thread that ran it, time.thread_time) summed over all threads; "rest" is the rest of the conversion's CPU (planning,
+# per-piece and per-chunk Python, thread hand-offs, journal, finalize), "start-up" the interpreter and imports.
+CPU_STAGES = ("source reads", "source hash", "quantize", "dense cast", "output hash", "writes", "verify re-read")
+CHILD_STAGES = ("import json, resource, sys, threading, time\n"
+                "t0 = resource.getrusage(resource.RUSAGE_SELF)\n"
+                "from colibri_format import writer as W\n"
+                "from colibri_format.convert import emit as E, rows as R, safetensors_file as F\n"
+                "from colibri_format.convert.pipeline import convert\n"
+                "acc, lock = {}, threading.Lock()\n"
+                "def wrap(owner, name, stage):\n"
+                "    f = getattr(owner, name)\n"
+                "    def timed(*a, **k):\n"
+                "        t = time.thread_time()\n"
+                "        try:\n"
+                "            return f(*a, **k)\n"
+                "        finally:\n"
+                "            d = time.thread_time() - t\n"
+                "            with lock:\n"
+                "                acc[stage] = acc.get(stage, 0.0) + d\n"
+                "    setattr(owner, name, timed)\n"
+                "wrap(F.SafetensorsFile, 'read_at', 'source reads')\n"
+                "wrap(R.SourceHash, 'update', 'source hash')\n"
+                "wrap(E, 'quantize_into', 'quantize')\n"
+                "wrap(E, 'quantize_int4_into', 'quantize')\n"
+                "wrap(E, 'bf16_to_f16', 'dense cast')\n"
+                "wrap(E, '_stored_chunk', 'dense cast')\n"
+                "wrap(W.PieceStream, 'commit', 'output hash')\n"
+                "wrap(W, 'pwrite_all', 'writes')\n"
+                "wrap(W.ColibriWriter, 'checksum_on_disk', 'verify re-read')\n"
+                "t1 = resource.getrusage(resource.RUSAGE_SELF)\n"
+                "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False)\n"
+                "t2 = resource.getrusage(resource.RUSAGE_SELF)\n"
+                "cpu = lambda a, b: (b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime)\n"
+                "print(json.dumps({'stages_s': acc, 'convert_cpu_s': cpu(t1, t2), 'convert_user_s': t2.ru_utime - t1.ru_utime,\n"
+                "                  'convert_sys_s': t2.ru_stime - t1.ru_stime, 'startup_cpu_s': cpu(t0, t1) + t0.ru_utime + t0.ru_stime,\n"
+                "                  'source_bytes': s.bytes_in}))\n")
+
+
+def cpu_stage_run(ckpt: Path, out: Path, workers: int) -> dict:
+    """The --cpu-stages conversion (this tree), in a child; its output is removed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run([sys.executable, "-c", CHILD_STAGES, str(ckpt.resolve()), str(out.resolve()),
+                               str(workers)], env=env, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        out.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"conversion failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    res = json.loads(proc.stdout)
+    res["stages_s"]["rest"] = res["convert_cpu_s"] - sum(res["stages_s"].values())
+    return res
+
+
+def cpu_stage_line(name: str, res: dict) -> str:
+    gb = res["source_bytes"] / 1e9
+    parts = " / ".join(f"{res['stages_s'].get(k, 0.0) / gb:.3f}" for k in (*CPU_STAGES, "rest"))
+    return (f"| {name} | {res['convert_user_s'] / gb:.2f} + {res['convert_sys_s'] / gb:.2f} | {parts} | "
+            f"{res['startup_cpu_s']:.2f} s |")
 
 
 def shape_config(dims: tuple, gb: float, vocab: int) -> dict:
@@ -277,6 +341,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeats", type=int, default=2, help="child conversions per shape; the best is reported")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--cpu-stages", action="store_true",
+                    help="one more conversion per shape (this tree, in a child, same workers) with the CPU time of "
+                         "each stage summed over threads: " + ", ".join(CPU_STAGES) + ", rest")
     ap.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
                     help="before each run, wait up to S seconds for the machine's CPUs to be >= 92%% idle (shared "
                          "machines: other processes' CPU time during each run is reported either way)")
@@ -339,6 +406,10 @@ def main() -> None:
                      "layers": cfg["num_hidden_layers"], "matrix_bytes": dims[0] * dims[1] * 2,
                      "source_bytes": total, "runs": runs[label], "best": min(runs[label], key=lambda x: x["wall_s"]),
                      "median_wall_s": walls[len(walls) // 2]}
+                if args.cpu_stages and not label:
+                    warm(ckpt)
+                    r["cpu_stages"] = cpu_stage_run(ckpt, out, args.workers)
+                    print("  " + cpu_stage_line(name, r["cpu_stages"]), file=sys.stderr, flush=True)
                 if not args.no_profile and not label:
                     warm(ckpt)
                     r["profile"] = profile_run(ckpt, out)
@@ -353,11 +424,18 @@ def main() -> None:
             tmp.cleanup()
     head = (f"{meta['date']}, nproc {meta['nproc']}, load average at start {meta['load_avg_at_start']}, "
               f"workers {args.workers}, output on {out_dir}")
+    stage_rows = [cpu_stage_line(r["shape"], r["cpu_stages"]) for r in results if "cpu_stages" in r]
+    if stage_rows:
+        head_stages = ("| shape | CPU user + sys s per GB | CPU s per GB: " + " / ".join((*CPU_STAGES, "rest")) +
+                       " | start-up CPU |\n| --- | ---: | --- | ---: |\n")
+        stage_table = "\n\n" + head_stages + "\n".join(stage_rows)
+    else:
+        stage_table = ""
     if args.json:  # the table goes to stderr, the JSON alone to stdout
-        print(head + "\n" + table(results), file=sys.stderr)
+        print(head + "\n" + table(results) + stage_table, file=sys.stderr)
         print(json.dumps({"machine": meta, "results": results}, indent=1))
     else:
-        print(head + "\n" + table(results))
+        print(head + "\n" + table(results) + stage_table)
     if mismatched:
         raise SystemExit(3)
 
