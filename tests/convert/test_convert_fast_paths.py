@@ -211,6 +211,24 @@ def test_quantizers_whatever_the_maxima_paths(monkeypatch, err_group, mag_group)
         assert e_err == g_err and np.array_equal(e_q, g_q) and np.array_equal(e_s, g_s)
 
 
+def test_int4_packing_is_the_strided_nibble_packing():
+    """`_pack_nibbles` (the int8 codes read as uint16 pairs) against the byte-slice packing it replaced: every pair of
+    codes in [-8, 7], several block shapes, a strided destination."""
+    every = np.array([(a, b) for a in range(-8, 8) for b in range(-8, 8)], np.float32).reshape(1, -1)  # 256 pairs
+    rng = np.random.default_rng(8)
+    for r in (every.reshape(1, 16, 32), every.reshape(4, 4, 32),
+              rng.integers(-8, 8, (9, 24, 64)).astype(np.float32), rng.integers(-8, 8, (1, 1, 2)).astype(np.float32)):
+        rows, n_in = r.shape[0], r.shape[1] * r.shape[2]
+        codes = r.astype(np.int8).view(np.uint8).reshape(rows, n_in)
+        ref = (codes[:, 0::2] & np.uint8(0x0F)) | ((codes[:, 1::2] & np.uint8(0x0F)) << np.uint8(4))
+        out = np.full((rows, n_in // 2), 0xAA, np.uint8)
+        qmod._pack_nibbles(r, out)
+        assert np.array_equal(out, ref)
+        wide = np.full((rows, n_in), 0xAA, np.uint8)
+        qmod._pack_nibbles(r, wide[:, ::2])                  # a strided destination is filled in place
+        assert np.array_equal(wide[:, ::2], ref) and (wide[:, 1::2] == 0xAA).all()
+
+
 def test_quantize_into_checks_its_buffers():
     chunk = np.ones((4, 16), np.float32)
     with pytest.raises(InvalidInput):
