@@ -68,7 +68,8 @@ STAGES = ("reads/casts", "quantize", "checksum", "writes", "fsync/journal", "oth
 
 CHILD = ("import json, sys\n"
          "from colibri_format.convert.pipeline import convert\n"
-         "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False)\n"
+         "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False,\n"
+         "            quant_bits=int(sys.argv[4]))\n"
          "print(json.dumps(s.to_dict()))\n"
          "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
          "sys.stderr.write([l for l in open('/proc/self/io') if l.startswith('syscw')][0])\n")
@@ -79,7 +80,6 @@ CHILD = ("import json, sys\n"
 # per-piece and per-chunk Python, thread hand-offs, journal, finalize), "start-up" the interpreter and imports.
 CPU_STAGES = ("source reads", "source hash", "quantize", "dense cast", "output hash", "writes", "verify re-read")
 CHILD_STAGES = ("import json, resource, sys, threading, time\n"
-                "t0 = resource.getrusage(resource.RUSAGE_SELF)\n"
                 "from colibri_format import writer as W\n"
                 "from colibri_format.convert import emit as E, rows as R, safetensors_file as F\n"
                 "from colibri_format.convert.pipeline import convert\n"
@@ -105,20 +105,22 @@ CHILD_STAGES = ("import json, resource, sys, threading, time\n"
                 "wrap(W, 'pwrite_all', 'writes')\n"
                 "wrap(W.ColibriWriter, 'checksum_on_disk', 'verify re-read')\n"
                 "t1 = resource.getrusage(resource.RUSAGE_SELF)\n"
-                "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False)\n"
+                "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False,\n"
+                "            quant_bits=int(sys.argv[4]))\n"
                 "t2 = resource.getrusage(resource.RUSAGE_SELF)\n"
                 "cpu = lambda a, b: (b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime)\n"
-                "print(json.dumps({'stages_s': acc, 'convert_cpu_s': cpu(t1, t2), 'convert_user_s': t2.ru_utime - t1.ru_utime,\n"
-                "                  'convert_sys_s': t2.ru_stime - t1.ru_stime, 'startup_cpu_s': cpu(t0, t1) + t0.ru_utime + t0.ru_stime,\n"
-                "                  'source_bytes': s.bytes_in}))\n")
+                "print(json.dumps({'stages_s': acc, 'convert_cpu_s': cpu(t1, t2),\n"
+                "                  'convert_user_s': t2.ru_utime - t1.ru_utime,\n"
+                "                  'convert_sys_s': t2.ru_stime - t1.ru_stime,\n"
+                "                  'startup_cpu_s': t1.ru_utime + t1.ru_stime, 'source_bytes': s.bytes_in}))\n")
 
 
-def cpu_stage_run(ckpt: Path, out: Path, workers: int) -> dict:
+def cpu_stage_run(ckpt: Path, out: Path, workers: int, quant_bits: int = 8) -> dict:
     """The --cpu-stages conversion (this tree), in a child; its output is removed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run([sys.executable, "-c", CHILD_STAGES, str(ckpt.resolve()), str(out.resolve()),
-                               str(workers)], env=env, cwd=ROOT, capture_output=True, text=True)
+                               str(workers), str(quant_bits)], env=env, cwd=ROOT, capture_output=True, text=True)
     finally:
         out.unlink(missing_ok=True)
     if proc.returncode != 0:
@@ -191,7 +193,8 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bool = False) -> dict:
+def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bool = False,
+              quant_bits: int = 8) -> dict:
     """One conversion in a child process whose `colibri_format` is the one under `root`; with `sha256`, the
     output's SHA-256 is taken (after the child's figures) before the output is removed."""
     load1 = os.getloadavg()[0]
@@ -201,7 +204,8 @@ def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bo
         busy0, _ = cpu_ticks()
         start = time.perf_counter()
         # run in `root`: `python -c` puts the working directory first on sys.path, before PYTHONPATH
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt.resolve()), str(out.resolve()), str(workers)],
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt.resolve()), str(out.resolve()), str(workers),
+                                 str(quant_bits)],
                                 env=env, cwd=root, stdout=so, stderr=se, text=True)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -324,8 +328,10 @@ def table(results: list[dict]) -> str:
                     f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {gb / r['median_wall_s']:.2f}, "
                     f"{c['summary']['gb_per_s']:.2f} | "
                     f"{c['user_s'] / gb:.2f} / {c['sys_s'] / gb:.2f} | {(c['user_s'] + c['sys_s']) / gb:.2f} | "
-                    f"{_median(x['user_s'] for x in r['runs']) / gb:.2f} / {_median(x['sys_s'] for x in r['runs']) / gb:.2f} | "
-                    f"{c.get('others_cpu_s', float('nan')):.1f} | {_loads(r['runs'])} | {c['vm_hwm'] / 2**20:.0f} MiB | "
+                    f"{_median(x['user_s'] for x in r['runs']) / gb:.2f} / "
+                    f"{_median(x['sys_s'] for x in r['runs']) / gb:.2f} | "
+                    f"{c.get('others_cpu_s', float('nan')):.1f} | {_loads(r['runs'])} | "
+                    f"{c['vm_hwm'] / 2**20:.0f} MiB | "
                     f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
     return "\n".join(rows)
 
@@ -339,6 +345,8 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="where the output goes (default /dev/shm when it exists, else --dir)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--quant-bits", type=int, default=8, choices=(8, 4),
+                    help="int8_row experts (default) or int4_group (group 32), as `colibri convert --quant-bits`")
     ap.add_argument("--repeats", type=int, default=2, help="child conversions per shape; the best is reported")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--cpu-stages", action="store_true",
@@ -367,6 +375,7 @@ def main() -> None:
     load = os.getloadavg()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "gb": gb,
+            "quant_bits": args.quant_bits,
             "output_dir": str(out_dir), "command": " ".join(["benchmarks/convert_piece_sizes.py", *sys.argv[1:]])}
     results = []
     mismatched = False
@@ -391,7 +400,8 @@ def main() -> None:
                     if args.quiet_wait > 0:
                         wait_quiet(args.quiet_wait)
                         warm(ckpt)  # a quiet wait may outlast the page cache's patience
-                    runs[label].append(run_child(ckpt, out, args.workers, root, sha256=args.sha256))
+                    runs[label].append(run_child(ckpt, out, args.workers, root, sha256=args.sha256,
+                                                 quant_bits=args.quant_bits))
                     print(f"  convert{label}: {runs[label][-1]['wall_s']:.2f} s "
                           f"(others' CPU {runs[label][-1]['others_cpu_s']:.1f} s)", file=sys.stderr, flush=True)
             if args.sha256:
@@ -408,7 +418,7 @@ def main() -> None:
                      "median_wall_s": walls[len(walls) // 2]}
                 if args.cpu_stages and not label:
                     warm(ckpt)
-                    r["cpu_stages"] = cpu_stage_run(ckpt, out, args.workers)
+                    r["cpu_stages"] = cpu_stage_run(ckpt, out, args.workers, args.quant_bits)
                     print("  " + cpu_stage_line(name, r["cpu_stages"]), file=sys.stderr, flush=True)
                 if not args.no_profile and not label:
                     warm(ckpt)
@@ -423,7 +433,7 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     head = (f"{meta['date']}, nproc {meta['nproc']}, load average at start {meta['load_avg_at_start']}, "
-              f"workers {args.workers}, output on {out_dir}")
+              f"workers {args.workers}, int{args.quant_bits} experts, output on {out_dir}")
     stage_rows = [cpu_stage_line(r["shape"], r["cpu_stages"]) for r in results if "cpu_stages" in r]
     if stage_rows:
         head_stages = ("| shape | CPU user + sys s per GB | CPU s per GB: " + " / ".join((*CPU_STAGES, "rest")) +
