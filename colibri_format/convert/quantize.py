@@ -196,12 +196,7 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
     rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))  # the blocks of quantize_int8: the error sums depend on them
     x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     amax = _group_maxima(src, g)  # [n_out, G] float32
-    if not np.isfinite(amax).all():
-        bad = int(np.argmax(~np.isfinite(amax).all(axis=1)))
-        first = bad // rows * rows
-        x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
-        _upcast(src[first:first + x.shape[0]], x)
-        raise _non_finite(x, first)
+    _refuse_non_finite(amax, src, x_buf, rows, g)
     err_scale, weight = _scales(amax, scale_out)
     del err_scale
     gmax = np.empty(amax.shape, np.float32)
@@ -264,12 +259,7 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
     rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))
     x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     amax = _group_maxima(src, g)
-    if not np.isfinite(amax).all():
-        bad = int(np.argmax(~np.isfinite(amax).all(axis=1)))
-        first = bad // rows * rows
-        x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
-        _upcast(src[first:first + x.shape[0]], x)
-        raise _non_finite(x, first, "int4")
+    _refuse_non_finite(amax, src, x_buf, rows, g, "int4")
     scale = _scales_f16(amax, src, g)
     gmax = np.empty(amax.shape, np.float32)
     gsum = np.empty(amax.shape, np.float32)
@@ -444,6 +434,20 @@ def _widen_bf16(bits: np.ndarray, out: np.ndarray) -> None:
     wide = out.reshape(bits.shape).view(np.uint32)
     np.copyto(wide, bits)
     np.left_shift(wide, np.uint32(16), out=wide)
+
+
+def _refuse_non_finite(amax: np.ndarray, src: np.ndarray, x_buf: np.ndarray, rows: int, g: int,
+                       what: str = "int8") -> None:
+    """Raise the error for the first NaN or infinity of `src` when its group maxima `amax` hold one: the block of
+    `rows` rows holding it is upcast into `x_buf` and searched."""
+    if np.isfinite(amax).all():
+        return
+    n_out, n_in = src.shape
+    bad = int(np.argmax(~np.isfinite(amax).all(axis=1)))
+    first = bad // rows * rows
+    x = x_buf[:(min(first + rows, n_out) - first) * n_in].reshape(-1, n_in // g, g)
+    _upcast(src[first:first + x.shape[0]], x)
+    raise _non_finite(x, first, what)
 
 
 def _non_finite(w3: np.ndarray, row0: int, what: str = "int8") -> NonFiniteWeight:
