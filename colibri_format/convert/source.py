@@ -126,19 +126,19 @@ class SourceCheckpoint:
 
     def raw_view(self, name: str) -> np.ndarray:
         """A one-byte tensor's stored bytes as uint8 (FP8 / FP4 sources, dequantized by convert/derived.py)."""
-        f = self._file(name)
-        if not hasattr(f, "raw_view"):
-            raise UnsupportedModel(f"tensor {name!r} is {f.dtype(name)} in a pickled file; quantized weights are "
-                                   "read from safetensors only", field=name)
-        return f.raw_view(name)
+        return self._safetensors_view(name, "raw_view")
 
     def int_view(self, name: str) -> np.ndarray:
         """An integer tensor in its stored dtype (compressed-tensors' packed int4 weights, convert/derived.py)."""
+        return self._safetensors_view(name, "int_view")
+
+    def _safetensors_view(self, name: str, view: str) -> np.ndarray:
+        """`view` of a quantized tensor's file: only safetensors files have one (pickled ones are refused)."""
         f = self._file(name)
-        if not hasattr(f, "int_view"):
+        if not hasattr(f, view):
             raise UnsupportedModel(f"tensor {name!r} is {f.dtype(name)} in a pickled file; quantized weights are "
                                    "read from safetensors only", field=name)
-        return f.int_view(name)
+        return getattr(f, view)(name)
 
     def positional_reader(self, name: str, view: np.ndarray) -> tuple[Any, int] | None:
         """(file, byte offset) to read the bytes of `view` with `file.read_at`, when `view` is a view of the
