@@ -4,10 +4,10 @@ transformers' modeling_deepseek_v3 / _deepseek_v32 / _glm_moe_dsa / _glm4_moe_li
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import transformers as tf
+
+from tests.hf_hybrid import convert_file, save  # noqa: F401 -- one way to save and convert a tiny model
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
               kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8,
@@ -63,19 +63,3 @@ def build(name: str, seed: int = 0, **overrides):
             if bname.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen))
     return model
-
-
-def save(model, out_dir: Path, fused: bool = False) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, save_original_format=not fused)
-    return out_dir
-
-
-def convert_file(model, out_dir: Path, fused: bool = False, **options) -> Path:
-    """`model` saved in `out_dir`/hf and converted by the real pipeline to `out_dir`/model.colibri (float32, no
-    quantization unless `options` say otherwise)."""
-    from colibri_format.convert.pipeline import convert
-
-    src, dest = save(model, out_dir / "hf", fused), out_dir / "model.colibri"
-    convert(src, dest, workers=1, **{"dtype": "float32", "quantize": "none", **options})
-    return dest
