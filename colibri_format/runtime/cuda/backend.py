@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_support, check_dense_mlp
+from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_support
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
@@ -126,7 +126,6 @@ class CupyBackend:
     def dense(self, reader):
         from colibri_format.runtime.cuda.dense import DeviceDense  # noqa: PLC0415
 
-        check_dense_mlp(reader.model, {e.name: e.dtype for e in reader.tables.dense})
         return DeviceDense(reader, self)
 
     def expert_table(self, blob_ptrs, layout, check=None, route_totals=None, fill_ptrs=None):

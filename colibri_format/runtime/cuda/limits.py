@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibri_format.errors import UnsupportedModel
-from colibri_format.spec.constants import EXPERT_FORMAT_NAMES, PACKED_FORMATS, QUANTIZED_FORMATS, DType, ExpertFormat
+from colibri_format.spec.constants import EXPERT_FORMAT_NAMES, PACKED_FORMATS, QUANTIZED_FORMATS, ExpertFormat
 
 WARP = 32
 
@@ -149,22 +149,6 @@ def _check_semantics(model: dict) -> None:
     if model.get("mla") is not None:
         raise _refuse("multi-head latent attention (mla: DeepSeek-V3 family) has no CUDA kernels yet (its latent cache "
                       "and absorbed decode run on the NumPy engine); run it with --device cpu", "model.mla", "mla")
-    if model.get("sliding_layers") is not None:      # measured on the H200, 2026-12-01: cause not found yet
-        raise _refuse("per-layer sliding windows (sliding_layers): the CUDA engine's logits disagree with the NumPy "
-                      "engine's on them (tests/runtime/cuda/test_gpu_new_archs.py); run it with --device cpu",
-                      "model.sliding_layers", model["sliding_layers"])
-
-
-def check_dense_mlp(model: dict, dense_dtypes: dict[str, int]) -> None:
-    """Leading dense MLP layers stored in 16 bits gave NaN logits on the H200 (GLM-4.5 shapes, 2026-12-01; in
-    float32 they match the NumPy engine): refused until the cause is found. dense_dtypes: tensor name -> DType."""
-    dense = [i for i in range(model["num_layers"]) if i not in set(model.get("moe_layers") or ())]
-    for i in dense:
-        name = f"layers.{i}.mlp.down_proj"
-        if name in dense_dtypes and dense_dtypes[name] != DType.F32:
-            raise _refuse(f"dense MLP layer {i} stored as {DType(dense_dtypes[name]).name.lower()} (its CUDA result "
-                          "has been NaN in tests; float32 runs); convert with --dtype float32 or use --device cpu",
-                          f"dense[{name}].dtype", DType(dense_dtypes[name]).name.lower())
 
 
 def _check_experts(model: dict, blob_layout) -> None:

@@ -4,8 +4,9 @@ Tiny transformers models (head_dim 64 so the CUDA attention kernel runs; partial
 sigmoid routing with a selection-only bias, grouped top-k, scaled weights, a leading dense layer, a shared expert,
 a sliding window on some layers) are converted with int8 experts; the CUDA engine must give the NumPy engine's
 greedy tokens and logits close to the float64 reference, eager and in graphs, from bf16 and from FP8 sources.
-Attention sinks and a router bias on the logits (gpt-oss) run on a NumPy-built model with plain experts. What the
-kernels do not compute yet (gpt-oss's expert biases and clamped SwiGLU) is refused at open with one line.
+Attention sinks, per-layer windows and a router bias on the logits (gpt-oss) run on NumPy-built models with plain
+experts. What the kernels do not compute yet (gpt-oss's expert biases and clamped SwiGLU) is refused at open with one
+line.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2], [40, 41, 42]]
 TOL = 2e-3          # relative logit error of the CUDA engine against the float64 NumPy engine
 RUN = {  # test id -> (config key, overrides[, dense dtype: bfloat16 by default])
     "glm4_moe": ("glm4_moe", dict(WIDE), "float32"),                      # partial RoPE 0.5, per-head q/k norm
+    "glm4_moe-bf16": ("glm4_moe", dict(WIDE)),                            # its leading dense MLP layer in bf16
     "minimax_m2": ("minimax_m2", dict(WIDE, rotary_dim=16)),              # full q/k norm, rotary 16 of 64
     "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
     "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
 REFUSED = {  # config key -> (overrides, field)
     "gpt_oss": (dict(WIDE, intermediate_size=64), "model.expert_act"),   # the first of its two
-    # a leading dense MLP layer stored in bf16 gave NaN logits on the H200 (2026-12-01): refused until found
-    "glm4_moe": (dict(WIDE), "dense[layers.0.mlp.down_proj].dtype"),
 }
 
 
@@ -72,18 +72,15 @@ def test_fp8_sources_run_on_cuda(tmp_path, name):
     _same_as_numpy(_file(tmp_path, key, overrides, dtype="float32", fp8=True))
 
 
-def test_windowed_layers_are_refused_on_cuda(tmp_path):
-    # gpt-oss's per-layer windows (sliding_layers): the CUDA logits disagreed with the NumPy engine's on the H200
-    # (2026-12-01, relative error 1.1 on this model), so the CUDA engine refuses them until the cause is found
+@pytest.mark.parametrize("graphs", [True, False])
+def test_windowed_layers_run_on_cuda(tmp_path, graphs):
+    # gpt-oss's per-layer windows (sliding_layers): a window of 3 on layer 0 only, prompts longer than it
     from tests.runtime.numpy_tiny import random_weights
     from tests.runtime.tiny_weights import write_colibri
 
     weights = random_weights(seed=3, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                              sliding_window=3, sliding_layers=[0])
-    path = write_colibri(weights, tmp_path / "windowed.colibri", experts="int8_row")
-    with pytest.raises(UnsupportedModel) as info:
-        Engine(path, EngineConfig(device="cuda"))
-    assert info.value.field == "model.sliding_layers" and "\n" not in str(info.value)
+    _same_as_numpy(write_colibri(weights, tmp_path / "windowed.colibri", experts="int8_row"), graphs)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
