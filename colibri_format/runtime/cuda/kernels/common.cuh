@@ -106,3 +106,35 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }
+
+// ---- gpt-oss's expert extras (model.expert_act, model.expert_bias) ------------------------------------------------
+// What the *_extras expert kernels compute beyond silu(gate) * up; the plain kernels are instantiated without it, so
+// models without extras run exactly the code they ran before. Built in the kernel from its scalar arguments.
+struct ExpertExtras {
+    const float* bias;              // gate_up launch: [E, 2I] (gate then up); down launch: [E, H]; null: no bias
+    float alpha, limit, up_offset;  // clamped SwiGLU; limit +inf clamps nothing (alpha 1, offset 0: silu(g) * u)
+};
+
+// Output o of expert e from its gate and up products (nout = I): silu(gate) * up, or, with EXTRAS, the biases
+// added first (before the activation, as transformers' GptOssExperts does), then
+// (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha g), g = min(gate, limit) (numpy_backend.clamped_swiglu).
+template <bool EXTRAS>
+__device__ __forceinline__ float expert_activation(float gate, float up, const ExpertExtras& ex, int e, int nout,
+                                                   int o) {
+    if (!EXTRAS) return silu_f32(gate) * up;
+    if (ex.bias) {
+        const float* b = ex.bias + (size_t)e * 2 * nout;
+        gate += __ldg(b + o);
+        up += __ldg(b + nout + o);
+    }
+    gate = fminf(gate, ex.limit);
+    up = fminf(fmaxf(up, -ex.limit), ex.limit);
+    return (up + ex.up_offset) * gate / (1.0f + expf(-ex.alpha * gate));
+}
+
+// Output o of expert e's down product (nout = H), with its bias when EXTRAS has one: added before the routing
+// weight multiplies it.
+template <bool EXTRAS>
+__device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex, int e, int nout, int o) {
+    return EXTRAS && ex.bias ? y + __ldg(ex.bias + (size_t)e * nout + o) : y;
+}

@@ -6,6 +6,7 @@
 // accumulation, each thread owning a 4x4 block of the output tile (two of them for gate and up).
 //   moe_gemm_gate_up_*: act[pos, i] = silu(x[perm[pos] / k] . gate[i]) * (x[perm[pos] / k] . up[i])
 //   moe_gemm_down_*:    y[perm[pos], h] = w[perm[pos]] * (act[pos] . down[h])
+//   *_extras:           the same with gpt-oss's per-expert biases and clamped SwiGLU (common.cuh ExpertExtras)
 #include "common.cuh"
 
 #ifndef GEMM_THREADS
@@ -30,12 +31,13 @@ static_assert(GEMM_THREADS == 256 && GEMM_BM == 64 && GEMM_BN == 64,
               "16 x 16 threads, each owning a 4 x 4 block of the 64 x 64 output tile");
 static_assert(GEMM_BK % 16 == 0 && (GEMM_BM * GEMM_BK / 4) % GEMM_THREADS == 0, "A and B tile loads");
 
-template <bool GROUPED, bool GATEUP>
+template <bool GROUPED, bool GATEUP, bool EXTRAS = false>
 __device__ __forceinline__ void moe_gemm(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                          long long off_w, long long off_s, const int* __restrict__ perm,
                                          const int* __restrict__ offsets, const int* __restrict__ tile_expert,
                                          const int* __restrict__ tile_start, const float* __restrict__ pair_w,
-                                         float* __restrict__ out, int ncols, int nout, int k, int group) {
+                                         float* __restrict__ out, int ncols, int nout, int k, int group,
+                                         const ExpertExtras ex = ExpertExtras{}) {
     constexpr int NB = GATEUP ? 2 : 1;
     __shared__ __align__(16) float As[GEMM_BK][GEMM_BM + GEMM_PAD];
     __shared__ __align__(16) float Bs[NB][GEMM_BK][GEMM_BN + GEMM_PAD];
@@ -122,10 +124,10 @@ __device__ __forceinline__ void moe_gemm(const float* __restrict__ in, const uns
             const int o = n0 + tx * 4 + j;
             if (o >= nout) continue;
             if (GATEUP) {
-                out[(size_t)pos * nout + o] = silu_f32(acc[0][i][j]) * acc[NB - 1][i][j];
+                out[(size_t)pos * nout + o] = expert_activation<EXTRAS>(acc[0][i][j], acc[NB - 1][i][j], ex, e, nout, o);
             } else {
                 const int pair = perm[pos];
-                out[(size_t)pair * nout + o] = __ldg(pair_w + pair) * acc[0][i][j];
+                out[(size_t)pair * nout + o] = __ldg(pair_w + pair) * expert_down_out<EXTRAS>(acc[0][i][j], ex, e, nout, o);
             }
         }
     }
@@ -153,6 +155,30 @@ GEMM_GATE_UP_KERNEL(moe_gemm_gate_up_g, true)
 GEMM_DOWN_KERNEL(moe_gemm_down_r, false)
 GEMM_DOWN_KERNEL(moe_gemm_down_g, true)
 
+// gpt-oss's experts (suffix _extras): the same tiles with ExpertExtras (common.cuh); bias: gate_up [E, 2I] /
+// down [E, H] f32 or null; alpha, limit (+inf: no clamp), up_offset of the clamped SwiGLU.
+#define GEMM_GATE_UP_EXTRAS_KERNEL(NAME, GROUPED)                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                               \
+        NAME(const float* x, const unsigned long long* blobs, long long off_w, long long off_s, const int* perm, \
+             const int* offsets, const int* tile_expert, const int* tile_start, float* act, int H, int I,     \
+             int k, int group, const float* bias, float alpha, float limit, float up_offset) {               \
+        moe_gemm<GROUPED, true, true>(x, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, nullptr, \
+                                      act, H, I, k, group, ExpertExtras{bias, alpha, limit, up_offset});     \
+    }
+#define GEMM_DOWN_EXTRAS_KERNEL(NAME, GROUPED)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                               \
+        NAME(const float* act, const unsigned long long* blobs, long long off_w, long long off_s,            \
+             const int* perm, const int* offsets, const int* tile_expert, const int* tile_start,             \
+             const float* pair_w, float* y, int H, int I, int group, const float* bias) {                    \
+        moe_gemm<GROUPED, false, true>(act, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, \
+                                       y, I, H, 1, group, ExpertExtras{bias, 1.0f, 0.0f, 0.0f});             \
+    }
+
+GEMM_GATE_UP_EXTRAS_KERNEL(moe_gemm_gate_up_r_extras, false)
+GEMM_GATE_UP_EXTRAS_KERNEL(moe_gemm_gate_up_g_extras, true)
+GEMM_DOWN_EXTRAS_KERNEL(moe_gemm_down_r_extras, false)
+GEMM_DOWN_EXTRAS_KERNEL(moe_gemm_down_g_extras, true)
+
 // ---- tensor-core variant (per-row scales) -----------------------------------------------------------------------
 // Same tiles and outputs as above, on the tensor cores: mma.sync m16n8k16 with bf16 operands and fp32
 // accumulation. int8 weights are exact in bf16; each activation is split into hi = bf16(x) and lo = bf16(x - hi),
@@ -173,12 +199,13 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <bool GATEUP>
+template <bool GATEUP, bool EXTRAS = false>
 __device__ __forceinline__ void moe_gemm_tc(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                             long long off_w, long long off_s, const int* __restrict__ perm,
                                             const int* __restrict__ offsets, const int* __restrict__ tile_expert,
                                             const int* __restrict__ tile_start, const float* __restrict__ pair_w,
-                                            float* __restrict__ out, int ncols, int nout, int k) {
+                                            float* __restrict__ out, int ncols, int nout, int k,
+                                            const ExpertExtras ex = ExpertExtras{}) {
     constexpr int NB = GATEUP ? 2 : 1;
     __shared__ __align__(16) u16 As_hi[GEMM_BM][TC_LD];
     __shared__ __align__(16) u16 As_lo[GEMM_BM][TC_LD];
@@ -312,9 +339,11 @@ __device__ __forceinline__ void moe_gemm_tc(const float* __restrict__ in, const 
                     if (GATEUP) {
                         const float gv = acc[0][mi][ni][r] * __ldg(sbase + o);
                         const float uv = acc[NB - 1][mi][ni][r] * __ldg(sbase + nout + o);
-                        out[(size_t)pos * nout + o] = silu_f32(gv) * uv;
+                        out[(size_t)pos * nout + o] = expert_activation<EXTRAS>(gv, uv, ex, e, nout, o);
                     } else {
-                        out[(size_t)pair * nout + o] = pw * acc[0][mi][ni][r] * __ldg(sbase + o);
+                        out[(size_t)pair * nout + o] =
+                            EXTRAS ? pw * expert_down_out<EXTRAS>(acc[0][mi][ni][r] * __ldg(sbase + o), ex, e, nout, o)
+                                   : pw * acc[0][mi][ni][r] * __ldg(sbase + o);   // the plain kernel's rounding
                     }
                 }
         }
@@ -332,4 +361,21 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                        const int* perm, const int* offsets, const int* tile_expert, const int* tile_start,
                        const float* pair_w, float* y, int H, int I) {
     moe_gemm_tc<false>(act, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, I, H, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    moe_gemm_tc_gate_up_r_extras(const float* x, const unsigned long long* blobs, long long off_w, long long off_s,
+                                 const int* perm, const int* offsets, const int* tile_expert, const int* tile_start,
+                                 float* act, int H, int I, int k, const float* bias, float alpha, float limit,
+                                 float up_offset) {
+    moe_gemm_tc<true, true>(x, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, nullptr, act, H, I, k,
+                            ExpertExtras{bias, alpha, limit, up_offset});
+}
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    moe_gemm_tc_down_r_extras(const float* act, const unsigned long long* blobs, long long off_w, long long off_s,
+                              const int* perm, const int* offsets, const int* tile_expert, const int* tile_start,
+                              const float* pair_w, float* y, int H, int I, const float* bias) {
+    moe_gemm_tc<false, true>(act, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, I, H, 1,
+                             ExpertExtras{bias, 1.0f, 0.0f, 0.0f});
 }

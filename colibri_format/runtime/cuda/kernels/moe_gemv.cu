@@ -13,6 +13,8 @@
 //                  of gate_up [2I, H]; pos is the pair's sorted position (dispatch), tok = perm[pos] / k.
 //   moe_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), down [H, I], pair = perm[pos]; each pair row is
 //                  written by exactly one warp, so the later combine is deterministic.
+//   *_extras:      the same with gpt-oss's per-expert biases (gate_up before the activation, down before the routing
+//                  weight) and clamped SwiGLU instead of silu(gate) * up (common.cuh ExpertExtras).
 //
 // Fill on read (paged experts): fills[e], when fills is given and fills[e] != 0, is the device slot the expert
 // cache admitted expert e into. Every int8 chunk and scale a warp reads for its first token group it also
@@ -25,12 +27,13 @@
 #error "GEMV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 
-template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP>
+template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP, bool EXTRAS = false>
 __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                          const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
                                          const int* __restrict__ offsets, const int* __restrict__ active,
                                          const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                         float* __restrict__ out, int ncols, int nout, int k, int group) {
+                                         float* __restrict__ out, int ncols, int nout, int k, int group,
+                                         const ExpertExtras ex = ExpertExtras{}) {
     constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
@@ -162,11 +165,13 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
                         const float a = warp_sum(acc[q][j]) * srow[q];
                         if (GATEUP) {
                             const float b = warp_sum(acc[q + ROUT][j]) * srow[q + ROUT];
-                            if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
+                            if (lane == 0 && ob + q >= o0)
+                                out[(size_t)pos * nout + ob + q] = expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q);
                         } else {
                             if (lane == 0 && ob + q >= o0) {
                                 const int pair = perm[pos];
-                                out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
+                                out[(size_t)pair * nout + ob + q] =
+                                    __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q);
                             }
                         }
                     }
@@ -220,12 +225,13 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // For short rows (small experts) the double-buffered loop above spends most of an item waiting on its first loads;
 // here a warp item of R rows issues the 16-byte loads of CPL chunks per lane for all its rows together, then
 // computes, so an item of up to 32 * CPL chunks per row costs one memory round trip. Same outputs as above.
-template <int R, int CPL, bool GROUPED, bool GATEUP>
+template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false>
 __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                               const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
                                               const int* __restrict__ offsets, const int* __restrict__ active,
                                               const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                              float* __restrict__ out, int ncols, int nout, int k, int group) {
+                                              float* __restrict__ out, int ncols, int nout, int k, int group,
+                                              const ExpertExtras ex = ExpertExtras{}) {
     constexpr int ROUT = GATEUP ? R / 2 : R;
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
@@ -315,10 +321,12 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
                     const float sb = GROUPED ? 1.0f : __ldg(sbase + nout + ob + q);
                     if (!GROUPED && fs && c0 == 0 && lane == 0) fs[nout + ob + q] = sb;
                     const float b = warp_sum(acc[q + ROUT]) * sb;
-                    if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
+                    if (lane == 0 && ob + q >= o0)
+                        out[(size_t)pos * nout + ob + q] = expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q);
                 } else if (lane == 0 && ob + q >= o0) {
                     const int pair = perm[pos];
-                    out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
+                    out[(size_t)pair * nout + ob + q] =
+                        __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q);
                 }
             }
         }
@@ -350,6 +358,53 @@ DOWN_WIDE_KERNEL(moe_down_w2_r, 4, 2, false)
 DOWN_WIDE_KERNEL(moe_down_w4_r, 4, 4, false)
 DOWN_WIDE_KERNEL(moe_down_w2_g, 4, 2, true)
 DOWN_WIDE_KERNEL(moe_down_w4_g, 4, 4, true)
+
+// ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
+// bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.
+#define GATE_UP_EXTRAS_KERNEL(NAME, BOUNDS, CALL)                                                                   \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                             \
+        NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,     \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act,  \
+             int H, int I, int k, int group, const float* bias, float alpha, float limit, float up_offset) {        \
+        CALL(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, act, H, I, k, group,              \
+             ExpertExtras{bias, alpha, limit, up_offset});                                                          \
+    }
+#define DOWN_EXTRAS_KERNEL(NAME, BOUNDS, CALL)                                                                      \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                             \
+        NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,   \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,              \
+             const float* pair_w, float* y, int H, int I, int group, const float* bias) {                           \
+        CALL(act, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, H, 1, group,               \
+             ExpertExtras{bias, 1.0f, 0.0f, 0.0f});                                                                 \
+    }
+// the launch bounds and template arguments of each plain kernel above, with EXTRAS (parenthesized: a macro
+// argument holds no bare comma)
+#define GEMV_X(TOKC, R, GROUPED, GATEUP) (moe_gemv<TOKC, R, 1, GROUPED, GATEUP, true>)
+#define WIDE_X(R, CPL, GROUPED, GATEUP) (moe_gemv_wide<R, CPL, GROUPED, GATEUP, true>)
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t1_r_extras, (GEMV_THREADS, 1), GEMV_X(1, 8, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t2_r_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t4_r_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t8_r_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t1_g_extras, (GEMV_THREADS, 1), GEMV_X(1, 8, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t2_g_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t4_g_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_t8_g_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w2_r_extras, (GEMV_THREADS), WIDE_X(4, 2, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_r_extras, (GEMV_THREADS), WIDE_X(4, 4, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w2_g_extras, (GEMV_THREADS), WIDE_X(4, 2, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_g_extras, (GEMV_THREADS), WIDE_X(4, 4, true, true))
+DOWN_EXTRAS_KERNEL(moe_down_t1_r_extras, (GEMV_THREADS, 1), GEMV_X(1, 8, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_t2_r_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_t4_r_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_t8_r_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_t1_g_extras, (GEMV_THREADS, 1), GEMV_X(1, 8, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_t2_g_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_t4_g_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_t8_g_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_w2_r_extras, (GEMV_THREADS), WIDE_X(4, 2, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_w4_r_extras, (GEMV_THREADS), WIDE_X(4, 4, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_w2_g_extras, (GEMV_THREADS), WIDE_X(4, 2, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_w4_g_extras, (GEMV_THREADS), WIDE_X(4, 4, true, false))
 
 // (y may alias residual.) alpha is the residual multiplier of the block output.
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const float* residual, float* y, int T,
