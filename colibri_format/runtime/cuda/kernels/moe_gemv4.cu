@@ -1,0 +1,288 @@
+// 4-bit experts (int4_group, mxfp4; docs/spec.md): decode GEMVs that read the packed blobs directly, and the
+// expansion of a pass's routed experts into int8_group blobs for the prefill grouped GEMM (moe_gemm.cu).
+//
+// A packed row holds two weights a byte: weight 2c in the low nibble of byte c, 2c + 1 in the high nibble, so in
+// a little-endian 32-bit word weight i of the word is bits 4i..4i+3. One scale per group of `group` weights of a
+// row (int4_group: float16, group 32/64/128; mxfp4: an E8M0 byte e, 2^(e - 127), group 32), stored [rows, groups].
+// A 16-byte chunk is 32 weights, so it never straddles two groups. Weights are decoded in registers:
+//   int4_group: the two's-complement nibble's integer;
+//   mxfp4:      twice the E2M1 value (an integer, |v| <= 12), the 1/2 folded into the scale 2^(e - 128).
+// Both are exact in fp32, and so is integer x scale: the products are the NumPy engine's dequantized weights.
+//
+// The GEMVs have the contract, the work items and the fill on read of moe_gemv.cu's kernels (see there):
+//   moe4_gate_up_*: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
+//   moe4_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
+// A warp item is R rows; each lane takes 16-byte chunks of them, two chunks per row in flight, and sums its
+// chunk's 32 products per token before one multiply by the chunk's group scale. fp32 accumulation throughout.
+#include "common.cuh"
+
+#ifndef GEMV4_THREADS
+#error "GEMV4_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef EXPAND_THREADS
+#error "EXPAND_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+
+template <bool MX>
+struct Packed;
+
+template <>
+struct Packed<false> {  // int4_group
+    typedef u16 scale_t;
+    static __device__ __forceinline__ float scale(u16 s) { return TF16::to_f32(s); }
+    // (v ^ 8) is v + 8 in 0..15 for a nibble v; the float with bits 0x4B000000 | u is exactly 2^23 + u
+    static __device__ __forceinline__ void weights(unsigned int w, float* out) {
+        const unsigned int u = w ^ 0x88888888u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = __uint_as_float(0x4B000000u | ((u >> (4 * i)) & 0xFu)) - 8388616.0f;
+    }
+};
+
+template <>
+struct Packed<true> {  // mxfp4
+    typedef unsigned char scale_t;
+    static __device__ __forceinline__ float scale(unsigned char e) { return ldexpf(1.0f, (int)e - 128); }
+    // 2|E2M1| of the nibble's low three bits (exponent, mantissa) 0..7 is 0, 1, 2, 3, 4, 6, 8, 12: bytes 0..7 of
+    // the word pair (0x03020100, 0x0C080604), picked for four weights at once by __byte_perm; bit 3 is the sign
+    static __device__ __forceinline__ void weights(unsigned int w, float* out) {
+        const unsigned int mag[2] = {__byte_perm(0x03020100u, 0x0C080604u, w & 0x7777u),
+                                     __byte_perm(0x03020100u, 0x0C080604u, (w >> 16) & 0x7777u)};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float m = __uint_as_float(__byte_perm(mag[i >> 2], 0x4B000000u, 0x7650 + (i & 3))) - 8388608.0f;
+            out[i] = __uint_as_float(__float_as_uint(m) ^ ((w << (28 - 4 * i)) & 0x80000000u));
+        }
+    }
+};
+
+template <bool MX, int TOKC, int R, bool GATEUP>
+__device__ __forceinline__ void moe_gemv4(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
+                                          const unsigned long long* __restrict__ fills, long long off_w,
+                                          long long off_s, const int* __restrict__ perm,
+                                          const int* __restrict__ offsets, const int* __restrict__ active,
+                                          const int* __restrict__ meta, const float* __restrict__ pair_w,
+                                          float* __restrict__ out, int ncols, int nout, int k, int group) {
+    typedef typename Packed<MX>::scale_t scale_t;
+    constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
+    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
+    const int lane = threadIdx.x & 31;
+    const int n_rg = (nout + ROUT - 1) / ROUT;
+    const int total = meta[0] * n_rg;
+    const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights) per row
+    const int ngroups = ncols / group;
+    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
+        const int slot = item / n_rg;
+        const int o0 = (item - slot * n_rg) * ROUT;
+        const int e = active[slot];
+        const char* blob = reinterpret_cast<const char*>(blobs[e]);
+        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
+        const scale_t* sbase = reinterpret_cast<const scale_t*>(blob + off_s);
+        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
+        // only the outputs at or past its own o0
+        const int ob = min(o0, nout - ROUT);
+        int row[R];
+#pragma unroll
+        for (int q = 0; q < R; ++q) row[q] = ob + (q % ROUT) + (q >= ROUT ? nout : 0);
+        const int start = offsets[e];
+        const int cnt = offsets[e + 1] - start;
+
+        for (int c0 = 0; c0 < cnt; c0 += TOKC) {
+            const int nt = min(TOKC, cnt - c0);
+            const float* xrow[TOKC];
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                const int pos = start + c0 + min(j, nt - 1);
+                xrow[j] = in + (size_t)(GATEUP ? perm[pos] / k : pos) * ncols;
+            }
+            float acc[R][TOKC];
+#pragma unroll
+            for (int q = 0; q < R; ++q)
+#pragma unroll
+                for (int j = 0; j < TOKC; ++j) acc[q][j] = 0.0f;
+
+#pragma unroll 1
+            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
+                int4 raw[CPL][R];
+                scale_t sraw[CPL][R];
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc < nchunk) {
+                        const int g = (cc << 5) / group;
+#pragma unroll
+                        for (int q = 0; q < R; ++q) {
+                            raw[f][q] = __ldg(wbase + (size_t)row[q] * nchunk + cc);
+                            sraw[f][q] = sbase[(size_t)row[q] * ngroups + g];
+                        }
+                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
+#pragma unroll
+                            for (int q = 0; q < R; ++q) {
+                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[q] * nchunk + cc] = raw[f][q];
+                                reinterpret_cast<scale_t*>(fill + off_s)[(size_t)row[q] * ngroups + g] = sraw[f][q];
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc >= nchunk) continue;
+                    float part[R][TOKC];
+#pragma unroll
+                    for (int q = 0; q < R; ++q)
+#pragma unroll
+                        for (int j = 0; j < TOKC; ++j) part[q][j] = 0.0f;
+#pragma unroll
+                    for (int wi = 0; wi < 4; ++wi) {  // the chunk's four words, 8 weights each
+                        float xv[TOKC][8];
+#pragma unroll
+                        for (int j = 0; j < TOKC; ++j) {
+                            if (j < nt) {
+                                const float4* p = reinterpret_cast<const float4*>(xrow[j] + (cc << 5) + (wi << 3));
+                                const float4 a = __ldg(p), b = __ldg(p + 1);
+                                xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
+                                xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
+                            }
+                        }
+#pragma unroll
+                        for (int q = 0; q < R; ++q) {
+                            const int4 v = raw[f][q];
+                            float wf[8];
+                            Packed<MX>::weights((unsigned int)(wi == 0 ? v.x : wi == 1 ? v.y : wi == 2 ? v.z : v.w), wf);
+#pragma unroll
+                            for (int j = 0; j < TOKC; ++j) {
+                                if (j < nt) {
+#pragma unroll
+                                    for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[u], xv[j][u], part[q][j]);
+                                }
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < R; ++q) {
+                        const float s = Packed<MX>::scale(sraw[f][q]);
+#pragma unroll
+                        for (int j = 0; j < TOKC; ++j) acc[q][j] = fmaf(part[q][j], s, acc[q][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                if (j < nt) {
+                    const int pos = start + c0 + j;
+#pragma unroll
+                    for (int q = 0; q < ROUT; ++q) {
+                        const float a = warp_sum(acc[q][j]);
+                        if (GATEUP) {
+                            const float b = warp_sum(acc[q + ROUT][j]);
+                            if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
+                        } else if (lane == 0 && ob + q >= o0) {
+                            const int pair = perm[pos];
+                            out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define GATE_UP4_KERNEL(NAME, MX, TOKC, R)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
+        NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,  \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act, \
+             int H, int I, int k, int group) {                                                                 \
+        moe_gemv4<MX, TOKC, R, true>(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, act, H, \
+                                     I, k, group);                                                             \
+    }
+#define DOWN4_KERNEL(NAME, MX, TOKC, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
+        NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w, \
+             long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,         \
+             const float* pair_w, float* y, int H, int I, int group) {                                         \
+        moe_gemv4<MX, TOKC, R, false>(act, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, \
+                                      H, 1, group);                                                            \
+    }
+
+// suffix: <int4 | mxfp4>_t<TOKC> (tokens per pass); rows per warp item: 4, or 2 from 4 tokens (registers)
+GATE_UP4_KERNEL(moe4_gate_up_int4_t1, false, 1, 4)
+GATE_UP4_KERNEL(moe4_gate_up_int4_t2, false, 2, 4)
+GATE_UP4_KERNEL(moe4_gate_up_int4_t4, false, 4, 2)
+GATE_UP4_KERNEL(moe4_gate_up_int4_t8, false, 8, 2)
+GATE_UP4_KERNEL(moe4_gate_up_mxfp4_t1, true, 1, 4)
+GATE_UP4_KERNEL(moe4_gate_up_mxfp4_t2, true, 2, 4)
+GATE_UP4_KERNEL(moe4_gate_up_mxfp4_t4, true, 4, 2)
+GATE_UP4_KERNEL(moe4_gate_up_mxfp4_t8, true, 8, 2)
+DOWN4_KERNEL(moe4_down_int4_t1, false, 1, 4)
+DOWN4_KERNEL(moe4_down_int4_t2, false, 2, 4)
+DOWN4_KERNEL(moe4_down_int4_t4, false, 4, 2)
+DOWN4_KERNEL(moe4_down_int4_t8, false, 8, 2)
+DOWN4_KERNEL(moe4_down_mxfp4_t1, true, 1, 4)
+DOWN4_KERNEL(moe4_down_mxfp4_t2, true, 2, 4)
+DOWN4_KERNEL(moe4_down_mxfp4_t4, true, 4, 2)
+DOWN4_KERNEL(moe4_down_mxfp4_t8, true, 8, 2)
+
+// ---- prefill: routed experts re-encoded as int8_group blobs ----------------------------------------------------
+// Grid (x, E): blockIdx.y is an active slot (those past meta[0] return); expert e = active[slot] is written to
+// dst + e * dst_size in the int8_group layout of the same group size (mxfp4: 32): each weight's decoded integer
+// as an int8 (|v| <= 12) and each scale as float32 (float16 value, or 2^(e - 128)). The matrices and scales are in
+// the same row-major order in both layouts, so packed byte c becomes int8 weights 2c and 2c + 1, scale s scale s.
+template <bool MX>
+__device__ __forceinline__ void expand_to_int8(const unsigned long long* __restrict__ blobs,
+                                               const int* __restrict__ active, const int* __restrict__ meta,
+                                               char* __restrict__ dst, long long dst_size, const long long* src_off,
+                                               const long long* dst_off, long long gu_chunks, long long dn_chunks,
+                                               long long gu_scales, long long dn_scales) {
+    typedef typename Packed<MX>::scale_t scale_t;
+    if ((int)blockIdx.y >= meta[0]) return;
+    const int e = active[blockIdx.y];
+    const char* src = reinterpret_cast<const char*>(blobs[e]);
+    char* out = dst + (size_t)e * dst_size;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < gu_chunks + dn_chunks; c += stride) {
+        const bool down = c >= gu_chunks;
+        const long long cc = down ? c - gu_chunks : c;
+        const int4 v = __ldg(reinterpret_cast<const int4*>(src + (down ? src_off[2] : src_off[0])) + cc);
+        const unsigned int words[4] = {(unsigned int)v.x, (unsigned int)v.y, (unsigned int)v.z, (unsigned int)v.w};
+        unsigned int q[8];  // 32 int8 weights
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+            float f[8];
+            Packed<MX>::weights(words[wi], f);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                unsigned int b = 0;
+#pragma unroll
+                for (int u = 0; u < 4; ++u) b |= ((unsigned int)(int)f[4 * h + u] & 0xFFu) << (8 * u);
+                q[2 * wi + h] = b;
+            }
+        }
+        int4* o = reinterpret_cast<int4*>(out + (down ? dst_off[2] : dst_off[0])) + 2 * cc;
+        o[0] = make_int4((int)q[0], (int)q[1], (int)q[2], (int)q[3]);
+        o[1] = make_int4((int)q[4], (int)q[5], (int)q[6], (int)q[7]);
+    }
+    for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < gu_scales + dn_scales; s += stride) {
+        const bool down = s >= gu_scales;
+        const long long ss = down ? s - gu_scales : s;
+        const scale_t raw = reinterpret_cast<const scale_t*>(src + (down ? src_off[3] : src_off[1]))[ss];
+        reinterpret_cast<float*>(out + (down ? dst_off[3] : dst_off[1]))[ss] = Packed<MX>::scale(raw);
+    }
+}
+
+#define EXPAND_KERNEL(NAME, MX)                                                                                \
+    extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)                                               \
+        NAME(const unsigned long long* blobs, const int* active, const int* meta, char* dst, long long dst_size, \
+             long long src_gu, long long src_gus, long long src_dn, long long src_dns, long long dst_gu,       \
+             long long dst_gus, long long dst_dn, long long dst_dns, long long gu_chunks, long long dn_chunks, \
+             long long gu_scales, long long dn_scales) {                                                       \
+        const long long src_off[4] = {src_gu, src_gus, src_dn, src_dns};                                       \
+        const long long dst_off[4] = {dst_gu, dst_gus, dst_dn, dst_dns};                                       \
+        expand_to_int8<MX>(blobs, active, meta, dst, dst_size, src_off, dst_off, gu_chunks, dn_chunks, gu_scales, \
+                           dn_scales);                                                                         \
+    }
+
+EXPAND_KERNEL(moe4_expand_int4, false)
+EXPAND_KERNEL(moe4_expand_mxfp4, true)

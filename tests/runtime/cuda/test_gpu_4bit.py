@@ -1,0 +1,257 @@
+"""4-bit experts (int4_group, mxfp4) on the CUDA engine (GPU only).
+
+Kernel level: the moe_gemv4.cu GEMVs (every tokens-per-pass variant), their fill on read, and the expansion to
+int8_group feeding the grouped GEMM, against `numpy_backend` in float64 on the same blob bytes (`blob_arrays`:
+colibri_format/dequant.py), for int4 groups of 32/64/128 and mxfp4. Engine level: a tiny Mixtral converted with
+`--quant-bits 4` and synthetic mxfp4 files give the NumPy engine's greedy tokens and logits close to the float64
+engine, eager and in graphs, prefill and decode; paged experts (a small cache) compute what resident ones do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format import spec as S
+from colibri_format.convert.pipeline import convert
+from colibri_format.runtime import Engine, EngineConfig
+from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda.bench import numpy_experts
+from colibri_format.runtime.cuda.kernels import ops
+from colibri_format.synthetic import synthetic_model, write_synthetic
+from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.hf_tiny import build_hf
+
+F32_TOL = 2e-5     # fp32 accumulation vs float64 on the same weights
+ENGINE_TOL = 2e-3  # relative logit error of the CUDA engine against the float64 NumPy engine
+FORMATS = {"int4-g32": (S.ExpertFormat.INT4_GROUP, 32), "int4-g64": (S.ExpertFormat.INT4_GROUP, 64),
+           "int4-g128": (S.ExpertFormat.INT4_GROUP, 128), "mxfp4": (S.ExpertFormat.MXFP4, 32)}
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def rel(out, expected) -> float:
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    assert out.shape == expected.shape and np.isfinite(out).all(), "unwritten or non-finite output"
+    return float(np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(a, np.float64)
+
+
+def packed_blobs(rng, fmt, group: int, E: int, H: int, I: int):
+    """(layout, experts(e) -> float64 (gate_up, down), host blobs uint8 [E * size]): random codes, scales about
+    what a quantizer gives for N(0, 1/H) weights."""
+    layout = S.blob_layout(H, I, fmt, group)
+    blobs = np.zeros(E * layout.size, np.uint8)
+    for e in range(E):
+        for a in layout.arrays:
+            n = a.shape[0] * a.shape[1]
+            if a.dtype in (S.DType.I4X2, S.DType.FP4X2):
+                raw = rng.integers(0, 256, n, dtype=np.uint8)
+            elif a.dtype == S.DType.E8M0:
+                raw = rng.integers(118, 124, n, dtype=np.uint8)                    # 2^-9 .. 2^-4
+            else:
+                raw = (rng.uniform(0.5, 1.5, n) * 3.0 / (7.0 * np.sqrt(H))).astype(np.float16).view(np.uint8)
+            off = e * layout.size + a.offset
+            blobs[off:off + raw.size] = raw
+    return layout, numpy_experts(blobs, layout), blobs
+
+
+def upload(cp, blobs, E: int, layout):
+    buf = cp.asarray(blobs)
+    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(E)], np.uint64))
+    return buf, ops.PackedExpertTable.from_layout(ptrs, layout)
+
+
+def routes(rng, T: int, E: int, k: int, skew: bool):
+    if skew:   # expert 0 in every token: several passes of tokens per expert
+        ids = [np.concatenate([[0], rng.choice(np.arange(1, E), k - 1, replace=False)]) for _ in range(T)]
+    else:
+        ids = [rng.choice(E, k, replace=False) for _ in range(T)]
+    return np.stack(ids).astype(np.int32), rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+
+
+CASES = [  # T, E, k, H, I, skew
+    (1, 8, 2, 256, 128, False), (2, 8, 2, 512, 256, False), (3, 16, 4, 256, 384, False),
+    (5, 64, 8, 256, 128, False), (32, 8, 2, 128, 256, True), (17, 4, 4, 128, 128, False),
+    (2, 4, 2, 4224, 2176, False)]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tokc", [None, 1, 2, 4, 8])
+def test_gemv_4bit_matches_numpy(cp, rng, fmt, case, tokc):
+    T, E, k, H, I, skew = case
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids, w = routes(rng, T, E, k, skew)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    d = ops.dispatch(cp.asarray(ids), E)
+    act = ops.moe_gate_up_4bit(cp.asarray(x), table, d, k, tokens_per_pass_=tokc,
+                               out=cp.full((T * k, I), np.nan, cp.float32))
+    act_pairs = act.get()[d.inv.get()]                        # sorted order -> pair order
+    assert rel(act_pairs, expect.pair_act(f64(x), ids, experts)) < F32_TOL
+    ypair = ops.moe_down_4bit(act, table, d, cp.asarray(w), tokens_per_pass_=tokc,
+                              out=cp.full((T * k, H), np.nan, cp.float32))
+    assert rel(ypair.get(), expect.pair_down(f64(act_pairs), ids, f64(w), experts)) < F32_TOL
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("gemm", [False, True])
+@pytest.mark.parametrize("T", [1, 6, 70])
+def test_moe_experts_4bit_end_to_end(cp, rng, fmt, gemm, T):
+    E, k, H, I = 16, 4, 256, 128
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids, w = routes(rng, T, E, k, False)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    expansions: dict = {}
+    for _ in range(2):        # the second call reuses the expansion workspace
+        y = ops.moe_experts_4bit(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, residual=cp.asarray(resid),
+                                 alpha=0.5, gemm=gemm, expansions=expansions)
+        want = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy(), alpha=0.5)
+        assert rel(y.get(), want) < F32_TOL
+    assert len(expansions) == int(gemm)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_expansion_holds_the_same_weights_exactly(cp, rng, fmt):
+    """The routed experts' int8_group expansion dequantizes to the 4-bit weights bit for bit; others untouched."""
+    E, H, I = 8, 256, 128
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids = np.array([[1, 5], [5, 6]], np.int32)
+    d = ops.dispatch(cp.asarray(ids), E)
+    expansion = ops.Int8Expansion(table)
+    expansion.buffer.fill(0)
+    ops.expand_to_int8(table, d, expansion)
+    int8 = numpy_experts(expansion.buffer.get(), expansion.layout)
+    for e in range(E):
+        for got, want in zip(int8(e), experts(e)):
+            if e in (1, 5, 6):
+                np.testing.assert_array_equal(got, want)
+            else:
+                assert not got.any()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("T", [1, 5])
+def test_gemv_4bit_fills_admitted_slots_as_it_reads(cp, rng, fmt, T):
+    """fill_ptrs: each routed expert with a slot gets its matrices and scales copied there by one gate_up + down
+    pass; experts without a slot (0) or not routed are not written."""
+    E, k, H, I = 8, 2, 256, 384
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    slots = cp.zeros(E * layout.size, cp.uint8)
+    fills = np.array([slots.data.ptr + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    filled = ops.PackedExpertTable.from_layout(table.blob_ptrs, layout, fill_ptrs=cp.asarray(fills))
+    ids, w = routes(rng, T, E, k, False)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    y = ops.moe_experts_4bit(cp.asarray(x), cp.asarray(ids), cp.asarray(w), filled, gemm=False)
+    assert rel(y.get(), nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros((T, H)))) < F32_TOL
+    got = slots.get()
+    for e in range(E):
+        for a in layout.arrays:
+            lo = e * layout.size + a.offset
+            region = got[lo:lo + a.nbytes]
+            if e % 2 == 0 and e in ids:
+                np.testing.assert_array_equal(region, blobs[lo:lo + a.nbytes], err_msg=f"expert {e} {a.name}")
+            else:
+                assert not region.any(), f"expert {e} {a.name} written without a routed slot"
+
+
+def test_4bit_wrappers_reject_bad_inputs(cp, rng):
+    layout, experts, blobs = packed_blobs(rng, S.ExpertFormat.INT4_GROUP, 32, 4, 128, 64)
+    buf, table = upload(cp, blobs, 4, layout)
+    ids, w = routes(rng, 2, 4, 2, False)
+    d = ops.dispatch(cp.asarray(ids), 4)
+    with pytest.raises(TypeError):
+        ops.moe_gate_up_4bit(cp.zeros((2, 128), cp.float64), table, d, 2)
+    with pytest.raises(ValueError, match="tokens per pass"):
+        ops.moe_gate_up_4bit(cp.zeros((2, 128), cp.float32), table, d, 2, tokens_per_pass_=3)
+    bad = ops.PackedExpertTable(**{**table.__dict__, "group_size": 16})
+    with pytest.raises(ValueError, match="group size"):
+        ops.moe_gate_up_4bit(cp.zeros((2, 128), cp.float32), bad, d, 2)
+    other = ops.Int8Expansion(ops.PackedExpertTable(**{**table.__dict__, "group_size": 64}))
+    with pytest.raises(ValueError, match="another expert table"):
+        ops.expand_to_int8(table, d, other)
+
+
+# ---- engine ---------------------------------------------------------------------------------------------------------
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2], [40, 41, 42]]
+LONG = list(range(3, 83))      # 80 rows: the prefill takes the grouped GEMM (expansion) path
+
+
+def _int4_file(tmp_path, group: int):
+    hf = build_hf("mixtral", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                  intermediate_size=128, max_position_embeddings=256)
+    hf.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"int4-g{group}.colibri"
+    convert(tmp_path / "hf", path, dtype="float32", quantize="expert", quant_bits=4, group_size=group, workers=1,
+            verify=False)
+    return path
+
+
+def _mxfp4_file(tmp_path):
+    model = synthetic_model(vocab=96, hidden=128, layers=2, heads=2, kv_heads=1, experts=4, top_k=2,
+                            expert_inter=128)
+    return write_synthetic(tmp_path / "mxfp4.colibri", model, expert_format=S.ExpertFormat.MXFP4, group_size=32,
+                           seed=5)
+
+
+def _file(tmp_path, name: str):
+    fmt, group = FORMATS[name]
+    return _mxfp4_file(tmp_path) if fmt == S.ExpertFormat.MXFP4 else _int4_file(tmp_path, group)
+
+
+def _rel_logits(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, name, graphs):
+    path = _file(tmp_path, name)
+    cfg = EngineConfig(device="cuda", max_seq_len=128, use_graphs=graphs)
+    with Engine(path, cfg) as gpu, Engine(path, EngineConfig(precision="float64")) as ref, Engine(path) as cpu:
+        assert S.ExpertFormat(gpu.reader.blob_layout.expert_format) == FORMATS[name][0]
+        for got, exp in zip(gpu.logits(PROMPTS + [LONG]), ref.logits(PROMPTS + [LONG])):
+            assert _rel_logits(got, exp) < ENGINE_TOL
+        for prompt in PROMPTS:
+            tokens = gpu.generate(prompt, max_new_tokens=10, stop_ids=[]).output_ids
+            assert tokens == cpu.generate(prompt, max_new_tokens=10, stop_ids=[]).output_ids
+        assert gpu.generate_batch(PROMPTS, 6) == cpu.generate_batch(PROMPTS, 6)
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "mxfp4"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_paged_4bit_experts_compute_what_resident_ones_do(tmp_path, name, graphs):
+    """A cache of 3 of the 8 experts: misses read blobs over PCIe, admissions fill on read (decode) or copy
+    (prefill); tokens and logits equal the resident run's."""
+    path = _file(tmp_path, name)
+    base = dict(device="cuda", max_seq_len=128, use_graphs=graphs)
+    with Engine(path, EngineConfig(**base)) as resident, \
+            Engine(path, EngineConfig(**base, max_cached_experts=3)) as paged:
+        assert paged.experts.resident is False
+        for _ in range(2):            # the second round runs on what the first admitted
+            for a, b in zip(paged.logits(PROMPTS + [LONG]), resident.logits(PROMPTS + [LONG])):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            for prompt in PROMPTS:
+                assert paged.generate(prompt, max_new_tokens=12, stop_ids=[]).output_ids == \
+                    resident.generate(prompt, max_new_tokens=12, stop_ids=[]).output_ids
+        assert paged.stats()["paging"]["misses"] > 0
