@@ -126,7 +126,8 @@ def cpu_run(path: Path, batch: int, iters: int) -> dict:
     with Engine(path, EngineConfig(max_batch_size=batch, max_seq_len=16 + 2 + iters + 1)) as eng:
         d, _ = decode_bench(eng, batch, iters, 2, np.random.default_rng(0))
         m, blob = eng.reader.model, eng.reader.blob_layout.size
-        experts = len(m["moe_layers"]) * min(m["num_experts"], batch * m["top_k"]) * blob
+        biases = 4 * (2 * m["expert_intermediate_size"] + m["hidden_size"]) if m.get("expert_bias") else 0
+        experts = len(m["moe_layers"]) * min(m["num_experts"], batch * m["top_k"]) * (blob + biases)
         return {"tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"], "graph": d["graph"],
                 "weight_bytes_per_step": dense_weight_bytes(eng) + experts}
 

@@ -33,7 +33,8 @@ extern "C" __global__ void spin(long long cycles) {
 }
 """
 PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention", "residual_add",
-            "router", "moe_experts", "silu_mul", "split_bf16")      # the backend's calls into kernels/ops.py
+            "router", "moe_experts", "moe_experts_4bit", "silu_mul",
+            "split_bf16")      # the backend's calls into kernels/ops.py
 
 
 # --- random experts for kernel benchmarks ------------------------------------------------------------------------
@@ -109,10 +110,13 @@ def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
     """Bytes a call must move (weights / KV), or a thunk evaluated after the step (needs device counts)."""
     if name == "dense_gemv":
         return int(args[1].nbytes)
-    if name == "moe_experts":         # dispatch, gate/up, down and combine: each active expert read once
+    if name in ("moe_experts", "moe_experts_4bit"):   # dispatch, gate/up, down, combine: each active expert read once
         table, disp = args[3], kw["disp"]
         H, I, g = table.hidden_size, table.intermediate_size, table.group_size
-        per_expert = 3 * H * I + 4 * (2 * I * (H // g if g else 1) + H * (I // g if g else 1))
+        per_expert = table.weight_bytes() if name == "moe_experts_4bit" else \
+            3 * H * I + 4 * (2 * I * (H // g if g else 1) + H * (I // g if g else 1))
+        if kw.get("extras") is not None:      # gpt-oss: each active expert's f32 gate/up and down bias rows
+            per_expert += 4 * (2 * I + H)
         return lambda: int(np.count_nonzero(be.to_host(disp.counts))) * per_expert
     if name == "attention":
         kc, q_len = args[1], args[4]
@@ -268,17 +272,20 @@ def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -
 
 
 def dense_weight_bytes(eng) -> int:
-    """Bytes of the dense matrices one decode step reads as stored (all but the embedding, unless tied)."""
+    """Bytes of the dense matrices one decode step reads as stored (all but the embedding, unless tied; gpt-oss's
+    per-expert bias matrices are counted with the experts a step reads, `_bytes_of`)."""
     a, w = eng.args, eng.dense
     head = "embed_tokens" if a.tied or not w.has("lm_head") else "lm_head"
     return sum(int(arr.nbytes) for name, arr in w.arrays.items()
-               if arr.ndim == 2 and (name != "embed_tokens" or head == "embed_tokens"))
+               if arr.ndim == 2 and (name != "embed_tokens" or head == "embed_tokens")
+               and not name.endswith(("expert_gate_up_bias", "expert_down_bias")))
 
 
 def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float, dense_bytes: int) -> dict:
     """Weight bytes per step: the dense matrices as stored (whether dense_gemv or cuBLAS reads them) plus the
     distinct experts the step's profile touched."""
-    weights = dense_bytes + (kernels.get("moe_experts", {}).get("bytes", 0) or 0)
+    experts = ("moe_experts", "moe_experts_4bit")
+    weights = dense_bytes + sum(kernels.get(name, {}).get("bytes", 0) or 0 for name in experts)
     bw = ceilings["d2d_copy_gbps"] * 1e9
     step_s = weights / bw if bw else 0.0
     roof = batch / step_s if step_s else 0.0
