@@ -3,7 +3,7 @@
 //
 //   mla_rope_append:      c and the roped shared key into the cache at (seq[n], pos[n]); each head's rope part of q
 //                         turned into qr
-//   mla_absorb_q_<w>:     ql[n, h] = q_nope[n, h] k_b[h]            (k_b [nh dn, r]: q into the latent space)
+//   mla_absorb_q_<w>:     ql[n, h] = q_nope[n, h] k_b[h]             (k_b [nh dn, r]: q into the latent space)
 //   mla_attend:           lat[n, h] = sum_l p_l c_l, p = softmax_l(scale (ql . c_l + qr . k_l)) over l < q_len[n]
 //   mla_absorb_v_<w>:     out[n, h dv + v] = lat[n, h] . v_b[h dv + v]   (v_b [nh dv, r]: the heads' values)
 //
@@ -59,12 +59,15 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 
 // ------------------------------------------------------------------------------------------------ q absorption
 // ql [N, nh, r] = q_nope [N, nh, dn] (the first dn values of each head of q [N, nh, dn + dr]) times k_b [nh dn, r].
-// Grid (ceil(r / MLA_THREADS), nh, ceil(N / MLA_ROWS)): a thread per latent column j, MLA_ROWS rows at once so each
-// k_b load serves them all. Dynamic shared memory: MLA_ROWS * dn floats (the rows' q_nope of head h).
+// Grid (ceil(r / 32), nh, ceil(N / MLA_ROWS)): lane l of warp w sums latent column j = 32 blockIdx.x + l over
+// d = w, w + MLA_WARPS, ... for MLA_ROWS rows at once (each k_b load serves them all; the warps split dn so that even
+// a few heads fill the device), then the warps' partial sums are added. Dynamic shared memory: MLA_ROWS * dn floats
+// (the rows' q_nope of head h), then MLA_WARPS * MLA_ROWS * 32 partial sums.
 template <typename TW>
 __device__ __forceinline__ void absorb_q_impl(const float* __restrict__ q, const typename TW::storage* __restrict__ kb,
                                               float* __restrict__ ql, int N, int nh, int dn, int dr, int r) {
     extern __shared__ float s_q[];
+    float* s_part = s_q + MLA_ROWS * dn;
     const int h = blockIdx.y, n0 = blockIdx.z * MLA_ROWS;
     const int rows = min(MLA_ROWS, N - n0);
     for (int t = threadIdx.x; t < rows * dn; t += blockDim.x) {
@@ -72,20 +75,28 @@ __device__ __forceinline__ void absorb_q_impl(const float* __restrict__ q, const
         s_q[t] = q[((size_t)(n0 + i) * nh + h) * (dn + dr) + d];
     }
     __syncthreads();
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= r) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = blockIdx.x * 32 + lane;
     float acc[MLA_ROWS];
 #pragma unroll
     for (int i = 0; i < MLA_ROWS; ++i) acc[i] = 0.0f;
-    for (int d = 0; d < dn; ++d) {
-        const float w = TW::to_f32(kb[((size_t)h * dn + d) * r + j]);
+    if (j < r) {
+        for (int d = warp; d < dn; d += MLA_WARPS) {
+            const float w = TW::to_f32(kb[((size_t)h * dn + d) * r + j]);
 #pragma unroll
-        for (int i = 0; i < MLA_ROWS; ++i)
-            if (i < rows) acc[i] = fmaf(s_q[i * dn + d], w, acc[i]);
+            for (int i = 0; i < MLA_ROWS; ++i)
+                if (i < rows) acc[i] = fmaf(s_q[i * dn + d], w, acc[i]);
+        }
     }
 #pragma unroll
-    for (int i = 0; i < MLA_ROWS; ++i)
-        if (i < rows) ql[((size_t)(n0 + i) * nh + h) * r + j] = acc[i];
+    for (int i = 0; i < MLA_ROWS; ++i) s_part[(warp * MLA_ROWS + i) * 32 + lane] = acc[i];
+    __syncthreads();
+    for (int t = threadIdx.x; t < rows * 32; t += blockDim.x) {
+        const int i = t / 32, col = blockIdx.x * 32 + t % 32;
+        if (col >= r) continue;
+        float sum = 0.0f;
+        for (int w = 0; w < MLA_WARPS; ++w) sum += s_part[(w * MLA_ROWS + i) * 32 + t % 32];
+        ql[((size_t)(n0 + i) * nh + h) * r + col] = sum;
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ attention
