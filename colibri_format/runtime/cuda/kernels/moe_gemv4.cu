@@ -7,7 +7,9 @@
 // A 16-byte chunk is 32 weights, so it never straddles two groups. Weights are decoded in registers:
 //   int4_group: the two's-complement nibble's integer;
 //   mxfp4:      twice the E2M1 value (an integer, |v| <= 12), the 1/2 folded into the scale 2^(e - 128).
-// Both are exact in fp32, and so is integer x scale: the products are the NumPy engine's dequantized weights.
+// Both are exact in fp32, and so is integer x scale: the expansion's int8 weights times its float32 scales are the
+// NumPy engine's dequantized weights bit for bit; the GEMVs multiply each chunk's partial sum by its scale instead
+// (fp32 rounding apart, the same products).
 //
 // The GEMVs have the contract, the work items and the fill on read of moe_gemv.cu's kernels (see there):
 //   moe4_gate_up_*: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
@@ -30,11 +32,15 @@ template <>
 struct Packed<false> {  // int4_group
     typedef u16 scale_t;
     static __device__ __forceinline__ float scale(u16 s) { return TF16::to_f32(s); }
-    // (v ^ 8) is v + 8 in 0..15 for a nibble v; the float with bits 0x4B000000 | u is exactly 2^23 + u
+    // (v ^ 8) is v + 8 in 0..15 for a nibble v: byte j of `even` holds weight 2j + 8, of `odd` weight 2j + 1 + 8;
+    // the float with bits 0x4B000000 | u (a byte u placed by __byte_perm) is exactly 2^23 + u
     static __device__ __forceinline__ void weights(unsigned int w, float* out) {
-        const unsigned int u = w ^ 0x88888888u;
+        const unsigned int even = (w & 0x0F0F0F0Fu) ^ 0x08080808u, odd = ((w >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = __uint_as_float(0x4B000000u | ((u >> (4 * i)) & 0xFu)) - 8388616.0f;
+        for (int j = 0; j < 4; ++j) {
+            out[2 * j] = __uint_as_float(__byte_perm(even, 0x4B000000u, 0x7650 + j)) - 8388616.0f;
+            out[2 * j + 1] = __uint_as_float(__byte_perm(odd, 0x4B000000u, 0x7650 + j)) - 8388616.0f;
+        }
     }
 };
 
