@@ -1,0 +1,184 @@
+"""Batch-1 decode with int8 vs 4-bit experts (int4_group g32, mxfp4) on a full-depth Mixtral-8x7B-shaped file
+(issue 16): resident tokens/s and paged PCIe bytes per token.
+
+    PYTHONPATH=. python benchmarks/int4_decode.py --out OUT_DIR [--formats int8,int4_g32,mxfp4]
+    PYTHONPATH=. python benchmarks/int4_decode.py --out OUT_DIR --tiny --device cpu      # smoke test, no GPU
+
+Each format is a synthetic random file (`synthetic.write_synthetic(reuse_expert=True)`: bf16 dense, one random
+expert blob repeated) of Mixtral-8x7B's full shape (32 layers, vocabulary 32000, hidden 4096, 8 experts top-2 of
+FFN 14336, 32 query / 8 kv heads of 128) written to --dir (/dev/shm) and deleted after its runs, before the next
+format's file is written (int8 ~47 GB, int4 g32 ~26 GB, mxfp4 ~25 GB). Per format, in this one process:
+- resident: `runtime.cuda.bench.run_bench` (CUDA graphs, no prefill): tokens/s, the weight bytes a step reads (dense
+  matrices as stored + the distinct experts its profile touched) and the roofline share at HBM_COPY_BPS;
+- paged: the expert cache at 50% (4 of 8 experts a layer, per-layer lrfu) through `benchmarks/paging.py`'s
+  `one_run`, the routes replayed from one synthetic Zipf trace (`paging.TraceRoutes`), so every format pages the
+  same expert sequence: tokens/s, hit rate and the PCIe bytes per token (misses read over PCIe plus admission
+  copies).
+The table adds each 4-bit figure's ratio to int8's (targets: resident tokens/s >= 1.6x, PCIe bytes per token
+halved) and the ratio a bandwidth-bound engine would reach (int8 weight bytes / 4-bit weight bytes per step: the
+bf16 attention weights are the same in both, so this bounds the resident speed-up).
+With --device cpu (the NumPy engine: a check of the script and the files) `bench.decode_bench` times the steps and
+the expert bytes are the upper bound min(E, top_k) experts a layer. Writes int4_decode.json and int4_decode.txt to
+--out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
+MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
+               expert_inter=14336)
+TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, expert_inter=128)
+FORMATS = {"int8": ("INT8_ROW", 0), "int4_g32": ("INT4_GROUP", 32), "mxfp4": ("MXFP4", 32)}
+
+
+def log(msg: str) -> None:
+    print(f"[int4_decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def model_of(shape: dict) -> dict:
+    from colibri_format import spec as S
+    from colibri_format.synthetic import synthetic_model
+
+    m = synthetic_model(**{k: v for k, v in shape.items() if k != "head_dim"})
+    m.update(head_dim=shape["head_dim"], max_position_embeddings=4096)
+    S.check_model(m)
+    return m
+
+
+def file_bytes(model: dict, fmt, group: int) -> int:
+    """Bytes of the file's bf16 dense tensors and expert blobs (for the free-space check)."""
+    from colibri_format import spec as S
+    from colibri_format.spec.tensors import canonical_dense_tensors
+
+    dense = sum(2 * int(np.prod(shape)) for _, shape in canonical_dense_tensors(model))
+    blob = S.blob_layout(model["hidden_size"], model["expert_intermediate_size"], fmt, group).size
+    return dense + len(model["moe_layers"]) * model["num_experts"] * blob
+
+
+def write_file(path: Path, model: dict, fmt, group: int) -> dict:
+    from colibri_format import spec as S
+    from colibri_format.synthetic import write_synthetic
+
+    need = file_bytes(model, fmt, group)
+    free = shutil.disk_usage(path.parent).free
+    if need > free:
+        raise SystemExit(f"{path}: needs {need / 1e9:.1f} GB, {path.parent} has {free / 1e9:.1f} GB free")
+    t0 = time.perf_counter()
+    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16, expert_format=fmt, group_size=group)
+    info = {"bytes": path.stat().st_size, "write_s": time.perf_counter() - t0}
+    log(f"wrote {path} ({info['bytes'] / 1e9:.1f} GB) in {info['write_s']:.0f} s")
+    return info
+
+
+def resident_cuda(path: Path, iters: int) -> dict:
+    from colibri_format.runtime.cuda.bench import render, run_bench
+
+    r = run_bench(path, batch_size=1, num_iters=iters, warmup_iters=8, prefill=False, verify="never")
+    log("\n" + render(r))
+    return {"tokens_per_s": r["decode"]["tokens_per_s"], "graph": r["decode"]["graph"],
+            "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"], "kernels": r.get("kernels")}
+
+
+def resident_cpu(path: Path, iters: int) -> dict:
+    from colibri_format.runtime import Engine, EngineConfig
+    from colibri_format.runtime.cuda.bench import decode_bench, dense_weight_bytes
+
+    with Engine(path, EngineConfig(max_seq_len=16 + 2 + iters + 1, verify="never")) as eng:
+        d, _ = decode_bench(eng, 1, iters, 2, np.random.default_rng(0))
+        m, blob = eng.reader.model, eng.reader.blob_layout.size
+        experts = len(m["moe_layers"]) * min(m["num_experts"], m["top_k"]) * blob
+        return {"tokens_per_s": d["tokens_per_s"], "graph": d["graph"],
+                "weight_bytes_per_step": dense_weight_bytes(eng) + experts}
+
+
+def paged(path: Path, args, ceilings: dict, experts: int) -> dict:
+    from benchmarks.paging import one_run
+
+    row = one_run(path, batch=1, capacity=experts // 2, routing="trace", n=args.paged_iters, warmup=args.warmup,
+                  ceilings=ceilings, scope="per_layer", device=args.device)
+    keys = ("tokens_per_s", "hit_rate", "misses_per_token", "pcie_mb_per_token", "blob_bytes", "graph",
+            "stall_ms_per_token", "copy_gbps")
+    return {k: row.get(k) for k in keys}
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["format"] == "int8"), None)
+    lines = [f"{'format':<10}{'file GB':>8}{'tok/s':>9}{'x int8':>8}{'bound x':>8}{'weights MB':>11}{'share':>7}"
+             f"{'paged tok/s':>12}{'hit':>6}{'PCIe MB/tok':>12}{'x int8':>8}"]
+    for r in rows:
+        res, pg = r["resident"], r["paged"]
+        roof = HBM_COPY_BPS / res["weight_bytes_per_step"]
+        ratio = bound = pcie = "-"
+        if base is not None:
+            ratio = f"{res['tokens_per_s'] / base['resident']['tokens_per_s']:.2f}"
+            bound = f"{base['resident']['weight_bytes_per_step'] / res['weight_bytes_per_step']:.2f}"
+            if base["paged"]["pcie_mb_per_token"]:
+                pcie = f"{pg['pcie_mb_per_token'] / base['paged']['pcie_mb_per_token']:.2f}"
+        lines.append(f"{r['format']:<10}{r['file']['bytes'] / 1e9:>8.1f}{res['tokens_per_s']:>9.1f}{ratio:>8}"
+                     f"{bound:>8}{res['weight_bytes_per_step'] / 1e6:>11.0f}{res['tokens_per_s'] / roof:>7.1%}"
+                     f"{pg['tokens_per_s']:>12.2f}{pg['hit_rate'] or 0:>6.2f}{pg['pcie_mb_per_token'] or 0:>12.1f}"
+                     f"{pcie:>8}")
+    lines.append(f"share: of the roofline at {HBM_COPY_BPS / 1e12:.1f} TB/s (weight bytes a step reads); bound x: "
+                 "int8 weight bytes / this format's (the resident speed-up a bandwidth-bound engine reaches); paged: "
+                 "cache at 50% (4 of 8 experts a layer, lrfu), routes replayed from one trace")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    from colibri_format import spec as S
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--formats", default="int8,int4_g32,mxfp4")
+    ap.add_argument("--iters", type=int, default=64, help="timed resident decode steps")
+    ap.add_argument("--paged-iters", type=int, default=32, help="timed paged decode steps")
+    ap.add_argument("--warmup", type=int, default=32, help="paged steps that fill the cache first")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy widths (a check of the script)")
+    ap.add_argument("--dir", default="/dev/shm", help="where the files are written")
+    args = ap.parse_args()
+    names = args.formats.split(",")
+    if set(names) - set(FORMATS):
+        ap.error(f"unknown formats {sorted(set(names) - set(FORMATS))}; known: {sorted(FORMATS)}")
+    if args.tiny:
+        args.iters, args.paged_iters, args.warmup = min(args.iters, 4), min(args.paged_iters, 3), min(args.warmup, 2)
+    from benchmarks.paging import copy_ceiling
+
+    shape = TINY if args.tiny else MIXTRAL
+    model = model_of(shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceilings = copy_ceiling(args.device, 1 << 20 if args.tiny else 1 << 30)
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "shape": shape,
+                    "hbm_copy_bps": HBM_COPY_BPS, "ceilings": ceilings, "rows": []}
+    resident = resident_cuda if args.device == "cuda" else resident_cpu
+    for name in names:
+        fmt, group = S.ExpertFormat[FORMATS[name][0]], FORMATS[name][1]
+        path = Path(args.dir) / f"int4_decode_{name}.colibri"
+        try:
+            row = {"format": name, "file": write_file(path, model, fmt, group)}
+            row["resident"] = resident(path, args.iters)
+            row["paged"] = paged(path, args, ceilings, shape["experts"])
+            res, pg = row["resident"], row["paged"]
+            log(f"{name}: resident {res['tokens_per_s']:.1f} tok/s, paged {pg['tokens_per_s']:.2f} tok/s at "
+                f"{pg['pcie_mb_per_token']:.1f} MB/token over PCIe")
+            result["rows"].append(row)
+            (out / "int4_decode.json").write_text(json.dumps(result, indent=1, default=str))
+        finally:
+            path.unlink(missing_ok=True)
+    text = table(result["rows"])
+    (out / "int4_decode.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
