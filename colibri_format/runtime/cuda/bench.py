@@ -34,7 +34,7 @@ extern "C" __global__ void spin(long long cycles) {
 """
 PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention", "residual_add",
             "router", "moe_experts", "moe_experts_4bit", "silu_mul",
-            "split_bf16")      # the backend's calls into kernels/ops.py
+            "split_bf16", "mla_attention")      # the backend's calls into kernels/ops.py
 
 
 # --- random experts for kernel benchmarks ------------------------------------------------------------------------
