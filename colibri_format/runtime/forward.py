@@ -303,11 +303,12 @@ class Decoder:
 
     def expert_extras(self, i: int) -> dict:
         """What the experts of `layer` compute beyond silu(gate) * up (gpt-oss): the clamped SwiGLU, the biases
-        (only passed when the model has them; the CUDA backend refuses such models at open)."""
+        (only passed when the model has them; as f32, which the CUDA kernels read)."""
         a, p = self.a, f"layers.{i}.moe"
         extras = {"act": a.expert_act} if a.expert_act is not None else {}
         if a.expert_bias:
-            extras.update(gate_up_bias=self.w[f"{p}.expert_gate_up_bias"], down_bias=self.w[f"{p}.expert_down_bias"])
+            extras.update(gate_up_bias=self.w.f32(f"{p}.expert_gate_up_bias"),
+                          down_bias=self.w.f32(f"{p}.expert_down_bias"))
         return extras
 
     def route(self, layer: int, x, ws, tag: str):

@@ -180,8 +180,10 @@ class CupyBackend:
             ws.extra[key] = self.ops.RouterWorkspace(x.shape[0], w.shape[0])
         return self.ops.router(x, w, k, workspace=ws.extra[key], out_ids=out_ids, out_weights=out_weights, **how)
 
-    def moe(self, x, ids, weights, table, *, residual, alpha: float, ws):
-        """Routed experts of one pass added to the residual (buffers from the workspace: capturable)."""
+    def moe(self, x, ids, weights, table, *, residual, alpha: float, ws, act=None, gate_up_bias=None,
+            down_bias=None):
+        """Routed experts of one pass added to the residual (buffers from the workspace: capturable). act
+        (model.expert_act), gate_up_bias [E, 2I] and down_bias [E, H] f32: gpt-oss's experts (`ops.ExpertExtras`)."""
         ops, (T, k) = self.ops, ids.shape
         P, E = T * k, table.num_experts
         if table.route_totals is not None:
@@ -192,7 +194,8 @@ class CupyBackend:
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
-                               ypair=ws.buf("moe_ypair", (P, table.hidden_size)))
+                               ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
+                               extras=ops.ExpertExtras.from_model(act, gate_up_bias, down_bias))
 
     def count_routes(self, ids, totals):
         return self.ops.count_routes(ids, totals)

@@ -133,13 +133,9 @@ def check_cuda_support(model: dict, blob_layout) -> None:
 def _check_semantics(model: dict) -> None:
     """Model features the NumPy engine computes and these kernels do not yet (each names what the kernel lacks).
 
-    Grouped top-k (router.n_group), a router bias on the logits (topk_softmax) and attention sinks run (router.cu,
-    layers.cu)."""
-    if model.get("expert_act") is not None:
-        raise _refuse("the clamped SwiGLU of the experts (expert_act); moe_gemv.cu / moe_gemm.cu compute "
-                      "silu(gate) * up", "model.expert_act", model["expert_act"])
-    if model.get("expert_bias"):
-        raise _refuse("expert biases (expert_bias); the expert kernels add none", "model.expert_bias", True)
+    Grouped top-k (router.n_group), a router bias on the logits (topk_softmax), attention sinks (router.cu,
+    layers.cu) and gpt-oss's expert biases and clamped SwiGLU (expert_bias, expert_act: the `*_extras` kernels of
+    moe_gemv.cu / moe_gemm.cu) run."""
     if "linear_attention" in (model.get("layer_types") or ()):
         raise _refuse("Gated DeltaNet layers (layer_types linear_attention: Qwen3-Next / Qwen3.5) have no CUDA kernels "
                       "yet; run it with --device cpu", "model.layer_types", "linear_attention")

@@ -44,15 +44,22 @@ def _per_pair(ids, pair_rows) -> np.ndarray:
     return out
 
 
-def pair_act(x, ids, experts) -> np.ndarray:
-    """act [T * k, I]: silu(gate x[t]) * (up x[t]) with expert ids[t, j] (the gate/up kernels' output)."""
-    return _per_pair(ids, lambda e, t, j: nb.silu_mul(nb.linear(x[t], experts(e)[0])))
+def pair_act(x, ids, experts, *, act=None, gate_up_bias=None) -> np.ndarray:
+    """act [T * k, I]: silu(gate x[t]) * (up x[t]) with expert ids[t, j] (the gate/up kernels' output); with
+    gpt-oss's extras, gate_up_bias [E, 2I] added first and the clamped SwiGLU `act` (`numpy_backend.expert_ffn`)."""
+    def rows(e, t, j):
+        h = nb.linear(x[t], experts(e)[0], bias=None if gate_up_bias is None else gate_up_bias[e])
+        inter = h.shape[1] // 2
+        return nb.silu_mul(h) if act is None else nb.clamped_swiglu(h[:, :inter], h[:, inter:], **act)
+    return _per_pair(ids, rows)
 
 
-def pair_down(act, ids, weights, experts) -> np.ndarray:
-    """ypair [T * k, H]: weights[t, j] * (down act[p]) with expert ids[t, j] (the down kernels' output)."""
+def pair_down(act, ids, weights, experts, *, down_bias=None) -> np.ndarray:
+    """ypair [T * k, H]: weights[t, j] * (down act[p] (+ down_bias [E, H])) with expert ids[t, j] (the down kernels'
+    output)."""
     k = ids.shape[1]
-    return _per_pair(ids, lambda e, t, j: weights[t, j, None] * nb.linear(act[t * k + j], experts(e)[1]))
+    return _per_pair(ids, lambda e, t, j: weights[t, j, None] * nb.linear(
+        act[t * k + j], experts(e)[1], bias=None if down_bias is None else down_bias[e]))
 
 
 def combine(ypair, k: int, residual, alpha: float = 1.0) -> np.ndarray:

@@ -1,6 +1,7 @@
 """`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss features (CPU only): what the kernels compute runs
-(grouped top-k, a router bias on the logits and attention sinks among them), what they do not yet compute (gpt-oss's
-expert biases and clamped SwiGLU) is refused at open with one line naming the field."""
+(grouped top-k, a router bias on the logits, attention sinks, gpt-oss's expert biases and clamped SwiGLU among them),
+what they do not compute (Qwen3-Next's gated attention and Gated DeltaNet, MLA) is refused at open with one line
+naming the field."""
 
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ SIGMOID = {"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True
                 "scale": 1.0}},                                            # gpt-oss's router: a bias on the logits
     {"attention_sinks": True},                                              # gpt-oss's sinks (layers.cu)
     {"sliding_window": 4, "sliding_layers": [0]},                           # gpt-oss's per-layer windows
+    {"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}},      # gpt-oss's experts (*_extras kernels)
+    {"expert_act": {"alpha": 1.702, "limit": None, "up_offset": 1.0}},     # no clamp
+    {"expert_bias": True},
+    {"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}, "expert_bias": True},
 ])
-def test_glm_minimax_and_gpt_oss_attention_features_run(changes):
+def test_glm_minimax_and_gpt_oss_features_run(changes):
     m = model(**changes)
     L.check_cuda_support(m, blob(m))
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"expert_act": {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}}, "model.expert_act"),
-    ({"expert_bias": True}, "model.expert_bias"),
     ({"attention_gate": True}, "model.attention_gate"),                        # Qwen3-Next / Qwen3.5: CPU only
     ({"layer_types": ["linear_attention", "full_attention"], "attention_gate": True,
       "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8,

@@ -325,6 +325,46 @@ class ExpertTable:
         self.groups()
 
 
+@dataclass(frozen=True)
+class ExpertExtras:
+    """gpt-oss's experts beyond silu(gate) * up, run by the `*_extras` kernels (common.cuh ExpertExtras): per-expert
+    biases, added before the activation (gate_up) and before the routing weight (down), and the clamped SwiGLU
+    (model.expert_act). The defaults compute silu(gate) * up; `numpy_backend.expert_ffn` is the reference."""
+
+    gate_up_bias: Any = None        # cupy f32 [E, 2I] (gate rows, then up rows), or None
+    down_bias: Any = None           # cupy f32 [E, H], or None
+    alpha: float = 1.0
+    limit: float | None = None      # None: no clamp
+    up_offset: float = 0.0
+
+    @classmethod
+    def from_model(cls, act: dict | None, gate_up_bias=None, down_bias=None) -> "ExpertExtras | None":
+        """From the decoder's expert extras (model.expert_act and the bias tensors); None when there are none."""
+        if act is None and gate_up_bias is None and down_bias is None:
+            return None
+        how = {} if act is None else {"alpha": act["alpha"], "limit": act.get("limit"), "up_offset": act["up_offset"]}
+        return cls(gate_up_bias, down_bias, **how)
+
+    def gate_up_args(self, table: ExpertTable) -> tuple:
+        """The gate/up kernels' trailing arguments: bias (or NULL), alpha, limit (+inf: none), up_offset."""
+        if self.gate_up_bias is not None:
+            _check("gate_up_bias", self.gate_up_bias, dtype=np.float32,
+                   shape=(table.num_experts, 2 * table.intermediate_size))
+        limit = np.inf if self.limit is None else self.limit
+        return _ptr(self.gate_up_bias), np.float32(self.alpha), np.float32(limit), np.float32(self.up_offset)
+
+    def down_args(self, table: ExpertTable) -> tuple:
+        """The down kernels' trailing argument: bias (or NULL)."""
+        if self.down_bias is not None:
+            _check("down_bias", self.down_bias, dtype=np.float32, shape=(table.num_experts, table.hidden_size))
+        return (_ptr(self.down_bias),)
+
+
+def _with_extras(name: str, extras: ExpertExtras | None) -> str:
+    """The kernel that computes `extras` (the plain one without)."""
+    return name if extras is None else f"{name}_extras"
+
+
 def tokens_per_pass(num_tokens: int, k: int, num_experts: int) -> int:
     """GEMV variant: about twice the mean number of tokens per active expert, 1..8."""
     want = min(num_tokens, max(1, math.ceil(2 * num_tokens * k / num_experts)))
@@ -374,11 +414,12 @@ def _gemv_name(stage: str, tokc: int, kind: str, variant: str | None) -> str:
 
 
 def moe_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
-                variant: str | None = None, out=None):
+                variant: str | None = None, extras: ExpertExtras | None = None, out=None):
     """Decode GEMV: act [P, I] f32 in sorted (dispatch) order from x [T, H] f32.
 
     tokens_per_pass_ (1, 2, 4, 8; default from T, k, E) picks the kernel; with one token per pass, variant 't1'
-    (double-buffered loads), 'w2' or 'w4' (wide loads; default for short rows, see `wide_variant`).
+    (double-buffered loads), 'w2' or 'w4' (wide loads; default for short rows, see `wide_variant`). extras: gpt-oss's
+    gate/up bias and clamped SwiGLU (`ExpertExtras`).
     """
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
@@ -389,17 +430,19 @@ def moe_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tokens_per_pas
     gh, _, kind = table.groups()
     tokc = tokens_per_pass_ or tokens_per_pass(T, k, table.num_experts)
     name = _gemv_name("gate_up", tokc, kind, variant or (wide_variant(H) if tokc == 1 else None))
+    tail = extras.gate_up_args(table) if extras is not None else ()
     act = _out("out", out, (disp.num_pairs, I), cp.float32)
-    fn, grid = _gemv_launch(name)
+    fn, grid = _gemv_launch(_with_extras(name, extras))
     fn(grid, (GEMV_THREADS,),
         (x, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
-         disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh)))
+         disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh))
+        + tail)
     return act
 
 
 def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pass_: int | None = None,
-             variant: str | None = None, out=None):
-    """Decode GEMV: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
+             variant: str | None = None, extras: ExpertExtras | None = None, out=None):
+    """Decode GEMV: ypair [P, H] f32 (pair order) = routing weight * (down @ act (+ extras' down bias))."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
@@ -411,11 +454,12 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
     _, gi, kind = table.groups()
     tokc = tokens_per_pass_ or tokens_per_pass(P // k, k, table.num_experts)
     name = _gemv_name("down", tokc, kind, variant or (wide_variant(I) if tokc == 1 else None))
+    tail = extras.down_args(table) if extras is not None else ()
     y = _out("out", out, (P, H), cp.float32)
-    fn, grid = _gemv_launch(name)
+    fn, grid = _gemv_launch(_with_extras(name, extras))
     fn(grid, (GEMV_THREADS,),
         (act, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
-         disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)))
+         disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I), np.int32(gi)) + tail)
     return y
 
 
@@ -425,10 +469,12 @@ def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
     return kind == "r" if tensor_cores is None else bool(tensor_cores)
 
 
-def moe_gemm_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tensor_cores: bool | None = None, out=None):
+def moe_gemm_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tensor_cores: bool | None = None,
+                     extras: ExpertExtras | None = None, out=None):
     """Prefill grouped GEMM: act [P, I] f32 in sorted order from x [T, H] f32 (dispatch tile_m must be 64).
 
     tensor_cores (default: with per-row scales) runs the mma.sync bf16 kernel with split (hi + lo) activations.
+    extras: gpt-oss's gate/up bias and clamped SwiGLU (`ExpertExtras`).
     """
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
@@ -441,15 +487,18 @@ def moe_gemm_gate_up(x, table: ExpertTable, disp: Dispatch, k: int, *, tensor_co
     grid = (-(-I // GEMM_BN), int(disp.tile_expert.size))
     args = (x, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale), disp.perm,
             disp.offsets, disp.tile_expert, disp.tile_start, act, np.int32(H), np.int32(I), np.int32(k))
+    tail = extras.gate_up_args(table) if extras is not None else ()
     if _use_tc(kind, tensor_cores):
-        kernel("moe_gemm", "moe_gemm_tc_gate_up_r")(grid, (TC_THREADS,), args)
+        kernel("moe_gemm", _with_extras("moe_gemm_tc_gate_up_r", extras))(grid, (TC_THREADS,), args + tail)
     else:
-        kernel("moe_gemm", f"moe_gemm_gate_up_{kind}")(grid, (GEMM_THREADS,), args + (np.int32(gh),))
+        kernel("moe_gemm", _with_extras(f"moe_gemm_gate_up_{kind}", extras))(grid, (GEMM_THREADS,),
+                                                                             args + (np.int32(gh),) + tail)
     return act
 
 
-def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_cores: bool | None = None, out=None):
-    """Prefill grouped GEMM: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
+def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_cores: bool | None = None,
+                  extras: ExpertExtras | None = None, out=None):
+    """Prefill grouped GEMM: ypair [P, H] f32 (pair order) = routing weight * (down @ act (+ extras' down bias))."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
@@ -464,10 +513,12 @@ def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_co
     grid = (-(-H // GEMM_BN), int(disp.tile_expert.size))
     args = (act, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm, disp.offsets,
             disp.tile_expert, disp.tile_start, weights, y, np.int32(H), np.int32(I))
+    tail = extras.down_args(table) if extras is not None else ()
     if _use_tc(kind, tensor_cores):
-        kernel("moe_gemm", "moe_gemm_tc_down_r")(grid, (TC_THREADS,), args)
+        kernel("moe_gemm", _with_extras("moe_gemm_tc_down_r", extras))(grid, (TC_THREADS,), args + tail)
     else:
-        kernel("moe_gemm", f"moe_gemm_down_{kind}")(grid, (GEMM_THREADS,), args + (np.int32(gi),))
+        kernel("moe_gemm", _with_extras(f"moe_gemm_down_{kind}", extras))(grid, (GEMM_THREADS,),
+                                                                          args + (np.int32(gi),) + tail)
     return y
 
 
@@ -495,8 +546,9 @@ def gemm_path(T: int, k: int, num_experts: int) -> bool:
 
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
-                act=None, ypair=None, out=None):
-    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual).
+                act=None, ypair=None, extras: ExpertExtras | None = None, out=None):
+    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
+    gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
     disp, act [P, I], ypair [P, H] and out [T, H] may be passed in (preallocated for graph capture; out may be
     residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
@@ -506,11 +558,11 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     if use_gemm:
-        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, out=act)
-        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, out=ypair)
+        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, extras=extras, out=act)
+        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, extras=extras, out=ypair)
     else:
-        act = moe_gate_up(x, table, disp, k, out=act)
-        ypair = moe_down(act, table, disp, weights, out=ypair)
+        act = moe_gate_up(x, table, disp, k, extras=extras, out=act)
+        ypair = moe_down(act, table, disp, weights, extras=extras, out=ypair)
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
