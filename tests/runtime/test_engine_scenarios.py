@@ -119,6 +119,17 @@ def test_graph_replay_equals_eager(mixtral_file, device):
         assert np.array_equal(la, lb)                   # same kernels, same order: bit-identical
 
 
+def test_decode_steps_of_up_to_32_rows_are_graphs(mixtral_file, device):
+    # 20 rows: the dense products run dense_gemv in passes of 8 + 8 + 4 rows, so the CUDA step is captured
+    prompts = [[1 + (5 * i + j) % 30 for j in range(1 + i % 4)] for i in range(20)]
+    with Engine(mixtral_file, EngineConfig(device=device, max_seq_len=64)) as eng, reference(mixtral_file) as ref:
+        assert eng.generate_batch(prompts, 5) == ref.generate_batch(prompts, 5)
+        wide = {status for key, status in eng.stats()["graphs"].items() if key.startswith("20x")}
+        assert wide == ({"captured"} if device == "cuda" else {"the numpy backend has no graphs"})
+        if device == "cuda":
+            assert "cuBLAS" in eng.graph_blocker(33)
+
+
 def test_route_observers_added_after_capture_see_every_step(mixtral_file, device):
     with Engine(mixtral_file, EngineConfig(device=device)) as eng:
         first = eng.generate([3, 4, 5], max_new_tokens=6, stop_ids=[]).output_ids      # captures on CUDA

@@ -54,7 +54,7 @@ def test_buckets_graphs_and_tokens(wide_file, device):
         graph_steps = sum(1 for _, batch, graph in log.steps if batch == b and graph)
         assert graph_steps == (m["decode_batches"][b] - 1 if graphs[b] == "captured" else 0), b
     if device == "cuda":
-        assert graphs[1] == graphs[8] == "captured" and m["decode_graph_steps"] > len(log.steps) // 2
+        assert graphs[1] == graphs[8] == graphs[16] == "captured" and m["decode_graph_steps"] > len(log.steps) // 2
     else:
         assert m["decode_graph_steps"] == 0
     assert m["slot_moves"] >= 3

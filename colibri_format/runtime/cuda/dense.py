@@ -1,9 +1,10 @@
 """Dense weights on the device, uploaded once in their stored dtype, and the products that use them.
 
-Matrices stay f32, f16 or bf16 (bf16 as raw uint16 bits) as the file stores them. Small batches (decode, at
-most `GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel, which reads the stored dtype and
-can be captured in a CUDA graph; larger batches (prefill) upcast the weight into a scratch f32 matrix and use
-cuBLAS through `xp.matmul`, which cannot be captured but is much faster at many rows. Vectors (norms are read
+Matrices stay f32, f16 or bf16 (bf16 as raw uint16 bits) as the file stores them. Decode-sized batches (at most
+`GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel in passes of `GEMV_PASS_ROWS` rows; it
+reads the stored dtype and can be captured in a CUDA graph, so decode steps of up to 32 sequences (colibri serve's
+larger batch buckets) replay as graphs. Larger batches (prefill) upcast the weight into a scratch f32 matrix and
+use cuBLAS through `xp.matmul`, which is not captured but reads each weight once however many rows. Vectors (norms are read
 as stored by the kernels; biases, the router bias and the shared-expert gate) are kept as f32 as well.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.cuda.limits import DG_PLANS
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS
 from colibri_format.runtime.dense import fused_dense_tensors
 
-GEMV_MAX_ROWS = max(DG_PLANS)   # rows up to which dense products use dense_gemv (graph-capturable), not cuBLAS
+GEMV_PASS_ROWS = max(DG_PLANS)         # rows of one dense_gemv launch (it reads each weight once per pass)
+GEMV_MAX_ROWS = ATT_DECODE_MAX_ROWS    # rows up to which dense products use dense_gemv passes (graph-capturable),
+                                       # not cuBLAS: decode-sized steps, as for attention_decode
 BF16_SPLIT_MIN_ROWS = 9   # from this many rows, bf16-stored matrices multiply on the tensor cores (bf16 hi+lo
                           # split of x, fp32 accumulation: ~1e-5 relative) instead of f32 cuBLAS
 MIRROR_SHARE = 0.25  # f32 copies of the matrices (for cuBLAS) are kept if they take at most this share of free memory
@@ -75,7 +78,10 @@ class DeviceDense:
         b = self.f32(bias) if bias is not None else None
         T, K = x.shape
         if T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4:
-            return self.be.ops.dense_gemv(x, w, bias=b, out=out)
+            for t0 in range(0, T, GEMV_PASS_ROWS):
+                t1 = min(T, t0 + GEMV_PASS_ROWS)
+                self.be.ops.dense_gemv(x[t0:t1], w, bias=b, out=out[t0:t1])
+            return out
         if self.bf16_gemm and w.dtype == np.uint16 and T >= BF16_SPLIT_MIN_ROWS:
             self.be.gemm_bf16_split(x, w, out)
             if b is not None:
