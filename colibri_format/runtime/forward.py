@@ -92,7 +92,7 @@ class RecurrentState:
         self.conv = {i: be.zeros((seqs, channels, dims["conv_kernel"] - 1)) for i in layers}
         self.delta = {i: be.zeros((seqs, dims["num_value_heads"], dims["key_head_dim"], dims["value_head_dim"]))
                       for i in layers}
-        self.lengths = {i: np.zeros(seqs, np.int64) for i in layers}
+        self.lengths = {i: be.zeros(seqs, np.int64) for i in layers}    # on the device: decode steps advance them
         self.strict = True     # false during a decode step: a slot whose state does not hold `pos` tokens (a
                                # serving loop's idle slot, fed another slot's token) restarts from zero states
 

@@ -243,7 +243,7 @@ def delta_rule(q, k, v, g, beta, state):
     return o
 
 
-def _delta_chunks(q, k, v, g, beta, state, o) -> None:
+def _delta_chunks(q, k, v, g, beta, state, o, xp=np) -> None:
     """The chunked form over m chunks of C rows each: q, k [H, m, C, dk], v [H, m, C, dv], g, beta [H, m, C];
     writes o [H, m, C, dv] and advances state [H, dk, dv] (in place) over the m chunks in order.
 
@@ -255,22 +255,23 @@ def _delta_chunks(q, k, v, g, beta, state, o) -> None:
     W = (I + A)^-1 beta V and D = (I + A)^-1 diag(beta e^G) K, so U = W - D S_0.
     Then o_t = e^(G_t) q_t S_0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and the state after the chunk is
     e^(G_C) S_0 + sum_j e^(G_C - G_j) k_j u_j. Every exponent is <= 0 (g <= 0), so nothing overflows. The only
-    sequential part is the scan over chunks."""
+    sequential part is the scan over chunks. `xp`: the array module of the inputs (NumPy, or CuPy on the CUDA
+    engine's prefill)."""
     C, dv, dt = q.shape[2], v.shape[-1], v.dtype
 
     def exp(x):            # e^x of a float64 exponent, rounded to dt first
-        return np.exp(x.astype(dt))
+        return xp.exp(x.astype(dt))
 
     # G in float64 whatever the compute dtype: a difference G_t - G_j of two float32 sums near -1000 (strongly decaying
     # heads) would lose the small gaps between neighbouring rows; each exponent is rounded to `dt` once, then exp'd
-    cum = np.cumsum(g, axis=-1, dtype=np.float64)                             # [H, m, C]
-    causal = np.tri(C, dtype=bool)                                            # j <= t
-    decay = exp(np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf))  # e^(G_t - G_j), 0 for j > t
+    cum = xp.cumsum(g, axis=-1, dtype=np.float64)                             # [H, m, C]
+    causal = xp.tri(C, dtype=bool)                                            # j <= t
+    decay = exp(xp.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf))  # e^(G_t - G_j), 0 for j > t
     from_start, to_end = exp(cum), exp(cum[..., -1:] - cum)
-    kt = np.swapaxes(k, -1, -2)
+    kt = xp.swapaxes(k, -1, -2)
     A = beta[..., :, None] * (k @ kt) * decay
-    system = np.tril(A, -1) + np.eye(C, dtype=dt)                             # I + A: unit lower triangular
-    inverse = np.linalg.solve(system, np.broadcast_to(np.eye(C, dtype=dt), system.shape))
+    system = xp.tril(A, -1) + xp.eye(C, dtype=dt)                             # I + A: unit lower triangular
+    inverse = xp.linalg.solve(system, xp.broadcast_to(xp.eye(C, dtype=dt), system.shape))
     W = inverse @ (v * beta[..., None])                                       # [H, m, C, dv]
     D = inverse @ (k * (beta * from_start)[..., None])                        # [H, m, C, dk]
     scores = (q @ kt) * decay                                                 # [H, m, C, C], diagonal included
@@ -281,33 +282,45 @@ def _delta_chunks(q, k, v, g, beta, state, o) -> None:
         U = W[:, c] - D[:, c] @ state                                         # [H, C, dv]
         o[:, c] = q_in[:, c] @ state + scores[:, c] @ U
         state *= end[:, c, None, None]
-        state += np.swapaxes(k_out[:, c], -1, -2) @ U
+        state += xp.swapaxes(k_out[:, c], -1, -2) @ U
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, group: int | None = None):
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = DELTA_CHUNK, group: int | None = None, xp=np):
     """The gated delta rule of `delta_rule` (same arguments, same numbers up to rounding) in the chunked form:
     the rows in chunks of `chunk` (the last one shorter), the rows of a chunk at once through matrix products and the
     inverse of one triangular matrix (see `_delta_chunks`), the chunks one after another. state [nv, dk, dv] ends as the recurrent
     form leaves it. The solves run `group` chunks at a time (default: as many as keep each [heads, chunks, C, C]
-    temporary near 2M elements)."""
+    temporary near 2M elements). `xp`: the array module of the inputs (see `_delta_chunks`)."""
     n, H, dk = k.shape
     dv = v.shape[-1]
-    o = np.empty_like(v)
+    o = xp.empty_like(v)
     full = n - n % chunk
     group = group or max(1, (1 << 21) // (H * chunk * chunk))
 
     def heads_first(x, t0, m, C):                           # rows [t0, t0 + m C) as [H, m, C, ...]
         x = x[t0:t0 + m * C]
-        return np.moveaxis(x.reshape(m, C, *x.shape[1:]), 2, 0)
+        return xp.moveaxis(x.reshape(m, C, *x.shape[1:]), 2, 0)
 
     spans = [(t0, min(group, (full - t0) // chunk), chunk) for t0 in range(0, full, group * chunk)]
     if n > full:
         spans.append((full, 1, n - full))
     for t0, m, C in spans:
-        part = np.empty((H, m, C, dv), v.dtype)
-        _delta_chunks(*(heads_first(x, t0, m, C) for x in (q, k, v, g, beta)), state, part)
-        o[t0:t0 + m * C] = np.moveaxis(part, 0, 2).reshape(m * C, H, dv)
+        part = xp.empty((H, m, C, dv), v.dtype)
+        _delta_chunks(*(heads_first(x, t0, m, C) for x in (q, k, v, g, beta)), state, part, xp)
+        o[t0:t0 + m * C] = xp.moveaxis(part, 0, 2).reshape(m * C, H, dv)
     return o
+
+
+def continues_state(s: int, p0: int, held: int, strict: bool) -> bool:
+    """Whether sequence s's rows from position p0 continue its recurrent states (which hold `held` tokens) rather than
+    start from zero ones: a start at 0 is fresh, one at p0 == held continues; any other start raises InvalidInput, or
+    without `strict` (decode steps) is fresh."""
+    if p0 == 0 or (not strict and held != p0):
+        return False
+    if held != p0:
+        raise InvalidInput(f"sequence {s} continues at position {p0}, but its recurrent state holds {held} tokens (a "
+                           "Gated DeltaNet state cannot be rewound)", field="starts", value=p0)
+    return True
 
 
 def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv_state, delta_state, lengths, *,
@@ -336,13 +349,9 @@ def gated_delta_net(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, seq, pos, conv
     for s in dict.fromkeys(seq_h.tolist()):
         rows = np.flatnonzero(seq_h == s)
         p0 = int(pos_h[rows[0]])
-        if p0 == 0 or (not strict and int(lengths[s]) != p0):
+        if not continues_state(s, p0, int(lengths[s]), strict):
             conv_state[s] = 0
             delta_state[s] = 0
-        elif int(lengths[s]) != p0:
-            raise InvalidInput(f"sequence {s} continues at position {p0}, but its recurrent state holds "
-                               f"{int(lengths[s])} tokens (a Gated DeltaNet state cannot be rewound)",
-                               field="starts", value=p0)
         lengths[s] = p0 + len(rows)
         u = causal_conv(qkv[rows], w, conv_state[s])
         n = len(rows)
