@@ -32,6 +32,7 @@ class CupyBackend:
     graphs = True
     host_is_device = False
     dtype = np.dtype(np.float32)
+    deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
@@ -153,6 +154,15 @@ class CupyBackend:
 
     def qkv_rope_kv(self, *args, **kwargs):
         return self.ops.qkv_rope_kv(*args, **kwargs)
+
+    def gated_delta_net(self, *args, **kwargs):
+        """A Gated DeltaNet layer (`runtime/cuda/deltanet.py`: a decode step is kernels on static buffers, capturable;
+        a prefill is planned on the host and runs its spans chunked or recurrent)."""
+        if self.deltanet is None:
+            from colibri_format.runtime.cuda.deltanet import DeltaNet  # noqa: PLC0415
+
+            self.deltanet = DeltaNet(self)
+        return self.deltanet(*args, **kwargs)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
                   sinks=None):

@@ -62,6 +62,10 @@ DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output ro
 # fused.cu
 FUSED_THREADS = 256
 QKV_THREADS = 128
+# deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
+# (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
+DELTANET_THREADS = 128
+DELTANET_MAX_VALUE_DIM = 1024
 
 KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
@@ -75,6 +79,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
+    "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},
 }
 
 
@@ -136,15 +141,20 @@ def _check_semantics(model: dict) -> None:
     Grouped top-k (router.n_group), a router bias on the logits (topk_softmax), attention sinks (router.cu,
     layers.cu) and gpt-oss's expert biases and clamped SwiGLU (expert_bias, expert_act: the `*_extras` kernels of
     moe_gemv.cu / moe_gemm.cu) run."""
-    if "linear_attention" in (model.get("layer_types") or ()):
-        raise _refuse("Gated DeltaNet layers (layer_types linear_attention: Qwen3-Next / Qwen3.5) have no CUDA kernels "
-                      "yet; run it with --device cpu", "model.layer_types", "linear_attention")
-    if model.get("attention_gate"):
-        raise _refuse("gated attention (attention_gate: the output times sigmoid(x gate_proj^T)) has no CUDA kernel "
-                      "yet; run it with --device cpu", "model.attention_gate", True)
+    if model.get("linear_attention") is not None:
+        _check_linear_attention(model["linear_attention"])
     if model.get("mla") is not None:
         raise _refuse("multi-head latent attention (mla: DeepSeek-V3 family) has no CUDA kernels yet (its latent cache "
                       "and absorbed decode run on the NumPy engine); run it with --device cpu", "model.mla", "mla")
+
+
+def _check_linear_attention(lin: dict) -> None:
+    """Gated DeltaNet layers run on deltanet.cu: a thread per value column (a row's q and k in shared memory: 32 KB
+    at the spec's widest key_head_dim, 4096). Gated attention runs on the attention kernels and array operations."""
+    if lin["value_head_dim"] > DELTANET_MAX_VALUE_DIM:
+        raise _refuse(f"linear_attention.value_head_dim {lin['value_head_dim']}; the delta-rule kernel runs at most "
+                      f"{DELTANET_MAX_VALUE_DIM} value columns a head", "model.linear_attention.value_head_dim",
+                      lin["value_head_dim"])
 
 
 def _check_experts(model: dict, blob_layout) -> None:

@@ -1,7 +1,7 @@
 """`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss features (CPU only): what the kernels compute runs
-(grouped top-k, a router bias on the logits, attention sinks, gpt-oss's expert biases and clamped SwiGLU among them),
-what they do not compute (Qwen3-Next's gated attention and Gated DeltaNet, MLA) is refused at open with one line
-naming the field."""
+(grouped top-k, a router bias on the logits, attention sinks, gpt-oss's expert biases and clamped SwiGLU, Qwen3-Next's
+gated attention and Gated DeltaNet layers among them), what they do not compute (MLA, value heads wider than the
+delta-rule kernel's block) is refused at open with one line naming the field."""
 
 from __future__ import annotations
 
@@ -48,11 +48,25 @@ def test_glm_minimax_and_gpt_oss_features_run(changes):
     L.check_cuda_support(m, blob(m))
 
 
+def hybrid(value_head_dim: int = 8, key_head_dim: int = 8) -> dict:
+    """Qwen3-Next / Qwen3.5's layers: Gated DeltaNet, then gated full attention."""
+    return {"layer_types": ["linear_attention", "full_attention"], "attention_gate": True,
+            "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": key_head_dim,
+                                 "value_head_dim": value_head_dim, "conv_kernel": 4}}
+
+
+@pytest.mark.parametrize("changes", [
+    {"attention_gate": True},
+    hybrid(),
+    hybrid(value_head_dim=L.DELTANET_MAX_VALUE_DIM, key_head_dim=4096),     # the widest heads deltanet.cu runs
+])
+def test_qwen3_next_layers_run(changes):
+    m = model(**changes)
+    L.check_cuda_support(m, blob(m))
+
+
 @pytest.mark.parametrize("changes, field", [
-    ({"attention_gate": True}, "model.attention_gate"),                        # Qwen3-Next / Qwen3.5: CPU only
-    ({"layer_types": ["linear_attention", "full_attention"], "attention_gate": True,
-      "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8,
-                           "conv_kernel": 4}}, "model.layer_types"),
+    (hybrid(value_head_dim=L.DELTANET_MAX_VALUE_DIM + 16), "model.linear_attention.value_head_dim"),
 ])
 def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
     m = model(**changes)

@@ -799,3 +799,122 @@ def split_bf16(x, *, hi=None, lo=None):
     if x.size:
         kernel("fused", "split_bf16")((_grid_stride_blocks(x.size),), (256,), (x, h, lw, np.int64(x.size)))
     return h, lw
+
+
+# ---- Gated DeltaNet (deltanet.cu) ----------------------------------------------------------------------------------
+# A pass's rows in spans (the consecutive rows of one sequence): plan [4, NS] int32 = first row, rows, sequence,
+# fresh (1: start from zero states). The NumPy twins: numpy_backend.causal_conv, l2norm / softplus, delta_rule and
+# rmsnorm * silu, composed by numpy_backend.gated_delta_net.
+def _check_plan(plan, rows: int) -> int:
+    _check("plan", plan, dtype=np.int32, ndim=2)
+    if plan.shape[0] != 4 or plan.shape[1] > max(rows, 1):
+        raise ValueError(f"plan must be [4, spans <= {rows}], got {tuple(plan.shape)}")
+    return int(plan.shape[1])
+
+
+def deltanet_decode_plan(seq, pos, lengths, *, out=None):
+    """plan [4, T] of a decode step (row n: sequence seq[n]'s only row; fresh when pos[n] == 0 or lengths[seq[n]]
+    != pos[n]), and lengths[seq[n]] = pos[n] + 1. seq, pos int32 [T] (distinct sequences); lengths int64 [S]."""
+    cp = _cupy()
+    _check("seq", seq, dtype=np.int32, ndim=1)
+    T = seq.size
+    _check("pos", pos, dtype=np.int32, shape=(T,))
+    _check("lengths", lengths, dtype=np.int64, ndim=1)
+    plan = _out("out", out, (4, T), cp.int32)
+    if T:
+        kernel("deltanet", "deltanet_decode_plan")((-(-T // limits.DELTANET_THREADS),), (limits.DELTANET_THREADS,),
+                                                   (seq, pos, lengths, plan, np.int32(T)))
+    return plan
+
+
+def deltanet_conv(x, w, state, plan, *, out=None):
+    """u [T, C] = silu(causal depthwise conv of each span's rows of x [T, C] with w [C, K] f32, after the K-1
+    inputs in state [S, C, K-1] f32 (zeros for a fresh span)); the state of each span's sequence becomes its last K-1
+    inputs."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    T, C = x.shape
+    _check("w", w, dtype=np.float32, ndim=2)
+    K = w.shape[1]
+    if w.shape[0] != C or K < 1:
+        raise ValueError(f"conv weight {tuple(w.shape)} does not match {C} channels")
+    _check("state", state, dtype=np.float32, ndim=3)
+    if state.shape[1:] != (C, K - 1):
+        raise ValueError(f"conv state {tuple(state.shape)} must be [S, {C}, {K - 1}]")
+    ns = _check_plan(plan, T)
+    u = _out("out", out, (T, C), cp.float32)
+    if ns and C:
+        kernel("deltanet", "deltanet_conv")(
+            (_grid_stride_blocks(ns * C, limits.DELTANET_THREADS),), (limits.DELTANET_THREADS,),
+            (x, w, state, plan, u, np.int32(ns), np.int32(C), np.int32(K)))
+    return u
+
+
+def deltanet_prepare(u, b, a, A_log, dt_bias, *, heads: tuple[int, int], dk: int, l2_eps: float = 1e-6,
+                     q_out=None, k_out=None, beta_out=None, g_out=None):
+    """From the conv output u [T, C] (q | k | v rows, nk key heads of dk): q, k [T, nk, dk] l2-normed (q also times
+    dk^-1/2), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) [T, nv]; b, a [T, nv], A_log, dt_bias [nv] f32."""
+    cp = _cupy()
+    nk, nv = heads
+    _check("u", u, dtype=np.float32, ndim=2)
+    T, C = u.shape
+    if C < 2 * nk * dk or nv % nk:
+        raise ValueError(f"u {tuple(u.shape)} cannot hold q and k of {nk} heads of {dk} ({nv} value heads)")
+    for name, t in (("b", b), ("a", a)):
+        _check(name, t, dtype=np.float32, shape=(T, nv))
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        _check(name, t, dtype=np.float32, shape=(nv,))
+    q = _out("q_out", q_out, (T, nk, dk), cp.float32)
+    k = _out("k_out", k_out, (T, nk, dk), cp.float32)
+    beta = _out("beta_out", beta_out, (T, nv), cp.float32)
+    g = _out("g_out", g_out, (T, nv), cp.float32)
+    if T:
+        kernel("deltanet", "deltanet_prepare")(
+            (T, nk), (32,), (u, b, a, A_log, dt_bias, q, k, beta, g, np.int32(C), np.int32(nk), np.int32(nv),
+                             np.int32(dk), np.float32(l2_eps)))
+    return q, k, beta, g
+
+
+def deltanet_recurrent(q, k, u, g, beta, state, plan, *, value_heads: int, out=None):
+    """The gated delta rule row by row over each span (`numpy_backend.delta_rule`): q, k [T, nk, dk] (key head
+    h // (nv / nk) serves value head h), v the last nv dv columns of u [T, C], g, beta [T, nv], state
+    [S, nv, dk, dv] f32 (zeros for a fresh span) updated in place; returns o [T, nv, dv]."""
+    cp = _cupy()
+    nv = value_heads
+    _check("q", q, dtype=np.float32, ndim=3)
+    T, nk, dk = q.shape
+    _check("k", k, dtype=np.float32, shape=q.shape)
+    _check("u", u, dtype=np.float32, ndim=2)
+    for name, t in (("g", g), ("beta", beta)):
+        _check(name, t, dtype=np.float32, shape=(T, nv))
+    _check("state", state, dtype=np.float32, ndim=4)
+    dv = state.shape[3]
+    if state.shape[1:3] != (nv, dk) or nv % nk or u.shape[0] != T or u.shape[1] < nv * dv:
+        raise ValueError(f"state {tuple(state.shape)}, u {tuple(u.shape)} do not match q {tuple(q.shape)} and "
+                         f"{nv} value heads")
+    if dv > limits.DELTANET_MAX_VALUE_DIM:
+        raise ValueError(f"value head dim {dv} > {limits.DELTANET_MAX_VALUE_DIM}")
+    ns = _check_plan(plan, T)
+    o = _out("out", out, (T, nv, dv), cp.float32)
+    if ns:
+        C = u.shape[1]
+        kernel("deltanet", "deltanet_recurrent")(
+            (ns, nv), (-(-dv // 32) * 32,),
+            (q, k, u, g, beta, state, plan, o, np.int32(ns), np.int32(C), np.int32(C - nv * dv), np.int32(nk),
+             np.int32(nv), np.int32(dk), np.int32(dv)),
+            shared_mem=2 * dk * 4)
+    return o
+
+
+def deltanet_gated_norm(o, z, w, eps: float, *, out=None):
+    """y [T, nv dv] = rmsnorm(o [T, nv, dv] over dv) * w [dv] * silu(z [T, nv dv]), all f32."""
+    cp = _cupy()
+    _check("o", o, dtype=np.float32, ndim=3)
+    T, nv, dv = o.shape
+    _check("z", z, dtype=np.float32, shape=(T, nv * dv))
+    _check("w", w, dtype=np.float32, shape=(dv,))
+    y = _out("out", out, (T, nv * dv), cp.float32)
+    if T:
+        kernel("deltanet", "deltanet_gated_norm")((T, nv), (32,), (o, z, w, y, np.int32(nv), np.int32(dv),
+                                                                   np.float32(eps)))
+    return y
