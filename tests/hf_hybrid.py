@@ -41,8 +41,8 @@ CONFIGS = {
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
 
 
-def _model(name: str):
-    text = {**COMMON, **CONFIGS[name]}
+def _model(name: str, overrides: dict):
+    text = {**COMMON, **CONFIGS[name], **overrides}
     if name == "qwen3_5_moe_text":
         return tf.Qwen3_5MoeForCausalLM._from_config(tf.Qwen3_5MoeTextConfig(**text), attn_implementation="eager")
     if name == "qwen3_5_moe":
@@ -51,11 +51,12 @@ def _model(name: str):
     return tf.AutoModelForCausalLM.from_config(tf.Qwen3NextConfig(**text), attn_implementation="eager")
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, **overrides):
     """A seeded fp32 eager Qwen3-Next / Qwen3.5 whose every parameter is random: zero-centred norms near 0
-    (x * (1 + w)), the gated norm near 1, dt_bias near 1, A_log as initialised, routers decisive."""
+    (x * (1 + w)), the gated norm near 1, dt_bias near 1, A_log as initialised, routers decisive. `overrides`: text
+    config keys over CONFIGS[name] (the CUDA tests' wider heads)."""
     torch.manual_seed(seed)
-    model = _model(name).float().eval()
+    model = _model(name, overrides).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
