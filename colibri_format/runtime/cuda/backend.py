@@ -13,6 +13,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_support
+from colibri_format.spec.constants import PACKED_FORMATS
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
@@ -130,6 +131,8 @@ class CupyBackend:
         return DeviceDense(reader, self)
 
     def expert_table(self, blob_ptrs, layout, check=None, route_totals=None, fill_ptrs=None):
+        if layout.expert_format in PACKED_FORMATS:       # int4_group, mxfp4: the moe_gemv4.cu kernels
+            return self.ops.PackedExpertTable.from_layout(blob_ptrs, layout, route_totals, fill_ptrs)
         return self.ops.ExpertTable.from_layout(blob_ptrs, layout, route_totals, fill_ptrs)
 
     def fills_on_read(self, rows: int, k: int, num_experts: int) -> bool:
@@ -201,6 +204,10 @@ class CupyBackend:
         key = ("dispatch", P, E)
         if key not in ws.extra:
             ws.extra[key] = ops.dispatch_buffers(P, E)
+        if isinstance(table, ops.PackedExpertTable):     # no expert extras with 4-bit experts (limits.py refuses)
+            return ops.moe_experts_4bit(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
+                                        out=residual, act=ws.buf("moe_act", (P, table.intermediate_size)),
+                                        ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),

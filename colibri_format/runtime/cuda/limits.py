@@ -62,6 +62,11 @@ DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output ro
 # fused.cu
 FUSED_THREADS = 256
 QKV_THREADS = 128
+# moe_gemv4.cu: 4-bit expert GEMVs (kernels moe4_{gate_up,down}_<int4|mxfp4>_t<TOKC>) and the expansion of a
+# pass's routed 4-bit experts into int8_group blobs for the grouped GEMM (prefill)
+GEMV4_THREADS = 128
+GEMV4_TOKC = (1, 2, 4, 8)                   # tokens per pass
+EXPAND_THREADS = 256
 # deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128
@@ -79,6 +84,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
+    "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},
 }
 
@@ -96,7 +102,8 @@ ATTENTION_HEAD_DIMS = (64, 128, 256)              # attention kernels attention_
 DIM_MULTIPLE = 16            # hidden and expert intermediate sizes: 16-byte int8 loads (moe_gemv.cu, moe_gemm.cu)
 GROUP_MULTIPLE = 16          # int8_group group size: a 16-byte chunk of a row never straddles two groups
 BLOB_ARRAY_ALIGNMENT = 256   # offset of each array inside an expert blob
-EXPERT_FORMATS = QUANTIZED_FORMATS - PACKED_FORMATS  # int8 weights with float32 scales; int4_group, mxfp4: no kernels yet
+EXPERT_FORMATS = QUANTIZED_FORMATS   # int8 (moe_gemv.cu, moe_gemm.cu); int4_group and mxfp4 (moe_gemv4.cu)
+PACKED_EXPERT_EXTRAS = ("expert_act", "expert_bias")   # what moe_gemv4.cu does not compute (the int8 kernels do)
 ACTIVATIONS = frozenset({"silu"})
 ROUTER_SCORING = {"softmax": 0, "sigmoid": 1}     # codes passed to router.cu
 ROUTER_ORDER = {"softmax_topk": 0, "topk_softmax": 1}
@@ -162,6 +169,8 @@ def _check_experts(model: dict, blob_layout) -> None:
     if fmt not in EXPERT_FORMATS:
         raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read int8 experts only "
                       "(convert with --quantize expert --quant-bits 8)", "expert_format", int(fmt))
+    if fmt in PACKED_FORMATS:
+        _check_packed_experts(model, EXPERT_FORMAT_NAMES[fmt])
     experts, top_k = model["num_experts"], model["top_k"]
     if not 1 <= experts <= MAX_EXPERTS:
         raise _refuse(f"{experts} experts per layer; the router and dispatch kernels take 1 to {MAX_EXPERTS}",
@@ -188,3 +197,9 @@ def _check_experts(model: dict, blob_layout) -> None:
         if value not in known:
             raise _refuse(f"router {key} {value!r}; the router kernel implements {sorted(known)}",
                           f"model.router.{key}", value)
+
+def _check_packed_experts(model: dict, name: str) -> None:
+    for field in PACKED_EXPERT_EXTRAS:
+        if model.get(field):
+            raise _refuse(f"{field} with {name} experts: the 4-bit expert kernels (moe_gemv4.cu) compute silu(gate) * "
+                          "up without biases (convert with --quant-bits 8)", f"model.{field}", model[field])

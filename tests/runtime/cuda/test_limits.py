@@ -97,14 +97,38 @@ def test_unquantized_experts_refused(fmt):
     assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quantize expert" in str(err)
 
 
+@pytest.mark.parametrize("fmt, group", [(S.ExpertFormat.INT4_GROUP, 32), (S.ExpertFormat.INT4_GROUP, 64),
+                                        (S.ExpertFormat.INT4_GROUP, 128), (S.ExpertFormat.MXFP4, 32)])
+def test_4bit_experts_run(fmt, group):
+    """int4_group / mxfp4 (v1.1) run on the moe_gemv4.cu kernels."""
+    m = model(hidden=128, expert_inter=256)
+    L.check_cuda_support(m, layout(m, fmt, group))
+
+
 @pytest.mark.parametrize("fmt", [S.ExpertFormat.INT4_GROUP, S.ExpertFormat.MXFP4])
-def test_4bit_experts_refused_in_one_line(fmt):
-    """int4_group / mxfp4 (v1.1) run on the NumPy engine; the CUDA kernels read int8 only, so the file is refused
-    at open with one UnsupportedModel line naming expert_format."""
-    m = model(hidden=64, expert_inter=64)
+@pytest.mark.parametrize("field, value", [("expert_act", {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}),
+                                          ("expert_bias", True)])
+def test_4bit_experts_with_extras_refused_in_one_line(fmt, field, value):
+    """gpt-oss's clamped SwiGLU and expert biases run on the int8 kernels only: refused, naming the field."""
+    m = dict(model(hidden=64, expert_inter=64), **{field: value})
     err = refused(m, layout(m, fmt, 32))
-    assert (err.field, err.value) == ("expert_format", int(fmt))
-    assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quant-bits 8" in str(err) and "\n" not in str(err)
+    assert err.field == f"model.{field}" and "\n" not in str(err)
+    assert S.EXPERT_FORMAT_NAMES[fmt] in str(err) and "--quant-bits 8" in str(err)
+
+
+@pytest.mark.parametrize("fmt, group", [(S.ExpertFormat.INT4_GROUP, 32), (S.ExpertFormat.INT4_GROUP, 128),
+                                        (S.ExpertFormat.MXFP4, 32)])
+def test_packed_expert_table_reads_the_blob_layout(fmt, group):
+    """The 4-bit table the CUDA backend builds: the spec's array offsets, the format, and (the benchmark's bytes
+    a pass reads of an expert) exactly the bytes of the blob's arrays."""
+    import numpy as np
+
+    blob = S.blob_layout(4096, 14336, fmt, group)
+    table = ops.PackedExpertTable.from_layout(np.zeros(8, np.uint64), blob)
+    assert (table.off_gate_up, table.off_gate_up_scale, table.off_down, table.off_down_scale) == \
+        tuple(blob.array(n).offset for n in ("gate_up", "gate_up_scale", "down", "down_scale"))
+    assert (table.expert_format, table.group_size, table.tag) == (fmt, group, ops.PACKED_KERNEL_TAGS[fmt])
+    assert table.weight_bytes() == sum(a.nbytes for a in blob.arrays)
 
 
 def test_group_size_the_kernels_cannot_split():

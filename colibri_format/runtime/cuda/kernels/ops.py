@@ -14,18 +14,21 @@ float32 are themselves. Every output can be passed in through `out=` (preallocat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.limits import EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
     DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
     GEMV_WIDE, GROUP_MULTIPLE, QK_NORM_MODES, QKV_THREADS, ROUTER_EPB, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_THREADS,
     ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, scale_groups)
+from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
+from colibri_format.spec.layout import blob_layout
 
 SCORING, ORDER = limits.ROUTER_SCORING, limits.ROUTER_ORDER   # router.cu codes
 
@@ -918,3 +921,157 @@ def deltanet_gated_norm(o, z, w, eps: float, *, out=None):
         kernel("deltanet", "deltanet_gated_norm")((T, nv), (32,), (o, z, w, y, np.int32(nv), np.int32(dv),
                                                                    np.float32(eps)))
     return y
+
+# ---- 4-bit experts (moe_gemv4.cu) ---------------------------------------------------------------------------------
+PACKED_KERNEL_TAGS = {ExpertFormat.INT4_GROUP: "int4", ExpertFormat.MXFP4: "mxfp4"}   # kernel name part
+PACKED_GROUPS = {ExpertFormat.INT4_GROUP: INT4_GROUP_SIZES, ExpertFormat.MXFP4: (MXFP4_GROUP_SIZE,)}
+
+
+@dataclass(frozen=True)
+class PackedExpertTable(ExpertTable):
+    """An ExpertTable of 4-bit blobs (int4_group, mxfp4): two weights a byte, one scale per group of a row."""
+
+    expert_format: int = ExpertFormat.INT4_GROUP
+
+    @classmethod
+    def from_layout(cls, blob_ptrs, layout, route_totals=None, fill_ptrs=None) -> "PackedExpertTable":
+        base = ExpertTable.from_layout(blob_ptrs, layout, route_totals, fill_ptrs)
+        return cls(**{f.name: getattr(base, f.name) for f in fields(ExpertTable)},
+                   expert_format=int(layout.expert_format))
+
+    @property
+    def tag(self) -> str:
+        return PACKED_KERNEL_TAGS[ExpertFormat(self.expert_format)]
+
+    def check(self) -> None:
+        super().check()
+        if self.expert_format not in PACKED_KERNEL_TAGS:
+            raise ValueError(f"expert format {self.expert_format} is not a 4-bit format {sorted(PACKED_KERNEL_TAGS)}")
+        if self.group_size not in PACKED_GROUPS[self.expert_format]:
+            raise ValueError(f"{self.tag} group size {self.group_size} not in {PACKED_GROUPS[self.expert_format]}")
+
+    def weight_bytes(self) -> int:
+        """Bytes of one expert's matrices and scales (what a GEMV pass reads of each active expert)."""
+        weights = 3 * self.hidden_size * self.intermediate_size
+        return weights // 2 + weights // self.group_size * (2 if self.tag == "int4" else 1)
+
+
+def _gemv4_launch(name: str):
+    fn = kernel("moe_gemv4", name)
+    return fn, (_sm_count() * resident_blocks(fn, GEMV4_THREADS),)
+
+
+def _tokens4(tokc: int | None, T: int, k: int, num_experts: int) -> int:
+    tokc = tokc or tokens_per_pass(T, k, num_experts)
+    if tokc not in GEMV4_TOKC:
+        raise ValueError(f"tokens per pass must be one of {GEMV4_TOKC}")
+    return tokc
+
+
+def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
+                     out=None):
+    """Decode GEMV over 4-bit experts: act [P, I] f32 in sorted (dispatch) order from x [T, H] f32 (`moe_gate_up`'s
+    contract; fills `table.fill_ptrs` slots as it reads)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T = disp.num_pairs // k
+    if T * k != disp.num_pairs:
+        raise ValueError("dispatch pairs are not T * k")
+    _check_moe_inputs(x, table, disp, H, T)
+    tokc = _tokens4(tokens_per_pass_, T, k, table.num_experts)
+    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    fn, grid = _gemv4_launch(f"moe4_gate_up_{table.tag}_t{tokc}")
+    fn(grid, (GEMV4_THREADS,),
+       (x, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
+        disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H), np.int32(I), np.int32(k),
+        np.int32(table.group_size)))
+    return act
+
+
+def moe_down_4bit(act, table: PackedExpertTable, disp: Dispatch, weights, *, tokens_per_pass_: int | None = None,
+                  out=None):
+    """Decode GEMV over 4-bit experts: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    _check_moe_inputs(act, table, disp, I, P)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    k = weights.shape[-1] if weights.ndim == 2 else 1
+    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
+    y = _out("out", out, (P, H), cp.float32)
+    fn, grid = _gemv4_launch(f"moe4_down_{table.tag}_t{tokc}")
+    fn(grid, (GEMV4_THREADS,),
+       (act, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I),
+        np.int32(table.group_size)))
+    return y
+
+
+class Int8Expansion:
+    """Device int8_group blobs of the same shape and group size for every expert of a 4-bit table (the prefill
+    GEMM's input, written by `expand_to_int8` for a pass's routed experts): num_experts x ~1.125 bytes a weight."""
+
+    def __init__(self, table: PackedExpertTable) -> None:
+        cp = _cupy()
+        E, g = table.num_experts, table.group_size
+        self.layout = blob_layout(table.hidden_size, table.intermediate_size, ExpertFormat.INT8_GROUP, g)
+        self.buffer = cp.empty(E * self.layout.size, cp.uint8)   # every byte the GEMM reads is expanded first
+        ptrs = np.array([self.buffer.data.ptr + e * self.layout.size for e in range(E)], np.uint64)
+        self.table = ExpertTable.from_layout(cp.asarray(ptrs), self.layout)
+        self.key = self.key_of(table)
+
+    @staticmethod
+    def key_of(table: PackedExpertTable) -> tuple:
+        return ("int8_expansion", table.num_experts, table.hidden_size, table.intermediate_size, table.group_size)
+
+
+def _expansion(table: PackedExpertTable, expansions: dict | None) -> Int8Expansion:
+    key = Int8Expansion.key_of(table)
+    if expansions is None:
+        return Int8Expansion(table)
+    if key not in expansions:
+        expansions[key] = Int8Expansion(table)
+    return expansions[key]
+
+
+def expand_to_int8(table: PackedExpertTable, disp: Dispatch, expansion: Int8Expansion) -> ExpertTable:
+    """Write the experts `disp` routes (its active list) into `expansion` as int8_group blobs; returns its table.
+    The same weights exactly: int4 values, and twice the E2M1 values with half the E8M0 scale (moe_gemv4.cu)."""
+    table.check()
+    if disp.num_experts != table.num_experts or expansion.key != Int8Expansion.key_of(table):
+        raise ValueError("the dispatch or the expansion workspace was made for another expert table")
+    H, I, g = table.hidden_size, table.intermediate_size, table.group_size
+    dst = expansion.layout
+    gu_chunks, dn_chunks = 2 * I * H // 32, H * I // 32
+    blocks = max(1, min(-(-(gu_chunks + dn_chunks) // EXPAND_THREADS), 4 * _sm_count() // table.num_experts))
+    kernel("moe_gemv4", f"moe4_expand_{table.tag}")(
+        (blocks, table.num_experts), (EXPAND_THREADS,),
+        (table.blob_ptrs, disp.active, disp.meta, expansion.buffer, np.int64(dst.size),
+         *(np.int64(getattr(table, name)) for name in ("off_gate_up", "off_gate_up_scale", "off_down",
+                                                        "off_down_scale")),
+         *(np.int64(dst.array(name).offset) for name in ("gate_up", "gate_up_scale", "down", "down_scale")),
+         np.int64(gu_chunks), np.int64(dn_chunks), np.int64(2 * I * H // g), np.int64(H * I // g)))
+    return expansion.table
+
+
+def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None, alpha: float = 1.0,
+                     gemm: bool | None = None, disp: Dispatch | None = None, act=None, ypair=None,
+                     expansions: dict | None = None, out=None):
+    """`moe_experts` over 4-bit experts: the moe_gemv4.cu GEMVs, or (gemm_path: prefill) the routed experts
+    expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
+
+    expansions: a dict that keeps the Int8Expansion workspace between calls (the backend's workspace); None: a
+    fresh one per GEMM call."""
+    T, k = ids.shape
+    use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
+    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
+    if use_gemm:
+        int8 = expand_to_int8(table, disp, _expansion(table, expansions))
+        act = moe_gemm_gate_up(x, int8, disp, k, tensor_cores=False, out=act)
+        ypair = moe_gemm_down(act, int8, disp, weights, tensor_cores=False, out=ypair)
+    else:
+        act = moe_gate_up_4bit(x, table, disp, k, out=act)
+        ypair = moe_down_4bit(act, table, disp, weights, out=ypair)
+    return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
