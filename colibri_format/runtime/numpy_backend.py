@@ -270,7 +270,8 @@ def _delta_chunks(q, k, v, g, beta, state, o, xp=np) -> None:
     from_start, to_end = exp(cum), exp(cum[..., -1:] - cum)
     kt = xp.swapaxes(k, -1, -2)
     A = beta[..., :, None] * (k @ kt) * decay
-    system = xp.tril(A, -1) + xp.eye(C, dtype=dt)                             # I + A: unit lower triangular
+    below = xp.tri(C, k=-1, dtype=bool)                                       # j < t
+    system = xp.where(below, A, dt.type(0)) + xp.eye(C, dtype=dt)             # I + A: unit lower triangular
     inverse = xp.linalg.solve(system, xp.broadcast_to(xp.eye(C, dtype=dt), system.shape))
     W = inverse @ (v * beta[..., None])                                       # [H, m, C, dv]
     D = inverse @ (k * (beta * from_start)[..., None])                        # [H, m, C, dk]
