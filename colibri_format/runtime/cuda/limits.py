@@ -167,8 +167,8 @@ def _check_linear_attention(lin: dict) -> None:
 def _check_experts(model: dict, blob_layout) -> None:
     fmt = ExpertFormat(blob_layout.expert_format)
     if fmt not in EXPERT_FORMATS:
-        raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read int8 experts only "
-                      "(convert with --quantize expert --quant-bits 8)", "expert_format", int(fmt))
+        raise _refuse(f"experts are stored as {EXPERT_FORMAT_NAMES[fmt]}; the expert kernels read quantized experts "
+                      "only (int8, int4_group, mxfp4: convert with --quantize expert)", "expert_format", int(fmt))
     if fmt in PACKED_FORMATS:
         _check_packed_experts(model, EXPERT_FORMAT_NAMES[fmt])
     experts, top_k = model["num_experts"], model["top_k"]
