@@ -87,3 +87,21 @@ def test_a_rewind_is_refused_and_scattered_rows_are_a_bug(setup):
         op(*inputs, w["conv_w"], w["A_log"], w["dt_bias"], w["norm_w"], seq, pos, *states["op"], **SHAPE)
     with pytest.raises(ValueError, match="unknown Gated DeltaNet form"):
         op(*inputs, w["conv_w"], w["A_log"], w["dt_bias"], w["norm_w"], seq, pos, *states["op"], form="x", **SHAPE)
+
+
+def test_through_the_engine_the_op_gives_the_numpy_engines_tokens(tmp_path):
+    # the NumPy engine with its gated_delta_net replaced by the CUDA op over the twins: prefills (host plans, chunked
+    # and recurrent spans), decode steps (device plans), a batch, against the plain NumPy engine
+    from colibri_format.runtime import Engine, EngineConfig
+    from tests.hf_hybrid import build, convert_file
+    from tests.runtime.hf_tiny import prompts, rel_err
+
+    path = convert_file(build("qwen3_next-mixed", seed=2), tmp_path)
+    with Engine(path, EngineConfig(max_seq_len=128)) as ref, Engine(path, EngineConfig(max_seq_len=128)) as eng:
+        eng.be.gated_delta_net = DeltaNet(HostBackend(np.float32))
+        batch = prompts(eng.vocab_size, [40, 1, 70], seed=3)
+        for got, want in zip(eng.logits(batch), ref.logits(batch)):
+            assert rel_err(got, want) < 1e-5
+        assert eng.generate(batch[0], max_new_tokens=16, stop_ids=[]).output_ids == \
+            ref.generate(batch[0], max_new_tokens=16, stop_ids=[]).output_ids
+        assert eng.generate_batch(batch, 8) == ref.generate_batch(batch, 8)
