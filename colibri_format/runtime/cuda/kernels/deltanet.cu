@@ -135,9 +135,11 @@ extern "C" __global__ void __launch_bounds__(DELTANET_MAX_VALUE_DIM)
         if (j >= dv) continue;
         const float decay = expf(g[(size_t)t * nv + h]);
         float kv = 0.0f;
+#pragma unroll 8     // a column's loads in flight together (a decode step is latency-bound: few blocks)
         for (int i = 0; i < dk; ++i) kv = fmaf(S[(size_t)i * dv + j] * decay, sk[i], kv);
         const float delta = (u[(size_t)t * C + v_offset + (size_t)h * dv + j] - kv) * beta[(size_t)t * nv + h];
         float out = 0.0f;
+#pragma unroll 8
         for (int i = 0; i < dk; ++i) {
             const float v = fmaf(sk[i], delta, S[(size_t)i * dv + j] * decay);
             S[(size_t)i * dv + j] = v;
