@@ -277,7 +277,7 @@ class Decoder:
         att = self.be.mla_attention(q.reshape(T, nh, a.head_dim), c, kva[:, r:], self.w[f"{p}.k_b_proj"],
                                     self.w[f"{p}.v_b_proj"], kv.keys[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
                                     inp.qlen[:T], inp.cos[:T], inp.sin[:T], scale=float(a.attention_scale),
-                                    form=self.mla_form, out=ws.buf("mla_att", (T, nh * m["v_head_dim"])))
+                                    form=self.mla_form, out=ws.buf("mla_att", (T, nh * m["v_head_dim"])), ws=ws)
         return self.w.linear(att, f"{p}.o_proj", None, ws.buf("o", (T, a.hidden_size)))
 
     # --- feed-forward ----------------------------------------------------------------------------------------------

@@ -557,7 +557,9 @@ class NumpyBackend:
     silu_mul = staticmethod(silu_mul)
     qkv_rope_kv = staticmethod(qkv_rope_kv)
     gated_delta_net = staticmethod(gated_delta_net)
-    mla_attention = staticmethod(mla_attention)
+
+    def mla_attention(self, *args, ws, **kwargs):
+        return mla_attention(*args, **kwargs)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
                   sinks=None):

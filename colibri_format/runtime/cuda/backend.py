@@ -119,7 +119,7 @@ class CupyBackend:
     def graph_blocker(self, args, batch: int) -> str | None:
         from colibri_format.runtime.cuda.dense import GEMV_MAX_ROWS  # noqa: PLC0415
 
-        if args.head_dim not in ATTENTION_HEAD_DIMS:
+        if args.head_dim not in ATTENTION_HEAD_DIMS and not args.mla:    # MLA runs mla.cu whatever its widths
             return f"head_dim {args.head_dim} uses the array-operation attention fallback"
         if batch > GEMV_MAX_ROWS:
             return f"batch {batch} > {GEMV_MAX_ROWS} uses cuBLAS, which cannot be captured"
@@ -144,6 +144,9 @@ class CupyBackend:
         return self.ops.embedding(ids, table, mult=mult, out=out)
 
     def rmsnorm(self, x, w, eps: float, *, out):
+        if not x.flags.c_contiguous:        # MLA's compressed kv: a column slice of kv_a_proj's output
+            self.xp.copyto(out, x)
+            x = out
         return self.ops.rmsnorm(x, w, eps, out=out)
 
     def add_rmsnorm(self, h, b, w, eps: float, *, alpha: float, out):
@@ -185,6 +188,17 @@ class CupyBackend:
         ns, aws = ws.extra[key]
         return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out,
                                   nsplit=ns, workspace=aws)
+
+    def mla_attention(self, q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, *, scale: float,
+                      form: str, out, ws):
+        """Multi-head latent attention on mla.cu, absorbed for decode steps and prefills alike (whatever `form`: the
+        expanded form gives the same numbers up to rounding, tests/runtime/test_fidelity_mla.py); capturable."""
+        T, nh, _ = q.shape
+        key = ("mla", T, nh, c.shape[1], k_rope.shape[1])
+        if key not in ws.extra:
+            ws.extra[key] = self.ops.MlaWorkspace(*key[1:])
+        return self.ops.mla_attention(q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, scale=scale,
+                                      out=out, workspace=ws.extra[key])
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
         """The fused router; `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""

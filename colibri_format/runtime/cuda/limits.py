@@ -62,6 +62,13 @@ DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output ro
 # fused.cu
 FUSED_THREADS = 256
 QKV_THREADS = 128
+# mla.cu: a block of MLA_THREADS threads attends one (row, head) over the latent cache, each warp's lanes holding
+# MLA_MAX_RANK / 32 columns of the latent accumulator (kv_lora_rank up to MLA_MAX_RANK); many warps a block, as a
+# decode step has only rows x heads blocks (16 for Moonlight at batch 1); the absorption kernels take MLA_ROWS rows
+# a block, so each weight load serves them all
+MLA_THREADS = 512
+MLA_MAX_RANK = 512
+MLA_ROWS = 8
 # moe_gemv4.cu: 4-bit expert GEMVs (kernels moe4_{gate_up,down}_<int4|mxfp4>_t<TOKC>) and the expansion of a
 # pass's routed 4-bit experts into int8_group blobs for the grouped GEMM (prefill)
 GEMV4_THREADS = 128
@@ -84,6 +91,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
+    "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},
 }
@@ -102,6 +110,7 @@ ATTENTION_HEAD_DIMS = (64, 128, 256)              # attention kernels attention_
 DIM_MULTIPLE = 16            # hidden and expert intermediate sizes: 16-byte int8 loads (moe_gemv.cu, moe_gemm.cu)
 GROUP_MULTIPLE = 16          # int8_group group size: a 16-byte chunk of a row never straddles two groups
 BLOB_ARRAY_ALIGNMENT = 256   # offset of each array inside an expert blob
+SHARED_MEMORY_BYTES = 48 * 1024   # dynamic shared memory a launch may take without opting in
 EXPERT_FORMATS = QUANTIZED_FORMATS   # int8 (moe_gemv.cu, moe_gemm.cu); int4_group and mxfp4 (moe_gemv4.cu)
 PACKED_EXPERT_EXTRAS = ("expert_act", "expert_bias")   # what moe_gemv4.cu does not compute (the int8 kernels do)
 ACTIVATIONS = frozenset({"silu"})
@@ -151,8 +160,7 @@ def _check_semantics(model: dict) -> None:
     if model.get("linear_attention") is not None:
         _check_linear_attention(model["linear_attention"])
     if model.get("mla") is not None:
-        raise _refuse("multi-head latent attention (mla: DeepSeek-V3 family) has no CUDA kernels yet (its latent cache "
-                      "and absorbed decode run on the NumPy engine); run it with --device cpu", "model.mla", "mla")
+        _check_mla(model["mla"])
 
 
 def _check_linear_attention(lin: dict) -> None:
@@ -162,6 +170,25 @@ def _check_linear_attention(lin: dict) -> None:
         raise _refuse(f"linear_attention.value_head_dim {lin['value_head_dim']}; the delta-rule kernel runs at most "
                       f"{DELTANET_MAX_VALUE_DIM} value columns a head", "model.linear_attention.value_head_dim",
                       lin["value_head_dim"])
+
+
+def mla_shared_bytes(mla: dict) -> dict[str, int]:
+    """Dynamic shared memory of each mla.cu launch for a model's `mla` widths."""
+    r, dr, dn = mla["kv_lora_rank"], mla["qk_rope_head_dim"], mla["qk_nope_head_dim"]
+    warps = MLA_THREADS // WARP
+    return {"attend": 4 * (r + dr + warps * r + 2 * warps), "absorb_q": 4 * MLA_ROWS * (dn + warps * WARP),
+            "absorb_v": 4 * MLA_ROWS * r}
+
+
+def _check_mla(mla: dict) -> None:
+    """Multi-head latent attention runs on mla.cu within its latent accumulator and shared memory."""
+    if mla["kv_lora_rank"] > MLA_MAX_RANK:
+        raise _refuse(f"kv_lora_rank {mla['kv_lora_rank']}; the MLA attention kernel holds at most {MLA_MAX_RANK} "
+                      "latent values a head", "model.mla.kv_lora_rank", mla["kv_lora_rank"])
+    for kernel, nbytes in mla_shared_bytes(mla).items():
+        if nbytes > SHARED_MEMORY_BYTES:
+            raise _refuse(f"the MLA {kernel} kernel would need {nbytes} bytes of shared memory (at most "
+                          f"{SHARED_MEMORY_BYTES})", "model.mla", kernel)
 
 
 def _check_experts(model: dict, blob_layout) -> None:

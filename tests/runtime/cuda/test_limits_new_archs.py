@@ -1,7 +1,7 @@
 """`check_cuda_support` for the GLM-4.5 / MiniMax-M2 / gpt-oss features (CPU only): what the kernels compute runs
 (grouped top-k, a router bias on the logits, attention sinks, gpt-oss's expert biases and clamped SwiGLU, Qwen3-Next's
-gated attention and Gated DeltaNet layers among them), what they do not compute (MLA, value heads wider than the
-delta-rule kernel's block) is refused at open with one line naming the field."""
+gated attention and Gated DeltaNet layers among them), what they do not compute (value heads wider than the delta-rule
+kernel's block) is refused at open with one line naming the field."""
 
 from __future__ import annotations
 
@@ -76,10 +76,37 @@ def test_features_the_kernels_lack_are_refused_in_one_line(changes, field):
     assert "\n" not in str(info.value) and "the CUDA kernels cannot run this model" in str(info.value)
 
 
-def test_multi_head_latent_attention_is_refused_in_one_line():
-    mla = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
-           "latent_norm_eps": 1e-6}
-    m = model(num_key_value_heads=4, head_dim=16, mla=mla, index_topk=64)
+MLA = {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+       "latent_norm_eps": 1e-6}
+DEEPSEEK_V3_MLA = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "v_head_dim": 128, "latent_norm_eps": 1e-6}
+
+
+def mla_model(mla: dict, **changes) -> dict:
+    return model(num_key_value_heads=4, head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], mla=mla,
+                 **changes)
+
+
+@pytest.mark.parametrize("mla, changes", [
+    (MLA, {"index_topk": 64}),                    # V3.2 / GLM-5 (contexts beyond index_topk: refused by the engine)
+    (DEEPSEEK_V3_MLA, {}),
+    ({**DEEPSEEK_V3_MLA, "qk_nope_head_dim": 192, "v_head_dim": 256}, {}),     # GLM-5's widths
+])
+def test_multi_head_latent_attention_runs(mla, changes):
+    m = mla_model(mla, **changes)
+    L.check_cuda_support(m, blob(m))
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"kv_lora_rank": L.MLA_MAX_RANK + 32}, "model.mla.kv_lora_rank"),        # the attention kernel's accumulator
+    ({"qk_nope_head_dim": 2048}, "model.mla"),                                # absorb_q's shared memory
+])
+def test_latent_attention_beyond_the_kernels_is_refused_in_one_line(changes, field):
+    m = mla_model({**DEEPSEEK_V3_MLA, **changes})
     with pytest.raises(E.UnsupportedModel) as info:
         L.check_cuda_support(m, blob(m))
-    assert info.value.field == "model.mla" and "\n" not in str(info.value)
+    assert info.value.field == field and "\n" not in str(info.value)
+
+
+def test_mla_shared_memory_of_deepseek_v3_fits():
+    assert max(L.mla_shared_bytes(DEEPSEEK_V3_MLA).values()) <= L.SHARED_MEMORY_BYTES

@@ -804,6 +804,90 @@ def split_bf16(x, *, hi=None, lo=None):
     return h, lw
 
 
+# ---- multi-head latent attention (mla.cu) ----------------------------------------------------------------------------
+class MlaWorkspace:
+    """Scratch of `mla_attention` for `rows` rows of `heads` heads (preallocated for CUDA-graph capture): the roped q
+    rope parts [rows, heads, rope_dim], q absorbed into the latent space and the latent output [rows, heads, rank]."""
+
+    def __init__(self, rows: int, heads: int, rank: int, rope_dim: int) -> None:
+        cp = _cupy()
+        self.shape = (rows, heads, rank, rope_dim)
+        self.qr = cp.empty((rows, heads, rope_dim), cp.float32)
+        self.ql = cp.empty((rows, heads, rank), cp.float32)
+        self.lat = cp.empty((rows, heads, rank), cp.float32)
+
+
+def _check_rows_view(name: str, a, rows: int, cols: int) -> int:
+    """A [rows, cols] f32 view whose rows may lie apart (a column slice); returns its row stride in floats."""
+    cp = _cupy()
+    if not isinstance(a, cp.ndarray) or a.dtype != np.float32 or a.shape != (rows, cols):
+        raise ValueError(f"{name} must be a float32 cupy array of shape {(rows, cols)}")
+    if a.strides[1] != 4 or a.strides[0] % 4 or a.strides[0] < 4 * cols:
+        raise ValueError(f"{name} must have contiguous rows (strides {a.strides})")
+    return a.strides[0] // 4
+
+
+def mla_attention(q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, *, scale: float, out=None,
+                  workspace: MlaWorkspace | None = None):
+    """Multi-head latent attention in the absorbed form (`numpy_backend.mla_attention`, its reference).
+
+    q [N, nh, dn + dr] f32, c [N, r] f32, k_rope [N, dr] f32 (rows may be a column slice), k_b [nh dn, r] and
+    v_b [nh dv, r] f32/f16/bf16, cache [S, capacity, r + dr] f32 (c and the roped key written at (seq[n], pos[n])),
+    seq/pos/rpos/q_len [N] int32, cos/sin [*, half] f32 (rotate-half RoPE of the rope parts, row rpos[n]). Row n
+    attends to the first q_len[n] tokens of its sequence. Returns out [N, nh dv] f32.
+    """
+    cp = _cupy()
+    _check("q", q, dtype=np.float32, ndim=3)
+    N, nh, dq = q.shape
+    _check("cache", cache, dtype=np.float32, ndim=3)
+    _check("c", c, dtype=np.float32, ndim=2)
+    r = c.shape[1]
+    dr = cache.shape[2] - r
+    dn = dq - dr
+    k_stride = _check_rows_view("k_rope", k_rope, N, dr)
+    if c.shape[0] != N or dn < 1 or dr < 1 or r > limits.MLA_MAX_RANK:
+        raise ValueError(f"q {tuple(q.shape)}, c {tuple(c.shape)} and cache {tuple(cache.shape)} do not fit "
+                         f"(kv_lora_rank at most {limits.MLA_MAX_RANK})")
+    _check("k_b", k_b, shape=(nh * dn, r), codes=("f32", "f16", "bf16"))
+    _check("v_b", v_b, ndim=2, dtype=k_b.dtype)
+    dv = v_b.shape[0] // nh
+    if v_b.shape != (nh * dv, r) or dv < 1:
+        raise ValueError(f"v_b {tuple(v_b.shape)} is not [{nh} x dv, {r}]")
+    for name, a in (("seq", seq), ("pos", pos), ("rpos", rpos), ("q_len", q_len)):
+        _check(name, a, dtype=np.int32, shape=(N,))
+    _check("cos", cos, dtype=np.float32, ndim=2)
+    _check("sin", sin, dtype=np.float32, shape=cos.shape)
+    half = cos.shape[1]
+    if 2 * half > dr:
+        raise ValueError(f"rotary dim {2 * half} exceeds qk_rope_head_dim {dr}")
+    ws = workspace or MlaWorkspace(N, nh, r, dr)
+    if ws.shape != (N, nh, r, dr):
+        raise ValueError(f"MLA workspace is {ws.shape}, needs {(N, nh, r, dr)}")
+    o = _out("out", out, (N, nh * dv), cp.float32)
+    if N == 0:
+        return o
+    shared = limits.mla_shared_bytes({"kv_lora_rank": r, "qk_rope_head_dim": dr, "qk_nope_head_dim": dn})
+    w = dtype_code(k_b)
+    row_blocks = -(-N // limits.MLA_ROWS)
+    threads = (limits.MLA_THREADS,)
+    kernel("mla", "mla_rope_append")(
+        (N,), threads, (q, c, np.uint64(k_rope.data.ptr), np.int32(k_stride), seq, pos, rpos, cos, sin, cache, ws.qr,
+                        np.int32(nh), np.int32(dn), np.int32(dr), np.int32(r), np.int32(half),
+                        np.int32(cache.shape[1])))
+    kernel("mla", f"mla_absorb_q_{w}")(
+        (-(-r // limits.WARP), nh, row_blocks), threads,
+        (q, k_b, ws.ql, np.int32(N), np.int32(nh), np.int32(dn), np.int32(dr), np.int32(r)),
+        shared_mem=shared["absorb_q"])
+    kernel("mla", "mla_attend")(
+        (N, nh), threads, (ws.ql, ws.qr, cache, seq, q_len, ws.lat, np.int32(nh), np.int32(r), np.int32(dr),
+                           np.int32(cache.shape[1]), np.float32(scale)),
+        shared_mem=shared["attend"])
+    kernel("mla", f"mla_absorb_v_{w}")(
+        (-(-dv // (limits.MLA_THREADS // 32)), nh, row_blocks), threads,
+        (ws.lat, v_b, o, np.int32(N), np.int32(nh), np.int32(dv), np.int32(r)), shared_mem=shared["absorb_v"])
+    return o
+
+
 # ---- Gated DeltaNet (deltanet.cu) ----------------------------------------------------------------------------------
 # A pass's rows in spans (the consecutive rows of one sequence): plan [4, NS] int32 = first row, rows, sequence,
 # fresh (1: start from zero states). The NumPy twins: numpy_backend.causal_conv, l2norm / softplus, delta_rule and
