@@ -43,8 +43,10 @@ def path(request, tmp_path_factory):
 
 
 def engines(path, graphs: bool):
+    """(the CUDA engine, the float64 NumPy engine, the float32 NumPy engine) of one file."""
     return (Engine(path, EngineConfig(device="cuda", max_seq_len=128, use_graphs=graphs)),
-            Engine(path, EngineConfig(precision="float64", max_seq_len=128)), Engine(path, EngineConfig(max_seq_len=128)))
+            Engine(path, EngineConfig(precision="float64", max_seq_len=128)),
+            Engine(path, EngineConfig(max_seq_len=128)))
 
 
 def assert_graphs(gpu, graphs: bool) -> None:
