@@ -19,7 +19,7 @@ from colibri_format.runtime.numpy_backend import mla_attention
 from tests.hf_mla import build, convert_file
 
 CONTEXT = 64        # the tiny models' max_position_embeddings, and the V3.2 / GLM-5 ones' index_topk
-TOL = 2e-3          # relative logit error of the CUDA engine against the float64 NumPy engine
+TOL = 5e-4          # relative logit error of the CUDA engine against the float64 NumPy engine (~1e-6 on NumPy)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2], [40, 41, 42], list(range(20, 37))]
 # kv_lora_rank 80: the attention kernel's lanes hold 3 latent columns (the last one partly); 6 heads' q rows
 WIDE = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=80, qk_nope_head_dim=24,
@@ -87,8 +87,9 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
 
 # (heads, nope dim, rope dim, value dim, kv_lora_rank): the tiny models', one over several lanes, DeepSeek-V3's
 WIDTHS = [(4, 8, 6, 10, 12), (6, 24, 16, 40, 80), (16, 128, 64, 128, 512)]
-# a ragged pass over 3 sequences: 11 rows of a prefill from 0, one decode row at 37, 3 rows continuing at 5
-PASS = [(0, 0, 11), (2, 37, 1), (1, 5, 3)]      # (sequence, first position, rows)
+# a ragged pass over 3 sequences: 11 rows of a prefill from 0, one decode row at 200 (13 positions a warp), 3 rows
+# continuing at 5
+PASS = [(0, 0, 11), (2, 200, 1), (1, 5, 3)]      # (sequence, first position, rows)
 
 
 @pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: f"h{w[0]}-r{w[4]}")
@@ -102,7 +103,7 @@ def test_mla_kernels_match_the_numpy_twin(widths, weights):
     rng = np.random.default_rng(sum(widths))
     seq = np.concatenate([np.full(n, s) for s, _, n in PASS]).astype(np.int32)
     pos = np.concatenate([p + np.arange(n) for _, p, n in PASS]).astype(np.int32)
-    N, S, cap = len(seq), 3, 48
+    N, S, cap = len(seq), 3, 256
     stored = _bf16_bits if weights == "bf16" else (lambda a: a.astype(np.float32))
     k_b, v_b = (stored(rng.standard_normal((nh * d, r)) / np.sqrt(r)) for d in (dn, dv))
     q = rng.standard_normal((N, nh, dn + dr)).astype(np.float32)
