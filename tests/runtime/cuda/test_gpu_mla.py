@@ -92,6 +92,43 @@ WIDTHS = [(4, 8, 6, 10, 12), (6, 24, 16, 40, 80), (16, 128, 64, 128, 512)]
 PASS = [(0, 0, 11), (2, 200, 1), (1, 5, 3)]      # (sequence, first position, rows)
 
 
+def _pass(rng, widths, weights: str, rows) -> dict:
+    """Host inputs of one pass of `rows` [(sequence, first position, rows)]: f32 activations, stored weights."""
+    nh, dn, dr, dv, r = widths
+    seq = np.concatenate([np.full(n, s) for s, _, n in rows]).astype(np.int32)
+    pos = np.concatenate([p + np.arange(n) for _, p, n in rows]).astype(np.int32)
+    N = len(seq)
+    stored = _bf16_bits if weights == "bf16" else (lambda a: a.astype(np.float32))
+    angles = rng.uniform(0, 6.3, (N, dr // 2))
+    return {"q": rng.standard_normal((N, nh, dn + dr)).astype(np.float32),
+            "kva": rng.standard_normal((N, r + dr)).astype(np.float32),      # [c | k_rope], as kv_a_proj writes it
+            "k_b": stored(rng.standard_normal((nh * dn, r)) / np.sqrt(r)),
+            "v_b": stored(rng.standard_normal((nh * dv, r)) / np.sqrt(r)),
+            "seq": seq, "pos": pos, "rpos": rng.permutation(N).astype(np.int32),    # table rows in any order
+            "q_len": pos + np.int32(1), "cos": np.cos(angles).astype(np.float32),
+            "sin": np.sin(angles).astype(np.float32), "scale": 1.0 / np.sqrt(dn + dr)}
+
+
+def _reference(h: dict, cache: np.ndarray, r: int) -> np.ndarray:
+    """numpy_backend.mla_attention in float64 (absorbed), appending to `cache` (float64) in place."""
+    f64 = {k: np.asarray(h[k], np.float64) for k in ("q", "kva", "cos", "sin")}
+    return mla_attention(f64["q"], f64["kva"][:, :r].copy(), f64["kva"][:, r:], h["k_b"], h["v_b"], cache, h["seq"],
+                         h["pos"], h["rpos"], h["q_len"], f64["cos"], f64["sin"], scale=h["scale"], form="absorbed")
+
+
+def _on_device(h: dict, r: int) -> dict:
+    import cupy as cp
+
+    dev = {k: cp.asarray(v) for k, v in h.items() if k != "scale"}
+    dev["c"] = cp.ascontiguousarray(dev["kva"][:, :r])
+    return dev
+
+
+def _run(ops, dev: dict, cache, r: int, scale: float, **buffers):
+    return ops.mla_attention(dev["q"], dev["c"], dev["kva"][:, r:], dev["k_b"], dev["v_b"], cache, dev["seq"],
+                             dev["pos"], dev["rpos"], dev["q_len"], dev["cos"], dev["sin"], scale=scale, **buffers)
+
+
 @pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: f"h{w[0]}-r{w[4]}")
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
 def test_mla_kernels_match_the_numpy_twin(widths, weights):
@@ -99,36 +136,48 @@ def test_mla_kernels_match_the_numpy_twin(widths, weights):
 
     from colibri_format.runtime.cuda.kernels import ops
 
-    nh, dn, dr, dv, r = widths
-    rng = np.random.default_rng(sum(widths))
-    seq = np.concatenate([np.full(n, s) for s, _, n in PASS]).astype(np.int32)
-    pos = np.concatenate([p + np.arange(n) for _, p, n in PASS]).astype(np.int32)
-    N, S, cap = len(seq), 3, 256
-    stored = _bf16_bits if weights == "bf16" else (lambda a: a.astype(np.float32))
-    k_b, v_b = (stored(rng.standard_normal((nh * d, r)) / np.sqrt(r)) for d in (dn, dv))
-    q = rng.standard_normal((N, nh, dn + dr)).astype(np.float32)
-    kva = rng.standard_normal((N, r + dr)).astype(np.float32)       # [c | k_rope], as kv_a_proj writes it
-    c = np.ascontiguousarray(kva[:, :r])
-    angles = rng.uniform(0, 6.3, (N, dr // 2))
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    rpos = rng.permutation(N).astype(np.int32)                     # table rows in any order
-    cache = rng.standard_normal((S, cap, r + dr)).astype(np.float32)   # earlier tokens of every sequence
-    q_len = (pos + 1).astype(np.int32)
-    scale = 1.0 / np.sqrt(dn + dr)
-
+    r, rng = widths[4], np.random.default_rng(sum(widths))
+    h = _pass(rng, widths, weights, PASS)
+    cache = rng.standard_normal((3, 256, r + widths[2])).astype(np.float32)   # earlier tokens of every sequence
     ref_cache = cache.astype(np.float64)
-    ref = mla_attention(q.astype(np.float64), c.astype(np.float64), kva[:, r:].astype(np.float64), k_b, v_b, ref_cache, seq, pos, rpos, q_len, cos.astype(np.float64), sin.astype(np.float64),
-                        scale=scale, form="absorbed")
-    dev = {name: cp.asarray(a) for name, a in (("q", q), ("kva", kva), ("c", c), ("cache", cache), ("seq", seq),
-                                                ("pos", pos), ("rpos", rpos), ("q_len", q_len), ("cos", cos),
-                                                ("sin", sin))}
-    got = ops.mla_attention(dev["q"], dev["c"], dev["kva"][:, r:], cp.asarray(k_b), cp.asarray(v_b),
-                            dev["cache"], dev["seq"], dev["pos"], dev["rpos"], dev["q_len"], dev["cos"], dev["sin"],
-                            scale=scale)
-    assert got.shape == (N, nh * dv)
+    ref = _reference(h, ref_cache, r)
+    dev, dev_cache = _on_device(h, r), cp.asarray(cache)
+    got = _run(ops, dev, dev_cache, r, h["scale"])
+    assert got.shape == (len(h["seq"]), widths[0] * widths[3])
     assert _rel(got.get(), ref) < 1e-5
-    np.testing.assert_allclose(dev["cache"].get(), ref_cache, rtol=1e-6, atol=1e-6)   # c and the roped key appended
-    np.testing.assert_array_equal(q, dev["q"].get())                                  # q is left as it was
+    np.testing.assert_allclose(dev_cache.get(), ref_cache, rtol=1e-6, atol=1e-6)   # c and the roped key appended
+    np.testing.assert_array_equal(h["q"], dev["q"].get())                        # q is left as it was
+
+
+def test_mla_kernels_replay_from_a_cuda_graph():
+    # captured once, replayed over new inputs copied into the same buffers: the next rows of the same sequences
+    import cupy as cp
+
+    from colibri_format.runtime.cuda.kernels import ops
+
+    widths = WIDTHS[1]
+    r, rng = widths[4], np.random.default_rng(7)
+    first, second = (_pass(rng, widths, "f32", rows) for rows in (PASS, [(0, 11, 11), (2, 201, 1), (1, 8, 3)]))
+    second.update(k_b=first["k_b"], v_b=first["v_b"])
+    cache = rng.standard_normal((3, 256, r + widths[2])).astype(np.float32)
+    ref_cache = cache.astype(np.float64)
+    _reference(first, ref_cache, r)
+    ref = _reference(second, ref_cache, r)
+    dev, dev_cache = _on_device(first, r), cp.asarray(cache)
+    buffers = {"out": cp.empty((len(first["seq"]), widths[0] * widths[3]), cp.float32),
+               "workspace": ops.MlaWorkspace(len(first["seq"]), widths[0], r, widths[2])}
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        _run(ops, dev, dev_cache, r, first["scale"], **buffers)                  # the first pass, eager
+        stream.begin_capture()
+        _run(ops, dev, dev_cache, r, first["scale"], **buffers)
+        graph = stream.end_capture()
+        for name, array in _on_device(second, r).items():
+            dev[name][...] = array
+        graph.launch(stream)
+    stream.synchronize()
+    assert _rel(buffers["out"].get(), ref) < 1e-5
+    np.testing.assert_allclose(dev_cache.get(), ref_cache, rtol=1e-6, atol=1e-6)
 
 
 def test_mla_kernels_refuse_mismatched_inputs():
