@@ -190,7 +190,8 @@ def test_mla_kernels_refuse_mismatched_inputs():
          "k_rope": cp.zeros((N, dr), cp.float32), "k_b": cp.zeros((nh * dn, r), cp.float32),
          "v_b": cp.zeros((nh * dv, r), cp.float32), "cache": cp.zeros((2, 8, r + dr), cp.float32),
          "seq": cp.zeros(N, cp.int32), "pos": cp.zeros(N, cp.int32), "rpos": cp.zeros(N, cp.int32),
-         "q_len": cp.ones(N, cp.int32), "cos": cp.ones((N, dr // 2), cp.float32), "sin": cp.zeros((N, dr // 2), cp.float32)}
+         "q_len": cp.ones(N, cp.int32), "cos": cp.ones((N, dr // 2), cp.float32),
+         "sin": cp.zeros((N, dr // 2), cp.float32)}
     ops.mla_attention(*z.values(), scale=1.0)
     for name, bad in (("k_b", cp.zeros((nh * dn + 1, r), cp.float32)), ("v_b", cp.zeros((nh * dv, r + 1), cp.float32)),
                       ("cache", cp.zeros((2, 8, r + dr), cp.float16)), ("seq", cp.zeros(N, cp.int64)),

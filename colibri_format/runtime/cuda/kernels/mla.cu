@@ -64,8 +64,9 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 // a few heads fill the device), then the warps' partial sums are added. Dynamic shared memory: MLA_ROWS * dn floats
 // (the rows' q_nope of head h), then MLA_WARPS * MLA_ROWS * 32 partial sums.
 template <typename TW>
-__device__ __forceinline__ void absorb_q_impl(const float* __restrict__ q, const typename TW::storage* __restrict__ kb,
-                                              float* __restrict__ ql, int N, int nh, int dn, int dr, int r) {
+__device__ __forceinline__ void absorb_q_impl(const float* __restrict__ q,
+                                              const typename TW::storage* __restrict__ kb, float* __restrict__ ql,
+                                              int N, int nh, int dn, int dr, int r) {
     extern __shared__ float s_q[];
     float* s_part = s_q + MLA_ROWS * dn;
     const int h = blockIdx.y, n0 = blockIdx.z * MLA_ROWS;
@@ -167,8 +168,9 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 // ceil(N / MLA_ROWS)): a warp per output column v of head h (lanes over r: coalesced v_b rows), MLA_ROWS rows at
 // once. Dynamic shared memory: MLA_ROWS * r floats (the rows' latent output of head h).
 template <typename TW>
-__device__ __forceinline__ void absorb_v_impl(const float* __restrict__ lat, const typename TW::storage* __restrict__ vb,
-                                              float* __restrict__ out, int N, int nh, int dv, int r) {
+__device__ __forceinline__ void absorb_v_impl(const float* __restrict__ lat,
+                                              const typename TW::storage* __restrict__ vb, float* __restrict__ out,
+                                              int N, int nh, int dv, int r) {
     extern __shared__ float s_lat[];
     const int h = blockIdx.y, n0 = blockIdx.z * MLA_ROWS;
     const int rows = min(MLA_ROWS, N - n0);
