@@ -5,8 +5,7 @@ sigmoid routing with a selection-only bias, grouped top-k, scaled weights, a lea
 a sliding window on some layers) are converted with int8 experts; the CUDA engine must give the NumPy engine's
 greedy tokens and logits close to the float64 reference, eager and in graphs, from bf16 and from FP8 sources.
 Attention sinks, per-layer windows and a router bias on the logits (gpt-oss) run on NumPy-built models with plain
-experts. What the kernels do not compute yet (gpt-oss's expert biases and clamped SwiGLU) is refused at open with one
-line.
+experts; gpt-oss's expert biases and clamped SwiGLU are tested in test_gpu_gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ RUN = {  # test id -> (config key, overrides[, dense dtype: bfloat16 by default]
     "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
     "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
-REFUSED = {  # config key -> (overrides, field)
-    "gpt_oss": (dict(WIDE, intermediate_size=64), "model.expert_act"),   # the first of its two
+REFUSED = {  # config key -> (overrides, field); gpt-oss's experts run now (test_gpu_gpt_oss.py)
 }
 
 
