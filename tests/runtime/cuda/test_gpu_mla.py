@@ -44,11 +44,12 @@ def _rel(a, b) -> float:
 
 
 def _steps(engine, prompt, tokens) -> list[np.ndarray]:
-    """Logits after the prompt (a prefill), then after each of `tokens` fed one at a time (decode steps)."""
+    """Logits after the prompt (a prefill), then after each of `tokens` fed one at a time (decode steps); copies,
+    since a runner's logits buffer is overwritten by its next step (and NumPy's to_host returns it as is)."""
     runner = engine.decode_runner(1, len(prompt) + len(tokens) + 1)
-    out = [engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0]]
+    out = [np.array(engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0])]
     for i, t in enumerate(tokens):
-        out.append(engine.be.to_host(runner.step(np.array([t]), np.array([len(prompt) + i])))[0])
+        out.append(np.array(engine.be.to_host(runner.step(np.array([t]), np.array([len(prompt) + i])))[0]))
     return out
 
 

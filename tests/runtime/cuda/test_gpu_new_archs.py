@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from colibri_format.convert.pipeline import convert
-from colibri_format.errors import UnsupportedModel
 from colibri_format.runtime import Engine, EngineConfig
 from tests.convert.quantized_checkpoints import to_fp8
 from tests.runtime.hf_tiny import build_hf
@@ -29,10 +28,6 @@ RUN = {  # test id -> (config key, overrides[, dense dtype: bfloat16 by default]
     "glm4_moe-one-group": ("glm4_moe-groups", dict(WIDE, n_group=1, topk_group=1, num_experts_per_tok=2)),
     "glm4_moe-groups": ("glm4_moe-groups", dict(WIDE)),                   # 4 groups of 2, keep 2, top-3
 }
-REFUSED = {  # config key -> (overrides, field); gpt-oss's experts run now (test_gpu_gpt_oss.py)
-}
-
-
 def _file(tmp_path, key: str, overrides: dict, dtype: str = "bfloat16", fp8: bool = False):
     hf = build_hf(key, **overrides)
     hf.save_pretrained(tmp_path / "hf")
@@ -101,12 +96,3 @@ def test_sinks_and_a_logit_router_bias_run_on_cuda(tmp_path, graphs):
             weights.dense[f"{p}.attn.{name}"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
     path = write_colibri(weights, tmp_path / "sinks.colibri", experts="int8_row")
     _same_as_numpy(path, graphs)
-
-
-@pytest.mark.parametrize("key", sorted(REFUSED))
-def test_features_the_kernels_lack_are_refused_at_open(tmp_path, key):
-    overrides, field = REFUSED[key]
-    path = _file(tmp_path, key, overrides)
-    with pytest.raises(UnsupportedModel) as info:
-        Engine(path, EngineConfig(device="cuda"))
-    assert info.value.field == field and "\n" not in str(info.value)
