@@ -225,6 +225,7 @@ def _check_experts(model: dict, blob_layout) -> None:
             raise _refuse(f"router {key} {value!r}; the router kernel implements {sorted(known)}",
                           f"model.router.{key}", value)
 
+
 def _check_packed_experts(model: dict, name: str) -> None:
     for field in PACKED_EXPERT_EXTRAS:
         if model.get(field):

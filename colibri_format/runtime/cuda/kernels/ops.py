@@ -1006,6 +1006,7 @@ def deltanet_gated_norm(o, z, w, eps: float, *, out=None):
                                                                    np.float32(eps)))
     return y
 
+
 # ---- 4-bit experts (moe_gemv4.cu) ---------------------------------------------------------------------------------
 PACKED_KERNEL_TAGS = {ExpertFormat.INT4_GROUP: "int4", ExpertFormat.MXFP4: "mxfp4"}   # kernel name part
 PACKED_GROUPS = {ExpertFormat.INT4_GROUP: INT4_GROUP_SIZES, ExpertFormat.MXFP4: (MXFP4_GROUP_SIZE,)}
