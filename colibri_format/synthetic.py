@@ -72,11 +72,13 @@ def _expert_arrays(rng: np.random.Generator, blob: S.BlobLayout) -> dict[str, np
 def write_synthetic(path: str | os.PathLike, model: dict | None = None, *, seed: int = 0,
                     expert_format: S.ExpertFormat = S.ExpertFormat.INT8_ROW, dense_dtype: S.DType = S.DType.F32,
                     group_size: int = 0, reuse_expert: bool = False) -> str:
-    """Write a valid file with random weights. `reuse_expert` writes one random blob everywhere (fast, big files)."""
+    """Write a valid file with random weights. `reuse_expert` writes one random blob everywhere (fast, big files).
+    Raises WriteError (field free_space) before writing when the folder cannot hold the file."""
     model = model or synthetic_model()
     rng = np.random.default_rng(seed)
     w = ColibriWriter(path, model, dense_dtype=dense_dtype, expert_format=expert_format, group_size=group_size)
     try:
+        w.check_free_space()
         for t in w.plan.dense:
             w.write_dense(t.name, (rng.standard_normal(t.shape) * 0.05).astype(np.float32))
         blob = w.build_blob(_expert_arrays(rng, w.plan.blob)) if reuse_expert else None

@@ -21,6 +21,7 @@ destination, and a reader rejects a `.part` file (its header is zero).
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,6 +229,23 @@ class ColibriWriter:
             os.close(fd)
             raise WriteError(f"cannot size {self.part_path}: {exc.strerror}") from None
         return fd
+
+    def check_free_space(self, extra_metadata_bytes: int = 0) -> None:
+        """Raise WriteError before writing when the folder cannot hold what is left to write (the .part is sparse:
+        what it already holds counts); `extra_metadata_bytes`: a tokenizer or other large metadata to come."""
+        plan = self.plan
+        n_blobs = len(plan.moe_layers) * plan.num_experts
+        tables = len(plan.dense) * S.DENSE_ENTRY_SIZE + n_blobs * S.WSIT_ENTRY_SIZE
+        needed = plan.metadata_offset + extra_metadata_bytes + tables + n_blobs * 128 + (1 << 20)
+        try:
+            already = os.fstat(self._fd).st_blocks * 512
+            free = shutil.disk_usage(self.part_path.parent).free
+        except OSError as exc:
+            raise WriteError(f"cannot check free space: {exc.strerror}") from None
+        if free < needed - already:
+            raise WriteError(f"not enough free space in {self.part_path.parent}: the file needs "
+                             f"{needed - already:,} more bytes, {free:,} are free", field="free_space",
+                             value=needed - already)
 
     # --- pieces -----------------------------------------------------------------------------------
     def piece_keys(self) -> list[PieceKey]:

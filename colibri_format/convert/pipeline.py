@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -357,7 +356,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
                            resume=resuming, before_piece_write=lambda: crashpoint.hit("data-write"))
     journal: Journal | None = None
     try:
-        _check_free_space(writer, job)
+        writer.check_free_space(len(S.encode_metadata(job.tokenizer)) if job.tokenizer else 0)
         kept = keep_journaled_pieces(writer, state.pieces, job.options.workers,
                                      lambda key: source_digest(job.src, job.piece(key).rows),
                                      job.options.allow_non_finite) if resuming else []
@@ -427,25 +426,6 @@ def _finalize(writer: ColibriWriter, metadata: dict[str, Any], before_rename: Ca
     except OSError as exc:  # e.g. EFBIG when sizing the file for its tables under a file size limit
         raise WriteError(f"cannot finish {writer.part_path.name}: {os.strerror(exc.errno or 5)}",
                          field="finalize") from None
-
-
-# --- disk space -------------------------------------------------------------------------------------
-def _check_free_space(writer: ColibriWriter, job: Job) -> None:
-    """Fail before writing when the folder cannot hold what is left to write (the .part is sparse)."""
-    plan = writer.plan
-    n_blobs = len(plan.moe_layers) * plan.num_experts
-    tokenizer_bytes = len(S.encode_metadata(job.tokenizer)) if job.tokenizer else 0
-    tables = len(plan.dense) * S.DENSE_ENTRY_SIZE + n_blobs * S.WSIT_ENTRY_SIZE
-    needed = plan.metadata_offset + tokenizer_bytes + tables + n_blobs * 128 + (1 << 20)
-    try:
-        already = os.lstat(writer.part_path).st_blocks * 512
-        free = shutil.disk_usage(writer.part_path.parent).free
-    except OSError as exc:
-        raise WriteError(f"cannot check free space: {exc.strerror}") from None
-    if free < needed - already:
-        raise WriteError(f"not enough free space in {writer.part_path.parent}: the conversion needs "
-                         f"{needed - already:,} more bytes, {free:,} are free", field="free_space",
-                         value=needed - already)
 
 
 def _restore_stats(run: Progressive, records: list[dict[str, Any]]) -> None:

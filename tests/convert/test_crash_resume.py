@@ -308,7 +308,7 @@ def test_real_disk_full_on_tmpfs(small_ckpt, small_clean, small_tmpfs, monkeypat
     with pytest.raises(WriteError, match="more bytes"):
         convert(small_ckpt, out)
     # 2. Past the check, the kernel's ENOSPC mid-way is a clean WriteError with the journal kept.
-    monkeypatch.setattr("colibri_format.convert.pipeline._check_free_space", lambda writer, job: None)
+    monkeypatch.setattr("colibri_format.writer.ColibriWriter.check_free_space", lambda writer, extra=0: None)
     with pytest.raises(WriteError, match="No space left|disk full|size limit"):
         convert(small_ckpt, out)
     assert not out.exists()

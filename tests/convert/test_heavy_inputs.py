@@ -21,6 +21,7 @@ import xxhash
 
 import colibri_format
 from colibri_format import spec as S
+from colibri_format import writer as writer_module
 from colibri_format.convert import crashpoint, emit, pipeline, source, tokenizer_files
 from colibri_format.convert.journal import journal_path_for, lock_path_for, read_journal
 from colibri_format.convert.pipeline import convert
@@ -189,7 +190,7 @@ def test_a_refusal_before_any_piece_is_durable_removes_what_it_created(ckpt, out
         convert(ckpt, out, workers=1)
     assert "kept" not in str(info.value) and _hidden(out.parent) == []
     monkeypatch.undo()
-    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1))
+    monkeypatch.setattr(writer_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1))
     with pytest.raises(WriteError, match="not enough free space") as info:
         convert(ckpt, out)
     assert "kept" not in str(info.value) and _hidden(out.parent) == []
@@ -201,7 +202,7 @@ def test_an_earlier_runs_empty_journal_goes_too(ckpt, out, monkeypatch):
                           env={**ENV, "COLIBRI_CRASH_AT": "3"}, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL
     assert read_journal(journal_path_for(out)).pieces == [] and part_path_for(out).exists()
-    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1))
+    monkeypatch.setattr(writer_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1))
     with pytest.raises(WriteError, match="not enough free space"):
         convert(ckpt, out)
     assert _hidden(out.parent) == []

@@ -253,7 +253,7 @@ def test_not_enough_space_fails_early(tiny_checkpoint, tmp_path, monkeypatch):
     import collections
 
     Usage = collections.namedtuple("Usage", "total used free")
-    monkeypatch.setattr("colibri_format.convert.pipeline.shutil.disk_usage", lambda p: Usage(10, 10, 1000))
+    monkeypatch.setattr("colibri_format.writer.shutil.disk_usage", lambda p: Usage(10, 10, 1000))
     out = tmp_path / "s.colibri"
     with pytest.raises(WriteError, match="more bytes") as info:
         convert(tiny_checkpoint("mixtral"), out)
