@@ -43,6 +43,9 @@ class EngineConfig:
     precision: str = "float32"                # device="cpu": float32, or float64 (the oracle kernels are tested by)
     max_batch_size: int = 32
     max_seq_len: int = 2048
+    max_prefill_rows: int = 4096              # rows of one prefill pass: a longer prompt (or packed batch) runs in
+                                              # several passes, each continuing the last (same results up to
+                                              # rounding); bounds the pass's activations and workspace
     max_cached_experts: int | None = None     # None: keep every expert once loaded
     gpu_memory: int | str | None = None       # a device memory budget ("20GiB"): sizes the expert cache from what
                                               # dense weights, one sequence's KV cache and a workspace leave
@@ -65,7 +68,7 @@ class EngineConfig:
     pinned_experts: tuple | None = None       # (layer, expert) pairs for cache_policy="static"
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len"):
+        for name in ("max_batch_size", "max_seq_len", "max_prefill_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
@@ -180,6 +183,23 @@ def make_backend(config: EngineConfig):
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)
+
+
+def prefill_passes(lengths: list[int], max_rows: int) -> list[list[tuple[int, int, int]]]:
+    """Passes of at most `max_rows` rows over sequences of `lengths`: each pass a list of (sequence, first row,
+    end row); sequences in order, each split where a pass fills up."""
+    passes, current, room = [], [], max_rows
+    for i, n in enumerate(lengths):
+        a = 0
+        while a < n:
+            b = min(n, a + room)
+            current.append((i, a, b))
+            room -= b - a
+            a = b
+            if room == 0:
+                passes.append(current)
+                current, room = [], max_rows
+    return passes + ([current] if current else [])
 
 
 class _RouteLog:
@@ -453,7 +473,25 @@ class Engine:
         return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
 
     def _prefill(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):
-        """Device logits [R, V] of a packed, eager pass (R: every row, or each sequence's last)."""
+        """Device logits [R, V] (R: every row, or each sequence's last) of packed, eager passes of at most
+        `max_prefill_rows` rows: sequences are taken in order, a long one split across passes (each later piece
+        attends to the KV its earlier pieces wrote)."""
+        if sum(len(c) for c in chunks) <= self.config.max_prefill_rows:
+            return self._prefill_pass(chunks, kv, seqs, starts, all_logits)
+        kept = [[] for _ in chunks]         # device logits of each sequence, in row order
+        for pieces in prefill_passes([len(c) for c in chunks], self.config.max_prefill_rows):
+            logits = self._prefill_pass([chunks[i][a:b] for i, a, b in pieces], kv, [seqs[i] for i, _, _ in pieces],
+                                        [starts[i] + a for i, a, _ in pieces], all_logits)
+            row = 0
+            for i, a, b in pieces:
+                n = b - a if all_logits else 1
+                if all_logits or b == len(chunks[i]):
+                    kept[i].append(logits[row:row + n])
+                row += n
+        return self.be.xp.concatenate([part for parts in kept for part in parts])
+
+    def _prefill_pass(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):
+        """Device logits [R, V] of one packed, eager pass (R: every row, or each sequence's last)."""
         host = host_step(self.args, chunks, starts, seqs, all_logits)
         T = len(host.ids)
         with self.stream:
