@@ -1,6 +1,6 @@
 """The prefill grouped expert GEMM (issue 15): today's tensor-core kernel against the pipelined one, in one process.
 
-    PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out OUT_DIR [--cases mixtral-512 ...]
+    PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out OUT_DIR [--cases mixtral-512 ...] [--sweep]
 
 Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)):
 - `tc`: moe_gemm.cu's moe_gemm_tc_{gate_up,down}_r (64 x 64 tiles, hi + lo activations, today's prefill);
@@ -11,6 +11,8 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph; cuBLAS launches plainly).
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
+--sweep: afterwards, the pipelined kernels alone at Mixtral 512 rows rebuilt with other (FAST_STAGES,
+FAST_MIN_BLOCKS) than limits.py's, to pick those constants (rows marked with the pair in `variant`).
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu_kernels import time_graph
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.bench import device_experts
 from colibri_format.runtime.cuda.kernels import ops
 
@@ -35,6 +38,7 @@ CASES = {  # name: (H, I, E, k, T)
 }
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
+SWEEP = ((2, 2), (4, 2), (3, 1), (4, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
 
 
 def log(*a):
@@ -58,7 +62,16 @@ def timed(cp, fn) -> float:
     return time_graph(cp, [fn], reps=REPLAYS, per_graph=LAUNCHES)
 
 
-def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int) -> list[dict]:
+def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
+    """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
+    limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
+    limits.KERNEL_DEFINES["moe_gemm_fast"].update(FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks)
+    for cache in (ops._MODULES, ops._FUNCTIONS):
+        for key in [key for key in cache if key[0] == "moe_gemm_fast"]:
+            del cache[key]
+
+
+def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "") -> list[dict]:
     P = T * k
     buf, table = device_experts(E, H, I, seed=1)
     ids, w = random_routing(cp, T, E, k, seed=2)
@@ -78,8 +91,9 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int) -> lis
         log(f"  {variant:18s} {stage:8s} {us:10.1f} us" + (f" {tflops:7.1f} TFLOP/s" if product else "")
             + ("" if agreement is None else f"  rel vs tc {agreement:.2e}"))
 
-    add("tc", "gate_up", timed(cp, lambda: ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True, out=act)))
-    add("tc", "down", timed(cp, lambda: ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True, out=y)))
+    if not fast_only:
+        add("tc", "gate_up", timed(cp, lambda: ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True, out=act)))
+        add("tc", "down", timed(cp, lambda: ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True, out=y)))
     for mode in ops.FAST_ACTIVATIONS:
         def gate_up():
             ops.moe_gemm_gate_up_fast(x, table, d, k, activations=mode, hi=st.x_hi, lo=st.x_lo, out=act)
@@ -87,8 +101,10 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int) -> lis
         def down():
             ops.moe_gemm_down_fast(act_ref, table, d, w, activations=mode, hi=st.act_hi, lo=st.act_lo, out=y)
 
-        add(f"fast-{mode}", "gate_up", timed(cp, gate_up), rel(act, act_ref))
-        add(f"fast-{mode}", "down", timed(cp, down), rel(y, y_ref))
+        add(f"fast-{mode}{fast_only}", "gate_up", timed(cp, gate_up), rel(act, act_ref))
+        add(f"fast-{mode}{fast_only}", "down", timed(cp, down), rel(y, y_ref))
+    if fast_only:
+        return rows
     add("split_bf16", "gate_up", timed(cp, lambda: ops.split_bf16(x, hi=st.x_hi, lo=st.x_lo)), product=False)
     add("split_bf16", "down", timed(cp, lambda: ops.split_bf16(act_ref, hi=st.act_hi, lo=st.act_lo)),
         product=False)
@@ -110,7 +126,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     tc = {(r["case"], r["stage"]): r["us"] for r in rows if r["variant"] == "tc"}
     for r in rows:
         tf = "" if r["tflops"] is None else f"{r['tflops']:.1f}"
-        speed = "" if r["tflops"] is None else f"{tc[(r['case'], r['stage'])] / r['us']:.2f}x"
+        base = tc.get((r["case"], r["stage"]))
+        speed = "" if r["tflops"] is None or base is None else f"{base / r['us']:.2f}x"
         agree = "" if r["rel_vs_tc"] is None else f"{r['rel_vs_tc']:.1e}"
         out.append(f"| {r['case']} | {r['variant']} | {r['stage']} | {r['us']:.1f} | {tf} | {speed} | {agree} |")
     return "\n".join(out) + "\n"
@@ -120,6 +137,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--sweep", action="store_true", help="also other FAST_STAGES / FAST_MIN_BLOCKS at mixtral-512")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -132,12 +150,19 @@ def main(argv=None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
             "cupy": cp.__version__, "command": "PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out $OUT"
-            + ("" if args.cases == list(CASES) else " --cases " + " ".join(args.cases))}
+            + ("" if args.cases == list(CASES) else " --cases " + " ".join(args.cases))
+            + (" --sweep" if args.sweep else ""), "fast_stages": limits.FAST_STAGES,
+            "fast_min_blocks": limits.FAST_MIN_BLOCKS}
     log(f"modules compiled in {time.time() - t0:.1f} s")
     rows = []
     for name in args.cases:
         log(f"== {name} (H, I, E, k, T) = {CASES[name]}")
         rows += bench_case(cp, be, name, *CASES[name])
+        cp.get_default_memory_pool().free_all_blocks()
+    for stages, min_blocks in SWEEP if args.sweep else ():
+        log(f"== mixtral-512, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}")
+        rebuild_fast_kernel(stages, min_blocks)
+        rows += bench_case(cp, be, "mixtral-512", *CASES["mixtral-512"], fast_only=f" s{stages} b{min_blocks}")
         cp.get_default_memory_pool().free_all_blocks()
     meta["seconds"] = time.time() - t0
     (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -68,12 +68,18 @@ def host_source() -> str:
     return '#include "cuda_host_shim.h"\n' + src + DRIVER
 
 
-def build(tmp_path: Path) -> ctypes.CDLL:
+def _defines(stages: int) -> list[str]:
+    return [o for o in limits.define_options("moe_gemm_fast") if not o.startswith("-DFAST_STAGES=")] + [
+        f"-DFAST_STAGES={stages}"]
+
+
+def build(tmp_path: Path, stages: int = limits.FAST_STAGES) -> ctypes.CDLL:
+    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`."""
     src = tmp_path / "moe_gemm_fast_host.cpp"
     src.write_text(host_source())
     lib = tmp_path / "moe_gemm_fast_host.so"
     cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{SHIM_DIR}",
-           *limits.define_options("moe_gemm_fast"), "-o", str(lib), str(src)]
+           *_defines(stages), "-o", str(lib), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return ctypes.CDLL(str(lib))
@@ -87,9 +93,12 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 class Emulator:
     """The kernels of a built library, launched over host arrays (kept alive by the caller)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, stages: int = limits.FAST_STAGES) -> None:
+        self.lib, self.stages = lib, stages
         lib.emu_first_error.restype = ctypes.c_char_p
+
+    def shared_bytes(self, split: bool) -> int:
+        return limits.fast_gemm_shared_bytes(split) // limits.FAST_STAGES * self.stages
 
     def _sources(self, *arrays: np.ndarray) -> None:
         self.lib.emu_clear_sources()
@@ -104,7 +113,7 @@ class Emulator:
         self._sources(hi, lo, blobs)
         grid = (-(-I // (limits.FAST_BN // 2)), disp["tile_expert"].size)
         self.lib.emu_gate_up(
-            int(split), *grid, ctypes.c_size_t(limits.fast_gemm_shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
+            int(split), *grid, ctypes.c_size_t(self.shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
             ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
             _ptr(act), H, I, k)
@@ -114,7 +123,7 @@ class Emulator:
         self._sources(hi, lo, blobs)
         grid = (-(-H // limits.FAST_BN), disp["tile_expert"].size)
         self.lib.emu_down(
-            int(split), *grid, ctypes.c_size_t(limits.fast_gemm_shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
+            int(split), *grid, ctypes.c_size_t(self.shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
             _ptr(weights), _ptr(y), H, I)

@@ -49,6 +49,16 @@ CASES = [(8, 2, 336, 208, [1, 63, 64, 65, 0, 7, 0, 2]), (3, 1, 64, 272, [130, 0,
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("split", [True, False])
 def test_emulated_kernels_match_float64(emulator, case, split):
+    check_against_float64(emulator, case, split)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_other_pipeline_depths(tmp_path, stages):
+    """The depths benchmarks/prefill_gemm.py --sweep tries compute the same products."""
+    check_against_float64(Emulator(build(tmp_path, stages), stages), CASES[0], True)
+
+
+def check_against_float64(emulator: Emulator, case, split: bool) -> None:
     rng = np.random.default_rng(15)
     E, k, H, I, counts = case
     layout, experts, blobs = host_experts(rng, E, H, I)
