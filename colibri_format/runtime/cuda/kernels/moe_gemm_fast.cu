@@ -59,22 +59,24 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return a;
 }
 
-// 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).
+// 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read). The "memory" clobbers keep the
+// compiler from moving shared-memory accesses across the copies and the waits.
 __device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
+                 "r"(valid ? 16 : 0)
+                 : "memory");
 }
 
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
 // ---- shared-memory layout ---------------------------------------------------------------------------------------
 // Chunk slots are XOR-swizzled so that the fragment loads of a warp hit 32 distinct banks: a 16-byte A load phase
-// (8 lanes) reads rows g, g + 1 at the same 4 logical chunks, a 8-byte B load phase (16 lanes) rows g..g+3 at the
+// (8 lanes) reads rows g, g + 1 at the same 4 logical chunks, an 8-byte B load phase (16 lanes) rows g..g+3 at the
 // same 2 chunks; the writes (8 lanes, one row's or two rows' chunks) stay conflict-free too.
 __device__ __forceinline__ int a_slot(int row, int chunk) { return chunk ^ ((row & 1) << 2); }
 __device__ __forceinline__ int b_slot(int row, int chunk) { return chunk ^ (((row >> 1) & 1) << 1); }
