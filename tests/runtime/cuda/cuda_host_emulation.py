@@ -2,7 +2,7 @@
 pipeline and fragment layouts on machines without a GPU (tests/runtime/cuda/test_moe_gemm_fast_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the five helpers
-that wrap PTX removed; cuda_host_shim.h stands in for them and for the CUDA built-ins (see its header).
+that wrap PTX removed (PTX_HELPERS); cuda_host_shim.h stands in for them and for the CUDA built-ins (see its header).
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ from colibri_format.runtime.cuda.kernels import ops
 
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
-PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816")
+PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "bf16x2_sub")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
 DRIVER = r"""
+extern "C" void emu_widen_bytes(const unsigned int* words, unsigned int* pairs, int n) {
+    for (int i = 0; i < n; ++i) i8x4_to_bf16x2(words[i], pairs[2 * i], pairs[2 * i + 1]);
+}
+
 extern "C" void emu_gate_up(int split, int grid_x, int grid_y, size_t smem, const u16* x_hi, const u16* x_lo,
                             const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                             const int* offsets, const int* tile_expert, const int* tile_start, float* act, int H,
@@ -104,6 +108,13 @@ class Emulator:
         self.lib.emu_clear_sources()
         for a in arrays:
             self.lib.emu_allow_source(_ptr(a), ctypes.c_size_t(a.nbytes))
+
+    def widen_bytes(self, words: np.ndarray) -> np.ndarray:
+        """The kernel's int8 -> bf16 widening of uint32 words (4 bytes each): [n, 2] uint32 bf16 pairs."""
+        words = np.ascontiguousarray(words, np.uint32)
+        pairs = np.zeros((words.size, 2), np.uint32)
+        self.lib.emu_widen_bytes(_ptr(words), _ptr(pairs), words.size)
+        return pairs
 
     def errors(self) -> tuple[int, str]:
         return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()

@@ -1,5 +1,5 @@
 // Host emulation of the CUDA features that moe_gemm_fast.cu uses, so that its kernels run, unchanged but for the
-// five helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
+// helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
 //   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block;
 //   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) is warp-collective: each lane posts its fragments, the warp
 //     meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
@@ -131,6 +131,18 @@ inline void wait_copies() {
         }
         emu_groups.pop_front();
     }
+}
+
+// ---- sub.rn.bf16x2 -------------------------------------------------------------------------------------------------
+inline unsigned int emu_round_bf16(float f) {   // round to nearest even (no NaN inputs here)
+    const unsigned int u = __float_as_uint(f);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+inline unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
+    const float lo = __uint_as_float(a << 16) - __uint_as_float(b << 16);
+    const float hi = __uint_as_float(a & 0xffff0000u) - __uint_as_float(b & 0xffff0000u);
+    return emu_round_bf16(lo) | (emu_round_bf16(hi) << 16);
 }
 
 // ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------

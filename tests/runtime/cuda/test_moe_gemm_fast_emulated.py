@@ -42,6 +42,15 @@ def host_dispatch(ids: np.ndarray, num_experts: int) -> dict:
     return d
 
 
+def test_every_byte_widens_to_its_bf16_value(emulator):
+    """All 256 int8 values in each of the 4 byte positions, through the kernel's widening (i8x4_to_bf16x2)."""
+    values = np.arange(-128, 128, dtype=np.int8)
+    words = np.stack([np.roll(values, 64 * j) for j in range(4)], axis=1).copy().view(np.uint32).ravel()
+    pairs = emulator.widen_bytes(words)
+    halves = np.stack([pairs & 0xFFFF, pairs >> 16], axis=-1).reshape(-1, 4).astype(np.uint16)
+    np.testing.assert_array_equal(to_float32(halves), words.view(np.int8).reshape(-1, 4).astype(np.float32))
+
+
 # (E, k, H, I, rows per expert): partial column blocks and K steps, 1/63/64/65-row experts, empty experts
 CASES = [(8, 2, 336, 208, [1, 63, 64, 65, 0, 7, 0, 2]), (3, 1, 64, 272, [130, 0, 2]), (2, 2, 160, 32, [5, 65])]
 

@@ -117,13 +117,24 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const u16* __re
 }
 
 // ---- fragments and MMAs -----------------------------------------------------------------------------------------
-// 4 signed bytes (k order 0..3) -> bf16 pairs (0, 1) and (2, 3), low half first. i8x4_to_f32 is exact and a value
-// of at most 8 significant bits has zero low 16 bits in fp32, so its bf16 is the high half: no rounding.
+__device__ __forceinline__ unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
+    unsigned int d;
+    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// Two signed bytes at bits 0-7 and 16-23 -> their bf16 pair, exactly, in 3 instructions: with r = b & 0x7f, bf16
+// bits 0x4300 | r are 128 + r, and b = (128 + r) - (b < 0 ? 256 : 128), an integer of |b| <= 128 that bf16 holds.
+__device__ __forceinline__ unsigned int i8x2_to_bf16x2(unsigned int spread) {
+    const unsigned int biased = (spread & 0x007f007fu) | 0x43004300u;   // 128 + r
+    const unsigned int offset = (spread & 0x00800080u) | 0x43004300u;   // 128, or 256 (0x4380) where b < 0
+    return bf16x2_sub(biased, offset);
+}
+
+// 4 signed bytes (k order 0..3) -> bf16 pairs (0, 1) and (2, 3), low half first.
 __device__ __forceinline__ void i8x4_to_bf16x2(unsigned int w, unsigned int& b01, unsigned int& b23) {
-    float f[4];
-    i8x4_to_f32(w, f);
-    b01 = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632);
-    b23 = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632);
+    b01 = i8x2_to_bf16x2(__byte_perm(w, 0u, 0x4140));   // bytes 0, 1 -> bits 0-7, 16-23
+    b23 = i8x2_to_bf16x2(__byte_perm(w, 0u, 0x4342));   // bytes 2, 3
 }
 
 __device__ __forceinline__ void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
@@ -152,7 +163,8 @@ __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&ac
                                           int lane) {
     const int g = lane >> 2, t = lane & 3;
     const unsigned char* bstage = stage + FastStage<SPLIT>::A_PARTS * FAST_A_BYTES;
-#pragma unroll
+    // not unrolled: with both slices' fragments in flight the kernel spills under the 128-register bound
+#pragma unroll 1
     for (int s = 0; s < FAST_BK / 32; ++s) {
         unsigned int b[FAST_NT][4];
 #pragma unroll
