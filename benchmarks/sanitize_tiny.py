@@ -2,8 +2,8 @@
 
 A tiny Qwen3-MoE-like file (hidden 128, 2 heads of 64 with per-head q/k norms, 2 layers of 4 experts top-2, vocab
 128; bf16 dense, int8 experts) written by `colibri_format.synthetic.write_synthetic`; exercises prefill, graph
-capture and replay, batched decode, the paged path with multi-pass layers and prefetch, and the staging-free copy
-path.
+capture and replay, batched decode, the paged path with multi-pass layers and prefetch, the staging-free copy
+path, and a prefill on the opt-in pipelined expert GEMM (`fast_expert_gemm`).
 
 Run from the repository root (the workload imports the library, nothing else):
 
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
             print("logits", [x.shape for x in eng.logits([[1, 2, 3, 4], [5, 6]])])
             print("generate", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids)
             print("batch", eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3), eng.stats()["graphs"])
+        for fast in ("split", "bf16"):     # a 40-row prefill on the pipelined grouped GEMM (moe_gemm_fast.cu)
+            with Engine(path, EngineConfig(device=device, max_seq_len=64, fast_expert_gemm=fast)) as eng:
+                print("fast gemm", fast, [x.shape for x in eng.logits([list(range(1, 41))])])
         with Engine(path, EngineConfig(device=device, max_seq_len=64, max_cached_experts=2, prefetch=True)) as eng:
             print("paged", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
                   {k: eng.stats()["paging"][k] for k in ("hits", "misses", "loads")})

@@ -52,6 +52,9 @@ class EngineConfig:
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
+    fast_expert_gemm: str | None = None       # CUDA, opt-in until measured on an H200: the grouped expert GEMM on
+                                              # the pipelined kernel (moe_gemm_fast.cu) with activations 'split'
+                                              # (bf16 hi + lo, ~1e-5) or 'bf16' (~1e-3); None: today's kernel
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -82,6 +85,9 @@ class EngineConfig:
                 raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
                                    value=self.gpu_memory)
             object.__setattr__(self, "gpu_memory", parse_memory(self.gpu_memory))
+        if self.fast_expert_gemm not in (None, "split", "bf16"):
+            raise InvalidInput("fast_expert_gemm must be None, 'split' or 'bf16'", field="fast_expert_gemm",
+                               value=self.fast_expert_gemm)
         if self.precision not in ("float32", "float64") or (self.device == "cuda" and self.precision != "float32"):
             raise InvalidInput("precision must be 'float32', or 'float64' on device='cpu'", field="precision",
                                value=self.precision)
@@ -179,7 +185,8 @@ def make_backend(config: EngineConfig):
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
-    return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores)
+    return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
+                             fast_expert_gemm=config.fast_expert_gemm)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

@@ -35,7 +35,7 @@ class CupyBackend:
     dtype = np.dtype(np.float32)
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
-    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True) -> None:
+    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -50,6 +50,7 @@ class CupyBackend:
         self.device.use()
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         self.bf16_tensor_cores = bf16_tensor_cores
+        self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -222,11 +223,23 @@ class CupyBackend:
             return ops.moe_experts_4bit(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                         out=residual, act=ws.buf("moe_act", (P, table.intermediate_size)),
                                         ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra)
+        extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
-                               extras=ops.ExpertExtras.from_model(act, gate_up_bias, down_bias))
+                               extras=extras, fast_gemm=self.fast_expert_gemm,
+                               staging=self._fast_staging(T, P, table, extras, ws))
+
+    def _fast_staging(self, T: int, P: int, table, extras, ws):
+        """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it runs."""
+        if not self.ops.uses_fast_gemm(self.fast_expert_gemm, table, extras):
+            return None
+        H, I = table.hidden_size, table.intermediate_size
+        key = ("fast_staging", T, P, H, I)
+        if key not in ws.extra:
+            ws.extra[key] = self.ops.fast_gemm_staging(T, P, H, I)
+        return ws.extra[key]
 
     def count_routes(self, ids, totals):
         return self.ops.count_routes(ids, totals)
@@ -325,5 +338,6 @@ class _TimedOps:
         return timed
 
 
-def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores)
+def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True,
+                 fast_expert_gemm: str | None = None) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm)

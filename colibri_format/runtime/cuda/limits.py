@@ -45,6 +45,16 @@ GEMM_BN = 64
 GEMM_BK = 32
 GEMM_PAD = 4
 TC_THREADS = 128
+# moe_gemm_fast.cu: the pipelined tensor-core grouped GEMM (opt-in, ops.moe_gemm_*_fast): FAST_BM rows (the
+# dispatch's tile_m) x FAST_BN weight rows a block of 8 warps, FAST_BK columns a step, FAST_STAGES cp.async stages
+# in dynamic shared memory (24 KB a stage with bf16 activations, 32 KB with hi + lo), FAST_MIN_BLOCKS blocks a
+# multiprocessor asked of the register allocator (2: at most 128 registers a thread)
+FAST_THREADS = 256
+FAST_BM = GEMM_BM
+FAST_BN = 256
+FAST_BK = 64
+FAST_STAGES = 3
+FAST_MIN_BLOCKS = 2
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
 # once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): one token
@@ -86,6 +96,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemv": {"GEMV_THREADS": GEMV_THREADS},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
+    "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
+                      "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "DG_THREADS": DG_THREADS,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
@@ -117,6 +129,12 @@ ACTIVATIONS = frozenset({"silu"})
 ROUTER_SCORING = {"softmax": 0, "sigmoid": 1}     # codes passed to router.cu
 ROUTER_ORDER = {"softmax_topk": 0, "topk_softmax": 1}
 QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}   # codes passed to fused.cu
+
+
+def fast_gemm_shared_bytes(split: bool) -> int:
+    """Dynamic shared memory of a moe_gemm_fast.cu launch: its stages of activation (hi, and lo when split) and
+    int8 weight tiles."""
+    return FAST_STAGES * ((2 if split else 1) * FAST_BM * FAST_BK * 2 + FAST_BN * FAST_BK)
 
 
 def scale_groups(hidden: int, inter: int, group: int) -> tuple[int, int, str] | None:

@@ -187,10 +187,27 @@ def test_spec_layout_meets_the_kernels_alignment():
 
 def test_ops_uses_the_declared_constants():
     for name in ("GEMM_BM", "GEMM_BN", "GEMM_THREADS", "GEMV_THREADS", "ROUTER_TPB", "ROUTER_EPB", "ATT_GMAX",
-                 "ATT_THREADS", "DISPATCH_MAX_E", "ROUTER_MAX_E", "FUSED_THREADS", "QKV_THREADS", "TC_THREADS"):
+                 "ATT_THREADS", "DISPATCH_MAX_E", "ROUTER_MAX_E", "FUSED_THREADS", "QKV_THREADS", "TC_THREADS",
+                 "FAST_BN", "FAST_THREADS"):
         assert getattr(ops, name) is getattr(L, name), name
     assert ops.SCORING is L.ROUTER_SCORING and ops.ORDER is L.ROUTER_ORDER and ops.QK_NORM_MODES is L.QK_NORM_MODES
     assert ops.MODULES == tuple(L.KERNEL_DEFINES)
+
+
+HOPPER_BLOCK_SHARED = 227 * 1024   # the most dynamic shared memory a block can opt into (sm_90)
+HOPPER_SM_SHARED = 228 * 1024      # a multiprocessor's shared memory, 1 KB of it reserved per resident block
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fast_gemm_stages_fit_the_blocks_asked_for(split):
+    """moe_gemm_fast.cu's stages fit a block, and FAST_MIN_BLOCKS blocks (the register bound it compiles for) fit
+    a multiprocessor; its tiles are the dispatch's rows."""
+    nbytes = L.fast_gemm_shared_bytes(split)
+    assert nbytes == L.FAST_STAGES * ((2 if split else 1) * 2 * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
+    static = 4 * (L.FAST_BM + L.FAST_BN)
+    assert nbytes + static <= HOPPER_BLOCK_SHARED
+    assert L.FAST_MIN_BLOCKS * (nbytes + static + 1024) <= HOPPER_SM_SHARED
+    assert L.FAST_BM == L.GEMM_BM
 
 
 @pytest.mark.parametrize("hidden,inter,group,expected", [

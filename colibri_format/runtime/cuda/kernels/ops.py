@@ -24,9 +24,10 @@ from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.limits import EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
-    DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
+    DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS,
+    GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
     GEMV_WIDE, GROUP_MULTIPLE, QK_NORM_MODES, QKV_THREADS, ROUTER_EPB, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_THREADS,
-    ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, scale_groups)
+    ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, fast_gemm_shared_bytes, scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
 from colibri_format.spec.layout import blob_layout
 
@@ -525,6 +526,84 @@ def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_co
     return y
 
 
+FAST_ACTIVATIONS = ("split", "bf16")   # moe_gemm_fast.cu: hi + lo bf16 (two MMAs a weight, ~1e-5) or bf16 (one)
+
+
+class FastGemmStaging(NamedTuple):
+    """The bf16 copies of the pipelined GEMM's inputs (ops.split_bf16 writes them; preallocated for capture)."""
+    x_hi: Any      # [T, H] uint16
+    x_lo: Any
+    act_hi: Any    # [P, I] uint16
+    act_lo: Any
+
+
+def fast_gemm_staging(num_tokens: int, num_pairs: int, hidden: int, inter: int) -> FastGemmStaging:
+    """Empty staging for `moe_experts(..., fast_gemm=..., staging=)` of T tokens and P pairs."""
+    cp = _cupy()
+    return FastGemmStaging(*(cp.empty(shape, cp.uint16) for shape in ((num_tokens, hidden),) * 2
+                             + ((num_pairs, inter),) * 2))
+
+
+def _check_fast(activations: str, table: ExpertTable, disp: Dispatch) -> None:
+    """What the pipelined kernel cannot run, refused before any work."""
+    if activations not in FAST_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {FAST_ACTIVATIONS}, got {activations!r}")
+    if table.groups()[2] != "r":
+        raise ValueError("the pipelined grouped GEMM supports per-row scales only")
+    if disp.tile_m != GEMM_BM:
+        raise ValueError(f"dispatch tile_m must be {GEMM_BM} for the grouped GEMM")
+
+
+def _fast_launch(stage: str, activations: str, disp: Dispatch, grid_x: int, args: tuple) -> None:
+    """Launches a moe_gemm_fast.cu kernel with its dynamic shared memory (opted in beyond 48 KB)."""
+    fn = kernel("moe_gemm_fast", f"moe_gemm_fast_{stage}_{activations}")
+    smem = fast_gemm_shared_bytes(activations == "split")
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    fn((grid_x, int(disp.tile_expert.size)), (FAST_THREADS,), args, shared_mem=smem)
+
+
+def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, activations: str = "split",
+                          hi=None, lo=None, out=None):
+    """`moe_gemm_gate_up` (act [P, I] f32, sorted order, from x [T, H] f32) on the pipelined tensor-core kernel
+    (moe_gemm_fast.cu), per-row scales only. activations: 'split' (x as bf16 hi + lo, about 1e-5 relative, like the
+    tensor-core kernel) or 'bf16' (x rounded to bf16 once, about 1e-3). hi, lo: [T, H] uint16 staging (optional)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T = disp.num_pairs // k
+    if T * k != disp.num_pairs:
+        raise ValueError("dispatch pairs are not T * k")
+    _check_moe_inputs(x, table, disp, H, T)
+    _check_fast(activations, table, disp)
+    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    x_hi, x_lo = split_bf16(x, hi=hi, lo=lo)
+    _fast_launch("gate_up", activations, disp, -(-I // (FAST_BN // 2)),
+                 (x_hi, x_lo, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
+                  disp.perm, disp.offsets, disp.tile_expert, disp.tile_start, act, np.int32(H), np.int32(I),
+                  np.int32(k)))
+    return act
+
+
+def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, activations: str = "split", hi=None,
+                       lo=None, out=None):
+    """`moe_gemm_down` (ypair [P, H] f32, pair order = routing weight * down @ act) on the pipelined tensor-core
+    kernel; activations, hi and lo ([P, I] uint16) as in `moe_gemm_gate_up_fast`."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    _check_moe_inputs(act, table, disp, I, P)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    _check_fast(activations, table, disp)
+    y = _out("out", out, (P, H), cp.float32)
+    a_hi, a_lo = split_bf16(act, hi=hi, lo=lo)
+    _fast_launch("down", activations, disp, -(-H // FAST_BN),
+                 (a_hi, a_lo, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm,
+                  disp.offsets, disp.tile_expert, disp.tile_start, weights, y, np.int32(H), np.int32(I)))
+    return y
+
+
 def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
     """y [T, H] = residual + alpha * sum_j ypair[t*k + j] (slots summed in order; out may be residual)."""
     cp = _cupy()
@@ -547,20 +626,35 @@ def gemm_path(T: int, k: int, num_experts: int) -> bool:
     return T > 32 or T * k >= 8 * num_experts
 
 
+def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtras | None) -> bool:
+    """Whether moe_experts' grouped GEMM runs the pipelined kernel: asked for, and a model it computes (per-row
+    scales, no gpt-oss extras); otherwise today's kernels run."""
+    if fast_gemm is not None and fast_gemm not in FAST_ACTIVATIONS:
+        raise ValueError(f"fast_gemm must be None or one of {FAST_ACTIVATIONS}, got {fast_gemm!r}")
+    return fast_gemm is not None and extras is None and table.groups()[2] == "r"
+
+
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
-                act=None, ypair=None, extras: ExpertExtras | None = None, out=None):
+                act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
+                staging: FastGemmStaging | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
-    disp, act [P, I], ypair [P, H] and out [T, H] may be passed in (preallocated for graph capture; out may be
-    residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
-    (measured on an H200, docs/benchmarks.md).
+    disp, act [P, I], ypair [P, H], staging and out [T, H] may be passed in (preallocated for graph capture; out may
+    be residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
+    (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
+    GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can.
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
-    if use_gemm:
+    if use_gemm and uses_fast_gemm(fast_gemm, table, extras):
+        st = staging or FastGemmStaging(None, None, None, None)
+        act = moe_gemm_gate_up_fast(x, table, disp, k, activations=fast_gemm, hi=st.x_hi, lo=st.x_lo, out=act)
+        ypair = moe_gemm_down_fast(act, table, disp, weights, activations=fast_gemm, hi=st.act_hi, lo=st.act_lo,
+                                   out=ypair)
+    elif use_gemm:
         act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, extras=extras, out=act)
         ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, extras=extras, out=ypair)
     else:

@@ -1,0 +1,190 @@
+"""The prefill grouped expert GEMM (issue 15): today's tensor-core kernel against the pipelined one, in one process.
+
+    PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out OUT_DIR [--cases mixtral-512 ...] [--sweep]
+
+Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)):
+- `tc`: moe_gemm.cu's moe_gemm_tc_{gate_up,down}_r (64 x 64 tiles, hi + lo activations, today's prefill);
+- `fast-split` / `fast-bf16`: moe_gemm_fast.cu through ops.moe_gemm_{gate_up,down}_fast, timed with the bf16 split
+  of their input (ops.split_bf16, also timed alone as `split_bf16`);
+- `cublas-dense-split`: for scale, one dense cuBLAS GEMM of the same FLOPs (all P rows against one [N, K] bf16
+  matrix, hi + lo: CupyBackend.gemm_bf16_split), i.e. what cuBLAS's tensor cores give on an ungrouped product.
+Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
+TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
+Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
+--sweep: afterwards, the pipelined kernels alone at Mixtral 512 rows rebuilt with other (FAST_STAGES,
+FAST_MIN_BLOCKS) than limits.py's, to pick those constants (rows marked with the pair in `variant`).
+Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.gpu_kernels import time_graph
+from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.bench import device_experts
+from colibri_format.runtime.cuda.kernels import ops
+
+CASES = {  # name: (H, I, E, k, T)
+    "mixtral-512": (4096, 14336, 8, 2, 512),
+    "mixtral-4096": (4096, 14336, 8, 2, 4096),
+    "qwen3-30b-a3b-512": (2048, 768, 128, 8, 512),
+}
+TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
+LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
+SWEEP = ((2, 2), (4, 2), (3, 1), (4, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel(a, b) -> float:
+    a, b = a.get().astype(np.float64), b.get().astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def random_routing(cp, T: int, E: int, k: int, seed: int):
+    """ids [T, k] int32 (k distinct experts a token, uniform) and weights [T, k] f32."""
+    rs = cp.random.RandomState(seed)
+    ids = cp.argsort(rs.random_sample((T, E)), axis=1)[:, :k].astype(cp.int32)
+    return cp.ascontiguousarray(ids), rs.uniform(0.1, 1.0, (T, k)).astype(cp.float32)
+
+
+def timed(cp, fn) -> float:
+    """Median µs of one call of fn: graphs of LAUNCHES calls, REPLAYS replays."""
+    return time_graph(cp, [fn], reps=REPLAYS, per_graph=LAUNCHES)
+
+
+def timed_plain(cp, fn) -> float:
+    """Median µs of one call of fn over REPLAYS rounds of LAUNCHES plain launches (cuBLAS cannot be captured)."""
+    fn()
+    start, end, times = cp.cuda.Event(), cp.cuda.Event(), []
+    for _ in range(REPLAYS):
+        start.record()
+        for _ in range(LAUNCHES):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / LAUNCHES)
+    return float(np.median(times))
+
+
+def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
+    """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
+    limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
+    limits.KERNEL_DEFINES["moe_gemm_fast"].update(FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks)
+    for cache in (ops._MODULES, ops._FUNCTIONS):
+        for key in [key for key in cache if key[0] == "moe_gemm_fast"]:
+            del cache[key]
+
+
+def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "") -> list[dict]:
+    P = T * k
+    buf, table = device_experts(E, H, I, seed=1)
+    ids, w = random_routing(cp, T, E, k, seed=2)
+    x = cp.random.RandomState(3).standard_normal((T, H)).astype(cp.float32)
+    d = ops.dispatch(ids, E)
+    st = ops.fast_gemm_staging(T, P, H, I)
+    act_ref = ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True)
+    y_ref = ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True)
+    act, y = cp.empty_like(act_ref), cp.empty_like(y_ref)
+    flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H}
+    rows = []
+
+    def add(variant, stage, us, agreement=None, product=True):
+        tflops = flops[stage] / (us * 1e-6) / 1e12 if product else None
+        rows.append({"case": name, "H": H, "I": I, "E": E, "k": k, "T": T, "variant": variant, "stage": stage,
+                     "us": us, "tflops": tflops, "rel_vs_tc": agreement})
+        log(f"  {variant:18s} {stage:8s} {us:10.1f} us" + (f" {tflops:7.1f} TFLOP/s" if product else "")
+            + ("" if agreement is None else f"  rel vs tc {agreement:.2e}"))
+
+    if not fast_only:
+        add("tc", "gate_up", timed(cp, lambda: ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True, out=act)))
+        add("tc", "down", timed(cp, lambda: ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True, out=y)))
+    for mode in ops.FAST_ACTIVATIONS:
+        def gate_up():
+            ops.moe_gemm_gate_up_fast(x, table, d, k, activations=mode, hi=st.x_hi, lo=st.x_lo, out=act)
+
+        def down():
+            ops.moe_gemm_down_fast(act_ref, table, d, w, activations=mode, hi=st.act_hi, lo=st.act_lo, out=y)
+
+        add(f"fast-{mode}{fast_only}", "gate_up", timed(cp, gate_up), rel(act, act_ref))
+        add(f"fast-{mode}{fast_only}", "down", timed(cp, down), rel(y, y_ref))
+    if fast_only:
+        return rows
+    add("split_bf16", "gate_up", timed(cp, lambda: ops.split_bf16(x, hi=st.x_hi, lo=st.x_lo)), product=False)
+    add("split_bf16", "down", timed(cp, lambda: ops.split_bf16(act_ref, hi=st.act_hi, lo=st.act_lo)),
+        product=False)
+    dense_rows = cp.random.RandomState(4).standard_normal((P, H)).astype(cp.float32)
+    for stage, (n, kk, rows_in) in {"gate_up": (2 * I, H, dense_rows), "down": (H, I, act_ref)}.items():
+        wd = cp.random.RandomState(5).randint(-127, 128, (n, kk)).astype(cp.float32).view(cp.uint32)
+        wd = (wd >> 16).astype(cp.uint16)          # int8 values, exact in bf16 (their float32 high halves)
+        out = cp.empty((P, n), cp.float32)
+        add("cublas-dense-split", stage, timed_plain(cp, lambda: be.gemm_bf16_split(rows_in, wd, out)))
+        del wd, out
+    del buf
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    out = [f"# Prefill grouped expert GEMM, {meta['device']} ({meta['date']})", "",
+           f"`{meta['command']}`; target {TARGET_TFLOPS:.0f} TFLOP/s at Mixtral 512 rows.", "",
+           "| case | variant | stage | µs | TFLOP/s | vs tc | rel vs tc |", "|---|---|---|---|---|---|---|"]
+    tc = {(r["case"], r["stage"]): r["us"] for r in rows if r["variant"] == "tc"}
+    for r in rows:
+        tf = "" if r["tflops"] is None else f"{r['tflops']:.1f}"
+        base = tc.get((r["case"], r["stage"]))
+        speed = "" if r["tflops"] is None or base is None else f"{base / r['us']:.2f}x"
+        agree = "" if r["rel_vs_tc"] is None else f"{r['rel_vs_tc']:.1e}"
+        out.append(f"| {r['case']} | {r['variant']} | {r['stage']} | {r['us']:.1f} | {tf} | {speed} | {agree} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--sweep", action="store_true", help="also other FAST_STAGES / FAST_MIN_BLOCKS at mixtral-512")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from colibri_format.runtime.cuda.backend import make_backend
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    be = make_backend()     # compiles and loads every kernel module
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+            "cupy": cp.__version__, "command": "PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out $OUT"
+            + ("" if args.cases == list(CASES) else " --cases " + " ".join(args.cases))
+            + (" --sweep" if args.sweep else ""), "fast_stages": limits.FAST_STAGES,
+            "fast_min_blocks": limits.FAST_MIN_BLOCKS}
+    log(f"modules compiled in {time.time() - t0:.1f} s")
+    rows = []
+    for name in args.cases:
+        log(f"== {name} (H, I, E, k, T) = {CASES[name]}")
+        rows += bench_case(cp, be, name, *CASES[name])
+        cp.get_default_memory_pool().free_all_blocks()
+    for stages, min_blocks in SWEEP if args.sweep else ():
+        log(f"== mixtral-512, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}")
+        rebuild_fast_kernel(stages, min_blocks)
+        rows += bench_case(cp, be, "mixtral-512", *CASES["mixtral-512"], fast_only=f" s{stages} b{min_blocks}")
+        cp.get_default_memory_pool().free_all_blocks()
+    meta["seconds"] = time.time() - t0
+    (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(meta, rows)
+    (args.out / "prefill_gemm.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+// Host emulation of the CUDA features that moe_gemm_fast.cu uses, so that its kernels run, unchanged but for the
+// helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
+//   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block;
+//   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) is warp-collective: each lane posts its fragments, the warp
+//     meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
+//   - cp.async copies are only queued; a copy lands when the wait_group that retires its group runs (as late as
+//     the hardware may land it), and each is checked: 16-byte aligned, inside the dynamic shared memory, and (when
+//     not zero-filling) inside an input array registered with emu_allow_source.
+// Problems are counted (emu_error_count) and the first is described (emu_first_error); nothing aborts.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+using std::max;
+using std::min;
+
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static   // every thread of the (one running) block sees the same object
+
+struct EmuDim { int x = 0, y = 0, z = 0; };
+thread_local EmuDim threadIdx, blockIdx;
+
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+struct int4 { int x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const uint64_t bytes = ((uint64_t)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned int)((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+}
+inline float __shfl_xor_sync(unsigned int, float, int) { std::abort(); }   // common.cuh's reductions: unused here
+
+// ---- problems ---------------------------------------------------------------------------------------------------
+static std::atomic<int> emu_errors{0};
+static std::mutex emu_error_mutex;
+static std::string emu_error_text;
+
+static void emu_error(const std::string& what) {
+    if (emu_errors.fetch_add(1) == 0) {
+        std::lock_guard<std::mutex> lock(emu_error_mutex);
+        emu_error_text = what;
+    }
+}
+
+extern "C" int emu_error_count() { return emu_errors.load(); }
+extern "C" const char* emu_first_error() { return emu_error_text.c_str(); }
+
+// ---- the running block --------------------------------------------------------------------------------------------
+struct EmuBlock {
+    explicit EmuBlock(int threads, size_t shared_bytes)
+        : block(threads), shared(shared_bytes, 0x7f), warps(threads / 32) {   // 0x7f7f: a huge bf16, visible
+        for (auto& w : warps) w.meet = std::make_unique<std::barrier<>>(32);
+    }
+    std::barrier<> block;
+    std::vector<unsigned char> shared;
+    struct Warp {
+        std::unique_ptr<std::barrier<>> meet;
+        unsigned int a[32][4], b[32][2];
+    };
+    std::vector<Warp> warps;
+};
+thread_local EmuBlock* emu_block = nullptr;
+
+inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
+
+// ---- cp.async -------------------------------------------------------------------------------------------------------
+struct EmuCopy { void* dst; const void* src; bool valid; };
+thread_local std::vector<EmuCopy> emu_open_group;
+thread_local std::deque<std::vector<EmuCopy>> emu_groups;
+
+static std::vector<std::pair<const unsigned char*, size_t>> emu_sources;
+
+extern "C" void emu_allow_source(const void* p, size_t nbytes) {
+    emu_sources.emplace_back(static_cast<const unsigned char*>(p), nbytes);
+}
+extern "C" void emu_clear_sources() { emu_sources.clear(); }
+
+static bool emu_source_ok(const void* p) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    for (const auto& s : emu_sources)
+        if (c >= s.first && c + 16 <= s.first + s.second) return true;
+    return false;
+}
+
+inline void copy16_async(void* dst, const void* src, bool valid) {
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    const auto& sh = emu_block->shared;
+    if (d < sh.data() || d + 16 > sh.data() + sh.size()) emu_error("cp.async destination outside shared memory");
+    if ((uintptr_t)dst % 16 || (valid && (uintptr_t)src % 16)) emu_error("cp.async address not 16-byte aligned");
+    if (valid && !emu_source_ok(src)) emu_error("cp.async source outside every input array");
+    emu_open_group.push_back({dst, src, valid});
+}
+
+inline void commit_copies() {
+    emu_groups.push_back(std::move(emu_open_group));
+    emu_open_group.clear();
+}
+
+template <int PENDING>
+inline void wait_copies() {
+    while ((int)emu_groups.size() > PENDING) {
+        for (const EmuCopy& c : emu_groups.front()) {
+            if (c.valid) std::memcpy(c.dst, c.src, 16);
+            else std::memset(c.dst, 0, 16);
+        }
+        emu_groups.pop_front();
+    }
+}
+
+// ---- sub.rn.bf16x2 -------------------------------------------------------------------------------------------------
+inline unsigned int emu_round_bf16(float f) {   // round to nearest even (no NaN inputs here)
+    const unsigned int u = __float_as_uint(f);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+inline unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
+    const float lo = __uint_as_float(a << 16) - __uint_as_float(b << 16);
+    const float hi = __uint_as_float(a & 0xffff0000u) - __uint_as_float(b & 0xffff0000u);
+    return emu_round_bf16(lo) | (emu_round_bf16(hi) << 16);
+}
+
+// ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------
+inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
+
+inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
+                      unsigned int b1) {
+    const int lane = threadIdx.x & 31;
+    EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
+    w.a[lane][0] = a0; w.a[lane][1] = a1; w.a[lane][2] = a2; w.a[lane][3] = a3;
+    w.b[lane][0] = b0; w.b[lane][1] = b1;
+    w.meet->arrive_and_wait();
+    // A (16 x 16): element (r, k) is in lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
+    // B (16 x 8): element (k, n) is in lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2;
+    // C (16 x 8): c[i] is (row g + 8 (i >= 2), column 2t + i % 2) for lane 4g + t.
+    const int g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            const float a = emu_bf16(w.a[4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
+            const float b = emu_bf16(w.b[4 * n + (k % 8) / 2][k >= 8], k % 2);
+            sum += a * b;
+        }
+        c[i] += sum;
+    }
+    w.meet->arrive_and_wait();
+}
+
+// ---- launches -------------------------------------------------------------------------------------------------------
+// Runs body() as every thread of every block of the grid, one block at a time.
+template <typename Body>
+void emu_launch(int grid_x, int grid_y, int threads, size_t shared_bytes, Body body) {
+    for (int by = 0; by < grid_y; ++by)
+        for (int bx = 0; bx < grid_x; ++bx) {
+            EmuBlock blk(threads, shared_bytes);
+            std::vector<std::thread> pool;
+            for (int tx = 0; tx < threads; ++tx)
+                pool.emplace_back([&, tx] {
+                    threadIdx.x = tx;
+                    blockIdx.x = bx;
+                    blockIdx.y = by;
+                    emu_block = &blk;
+                    body();
+                    if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");
+                    emu_open_group.clear();
+                    emu_groups.clear();
+                });
+            for (auto& th : pool) th.join();
+        }
+}

@@ -1,0 +1,185 @@
+"""The pipelined grouped expert GEMM (moe_gemm_fast.cu, `ops.moe_gemm_*_fast`) against `numpy_backend`'s expert
+math in float64 (kernel_expectations.py), GPU only.
+
+Routings are built with exact per-expert row counts around the 64-row dispatch tile (1, 63, 64, 65, 300 rows, and
+experts with none), and shapes whose H and I leave partial column blocks and partial 64-column K steps. Outputs are
+poisoned with NaN first: every element must be written. Errors are relative: ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.convert.pipeline import convert
+from colibri_format.runtime import Engine, EngineConfig
+from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda.kernels import ops
+from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.cuda.synthetic_experts import host_experts, upload
+from tests.runtime.hf_tiny import build_hf
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"split": 1e-4, "bf16": 1e-2}   # hi + lo keeps ~16 bits of each activation; bf16 rounds it to 8
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")   # reproducible when a test fails
+    return np.random.default_rng(seed)
+
+
+def rel(out, expected) -> float:
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    assert out.shape == expected.shape, (out.shape, expected.shape)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def f64(a) -> np.ndarray:
+    return nb.widen(a, np.float64)
+
+
+def nan_array(cp, shape):
+    return cp.full(shape, np.nan, dtype=cp.float32)
+
+
+def ids_with_counts(rng, counts, k: int) -> np.ndarray:
+    """ids [T, k] in which expert e gets exactly counts[e] pairs, in random order (sum(counts) = T * k)."""
+    ids = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
+    assert ids.size % k == 0
+    rng.shuffle(ids)
+    return ids.reshape(-1, k)
+
+
+def random_ids(rng, T: int, E: int, k: int) -> np.ndarray:
+    return np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+
+
+# name -> (E, k, H, I, counts per expert or T for random routing)
+CASES = {
+    "ragged-tails": (8, 2, 336, 208, [1, 63, 64, 65, 300, 0, 7, 0]),   # partial N blocks and K steps
+    "ragged": (6, 3, 256, 128, [64, 128, 1, 65, 63, 300]),
+    "one-expert": (1, 1, 128, 64, [300]),
+    "one-k-step": (4, 2, 64, 32, [1, 63, 64, 2]),                        # K shorter than the pipeline
+    "64-experts": (64, 8, 256, 128, 100),
+    "qwen-like": (128, 8, 512, 96, 64),
+    "many-k-steps": (8, 2, 1024, 1024, 512),
+}
+
+
+def _case(cp, rng, name):
+    E, k, H, I, routing = CASES[name]
+    layout, experts, blobs = host_experts(rng, E, H, I)
+    buf, table = upload(blobs, E, layout)
+    ids = random_ids(rng, routing, E, k) if isinstance(routing, int) else ids_with_counts(rng, routing, k)
+    T = ids.shape[0]
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return buf, table, experts, x, ids, w
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+def test_gate_up_and_down_match_float64(cp, rng, name, activations):
+    buf, table, experts, x, ids, w = _case(cp, rng, name)
+    (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size
+    d = ops.dispatch(cp.asarray(ids), table.num_experts)
+    act = ops.moe_gemm_gate_up_fast(cp.asarray(x), table, d, k, activations=activations,
+                                    out=nan_array(cp, (T * k, I)))
+    act_pairs = act.get()[d.inv.get()]   # sorted order -> pair order
+    assert rel(act_pairs, expect.pair_act(f64(x), ids, experts)) < TOL[activations]
+    ypair = ops.moe_gemm_down_fast(act, table, d, cp.asarray(w), activations=activations,
+                                   out=nan_array(cp, (T * k, H)))
+    assert rel(ypair.get(), expect.pair_down(f64(act_pairs), ids, f64(w), experts)) < TOL[activations]
+
+
+@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+def test_split_activations_are_more_accurate_than_bf16(cp, rng, activations):
+    """The two modes really differ: 'split' lands well under bf16's error, 'bf16' well over split's."""
+    buf, table, experts, x, ids, w = _case(cp, rng, "many-k-steps")
+    k = ids.shape[1]
+    d = ops.dispatch(cp.asarray(ids), table.num_experts)
+    act = ops.moe_gemm_gate_up_fast(cp.asarray(x), table, d, k, activations=activations)
+    err = rel(act.get()[d.inv.get()], expect.pair_act(f64(x), ids, experts))
+    assert (err < 1e-4) if activations == "split" else (1e-4 < err < 1e-2)
+
+
+@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+def test_moe_experts_runs_the_fast_kernel_on_request(cp, rng, monkeypatch, activations):
+    buf, table, experts, x, ids, w = _case(cp, rng, "ragged")
+    (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size
+    calls = []
+    real = ops.moe_gemm_gate_up_fast
+    monkeypatch.setattr(ops, "moe_gemm_gate_up_fast", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    staging = ops.fast_gemm_staging(T, T * k, H, I)
+    y = ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, residual=cp.asarray(resid),
+                        gemm=True, fast_gemm=activations, staging=staging)
+    assert calls == [1]
+    ref = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy())
+    assert rel(y.get(), ref) < TOL[activations]
+    ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, gemm=True)   # default: today's kernel
+    assert calls == [1]
+
+
+def test_grouped_scales_keep_todays_kernel(cp, rng):
+    layout, experts, blobs = host_experts(rng, 4, 128, 64, 32)
+    buf, table = upload(blobs, 4, layout)
+    ids = random_ids(rng, 40, 4, 2)
+    x = rng.standard_normal((40, 128)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (40, 2)).astype(np.float32)
+    assert not ops.uses_fast_gemm("split", table, None)
+    y = ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, gemm=True, fast_gemm="split")
+    assert rel(y.get(), nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros(x.shape))) < 2e-5
+
+
+def test_wrappers_reject_bad_inputs(cp, rng):
+    buf, table, experts, x, ids, w = _case(cp, rng, "one-k-step")
+    k = ids.shape[1]
+    d = ops.dispatch(cp.asarray(ids), table.num_experts)
+    xd = cp.asarray(x)
+    with pytest.raises(ValueError, match="activations"):
+        ops.moe_gemm_gate_up_fast(xd, table, d, k, activations="fp8")
+    with pytest.raises(TypeError):
+        ops.moe_gemm_gate_up_fast(xd.astype(cp.float64), table, d, k)
+    with pytest.raises(ValueError, match="tile_m"):
+        ops.moe_gemm_gate_up_fast(xd, table, ops.dispatch(cp.asarray(ids), table.num_experts, tile_m=32), k)
+    with pytest.raises(ValueError):
+        ops.moe_gemm_down_fast(cp.zeros((3, table.intermediate_size), cp.float32), table, d, cp.asarray(w))
+    with pytest.raises(ValueError, match="fast_gemm"):
+        ops.moe_experts(xd, cp.asarray(ids), cp.asarray(w), table, gemm=True, fast_gemm="fast")
+    grouped_layout, _, grouped_blobs = host_experts(rng, 4, 64, 32, 16)
+    gbuf, grouped = upload(grouped_blobs, 4, grouped_layout)
+    with pytest.raises(ValueError, match="per-row"):
+        ops.moe_gemm_gate_up_fast(xd, grouped, d, k)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+LONG = list(range(3, 83))      # 80 rows: the prefill takes the grouped GEMM
+
+
+@pytest.mark.parametrize("activations,tol", [("split", 2e-3), ("bf16", 3e-2)])
+def test_engine_prefill_on_the_fast_kernel(tmp_path, monkeypatch, activations, tol):
+    hf = build_hf("mixtral", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                  intermediate_size=128, max_position_embeddings=256)
+    hf.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "model.colibri"
+    convert(tmp_path / "hf", path, dtype="float32", quantize="expert", workers=1, verify=False)
+    calls = []
+    real = ops.moe_gemm_down_fast
+    monkeypatch.setattr(ops, "moe_gemm_down_fast", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = EngineConfig(device="cuda", max_seq_len=128, fast_expert_gemm=activations)
+    with Engine(path, cfg) as gpu, Engine(path, EngineConfig(precision="float64")) as ref:
+        got, exp = gpu.logits([LONG])[0], ref.logits([LONG])[0]
+    assert calls, "the engine did not run the pipelined kernel"
+    assert rel(got, exp) < tol

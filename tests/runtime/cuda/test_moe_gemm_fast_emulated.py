@@ -1,0 +1,98 @@
+"""moe_gemm_fast.cu on the CPU (cuda_host_emulation.py: its kernels built with g++, a thread per CUDA thread,
+mma.sync and cp.async emulated) against `numpy_backend`'s expert math in float64: the kernel's tiling, shared-memory
+swizzles, k permutation, pipeline and epilogues, checked where no GPU is. The GPU tests are in
+test_gpu_moe_gemm_fast.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.dtypes import to_float32
+from colibri_format.runtime.cuda import limits
+from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.cuda.cuda_host_emulation import GXX, Emulator, build
+from tests.runtime.cuda.synthetic_experts import host_experts
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
+
+TOL = {True: 1e-4, False: 1e-2}   # split (hi + lo) activations, bf16 activations
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return Emulator(build(tmp_path_factory.mktemp("moe_gemm_fast_host")))
+
+
+def rel(out, expected) -> float:
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element?)"
+    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
+
+
+def host_dispatch(ids: np.ndarray, num_experts: int) -> dict:
+    """The dispatch kernel's outputs (kernel_expectations), tile lists padded with -1 to the launch's length."""
+    d = expect.dispatch_grouping(ids, num_experts, limits.GEMM_BM)
+    P = ids.size
+    slots = P // limits.GEMM_BM + min(num_experts, P) + 1    # ops.max_tiles
+    pad = slots - d["tile_expert"].size
+    d["tile_expert"] = np.concatenate([d["tile_expert"], np.full(pad, -1, np.int32)])
+    d["tile_start"] = np.concatenate([d["tile_start"], np.zeros(pad, np.int32)])
+    return d
+
+
+def test_every_byte_widens_to_its_bf16_value(emulator):
+    """All 256 int8 values in each of the 4 byte positions, through the kernel's widening (i8x4_to_bf16x2)."""
+    values = np.arange(-128, 128, dtype=np.int8)
+    words = np.stack([np.roll(values, 64 * j) for j in range(4)], axis=1).copy().view(np.uint32).ravel()
+    pairs = emulator.widen_bytes(words)
+    halves = np.stack([pairs & 0xFFFF, pairs >> 16], axis=-1).reshape(-1, 4).astype(np.uint16)
+    np.testing.assert_array_equal(to_float32(halves), words.view(np.int8).reshape(-1, 4).astype(np.float32))
+
+
+# (E, k, H, I, rows per expert): partial column blocks and K steps, 1/63/64/65-row experts, empty experts
+CASES = [(8, 2, 336, 208, [1, 63, 64, 65, 0, 7, 0, 2]), (3, 1, 64, 272, [130, 0, 2]), (2, 2, 160, 32, [5, 65])]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("split", [True, False])
+def test_emulated_kernels_match_float64(emulator, case, split):
+    check_against_float64(emulator, case, split)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_other_pipeline_depths(tmp_path, stages):
+    """The depths benchmarks/prefill_gemm.py --sweep tries compute the same products."""
+    check_against_float64(Emulator(build(tmp_path, stages), stages), CASES[0], True)
+
+
+def check_against_float64(emulator: Emulator, case, split: bool) -> None:
+    rng = np.random.default_rng(15)
+    E, k, H, I, counts = case
+    layout, experts, blobs = host_experts(rng, E, H, I)
+    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
+    ids = np.repeat(np.arange(E), counts).astype(np.int32)
+    rng.shuffle(ids)
+    ids = ids.reshape(-1, k)
+    T, P = ids.shape[0], ids.size
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    d = host_dispatch(ids, E)
+
+    hi, lo = expect.split_bf16(x)
+    act = np.full((P, I), np.nan, np.float32)
+    emulator.gate_up(split, hi, lo, blobs, ptrs, layout, d, k, act)
+    assert emulator.errors() == (0, "")
+    act_pairs = act[d["inv"]]
+    assert rel(act_pairs, expect.pair_act(x.astype(np.float64), ids, experts)) < TOL[split]
+
+    a_hi, a_lo = expect.split_bf16(act)
+    y = np.full((P, H), np.nan, np.float32)
+    emulator.down(split, a_hi, a_lo, blobs, ptrs, layout, d, w, y)
+    assert emulator.errors() == (0, "")
+    exp_y = expect.pair_down(act_pairs.astype(np.float64), ids, w.astype(np.float64), experts)
+    assert rel(y, exp_y) < TOL[split]
+    if not split:   # bf16 activations: exactly the float64 product of the rounded inputs, up to fp32 sums
+        rounded = to_float32(a_hi)[d["inv"]].astype(np.float64)
+        assert rel(y, expect.pair_down(rounded, ids, w.astype(np.float64), experts)) < 1e-5
