@@ -56,6 +56,16 @@ ATT_GMAX = 8
 ATT_LANE_FLOATS = 32
 ATT_DECODE_MAX_ROWS = 32
 ATT_DECODE_MIN_KEYS = 16
+# attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
+# over key tiles of FA_BN keys (FA_BN_WIDE for head_dim 256, whose accumulators and tiles are twice as wide)
+FA_THREADS = 128
+FA_BN = 64
+FA_BN_WIDE = 32
+FA_BM = FA_THREADS // WARP * 16             # (row, head) pairs a block
+FA_PAD = 8                                  # bf16 elements of padding a shared row: conflict-free ldmatrix rows
+FA_PLAN_FIELDS = 5                          # a tile of the host plan: first row of its span, first pair, pairs,
+#                                             first key, keys end
+FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf16>_hd<D>
 DG_THREADS = 256
 DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
@@ -93,8 +103,16 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
+    "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_WIDE": FA_BN_WIDE, "FA_PAD": FA_PAD,
+                          "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},
 }
+
+
+def prefill_attention_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of an attention_prefill launch: the queries and two buffers of K and V tiles, bf16."""
+    keys = FA_BN_WIDE if head_dim > 128 else FA_BN
+    return (FA_BM + 4 * keys) * (head_dim + FA_PAD) * 2
 
 
 def define_options(module: str) -> tuple[str, ...]:
