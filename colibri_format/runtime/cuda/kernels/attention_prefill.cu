@@ -90,13 +90,25 @@ __device__ __forceinline__ void fa_load_kv_tile(u16* dst, const typename TC::sto
             fa_cp_async16(dst + r * LD + c, s, valid ? 16 : 0);
         }
     } else {
-        constexpr int CHUNKS = HD / 4;                     // float4 chunks a row
-#pragma unroll 4
-        for (int i = threadIdx.x; i < BN * CHUNKS; i += FA_THREADS) {
-            const int r = i / CHUNKS, c = (i % CHUNKS) * 4;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (k0 + r < kend) v = __ldg(reinterpret_cast<const float4*>(src + (size_t)(k0 + r) * row + c));
-            *reinterpret_cast<uint2*>(dst + r * LD + c) = make_uint2(fa_pack_bf16(v.x, v.y), fa_pack_bf16(v.z, v.w));
+        // BATCH loads in flight before their stores: few round trips to L2 a tile, and registers to spare
+        constexpr int CHUNKS = HD / 4, PER_THREAD = BN * CHUNKS / FA_THREADS;   // float4 chunks a row, a thread
+        constexpr int BATCH = PER_THREAD < 8 ? PER_THREAD : 8;
+        static_assert(BN * CHUNKS % FA_THREADS == 0 && PER_THREAD % BATCH == 0, "whole batches of float4 chunks");
+#pragma unroll 1
+        for (int u0 = 0; u0 < PER_THREAD; u0 += BATCH) {
+            float4 v[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int i = threadIdx.x + (u0 + u) * FA_THREADS, r = i / CHUNKS, c = (i % CHUNKS) * 4;
+                v[u] = k0 + r < kend ? __ldg(reinterpret_cast<const float4*>(src + (size_t)(k0 + r) * row + c))
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int i = threadIdx.x + (u0 + u) * FA_THREADS, r = i / CHUNKS, c = (i % CHUNKS) * 4;
+                *reinterpret_cast<uint2*>(dst + r * LD + c) =
+                    make_uint2(fa_pack_bf16(v[u].x, v[u].y), fa_pack_bf16(v[u].z, v[u].w));
+            }
         }
     }
 }
@@ -283,8 +295,9 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     }
 }
 
+// (FA_THREADS, 1): without the minimum of one block ptxas capped the hd64 kernels at 128 registers and spilled
 #define ATTENTION_PREFILL_KERNEL(SUF, TC, HD, BN)                                                               \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)                                               \
         attention_prefill_##SUF(const float* q, const TC::storage* kc, const TC::storage* vc, const int* q_seq, \
                                 const int* q_len, const float* sinks, const int* plan, float* out, int nh,      \
                                 int nkv, int capacity, int window, float scale) {                              \
