@@ -1,5 +1,5 @@
 """Prefill attention on the GPU: today's kernels (attention_split + attention_merge, fp32 SIMT) against the flash
-attention kernel (attention_prefill.cu: tensor cores, bf16 operands), one process, the same inputs.
+attention kernel (attention_prefill.cu: tensor cores, operands split into bf16 hi + lo), one process, the same inputs.
 
     PYTHONPATH=. python benchmarks/prefill_attention.py --out OUT_DIR [--tokens 512,4096] [--iters 20]
 
@@ -12,8 +12,9 @@ warm-up ones):
 - new kernel: `ops.attention_prefill` with its tile plan already on the device;
 - new + plan: the same, planning its tiles on the host from q_seq and q_len (a device-to-host copy), as the backend's
   opt-in path runs it per layer.
-TFLOP/s counts the causal work only: 4 * heads * head_dim * (sum of the rows' key counts). `rel_vs_old` is
-||new - old|| / ||old|| (old is fp32-exact; bf16 operands give about 3e-3).
+TFLOP/s counts the causal work only: 4 * heads * head_dim * (sum of the rows' key counts), whatever the split
+costs (3 tensor-core products per product with f32 caches, 2 with bf16). `rel_vs_old` is ||new - old|| / ||old||
+(both near fp32: expect about 1e-5).
 Writes OUT_DIR/prefill_attention.json and OUT_DIR/prefill_attention.txt.
 """
 

@@ -59,5 +59,6 @@ def test_empty_pass_has_no_tiles():
 
 
 @pytest.mark.parametrize("head_dim", limits.FA_HEAD_DIMS)
-def test_shared_memory_fits_a_hopper_block(head_dim):
-    assert limits.prefill_attention_shared_bytes(head_dim) <= HOPPER_SHARED_MEMORY_OPT_IN
+@pytest.mark.parametrize("cache", ["f32", "bf16"])
+def test_shared_memory_fits_a_hopper_block(head_dim, cache):
+    assert limits.prefill_attention_shared_bytes(head_dim, cache) <= HOPPER_SHARED_MEMORY_OPT_IN

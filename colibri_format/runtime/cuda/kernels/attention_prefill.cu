@@ -3,11 +3,17 @@
 // A pass's rows are packed sequences; a "pair" is (query row, query head of the kv head's group), and the host plan
 // (ops.prefill_attention_plan) cuts each span of consecutive rows of one sequence into tiles of FA_BM pairs, so a
 // tile never straddles two sequences. Block = (tile, kv head): FA_THREADS / 32 warps of 16 pairs each. The tile's
-// queries (fp32 -> bf16) stay in shared memory; K and V tiles of BN keys are staged in shared memory, double
-// buffered (cp.async for bf16 caches; fp32 caches are converted to bf16 on the way, synchronously). S = Q K^T and
-// O += P V run as mma.sync m16n8k16 bf16 with fp32 accumulation; the online softmax runs in fp32 registers (base-2
-// exponents, the softmax scale folded in). Pair p attends to keys [max(0, len - window), len) (window <= 0: all),
-// len = q_len[row]; an attention sink (gpt-oss) joins the final denominator as one more logit whose value is dropped.
+// queries stay in shared memory; K and V tiles of BN keys are staged in shared memory, double buffered (cp.async
+// for bf16 caches; fp32 caches are converted on the way, synchronously). S = Q K^T and O += P V run as mma.sync
+// m16n8k16 bf16 with fp32 accumulation; the online softmax runs in fp32 registers (base-2 exponents, the softmax
+// scale folded in). Pair p attends to keys [max(0, len - window), len) (window <= 0: all), len = q_len[row]; an
+// attention sink (gpt-oss) joins the final denominator as one more logit whose value is dropped.
+//
+// fp32-class accuracy, as moe_gemm.cu's tensor-core GEMM: every fp32 operand x is split into hi = bf16(x) and
+// lo = bf16(x - hi) (about 16 significant bits together): q and the probabilities always, K and V when the cache is
+// fp32 (a bf16 cache is exact). Each product is hi * hi + lo * hi (+ hi * lo with an fp32 cache); lo * lo (2^-16
+// relative) is dropped. Plain bf16 operands were measured (NumPy emulation) at 3e-3 relative error in the output and
+// 1e-2 to 5e-2 in a tiny model's logits, as softmax amplifies errors in the scores.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 and ldmatrix): lane = 4 g + t. A (16 x 16, row-major) regs a0..a3 hold
 // A[g][2t..2t+1], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; B (16 x 8, "col") b0, b1 hold B[2t..2t+1][g] and
@@ -22,8 +28,11 @@
 #ifndef FA_BN
 #error "FA_BN undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-#ifndef FA_BN_WIDE
-#error "FA_BN_WIDE undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#ifndef FA_BN_F32
+#error "FA_BN_F32 undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef FA_BN_HD256
+#error "FA_BN_HD256 undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 #ifndef FA_PAD
 #error "FA_PAD undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
@@ -34,11 +43,19 @@
 static_assert(FA_PAD % 8 == 0, "padded shared rows stay 16-byte aligned (ldmatrix, cp.async)");
 static_assert(FA_PLAN_FIELDS == 5, "a tile: first row of its span, first pair, pairs, first key, keys end");
 static_assert(FA_THREADS % 32 == 0, "whole warps");
-static_assert(FA_BN % 16 == 0 && FA_BN_WIDE % 16 == 0, "key tiles are whole mma k-steps");
+static_assert(FA_BN % 16 == 0 && FA_BN_F32 % 16 == 0 && FA_BN_HD256 % 16 == 0, "key tiles are whole mma k-steps");
 #define FA_BM (FA_THREADS / 32 * 16)      // pairs a block: 16 a warp (one mma row block)
 
 __device__ __forceinline__ unsigned int fa_pack_bf16(float lo_col, float hi_col) {
     return (unsigned int)TBF16::from_f32(lo_col) | ((unsigned int)TBF16::from_f32(hi_col) << 16);
+}
+
+// x4 = hi + lo: hi's and lo's four bf16 values stored at hi_dst and lo_dst (8 bytes each)
+__device__ __forceinline__ void fa_store_split4(u16* hi_dst, u16* lo_dst, float4 x) {
+    const float h0 = TBF16::to_f32(TBF16::from_f32(x.x)), h1 = TBF16::to_f32(TBF16::from_f32(x.y));
+    const float h2 = TBF16::to_f32(TBF16::from_f32(x.z)), h3 = TBF16::to_f32(TBF16::from_f32(x.w));
+    *reinterpret_cast<uint2*>(hi_dst) = make_uint2(fa_pack_bf16(h0, h1), fa_pack_bf16(h2, h3));
+    *reinterpret_cast<uint2*>(lo_dst) = make_uint2(fa_pack_bf16(x.x - h0, x.y - h1), fa_pack_bf16(x.z - h2, x.w - h3));
 }
 
 __device__ __forceinline__ unsigned int fa_smem_addr(const void* p) {
@@ -75,8 +92,8 @@ __device__ __forceinline__ void fa_cp_async_commit() { asm volatile("cp.async.co
 template <int PENDING>
 __device__ __forceinline__ void fa_cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
 
-// One tile of BN cache rows [k0, k0 + BN) of kv head kvh (rows >= kend as zeros) into dst [BN][HD + FA_PAD] bf16.
-// bf16 caches: cp.async (completes at the caller's wait); fp32: loaded, rounded to bf16 and stored now.
+// One tile of BN cache rows [k0, k0 + BN) of kv head kvh (rows >= kend as zeros) into dst [parts][BN][HD + FA_PAD]
+// bf16. bf16 caches (one part): cp.async (completes at the caller's wait); fp32 (hi, lo): loaded, split, stored now.
 template <typename TC, int HD, int BN>
 __device__ __forceinline__ void fa_load_kv_tile(u16* dst, const typename TC::storage* __restrict__ src, size_t row,
                                                 int k0, int kend) {
@@ -106,14 +123,13 @@ __device__ __forceinline__ void fa_load_kv_tile(u16* dst, const typename TC::sto
 #pragma unroll
             for (int u = 0; u < BATCH; ++u) {
                 const int i = threadIdx.x + (u0 + u) * FA_THREADS, r = i / CHUNKS, c = (i % CHUNKS) * 4;
-                *reinterpret_cast<uint2*>(dst + r * LD + c) =
-                    make_uint2(fa_pack_bf16(v[u].x, v[u].y), fa_pack_bf16(v[u].z, v[u].w));
+                fa_store_split4(dst + r * LD + c, dst + BN * LD + r * LD + c, v[u]);
             }
         }
     }
 }
 
-// The tile's FA_BM pairs' queries (rows past the tile's pairs: zeros) into s_q [FA_BM][HD + FA_PAD] bf16.
+// The tile's FA_BM pairs' queries (rows past the tile's pairs: zeros) into s_q [2: hi, lo][FA_BM][HD + FA_PAD].
 template <int HD>
 __device__ __forceinline__ void fa_load_queries(u16* s_q, const float* __restrict__ q, int row0, int pair0,
                                                 int npairs, int nh, int G, int kvh) {
@@ -125,7 +141,7 @@ __device__ __forceinline__ void fa_load_queries(u16* s_q, const float* __restric
             const int pair = pair0 + r, n = row0 + pair / G, head = kvh * G + pair % G;
             v = __ldg(reinterpret_cast<const float4*>(q + ((size_t)n * nh + head) * HD + c));
         }
-        *reinterpret_cast<uint2*>(s_q + r * LD + c) = make_uint2(fa_pack_bf16(v.x, v.y), fa_pack_bf16(v.z, v.w));
+        fa_store_split4(s_q + r * LD + c, s_q + FA_BM * LD + r * LD + c, v);
     }
 }
 
@@ -139,12 +155,14 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
                                                        int window, float scale) {
     static_assert(HD % 16 == 0, "whole mma k-steps over the head dimension");
     constexpr int LD = HD + FA_PAD, NT = BN / 8, DT = HD / 8;    // key and head-dim n-tiles of 8
+    constexpr bool SPLIT_KV = sizeof(typename TC::storage) == 4;   // fp32 cache: K and V as hi + lo
+    constexpr int TILE = (SPLIT_KV ? 2 : 1) * BN * LD;             // one buffer of K (or V), all its parts
     constexpr float LOG2E = 1.4426950408889634f;
     const float NEG_INF = __int_as_float(0xff800000);
     extern __shared__ __align__(16) u16 fa_smem[];
-    u16* s_q = fa_smem;                                   // [FA_BM][LD]
-    u16* s_k = s_q + FA_BM * LD;                          // [2][BN][LD]
-    u16* s_v = s_k + 2 * BN * LD;                         // [2][BN][LD]
+    u16* s_q = fa_smem;                                   // [hi, lo][FA_BM][LD]
+    u16* s_k = s_q + 2 * FA_BM * LD;                      // [2 buffers][parts][BN][LD]
+    u16* s_v = s_k + 2 * TILE;                            // [2 buffers][parts][BN][LD]
 
     const int* tile = plan + (size_t)blockIdx.x * FA_PLAN_FIELDS;
     const int row0 = tile[0], pair0 = tile[1], npairs = tile[2], kbegin = tile[3], kend = tile[4];
@@ -190,15 +208,15 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     for (int it = 0; it < ntiles; ++it) {
         const int k0 = kbegin + it * BN, buf = it & 1;
         if (it + 1 < ntiles) {                            // the next tile's buffer was released by the last barrier
-            fa_load_kv_tile<TC, HD, BN>(s_k + (buf ^ 1) * BN * LD, kb, row, k0 + BN, kend);
-            fa_load_kv_tile<TC, HD, BN>(s_v + (buf ^ 1) * BN * LD, vb, row, k0 + BN, kend);
+            fa_load_kv_tile<TC, HD, BN>(s_k + (buf ^ 1) * TILE, kb, row, k0 + BN, kend);
+            fa_load_kv_tile<TC, HD, BN>(s_v + (buf ^ 1) * TILE, vb, row, k0 + BN, kend);
         }
         fa_cp_async_commit();                             // an empty group on the last tile keeps the count uniform
         fa_cp_async_wait<1>();                            // this tile's group is complete
         __syncthreads();
         if (k0 < warp_hi && k0 + BN > warp_lo) {
-            const u16* kt = s_k + buf * BN * LD;
-            const u16* vt = s_v + buf * BN * LD;
+            const u16* kt = s_k + buf * TILE;
+            const u16* vt = s_v + buf * TILE;
             float s[NT][4];
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -207,14 +225,26 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             // S = Q K^T: A rows = the warp's 16 pairs, B columns = keys (K rows are B's columns: "col" layout)
 #pragma unroll
             for (int ks = 0; ks < HD; ks += 16) {
-                unsigned int a[4];
-                fa_ldmatrix_x4(a, s_q + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + ks + (lane >> 4) * 8);
+                const int q_off = (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + ks + (lane >> 4) * 8;
+                unsigned int a_hi[4], a_lo[4];
+                fa_ldmatrix_x4(a_hi, s_q + q_off);
+                fa_ldmatrix_x4(a_lo, s_q + FA_BM * LD + q_off);
 #pragma unroll
                 for (int j = 0; j < NT; j += 2) {
-                    unsigned int b[4];   // keys 8j.. (b[0], b[1]) and 8j+8.. (b[2], b[3]), dims ks..ks+15
-                    fa_ldmatrix_x4(b, kt + (j * 8 + (lane & 7) + (lane >> 4) * 8) * LD + ks + ((lane >> 3) & 1) * 8);
-                    fa_mma(s[j], a, b[0], b[1]);
-                    fa_mma(s[j + 1], a, b[2], b[3]);
+                    // keys 8j.. (b[0], b[1]) and 8j+8.. (b[2], b[3]), dims ks..ks+15
+                    const int k_off = (j * 8 + (lane & 7) + (lane >> 4) * 8) * LD + ks + ((lane >> 3) & 1) * 8;
+                    unsigned int b[4];
+                    fa_ldmatrix_x4(b, kt + k_off);
+                    fa_mma(s[j], a_lo, b[0], b[1]);
+                    fa_mma(s[j + 1], a_lo, b[2], b[3]);
+                    if constexpr (SPLIT_KV) {
+                        unsigned int b_lo[4];
+                        fa_ldmatrix_x4(b_lo, kt + BN * LD + k_off);
+                        fa_mma(s[j], a_hi, b_lo[0], b_lo[1]);
+                        fa_mma(s[j + 1], a_hi, b_lo[2], b_lo[3]);
+                    }
+                    fa_mma(s[j], a_hi, b[0], b[1]);       // the largest term last
+                    fa_mma(s[j + 1], a_hi, b[2], b[3]);
                 }
             }
             // online softmax in base 2: masked keys -inf; m_use 0 while a pair has seen no key (exp2(-inf) = 0)
@@ -253,18 +283,35 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             // O += P V: P's accumulator layout is the A layout of the next product (keys 16kk.. = n-tiles 2kk, 2kk+1)
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
-                unsigned int a[4];
-                a[0] = fa_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = fa_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = fa_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = fa_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                float p[4][2];                            // a0..a3's two columns each
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) p[i][c] = s[2 * kk + (i >> 1)][2 * (i & 1) + c];
+                unsigned int a_hi[4], a_lo[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float h0 = TBF16::to_f32(TBF16::from_f32(p[i][0]));
+                    const float h1 = TBF16::to_f32(TBF16::from_f32(p[i][1]));
+                    a_hi[i] = fa_pack_bf16(h0, h1);
+                    a_lo[i] = fa_pack_bf16(p[i][0] - h0, p[i][1] - h1);
+                }
 #pragma unroll
                 for (int d = 0; d < DT; d += 2) {
-                    unsigned int b[4];   // V rows are keys (B's k): transposed loads; dims 8d.. and 8d+8..
-                    fa_ldmatrix_x4_trans(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + d * 8
-                                                + (lane >> 4) * 8);
-                    fa_mma(o_acc[d], a, b[0], b[1]);
-                    fa_mma(o_acc[d + 1], a, b[2], b[3]);
+                    // V rows are keys (B's k): transposed loads; dims 8d.. (b[0], b[1]) and 8d+8.. (b[2], b[3])
+                    const int v_off = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + d * 8 + (lane >> 4) * 8;
+                    unsigned int b[4];
+                    fa_ldmatrix_x4_trans(b, vt + v_off);
+                    fa_mma(o_acc[d], a_lo, b[0], b[1]);
+                    fa_mma(o_acc[d + 1], a_lo, b[2], b[3]);
+                    if constexpr (SPLIT_KV) {
+                        unsigned int b_lo[4];
+                        fa_ldmatrix_x4_trans(b_lo, vt + BN * LD + v_off);
+                        fa_mma(o_acc[d], a_hi, b_lo[0], b_lo[1]);
+                        fa_mma(o_acc[d + 1], a_hi, b_lo[2], b_lo[3]);
+                    }
+                    fa_mma(o_acc[d], a_hi, b[0], b[1]);
+                    fa_mma(o_acc[d + 1], a_hi, b[2], b[3]);
                 }
             }
         }
@@ -304,9 +351,9 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
         attention_prefill_impl<TC, HD, BN>(q, kc, vc, q_seq, q_len, sinks, plan, out, nh, nkv, capacity,       \
                                            window, scale);                                                    \
     }
-ATTENTION_PREFILL_KERNEL(f32_hd64, TF32, 64, FA_BN)
-ATTENTION_PREFILL_KERNEL(f32_hd128, TF32, 128, FA_BN)
-ATTENTION_PREFILL_KERNEL(f32_hd256, TF32, 256, FA_BN_WIDE)
+ATTENTION_PREFILL_KERNEL(f32_hd64, TF32, 64, FA_BN_F32)
+ATTENTION_PREFILL_KERNEL(f32_hd128, TF32, 128, FA_BN_F32)
+ATTENTION_PREFILL_KERNEL(f32_hd256, TF32, 256, FA_BN_HD256)
 ATTENTION_PREFILL_KERNEL(bf16_hd64, TBF16, 64, FA_BN)
 ATTENTION_PREFILL_KERNEL(bf16_hd128, TBF16, 128, FA_BN)
-ATTENTION_PREFILL_KERNEL(bf16_hd256, TBF16, 256, FA_BN_WIDE)
+ATTENTION_PREFILL_KERNEL(bf16_hd256, TBF16, 256, FA_BN_HD256)

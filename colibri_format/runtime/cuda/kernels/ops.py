@@ -624,7 +624,7 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     cache capacity) and merges them. Up to ATT_DECODE_MAX_ROWS rows run `attention_decode` (lanes split the head
     dimension, keys in batches), more run `attention_split` (a lane per key): same contract and partials.
     flash_prefill (off by default): more than ATT_DECODE_MAX_ROWS rows over f32 or bf16 caches of a head size
-    `attention_prefill` is built for run it instead (tensor cores, bf16 operands).
+    `attention_prefill` is built for run it instead (tensor cores, operands split into bf16 hi + lo).
     """
     if flash_prefill and use_flash_prefill(q, k_cache):
         return attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out)
@@ -700,8 +700,8 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
                       plan=None):
     """`attention`'s contract (numpy_backend.attention) on the tensor cores: flash attention over the host-planned
     tiles of `prefill_attention_plan` (computed here from q_seq and q_len, a device-to-host copy, unless `plan`,
-    a device int32 array of it, is passed). bf16 operands, fp32 accumulation and softmax: relative error about 3e-3
-    against float64. Caches f32 or bf16, head_dim 64, 128 or 256."""
+    a device int32 array of it, is passed). Tensor cores with fp32 operands split into bf16 hi + lo (about 16
+    significant bits), fp32 accumulation and softmax. Caches f32 or bf16, head_dim 64, 128 or 256."""
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
     NQ, nh, hd = q.shape
@@ -728,7 +728,7 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
     if plan.shape[1] != limits.FA_PLAN_FIELDS:
         raise ValueError(f"plan must be [tiles, {limits.FA_PLAN_FIELDS}], got {tuple(plan.shape)}")
     fn = kernel("attention_prefill", f"attention_prefill_{dtype_code(k_cache)}_hd{hd}")
-    smem = limits.prefill_attention_shared_bytes(hd)
+    smem = limits.prefill_attention_shared_bytes(hd, dtype_code(k_cache))
     if fn.max_dynamic_shared_size_bytes < smem:     # above 48 KB a kernel must opt in
         fn.max_dynamic_shared_size_bytes = smem
     if plan.shape[0]:
