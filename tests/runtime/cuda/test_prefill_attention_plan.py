@@ -36,6 +36,8 @@ def check_plan(plan, seq, lens, group, window):
         lo = np.maximum(lens[rows] - window, 0) if window > 0 else np.zeros(rows.size)
         assert kbegin == lo.min() and kend == lens[rows].max()
     assert (covered == 1).all(), "every pair in exactly one tile"
+    keys = plan[:, 4] - plan[:, 3]
+    assert (keys[:-1] >= keys[1:]).all(), "longest key range first"
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 64, 100])
@@ -50,7 +52,7 @@ def test_plan_splits_a_sequence_that_comes_back_after_another():
     seq = np.array([0, 0, 1, 1, 0, 0], np.int32)
     lens = np.array([1, 2, 1, 2, 3, 4], np.int32)
     plan = ops.prefill_attention_plan(seq, lens, 2)
-    assert plan[:, 0].tolist() == [0, 2, 4]
+    assert plan[:, 0].tolist() == [4, 0, 2]         # its second span has the most keys
     check_plan(plan, seq, lens, 2, 0)
 
 
@@ -62,3 +64,8 @@ def test_empty_pass_has_no_tiles():
 @pytest.mark.parametrize("cache", ["f32", "bf16"])
 def test_shared_memory_fits_a_hopper_block(head_dim, cache):
     assert limits.prefill_attention_shared_bytes(head_dim, cache) <= HOPPER_SHARED_MEMORY_OPT_IN
+
+
+def test_the_opt_in_kernel_is_compiled_on_first_use_only():
+    """ops.warm_up skips EAGER_MODULES: an engine without flash_prefill never compiles attention_prefill.cu."""
+    assert ops.EAGER_MODULES == ("attention_prefill",) and set(ops.EAGER_MODULES) <= set(ops.MODULES)

@@ -81,10 +81,15 @@ def kernel(module_name: str, function: str):
     return _FUNCTIONS[key]
 
 
+EAGER_MODULES = ("attention_prefill",)   # used only by eager passes (prefill), compiled at their first call
+
+
 def warm_up() -> None:
-    """Compiles and loads every module now (module loading cannot happen inside a graph capture)."""
+    """Compiles and loads every module a graph may capture now (module loading cannot happen inside a capture);
+    EAGER_MODULES wait for their first call, so an opt-in kernel costs nothing to those who do not use it."""
     for name in MODULES:
-        module(name)
+        if name not in EAGER_MODULES:
+            module(name)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -678,7 +683,8 @@ def prefill_attention_plan(q_seq, q_len, group: int, window: int = 0) -> np.ndar
 
     A span is a run of consecutive rows of one sequence; its pairs (row, query head of a kv head's group), numbered
     row-major from the span's first row, are cut into tiles of FA_BM, so no tile straddles two sequences. A tile's
-    keys [first key, keys end) cover every key its pairs attend to (rows' windows and causal ends included)."""
+    keys [first key, keys end) cover every key its pairs attend to (rows' windows and causal ends included). Tiles
+    come longest key range first (blocks are scheduled about in grid order)."""
     seq = np.asarray(q_seq, np.int64).reshape(-1)
     lens = np.asarray(q_len, np.int64).reshape(-1)
     if seq.size == 0:
@@ -693,7 +699,8 @@ def prefill_attention_plan(q_seq, q_len, group: int, window: int = 0) -> np.ndar
     last_row = starts[span] + (first_pair + npairs - 1) // group
     rows = np.minimum(first_row[:, None] + np.arange(int((last_row - first_row).max()) + 1), last_row[:, None])
     lo = np.maximum(lens - window, 0) if window > 0 else np.zeros_like(lens)
-    return np.stack([starts[span], first_pair, npairs, lo[rows].min(1), lens[rows].max(1)], 1).astype(np.int32)
+    plan = np.stack([starts[span], first_pair, npairs, lo[rows].min(1), lens[rows].max(1)], 1).astype(np.int32)
+    return plan[np.argsort(plan[:, 3] - plan[:, 4], kind="stable")]     # most keys first: a shorter last wave
 
 
 def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
