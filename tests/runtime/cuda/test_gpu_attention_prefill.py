@@ -112,6 +112,14 @@ def test_tiles_split_rows_between_heads(cp, rng, group):
     check(cp, rng, group=group, hd=128, cdt="bf16", spans={0: (50, 0), 1: (129, 10)}, order=[0, 1])
 
 
+@pytest.mark.parametrize("cdt", ["f32", "bf16"])
+def test_decode_shaped_passes(cp, rng, cdt):
+    """40 sequences of one row each (a decode step beyond 32 rows, which the opt-in also sends here): tiles of one
+    row's group of heads, most of each block's pairs idle."""
+    spans = {s: (1, int(start)) for s, start in enumerate(rng.integers(0, 500, 40))}
+    check(cp, rng, group=8, hd=128, cdt=cdt, window=64, with_sinks=True, spans=spans, order=list(range(40)))
+
+
 def test_a_sequence_split_into_two_spans(cp, rng):
     """Rows of one sequence on both sides of another's: two spans, two key ranges of one cache sequence."""
     q_seq = np.array([0] * 40 + [1] * 70 + [0] * 30, np.int32)
