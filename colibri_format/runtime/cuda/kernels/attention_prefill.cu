@@ -92,8 +92,8 @@ __device__ __forceinline__ void fa_cp_async_commit() { asm volatile("cp.async.co
 template <int PENDING>
 __device__ __forceinline__ void fa_cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
 
-// One tile of BN cache rows [k0, k0 + BN) of kv head kvh (rows >= kend as zeros) into dst [parts][BN][HD + FA_PAD]
-// bf16. bf16 caches (one part): cp.async (completes at the caller's wait); fp32 (hi, lo): loaded, split, stored now.
+// One tile of BN cache rows [k0, k0 + BN) (rows >= kend as zeros) of the sequence and kv head whose first element
+// is src into dst [parts][BN][HD + FA_PAD] bf16. bf16 caches (one part): cp.async (completes at the caller's wait); fp32 (hi, lo): loaded, split, stored now.
 template <typename TC, int HD, int BN>
 __device__ __forceinline__ void fa_load_kv_tile(u16* dst, const typename TC::storage* __restrict__ src, size_t row,
                                                 int k0, int kend) {
