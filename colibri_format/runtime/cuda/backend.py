@@ -35,7 +35,8 @@ class CupyBackend:
     dtype = np.dtype(np.float32)
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
-    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None) -> None:
+    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
+                 flash_prefill: bool = False) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -51,6 +52,7 @@ class CupyBackend:
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         self.bf16_tensor_cores = bf16_tensor_cores
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
+        self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -174,13 +176,18 @@ class CupyBackend:
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
                   sinks=None):
         """The split attention kernel (splits and partials planned once per shape), or, for head sizes it is not
-        built for, the NumPy backend's array code on device arrays (eager only). sinks: f32 [heads] or None."""
+        built for, the NumPy backend's array code on device arrays (eager only). sinks: f32 [heads] or None. With
+        `flash_prefill`, passes of more than ATT_DECODE_MAX_ROWS rows run `ops.attention_prefill` (it plans its
+        tiles on the host: a device-to-host copy of q_seq and q_len per call)."""
         T, nh, hd = q.shape
         if hd not in ATTENTION_HEAD_DIMS:
             from colibri_format.runtime.numpy_backend import attention  # noqa: PLC0415
 
             return attention(q, k_cache, v_cache, self.to_host(q_seq), self.to_host(q_len), scale, window=window,
                              sinks=sinks, out=out, xp=self.xp)
+        if self.flash_prefill and self.ops.use_flash_prefill(q, k_cache):
+            return self.ops.attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks,
+                                              out=out)
         nkv = k_cache.shape[2]
         key = ("attention", T, max_len)
         if key not in ws.extra:
@@ -338,6 +345,6 @@ class _TimedOps:
         return timed
 
 
-def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True,
-                 fast_expert_gemm: str | None = None) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm)
+def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
+                 flash_prefill: bool = False) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill)

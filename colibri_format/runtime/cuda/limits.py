@@ -66,6 +66,18 @@ ATT_GMAX = 8
 ATT_LANE_FLOATS = 32
 ATT_DECODE_MAX_ROWS = 32
 ATT_DECODE_MIN_KEYS = 16
+# attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
+# over key tiles of FA_BN keys for bf16 caches, FA_BN_F32 for fp32 caches (their tiles are kept as bf16 hi and lo
+# parts: twice the shared memory a key) and FA_BN_HD256 for head_dim 256 (more keys spilled registers with nvcc 13)
+FA_THREADS = 128
+FA_BN = 64
+FA_BN_F32 = 32
+FA_BN_HD256 = 16
+FA_BM = FA_THREADS // WARP * 16             # (row, head) pairs a block
+FA_PAD = 8                                  # bf16 elements of padding a shared row: conflict-free ldmatrix rows
+FA_PLAN_FIELDS = 5                          # a tile of the host plan: first row of its span, first pair, pairs,
+#                                             first key, keys end
+FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf16>_hd<D>
 DG_THREADS = 256
 DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
@@ -105,8 +117,22 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
+    "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
+                          "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},
 }
+
+
+def prefill_attention_keys(head_dim: int, cache: str) -> int:
+    """Keys a tile of attention_prefill_<cache>_hd<head_dim> (its instantiations in attention_prefill.cu)."""
+    return FA_BN_HD256 if head_dim > 128 else FA_BN_F32 if cache == "f32" else FA_BN
+
+
+def prefill_attention_shared_bytes(head_dim: int, cache: str) -> int:
+    """Dynamic shared memory of an attention_prefill launch (cache 'f32' or 'bf16'), bf16 elements: the queries as
+    hi and lo, and two buffers of K and V tiles (hi and lo for an fp32 cache)."""
+    parts = 2 if cache == "f32" else 1
+    return (2 * FA_BM + 4 * parts * prefill_attention_keys(head_dim, cache)) * (head_dim + FA_PAD) * 2
 
 
 def define_options(module: str) -> tuple[str, ...]:

@@ -82,10 +82,15 @@ def kernel(module_name: str, function: str):
     return _FUNCTIONS[key]
 
 
+EAGER_MODULES = ("attention_prefill",)   # used only by eager passes (prefill), compiled at their first call
+
+
 def warm_up() -> None:
-    """Compiles and loads every module now (module loading cannot happen inside a graph capture)."""
+    """Compiles and loads every module a graph may capture now (module loading cannot happen inside a capture);
+    EAGER_MODULES wait for their first call, so an opt-in kernel costs nothing to those who do not use it."""
     for name in MODULES:
-        module(name)
+        if name not in EAGER_MODULES:
+            module(name)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -701,8 +706,15 @@ class AttentionWorkspace:
         self.tickets = cp.zeros(num_rows * heads, cp.int32)     # >= rows x kv heads x head chunks
 
 
+def use_flash_prefill(q, k_cache) -> bool:
+    """Whether `attention(..., flash_prefill=True)` runs `attention_prefill` for these rows and caches."""
+    return (q.ndim == 3 and q.shape[0] > ATT_DECODE_MAX_ROWS and q.shape[2] in limits.FA_HEAD_DIMS
+            and dtype_code(k_cache) in ("f32", "bf16"))
+
+
 def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
-              nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None):
+              nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None,
+              flash_prefill: bool = False):
     """q [NQ, nh, hd] f32 against caches [S, cap, nkv, hd]: decode (q_len = length) or causal prefill rows.
 
     Row n attends to keys [max(0, q_len[n] - window), q_len[n]) of cache sequence q_seq[n] (window <= 0: all).
@@ -710,7 +722,11 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     The kernel cuts the keys into `nsplit` chunks (default from `max_len`, the longest q_len, which defaults to the
     cache capacity) and merges them. Up to ATT_DECODE_MAX_ROWS rows run `attention_decode` (lanes split the head
     dimension, keys in batches), more run `attention_split` (a lane per key): same contract and partials.
+    flash_prefill (off by default): more than ATT_DECODE_MAX_ROWS rows over f32 or bf16 caches of a head size
+    `attention_prefill` is built for run it instead (tensor cores, operands split into bf16 hi + lo).
     """
+    if flash_prefill and use_flash_prefill(q, k_cache):
+        return attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out)
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
     NQ, nh, hd = q.shape
@@ -752,6 +768,74 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     if ns > 1:
         kernel("layers", "attention_merge")((NQ * nh,), (hd,), (ml, acc, _ptr(sinks), o, np.int32(hd), np.int32(ns),
                                                                np.int32(nh)))
+    return o
+
+
+def prefill_attention_plan(q_seq, q_len, group: int, window: int = 0) -> np.ndarray:
+    """The tiles of `attention_prefill` (host NumPy, from host copies of q_seq and q_len): int32
+    [tiles, FA_PLAN_FIELDS] = first row of the span, first pair, pairs, first key, keys end.
+
+    A span is a run of consecutive rows of one sequence; its pairs (row, query head of a kv head's group), numbered
+    row-major from the span's first row, are cut into tiles of FA_BM, so no tile straddles two sequences. A tile's
+    keys [first key, keys end) cover every key its pairs attend to (rows' windows and causal ends included). Tiles
+    come longest key range first (blocks are scheduled about in grid order)."""
+    seq = np.asarray(q_seq, np.int64).reshape(-1)
+    lens = np.asarray(q_len, np.int64).reshape(-1)
+    if seq.size == 0:
+        return np.zeros((0, limits.FA_PLAN_FIELDS), np.int32)
+    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    pairs = (np.r_[starts[1:], seq.size] - starts) * group
+    tiles = -(-pairs // limits.FA_BM)
+    span = np.repeat(np.arange(starts.size), tiles)
+    first_pair = (np.arange(span.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * limits.FA_BM
+    npairs = np.minimum(limits.FA_BM, pairs[span] - first_pair)
+    first_row = starts[span] + first_pair // group
+    last_row = starts[span] + (first_pair + npairs - 1) // group
+    rows = np.minimum(first_row[:, None] + np.arange(int((last_row - first_row).max()) + 1), last_row[:, None])
+    lo = np.maximum(lens - window, 0) if window > 0 else np.zeros_like(lens)
+    plan = np.stack([starts[span], first_pair, npairs, lo[rows].min(1), lens[rows].max(1)], 1).astype(np.int32)
+    return plan[np.argsort(plan[:, 3] - plan[:, 4], kind="stable")]     # most keys first: a shorter last wave
+
+
+def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
+                      plan=None):
+    """`attention`'s contract (numpy_backend.attention) on the tensor cores: flash attention over the host-planned
+    tiles of `prefill_attention_plan` (computed here from q_seq and q_len, a device-to-host copy, unless `plan`,
+    a device int32 array of it, is passed). Tensor cores with fp32 operands split into bf16 hi + lo (about 16
+    significant bits), fp32 accumulation and softmax. Caches f32 or bf16, head_dim 64, 128 or 256."""
+    cp = _cupy()
+    _check("q", q, dtype=np.float32, ndim=3)
+    NQ, nh, hd = q.shape
+    _check("k_cache", k_cache, ndim=4, codes=("f32", "bf16"))
+    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    nkv, cap = k_cache.shape[2], k_cache.shape[1]
+    if k_cache.shape[3] != hd or nh % nkv:
+        raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
+    if hd not in limits.FA_HEAD_DIMS:
+        raise ValueError(f"head_dim {hd} not supported by attention_prefill {limits.FA_HEAD_DIMS}")
+    _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
+    _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
+    if sinks is not None:
+        _check("sinks", sinks, dtype=np.float32, shape=(nh,))
+    o = _out("out", out, q.shape, cp.float32)
+    if NQ == 0:
+        return o
+    if plan is None:
+        seq_h, len_h = q_seq.get(), q_len.get()
+        if seq_h.min() < 0 or seq_h.max() >= k_cache.shape[0] or len_h.min() < 0 or len_h.max() > cap:
+            raise ValueError(f"q_seq or q_len out of range for caches of {k_cache.shape[0]} sequences x {cap}")
+        plan = cp.asarray(prefill_attention_plan(seq_h, len_h, nh // nkv, window))
+    _check("plan", plan, dtype=np.int32, ndim=2)
+    if plan.shape[1] != limits.FA_PLAN_FIELDS:
+        raise ValueError(f"plan must be [tiles, {limits.FA_PLAN_FIELDS}], got {tuple(plan.shape)}")
+    fn = kernel("attention_prefill", f"attention_prefill_{dtype_code(k_cache)}_hd{hd}")
+    smem = limits.prefill_attention_shared_bytes(hd, dtype_code(k_cache))
+    if fn.max_dynamic_shared_size_bytes < smem:     # above 48 KB a kernel must opt in
+        fn.max_dynamic_shared_size_bytes = smem
+    if plan.shape[0]:
+        fn((plan.shape[0], nkv), (limits.FA_THREADS,),
+           (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), plan, o, np.int32(nh), np.int32(nkv), np.int32(cap),
+            np.int32(window), np.float32(scale)), shared_mem=smem)
     return o
 
 
