@@ -49,6 +49,8 @@ class EngineConfig:
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
+    small_moe: bool = False                   # CUDA: routed experts of passes of at most MOE_SMALL_MAX_TOKENS tokens
+                                              # in two kernels (moe_small.cu: no dispatch, combine folded into down)
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -176,7 +178,8 @@ def make_backend(config: EngineConfig):
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
-    return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores)
+    return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
+                             small_moe=config.small_moe)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

@@ -35,7 +35,7 @@ class CupyBackend:
     dtype = np.dtype(np.float32)
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
-    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True) -> None:
+    def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, small_moe: bool = False) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -50,6 +50,7 @@ class CupyBackend:
         self.device.use()
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         self.bf16_tensor_cores = bf16_tensor_cores
+        self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -223,7 +224,7 @@ class CupyBackend:
                                         out=residual, act=ws.buf("moe_act", (P, table.intermediate_size)),
                                         ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
-                               out=residual,
+                               out=residual, small=self.small_moe,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
                                extras=ops.ExpertExtras.from_model(act, gate_up_bias, down_bias))
@@ -325,5 +326,5 @@ class _TimedOps:
         return timed
 
 
-def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores)
+def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, small_moe: bool = False) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, small_moe)
