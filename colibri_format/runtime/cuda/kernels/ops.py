@@ -612,7 +612,7 @@ def moe_small_gate_up(x, ids, table: ExpertTable, *, plan: int = 0, out=None):
     T, k = _check_small_routes(ids, table)
     H, I = table.hidden_size, table.intermediate_size
     _check("x", x, dtype=np.float32, shape=(T, H))
-    rows, _ = _small_plan(SMALL_GATE_UP_PLANS, plan, I)
+    rows = _small_plan(SMALL_GATE_UP_PLANS, plan, I)[0]
     gh, _, kind = table.groups()
     act = _out("out", out, (T * k, I), cp.float32)
     fn, grid = _small_launch(f"moe_small_gate_up_p{plan}_{kind}", T * k * -(-I // rows))
