@@ -180,7 +180,7 @@ def test_engine_with_small_moe_matches_the_float64_engine(model_file, use_graphs
     from tests.runtime.test_engine_scenarios import TOLERANCE
 
     calls = _count_small_launches(monkeypatch)
-    cfg = dict(max_seq_len=64, max_cached_experts=capacity)
+    cfg = dict(max_seq_len=64, max_cached_experts=capacity, cache_policy="lru")     # lru: every miss admitted
     with Engine(model_file, EngineConfig(device="cuda", small_moe=True, use_graphs=use_graphs, **cfg)) as eng, \
             Engine(model_file, EngineConfig(precision="float64", **cfg)) as ref:
         prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [4], [40, 41, 42]]
