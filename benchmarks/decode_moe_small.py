@@ -12,6 +12,10 @@ beside a device-to-device copy measured in the same run. Every plan of the new k
 timed, and each is first checked against today's path on the device (today's is tested against float64 NumPy).
 Stage rows time each kernel alone (today's dispatch precomputed per routing). Writes decode_moe_small.json and
 decode_moe_small.md to OUT_DIR and prints the table. About 2-3 minutes on an H200.
+
+`--engine FILE` (e.g. decode_profile.py's /dev/shm/qwen3_30b_a3b_full.colibri, which that script writes) adds
+full-depth decode tokens/s of the engine at batch 1 and 4 with `EngineConfig(small_moe=...)` off and on, both in
+this process (about 1 more minute once the file exists).
 """
 
 from __future__ import annotations
@@ -102,9 +106,42 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float) -> list[dic
     return rows
 
 
+def engine_ab(path: str, batches=(1, 4)) -> list[dict]:
+    """Decode tokens/s (graphs, no profile) of the engine on `path` with small_moe off, then on."""
+    from colibri_format.runtime.cuda.bench import run_bench
+    from colibri_format.runtime.engine import Engine, EngineConfig
+
+    rows = []
+    for small in (False, True):
+        cfg = EngineConfig(device="cuda", max_batch_size=max(batches), max_seq_len=512, verify="never",
+                           small_moe=small)
+        with Engine(path, cfg) as eng:
+            for b in batches:
+                d = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, profile=False,
+                              engine=eng)["decode"]
+                rows.append({"file": path, "small_moe": small, "batch": b, "tokens_per_s": d["tokens_per_s"],
+                             "ms_per_step": d["ms_per_step"], "graph": d["graph"]})
+                log(f"  engine small_moe={small} batch {b}: {d['tokens_per_s']:.1f} tokens/s "
+                    f"({d['ms_per_step']:.3f} ms/step, graph {d['graph']})")
+    return rows
+
+
+def summary_md(rows: list[dict]) -> str:
+    """Per shape and token count: today's whole block against the fastest pair of plans."""
+    lines = ["| shape | T | today µs | best small µs (plans) | speed-up |", "|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["shape"], r["T"]) for r in rows):
+        mine = [r for r in rows if (r["shape"], r["T"]) == key and r["stage"] == "all"]
+        today = next(r for r in mine if r["variant"] == "today")
+        best = min((r for r in mine if r["variant"] != "today"), key=lambda r: r["us"])
+        lines.append(f"| {key[0]} | {key[1]} | {today['us']:.1f} | {best['us']:.1f} ({best['variant']}) | "
+                     f"{today['us'] / best['us']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def table_md(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"device-to-device copy: {copy_gbps:.0f} GB/s", "",
-             "| shape | T | variant | stage | µs | GB/s of expert bytes | share of copy |", "|---|---|---|---|---|---|---|"]
+             "| shape | T | variant | stage | µs | GB/s of expert bytes | share of copy |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['T']} | {r['variant']} | {r['stage']} | {r['us']:.1f} | {r['gbps']:.0f} | "
               f"{r['share_of_copy']:.0%} |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -116,6 +153,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--tokens", default="1,4", help=f"comma list of token counts (<= {limits.MOE_SMALL_MAX_TOKENS})")
     ap.add_argument("--group", type=int, default=0, help="scale group size (0: per-row scales)")
+    ap.add_argument("--engine", help="a full-depth .colibri file: also decode tokens/s with small_moe off and on")
     args = ap.parse_args()
     import cupy as cp
 
@@ -127,12 +165,17 @@ def main() -> int:
     for name in args.shapes.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
             rows += bench_shape(cp, name, T, args.group, copy_gbps)
+    engine = engine_ab(args.engine) if args.engine else []
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "copy_gbps": copy_gbps,
               "plans": {"gate_up": limits.SMALL_GATE_UP_PLANS, "down": limits.SMALL_DOWN_PLANS},
-              "command": " ".join(sys.argv), "rows": rows}
+              "command": " ".join(sys.argv), "rows": rows, "engine": engine}
     (out / "decode_moe_small.json").write_text(json.dumps(result, indent=1))
-    md = table_md(rows, copy_gbps)
+    md = summary_md(rows) + "\n" + table_md(rows, copy_gbps)
+    if engine:
+        md += "\n| file | small_moe | batch | tokens/s | ms/step |\n|---|---|---|---|---|\n" + "".join(
+            f"| {r['file']} | {r['small_moe']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+            f"{r['ms_per_step']:.3f} |\n" for r in engine)
     (out / "decode_moe_small.md").write_text(md)
     print(md)
     return 0
