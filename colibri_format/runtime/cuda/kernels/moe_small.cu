@@ -167,14 +167,17 @@ __device__ __forceinline__ void small_gate_up(const float* __restrict__ x, const
     constexpr int R = 2 * ROWS;  // weight rows an item reads: ROWS of gate, then the same ROWS of up
     const int lane = threadIdx.x & 31;
     const int n_rg = (I + ROWS - 1) / ROWS;
-    const int total = T * k * n_rg;
+    const int P = T * k;
+    const int total = P * n_rg;
     const int nchunk = H >> 4;
     const int ngroups = H / group;
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
 
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
-        const int pair = item / n_rg;
-        const int o0 = (item - pair * n_rg) * ROWS;
+        // row-group-major: the pairs' items for the same rows run side by side, so an expert that several tokens
+        // picked is read from memory once and from L2 by the others
+        const int pair = item % P;
+        const int o0 = (item / P) * ROWS;
         const int ob = min(o0, I - ROWS);  // the last item is shifted down to stay inside; it writes from o0 on
         const int e = __ldg(ids + pair);
         float* out = act + (size_t)pair * I + ob;
@@ -240,8 +243,8 @@ __device__ __forceinline__ void small_down(const float* __restrict__ act, const 
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
 
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
-        const int t = item / n_rg;
-        const int o0 = (item - t * n_rg) * ROWS;
+        const int t = item % T;  // row-group-major, as in small_gate_up (tokens sharing an expert meet in L2)
+        const int o0 = (item / T) * ROWS;
         const int ob = min(o0, H - ROWS);
         float acc[ROWS];
 #pragma unroll
