@@ -49,12 +49,12 @@ def _case(cp, rng, T, E, k, H, I, group, shared=False):
 CASES = [  # T, E, k, H, I, group
     (1, 8, 1, 256, 128, 0), (1, 8, 2, 256, 128, 32), (2, 8, 2, 512, 256, 0), (4, 8, 2, 256, 96, 16),
     (1, 64, 8, 256, 128, 0), (2, 64, 8, 256, 128, 64), (4, 64, 8, 128, 64, 0), (1, 128, 8, 256, 128, 0),
-    (2, 128, 8, 256, 128, 16), (4, 128, 8, 256, 128, 32), (2, 4, 2, 4160, 2080, 0), (4, 16, 4, 4160, 2080, 32),
+    (2, 128, 8, 256, 128, 16), (4, 128, 8, 256, 128, 32), (2, 4, 2, 4160, 2080, 0), (4, 8, 4, 4160, 2080, 32),
     (3, 32, 5, 64, 32, 0)]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("plans", PLANS)
+@pytest.mark.parametrize("case,plans", [(case, plans) for case in CASES    # long rows (slow on the host): two pairs
+                                         for plans in (PLANS if case[3] <= 1024 else [(0, 0), (1, 2)])])
 def test_small_kernels_match_numpy(cp, rng, case, plans):
     T, E, k, H, I, group = case
     buf, table, experts, _, _, x, ids, w, resid = _case(cp, rng, T, E, k, H, I, group, shared=T > 1)
