@@ -42,7 +42,8 @@ SHAPES = {  # name: (H, I, E, k)
 }
 ROUTINGS = 16           # routings a graph rotates over
 LAUNCHES = 64           # launches a graph holds
-AGREE = 1e-5            # relative difference allowed between the new kernels and today's path (both fp32)
+AGREE = 1e-4            # relative difference allowed between the new kernels and today's path (both fp32, other
+#                         summation orders over up to 14336 terms; an indexing bug is off by O(1))
 
 
 def routings(cp, rng, T: int, E: int, k: int) -> list:
@@ -58,7 +59,7 @@ def expert_bytes(layout, ids_list, stage: str) -> float:
     return float(np.mean([len(np.unique(ids.get())) for ids in ids_list])) * per_expert
 
 
-def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float) -> list[dict]:
+def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list) -> list[dict]:
     H, I, E, k = SHAPES[name]
     buf, table = device_experts(E, H, I, group)
     layout = layout_for(H, I, group)
@@ -88,8 +89,10 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float) -> list[dic
         for dn in range(len(limits.SMALL_DOWN_PLANS)):
             got = ops.moe_experts_small(x, ids_list[0], w, table, residual=resid, plans=(g, dn)).get()
             diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-            if diff > AGREE:
-                raise SystemExit(f"{name} T={T} plans ({g}, {dn}): relative difference {diff:.2e} from today's path")
+            if diff > AGREE:    # wrong: reported, not timed, and the other plans still run
+                log(f"  {name} T={T} plans ({g}, {dn}): WRONG, relative difference {diff:.2e} from today's path")
+                wrong.append({"shape": name, "T": T, "plans": (g, dn), "relative_difference": diff})
+                continue
             rows.append(row(f"small g{g} d{dn}", "all", [
                 lambda i=i, g=g, dn=dn: ops.moe_experts_small(x, i, w, table, residual=resid, act=act, out=h,
                                                               plans=(g, dn)) for i in ids_list]))
@@ -132,7 +135,9 @@ def summary_md(rows: list[dict]) -> str:
     for key in dict.fromkeys((r["shape"], r["T"]) for r in rows):
         mine = [r for r in rows if (r["shape"], r["T"]) == key and r["stage"] == "all"]
         today = next(r for r in mine if r["variant"] == "today")
-        best = min((r for r in mine if r["variant"] != "today"), key=lambda r: r["us"])
+        best = min((r for r in mine if r["variant"] != "today"), key=lambda r: r["us"], default=None)
+        if best is None:
+            continue
         lines.append(f"| {key[0]} | {key[1]} | {today['us']:.1f} | {best['us']:.1f} ({best['variant']}) | "
                      f"{today['us'] / best['us']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -161,15 +166,15 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     copy_gbps = copy_bandwidth(cp)
     log(f"device-to-device copy {copy_gbps:.0f} GB/s")
-    rows = []
+    rows, wrong = [], []
     for name in args.shapes.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
-            rows += bench_shape(cp, name, T, args.group, copy_gbps)
+            rows += bench_shape(cp, name, T, args.group, copy_gbps, wrong)
     engine = engine_ab(args.engine) if args.engine else []
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "copy_gbps": copy_gbps,
               "plans": {"gate_up": limits.SMALL_GATE_UP_PLANS, "down": limits.SMALL_DOWN_PLANS},
-              "command": " ".join(sys.argv), "rows": rows, "engine": engine}
+              "command": " ".join(sys.argv), "rows": rows, "wrong": wrong, "engine": engine}
     (out / "decode_moe_small.json").write_text(json.dumps(result, indent=1))
     md = summary_md(rows) + "\n" + table_md(rows, copy_gbps)
     if engine:
@@ -178,7 +183,7 @@ def main() -> int:
             f"{r['ms_per_step']:.3f} |\n" for r in engine)
     (out / "decode_moe_small.md").write_text(md)
     print(md)
-    return 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
