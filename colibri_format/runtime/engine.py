@@ -57,6 +57,8 @@ class EngineConfig:
                                               # (bf16 hi + lo, ~1e-5) or 'bf16' (~1e-3); None: today's kernel
     flash_prefill: bool = False               # CUDA: prefill attention (beyond 32 rows) as flash attention on the
                                               # tensor cores, bf16 operands (attention_prefill.cu); off: fp32 SIMT
+    small_moe: bool = False                   # CUDA: routed experts of passes of at most MOE_SMALL_MAX_TOKENS tokens
+                                              # in two kernels (moe_small.cu: no dispatch, combine folded into down)
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -188,7 +190,8 @@ def make_backend(config: EngineConfig):
     except ImportError as exc:
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
     return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
-                             fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill)
+                             fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill,
+                             small_moe=config.small_moe)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

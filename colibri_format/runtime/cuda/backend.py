@@ -36,7 +36,7 @@ class CupyBackend:
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False) -> None:
+                 flash_prefill: bool = False, small_moe: bool = False) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -53,6 +53,7 @@ class CupyBackend:
         self.bf16_tensor_cores = bf16_tensor_cores
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
+        self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ class CupyBackend:
                                         ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra)
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
-                               out=residual,
+                               out=residual, small=self.small_moe,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
                                extras=extras, fast_gemm=self.fast_expert_gemm,
@@ -346,5 +347,5 @@ class _TimedOps:
 
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill)
+                 flash_prefill: bool = False, small_moe: bool = False) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe)

@@ -110,19 +110,24 @@ def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
     """Bytes a call must move (weights / KV), or a thunk evaluated after the step (needs device counts)."""
     if name == "dense_gemv":
         return int(args[1].nbytes)
-    if name in ("moe_experts", "moe_experts_4bit"):   # dispatch, gate/up, down, combine: each active expert read once
-        table, disp = args[3], kw["disp"]
+    if name in ("moe_experts", "moe_experts_4bit"):   # each routed expert read once (by whichever kernels run)
+        ids, table = args[1], args[3]
         H, I, g = table.hidden_size, table.intermediate_size, table.group_size
         per_expert = table.weight_bytes() if name == "moe_experts_4bit" else \
             3 * H * I + 4 * (2 * I * (H // g if g else 1) + H * (I // g if g else 1))
         if kw.get("extras") is not None:      # gpt-oss: each active expert's f32 gate/up and down bias rows
             per_expert += 4 * (2 * I + H)
-        return lambda: int(np.count_nonzero(be.to_host(disp.counts))) * per_expert
+        return lambda: _routed_experts(be.to_host(ids), table.num_experts) * per_expert
     if name == "attention":
         kc, q_len = args[1], args[4]
         row = kc.shape[2] * kc.shape[3] * kc.dtype.itemsize * 2
         return lambda: int(be.to_host(q_len).sum()) * row
     return None
+
+
+def _routed_experts(ids: np.ndarray, num_experts: int) -> int:
+    """Distinct experts of ids in [0, num_experts) (what dispatch counts as active; the small-step path has none)."""
+    return int(np.unique(ids[(ids >= 0) & (ids < num_experts)]).size)
 
 
 def profile_step(eng, runner) -> dict:
