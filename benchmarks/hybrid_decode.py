@@ -28,9 +28,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file
 
-HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
 BUDGET = "24GiB"               # the gpu_memory case
 SHAPES = {  # name -> widths; "tiny": the same layer pattern and features at toy widths (the smoke test)
     "qwen36_35b_a3b": dict(vocab=248320, hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, experts=256,
@@ -74,22 +73,6 @@ def state_bytes_per_step(model: dict, batch: int) -> int:
     return batch * layers * (3 * delta + 2 * conv)
 
 
-def ensure_file(path: Path, model: dict) -> dict:
-    """The file at `path` (kept from an earlier --keep run, else written; write_synthetic refuses one the folder
-    cannot hold before writing)."""
-    from colibri_format import spec as S
-    from colibri_format.synthetic import write_synthetic
-
-    info = {"path": str(path)}
-    if not path.exists():
-        t0 = time.perf_counter()
-        write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
-        info["write_s"] = time.perf_counter() - t0
-        log(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB) in {info['write_s']:.0f} s")
-    info["bytes"] = path.stat().st_size
-    return info
-
-
 def cache_options(case: str, model: dict) -> dict:
     """EngineConfig / run_bench keywords of a case."""
     if case == "half":
@@ -99,30 +82,11 @@ def cache_options(case: str, model: dict) -> dict:
     return {}
 
 
-def cuda_run(path: Path, batch: int, iters: int, cache: dict) -> dict:
-    from colibri_format.runtime.cuda.bench import render, run_bench
-
-    r = run_bench(path, batch_size=batch, num_iters=iters, warmup_iters=32 if cache else 8, prefill=batch == 1,
-                  verify="never", **cache)
-    log("\n" + render(r))
-    return {"tokens_per_s": r["decode"]["tokens_per_s"], "ms_per_step": r["decode"]["ms_per_step"],
-            "graph": r["decode"]["graph"], "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
-            "share_at_measured_copy": r["roofline"]["share_of_roofline"],
-            "measured_copy_gbps": r["ceilings"]["d2d_copy_gbps"], "capacity": r["engine"]["capacity"],
-            "paging": r["decode"].get("paging"), "prefill": r.get("prefill"), "run_bench": r}
-
-
-def cpu_run(path: Path, batch: int, iters: int, cache: dict) -> dict:
-    from colibri_format.runtime import Engine, EngineConfig
-    from colibri_format.runtime.cuda.bench import decode_bench, dense_weight_bytes
-
-    with Engine(path, EngineConfig(max_batch_size=batch, max_seq_len=16 + 2 + iters + 1, **cache)) as eng:
-        d, _ = decode_bench(eng, batch, iters, 2, np.random.default_rng(0))
-        m, blob = eng.reader.model, eng.reader.blob_layout.size
-        experts = len(m["moe_layers"]) * min(m["num_experts"], batch * m["top_k"]) * blob
-        return {"tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"], "graph": d["graph"],
-                "weight_bytes_per_step": dense_weight_bytes(eng) + experts, "capacity": eng.experts.capacity,
-                "paging": d.get("paging")}
+def run(path, batch: int, iters: int, device: str, cache: dict) -> dict:
+    """One decode measurement: a paged case warms its cache longer; batch 1 also times a prefill."""
+    if device == "cuda":
+        return cuda_decode(path, batch, iters, log, warmup_iters=32 if cache else 8, prefill=batch == 1, **cache)
+    return cpu_decode(path, batch, iters, **cache)
 
 
 def table(rows: list[dict]) -> str:
@@ -161,8 +125,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = Path(args.dir) / f"{name}.colibri"
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "hbm_copy_bps": HBM_COPY_BPS,
-                    "file": ensure_file(path, model), "rows": []}
-    run = cuda_run if args.device == "cuda" else cpu_run
+                    "file": ensure_file(path, model, log), "rows": []}
     try:
         for case in cases:
             for batch in (int(b) for b in args.batches.split(",")):
@@ -170,7 +133,7 @@ def main() -> int:
                     continue                # a toy file fits any budget: nothing is paged
                 row = {"shape": name, "case": case, "batch": batch,
                        "state_bytes_per_step": state_bytes_per_step(model, batch),
-                       **run(path, batch, args.iters, cache_options(case, model))}
+                       **run(path, batch, args.iters, args.device, cache_options(case, model))}
                 result["rows"].append(row)
                 (out / "hybrid_decode.json").write_text(json.dumps(result, indent=1, default=str))
     finally:

@@ -29,9 +29,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, write_timed
 
-HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
 MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
                expert_inter=14336)
 TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, expert_inter=128)
@@ -50,38 +49,6 @@ def model_of(shape: dict) -> dict:
     m.update(head_dim=shape["head_dim"], max_position_embeddings=4096)
     S.check_model(m)
     return m
-
-
-def write_file(path: Path, model: dict, fmt, group: int) -> dict:
-    from colibri_format import spec as S
-    from colibri_format.synthetic import write_synthetic
-
-    t0 = time.perf_counter()
-    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16, expert_format=fmt, group_size=group)
-    info = {"bytes": path.stat().st_size, "write_s": time.perf_counter() - t0}
-    log(f"wrote {path} ({info['bytes'] / 1e9:.1f} GB) in {info['write_s']:.0f} s")
-    return info
-
-
-def resident_cuda(path: Path, iters: int) -> dict:
-    from colibri_format.runtime.cuda.bench import render, run_bench
-
-    r = run_bench(path, batch_size=1, num_iters=iters, warmup_iters=8, prefill=False, verify="never")
-    log("\n" + render(r))
-    return {"tokens_per_s": r["decode"]["tokens_per_s"], "graph": r["decode"]["graph"],
-            "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"], "kernels": r.get("kernels")}
-
-
-def resident_cpu(path: Path, iters: int) -> dict:
-    from colibri_format.runtime import Engine, EngineConfig
-    from colibri_format.runtime.cuda.bench import decode_bench, dense_weight_bytes
-
-    with Engine(path, EngineConfig(max_seq_len=16 + 2 + iters + 1, verify="never")) as eng:
-        d, _ = decode_bench(eng, 1, iters, 2, np.random.default_rng(0))
-        m, blob = eng.reader.model, eng.reader.blob_layout.size
-        experts = len(m["moe_layers"]) * min(m["num_experts"], m["top_k"]) * blob
-        return {"tokens_per_s": d["tokens_per_s"], "graph": d["graph"],
-                "weight_bytes_per_step": dense_weight_bytes(eng) + experts}
 
 
 def paged(path: Path, args, ceilings: dict, experts: int) -> dict:
@@ -144,13 +111,13 @@ def main() -> int:
     ceilings = copy_ceiling(args.device, 1 << 20 if args.tiny else 1 << 30)
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "shape": shape,
                     "hbm_copy_bps": HBM_COPY_BPS, "ceilings": ceilings, "rows": []}
-    resident = resident_cuda if args.device == "cuda" else resident_cpu
     for name in names:
         fmt, group = S.ExpertFormat[FORMATS[name][0]], FORMATS[name][1]
         path = Path(args.dir) / f"int4_decode_{name}.colibri"
         try:
-            row = {"format": name, "file": write_file(path, model, fmt, group)}
-            row["resident"] = resident(path, args.iters)
+            row = {"format": name, "file": write_timed(path, model, log, expert_format=fmt, group_size=group)}
+            row["resident"] = (cuda_decode(path, 1, args.iters, log) if args.device == "cuda"
+                               else cpu_decode(path, 1, args.iters, verify="never"))
             row["paged"] = paged(path, args, ceilings, shape["experts"])
             res, pg = row["resident"], row["paged"]
             log(f"{name}: resident {res['tokens_per_s']:.1f} tok/s, paged {pg['tokens_per_s']:.2f} tok/s at "

@@ -26,7 +26,8 @@ import json
 import time
 from pathlib import Path
 
-HBM_BYTES_PER_S = 4.0e12        # the H200's device copy rate, roughly (the headline roofline)
+from benchmarks.synthetic_decode import HBM_COPY_BPS, write_timed
+
 CACHE_VALUE_BYTES = 4           # the engine keeps its caches in float32
 PREFILL_TOKENS = 512
 
@@ -80,15 +81,6 @@ def cache_bytes_per_token(model: dict) -> dict:
             "per_head_kv_bytes": CACHE_VALUE_BYTES * per_head, "ratio": per_head / latent}
 
 
-def write_file(path: Path, model: dict) -> None:
-    from colibri_format import spec as S
-    from colibri_format.synthetic import write_synthetic
-
-    t0 = time.perf_counter()
-    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
-    log(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s")
-
-
 def expert_bytes_estimate(eng, batch: int) -> int:
     """Expert bytes a decode step reads at most: min(experts, batch x top_k) blobs per MoE layer."""
     a = eng.args
@@ -122,7 +114,7 @@ def measure(eng, path: Path, batch: int, iters: int) -> dict:
 
 def summary(name: str, model: dict, batch: int, r: dict) -> dict:
     tps, weights = r["decode"]["tokens_per_s"], r["roofline"]["weight_bytes_per_step"]
-    roof = batch * HBM_BYTES_PER_S / weights
+    roof = batch * HBM_COPY_BPS / weights
     return {"shape": name, "layers": model["num_layers"], "batch": batch, "tokens_per_s": tps,
             "ms_per_step": r["decode"]["ms_per_step"], "graph": r["decode"]["graph"],
             "weight_bytes_per_step": weights, "roofline_tokens_per_s_at_4TBps": roof, "share_at_4TBps": tps / roof,
@@ -159,13 +151,13 @@ def main() -> int:
         ap.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "hbm_bytes_per_s": HBM_COPY_BPS,
                     "shapes": {}, "summary": [], "cache_per_token": {}}
     for name in shapes:
         model = mla_model(name)
         result["cache_per_token"][name] = cache_bytes_per_token(model)
         path = Path(args.dir) / f"mla_{name}.colibri"
-        write_file(path, model)
+        write_timed(path, model, log)
         batches = [int(b) for b in args.batches.split(",")]
         try:
             with open_engine(path, args.device, max(batches), args.iters) as eng:

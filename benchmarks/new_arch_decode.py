@@ -29,9 +29,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file
 
-HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
 MINIMAX_LAYERS = 11            # of 62: experts 11 x 3.6 GB, with the dense tensors about 43 GB
 GPT_OSS_YARN = {"type": "yarn", "theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096.0}
@@ -78,46 +77,6 @@ def model_of(kind: str, shape: dict) -> dict:
     return m
 
 
-def ensure_file(path: Path, model: dict) -> dict:
-    """The file at `path` (kept from an earlier --keep run, else written; write_synthetic refuses one the folder
-    cannot hold before writing)."""
-    from colibri_format import spec as S
-    from colibri_format.synthetic import write_synthetic
-
-    info = {"path": str(path)}
-    if not path.exists():
-        t0 = time.perf_counter()
-        write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
-        info["write_s"] = time.perf_counter() - t0
-        log(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB) in {info['write_s']:.0f} s")
-    info["bytes"] = path.stat().st_size
-    return info
-
-
-def cuda_run(path: Path, batch: int, iters: int) -> dict:
-    from colibri_format.runtime.cuda.bench import render, run_bench
-
-    r = run_bench(path, batch_size=batch, num_iters=iters, warmup_iters=8, prefill=False, verify="never")
-    log("\n" + render(r))
-    return {"tokens_per_s": r["decode"]["tokens_per_s"], "ms_per_step": r["decode"]["ms_per_step"],
-            "graph": r["decode"]["graph"], "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
-            "share_at_measured_copy": r["roofline"]["share_of_roofline"],
-            "measured_copy_gbps": r["ceilings"]["d2d_copy_gbps"], "run_bench": r}
-
-
-def cpu_run(path: Path, batch: int, iters: int) -> dict:
-    from colibri_format.runtime import Engine, EngineConfig
-    from colibri_format.runtime.cuda.bench import decode_bench, dense_weight_bytes
-
-    with Engine(path, EngineConfig(max_batch_size=batch, max_seq_len=16 + 2 + iters + 1)) as eng:
-        d, _ = decode_bench(eng, batch, iters, 2, np.random.default_rng(0))
-        m, blob = eng.reader.model, eng.reader.blob_layout.size
-        biases = 4 * (2 * m["expert_intermediate_size"] + m["hidden_size"]) if m.get("expert_bias") else 0
-        experts = len(m["moe_layers"]) * min(m["num_experts"], batch * m["top_k"]) * (blob + biases)
-        return {"tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"], "graph": d["graph"],
-                "weight_bytes_per_step": dense_weight_bytes(eng) + experts}
-
-
 def table(rows: list[dict]) -> str:
     lines = [f"{'shape':<16}{'layers':>10}{'batch':>6}{'tokens/s':>10}{'ms/step':>9}{'weights MB':>12}"
              f"{'roof tok/s':>11}{'share':>7}  graph"]
@@ -149,16 +108,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "hbm_copy_bps": HBM_COPY_BPS,
                     "files": {}, "rows": []}
-    run = cuda_run if args.device == "cuda" else cpu_run
     for name in shapes:
         kind, shape = SHAPES[name]
         path = Path(args.dir) / f"{name}.colibri"
-        result["files"][name] = ensure_file(path, model_of(kind, shape))
+        result["files"][name] = ensure_file(path, model_of(kind, shape), log)
         try:
             for batch in (int(b) for b in args.batches.split(",")):
                 row = {"shape": name, "batch": batch,
                        "layers": f"{shape['layers']} of {FULL_LAYERS.get(name, shape['layers'])}",
-                       **run(path, batch, args.iters)}
+                       **(cuda_decode(path, batch, args.iters, log) if args.device == "cuda"
+                          else cpu_decode(path, batch, args.iters))}
                 result["rows"].append(row)
                 (out / "new_arch_decode.json").write_text(json.dumps(result, indent=1, default=str))
         finally:

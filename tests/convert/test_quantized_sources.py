@@ -184,16 +184,22 @@ def test_mxfp4_output_needs_an_mxfp4_checkpoint(tmp_path):
     assert not (tmp_path / "x.colibri").exists() and not list(tmp_path.glob(".x.colibri*"))
 
 
-def test_mxfp4_nan_scale_is_refused_by_name(tmp_path):
+def _mxfp4_with_a_nan_scale(tmp_path):
+    """The gpt-oss MXFP4 checkpoint with one E8M0 scale set to 0xFF (NaN): expert 2, row 5, block 1 of layer 1's
+    down_proj."""
     from safetensors.numpy import load_file, save_file
-
-    from colibri_format.errors import NonFiniteWeight
 
     mxfp4, _ = _gpt_oss_mxfp4(tmp_path)
     tensors = load_file(str(mxfp4 / "model.safetensors"))
-    name = "model.layers.1.mlp.experts.down_proj_scales"
-    tensors[name][2, 5, 1] = 0xFF                                     # expert 2, row 5, block 1
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][2, 5, 1] = 0xFF
     save_file(tensors, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    return mxfp4
+
+
+def test_mxfp4_nan_scale_is_refused_by_name(tmp_path):
+    from colibri_format.errors import NonFiniteWeight
+
+    mxfp4 = _mxfp4_with_a_nan_scale(tmp_path)
     with pytest.raises(NonFiniteWeight, match="0xFF") as info:
         convert(mxfp4, tmp_path / "x.colibri", quantize="mxfp4", workers=1)
     assert info.value.field == "model.layers.1.mlp.experts.down_proj" and "row 5, block 1" in str(info.value)
@@ -201,15 +207,9 @@ def test_mxfp4_nan_scale_is_refused_by_name(tmp_path):
 
 def test_mxfp4_nan_scale_is_refused_when_converting_to_int8_groups(tmp_path):
     """The exact MXFP4 -> int8 g32 path (no second rounding) refuses a 0xFF scale as the rounding path does."""
-    from safetensors.numpy import load_file, save_file
-
     from colibri_format.errors import NonFiniteWeight
 
-    mxfp4, _ = _gpt_oss_mxfp4(tmp_path)
-    tensors = load_file(str(mxfp4 / "model.safetensors"))
-    name = "model.layers.1.mlp.experts.down_proj_scales"
-    tensors[name][2, 5, 1] = 0xFF                                     # expert 2, row 5, block 1
-    save_file(tensors, str(mxfp4 / "model.safetensors"), metadata={"format": "pt"})
+    mxfp4 = _mxfp4_with_a_nan_scale(tmp_path)
     with pytest.raises(NonFiniteWeight) as info:
         convert(mxfp4, tmp_path / "x.colibri", quantize="expert", group_size=32, workers=1)
     assert info.value.field == "model.layers.1.mlp.experts.down_proj" and "expert 2 of layer 1" in str(info.value)
