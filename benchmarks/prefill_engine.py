@@ -1,0 +1,200 @@
+"""Full-depth prefill on the CUDA engine with each prefill opt-in, and transformers bf16 on the same shape, in one
+process (issue 15); batch-1 and batch-4 decode with `small_moe` off and on (issue 14) on the same file.
+
+    PYTHONPATH=. python benchmarks/prefill_engine.py --out OUT_DIR [--shapes mixtral,qwen3] [--tokens 512,4096]
+    PYTHONPATH=. python benchmarks/prefill_engine.py --out OUT_DIR --tiny --device cpu     # a check of the script
+
+Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at full depth, real vocabularies):
+1. peer: transformers builds the model in bf16 on the GPU (random weights, its default attention and experts
+   implementations), one forward pass over a --tokens prompt with `logits_to_keep=1` (the engine computes the last
+   row's logits only too), median of 3 after a warm-up; the model is then freed.
+2. colibri: a synthetic file of the same shape (`synthetic.write_synthetic(reuse_expert=True)`, bf16 dense, int8
+   experts) in --dir, one Engine; per variant (VARIANTS: the backend's `fast_expert_gemm` / `flash_prefill`
+   switched on the open engine, which reads them per call) `bench.prefill_bench`: the median of 3 `infer` calls
+   of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
+3. decode: `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with `small_moe` off, then on.
+The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile import SHAPES  # noqa: E402
+from synthetic_decode import write_timed  # noqa: E402
+
+VARIANTS = {"default": {}, "fast-split": {"fast_expert_gemm": "split"}, "fast-bf16": {"fast_expert_gemm": "bf16"},
+            "flash": {"flash_prefill": True}, "fast-bf16+flash": {"fast_expert_gemm": "bf16", "flash_prefill": True}}
+HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)
+HEAD_DIM = 128
+MAX_POSITIONS = 8192
+
+
+def log(msg: str) -> None:
+    print(f"[prefill_engine {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def model_of(shape: dict) -> dict:
+    from colibri_format import spec as S
+    from colibri_format.synthetic import synthetic_model
+
+    m = synthetic_model(**shape)
+    m.update(head_dim=HEAD_DIM if shape["hidden"] > 256 else shape["hidden"] // shape["heads"],
+             max_position_embeddings=MAX_POSITIONS)
+    S.check_model(m)
+    return m
+
+
+def hf_config(name: str, model: dict):
+    import transformers
+
+    kw = dict(vocab_size=model["vocab_size"], hidden_size=model["hidden_size"],
+              num_hidden_layers=model["num_layers"], num_attention_heads=model["num_attention_heads"],
+              num_key_value_heads=model["num_key_value_heads"], max_position_embeddings=MAX_POSITIONS,
+              num_experts_per_tok=model["top_k"], tie_word_embeddings=False)
+    inter = model["expert_intermediate_size"]
+    if name == "mixtral":
+        kw.update(intermediate_size=inter, num_local_experts=model["num_experts"])
+    elif name == "qwen3":
+        kw.update(moe_intermediate_size=inter, intermediate_size=inter, num_experts=model["num_experts"],
+                  head_dim=model["head_dim"], norm_topk_prob=True)
+    else:
+        kw.update(intermediate_size=inter, num_experts=model["num_experts"])
+    return getattr(transformers, HF_CLASSES[name][0])(**kw)
+
+
+def hf_prefill(name: str, model: dict, tokens: list[int], device: str) -> dict:
+    """transformers bf16: build, time one forward per prompt length, free."""
+    import torch
+    import transformers
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)          # built in bf16 directly: an fp32 Mixtral does not fit
+    try:
+        with torch.device(device):
+            hf = getattr(transformers, HF_CLASSES[name][1])(hf_config(name, model)).eval()
+    finally:
+        torch.set_default_dtype(old)
+    out = {"build_s": time.perf_counter() - t0, "attn_implementation": hf.config._attn_implementation}
+    with torch.no_grad():
+        for n in tokens:
+            ids = torch.randint(0, model["vocab_size"], (1, n), device=device)
+            times = []
+            for _ in range(4):
+                sync()
+                t1 = time.perf_counter()
+                hf(ids, logits_to_keep=1)
+                sync()
+                times.append(time.perf_counter() - t1)
+            out[str(n)] = 1e3 * statistics.median(times[1:])
+            log(f"{name} transformers bf16 prefill {n}: {out[str(n)]:.1f} ms")
+    del hf
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def colibri_prefill(path: Path, tokens: list[int], device: str) -> dict:
+    from colibri_format.runtime import Engine, EngineConfig
+    from colibri_format.runtime.cuda.bench import prefill_bench
+
+    out: dict = {}
+    variants = VARIANTS if device == "cuda" else {"default": {}}
+    with Engine(path, EngineConfig(device=device, max_seq_len=max(tokens) + 8, verify="never")) as eng:
+        for name, switches in variants.items():
+            eng.be.fast_expert_gemm = switches.get("fast_expert_gemm")     # read by the backend per call
+            eng.be.flash_prefill = switches.get("flash_prefill", False)
+            out[name] = {}
+            for n in tokens:
+                out[name][str(n)] = prefill_bench(eng, n, np.random.default_rng(n))["ms"]
+                log(f"colibri {name} prefill {n}: {out[name][str(n)]:.1f} ms")
+    return out
+
+
+def colibri_decode(path: Path, device: str) -> dict:
+    from colibri_format.runtime import Engine, EngineConfig
+    from colibri_format.runtime.cuda.bench import decode_bench
+
+    out = {}
+    for small in ((False, True) if device == "cuda" else (False,)):
+        cfg = EngineConfig(device=device, max_batch_size=4, max_seq_len=128, small_moe=small, verify="never")
+        with Engine(path, cfg) as eng:
+            for batch in (1, 4):
+                d, _ = decode_bench(eng, batch, 64, 8, np.random.default_rng(0))
+                out[f"small_moe={small} b{batch}"] = d["tokens_per_s"]
+                log(f"colibri decode small_moe={small} b{batch}: {d['tokens_per_s']:.1f} tok/s ({d['graph']})")
+    return out
+
+
+def table(rows: dict, tokens: list[int]) -> str:
+    lines = []
+    for shape, r in rows.items():
+        lines.append(f"{shape}: prefill ms (transformers bf16 / colibri variants), then decode tokens/s")
+        head = f"{'variant':<18}" + "".join(f"{n:>10}" for n in tokens) + "".join(f"{'x HF ' + str(n):>12}"
+                                                                              for n in tokens)
+        lines.append(head)
+        hf = r.get("transformers")
+        if hf:
+            lines.append(f"{'transformers bf16':<18}" + "".join(f"{hf[str(n)]:>10.1f}" for n in tokens))
+        for name, ms in r["colibri"].items():
+            ratios = "".join(f"{hf[str(n)] / ms[str(n)]:>12.2f}" if hf else f"{'-':>12}" for n in tokens)
+            lines.append(f"{name:<18}" + "".join(f"{ms[str(n)]:>10.1f}" for n in tokens) + ratios)
+        for name, tps in r["decode"].items():
+            lines.append(f"  decode {name}: {tps:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="mixtral,qwen3", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy widths (a check of the script)")
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict = {}
+    for shape in args.shapes.split(","):
+        model = model_of(TINY if args.tiny else SHAPES[shape])
+        r: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        if not args.no_peer:
+            r["transformers"] = hf_prefill(shape, model, tokens, args.device)
+        path = Path(args.dir) / f"prefill_{shape}.colibri"
+        try:
+            r["file"] = write_timed(path, model, log)
+            r["colibri"] = colibri_prefill(path, tokens, args.device)
+            r["decode"] = colibri_decode(path, args.device)
+        finally:
+            path.unlink(missing_ok=True)
+        rows[shape] = r
+        (out / "prefill_engine.json").write_text(json.dumps(rows, indent=1))
+    text = table(rows, tokens)
+    (out / "prefill_engine.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
