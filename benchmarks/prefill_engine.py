@@ -10,7 +10,8 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
    row's logits only too), median of 3 after a warm-up; the model is then freed.
 2. colibri: a synthetic file of the same shape (`synthetic.write_synthetic(reuse_expert=True)`, bf16 dense, int8
    experts) in --dir, one Engine; per variant (VARIANTS: the backend's `fast_expert_gemm` / `flash_prefill`
-   switched on the open engine, which reads them per call) `bench.prefill_bench`: the median of 3 `infer` calls
+   switched on the open engine, which reads them per call; "tc + split-attn" is the engine before they became
+   the defaults) `bench.prefill_bench`: the median of 3 `infer` calls
    of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
 3. decode: `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with `small_moe` off, then on.
 The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import SHAPES  # noqa: E402
 from synthetic_decode import write_timed  # noqa: E402
 
-VARIANTS = {"default": {}, "fast-split": {"fast_expert_gemm": "split"}, "fast-bf16": {"fast_expert_gemm": "bf16"},
-            "flash": {"flash_prefill": True}, "fast-bf16+flash": {"fast_expert_gemm": "bf16", "flash_prefill": True}}
+VARIANTS = {  # (fast_expert_gemm, flash_prefill) switched on the open engine's backend; EngineConfig's defaults last
+    "tc + split-attn": (None, False), "fast-split": ("split", False), "fast-bf16": ("bf16", False),
+    "tc + flash": (None, True), "fast-bf16 + flash": ("bf16", True), "fast-split + flash (default)": ("split", True)}
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)
@@ -117,11 +119,10 @@ def colibri_prefill(path: Path, tokens: list[int], device: str) -> dict:
     from colibri_format.runtime.cuda.bench import prefill_bench
 
     out: dict = {}
-    variants = VARIANTS if device == "cuda" else {"default": {}}
+    variants = VARIANTS if device == "cuda" else {"numpy": (None, False)}
     with Engine(path, EngineConfig(device=device, max_seq_len=max(tokens) + 8, verify="never")) as eng:
-        for name, switches in variants.items():
-            eng.be.fast_expert_gemm = switches.get("fast_expert_gemm")     # read by the backend per call
-            eng.be.flash_prefill = switches.get("flash_prefill", False)
+        for name, (gemm, flash) in variants.items():
+            eng.be.fast_expert_gemm, eng.be.flash_prefill = gemm, flash     # read by the backend per call
             out[name] = {}
             for n in tokens:
                 out[name][str(n)] = prefill_bench(eng, n, np.random.default_rng(n))["ms"]

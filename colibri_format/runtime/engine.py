@@ -52,13 +52,15 @@ class EngineConfig:
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
-    fast_expert_gemm: str | None = None       # CUDA, opt-in until measured on an H200: the grouped expert GEMM on
-                                              # the pipelined kernel (moe_gemm_fast.cu) with activations 'split'
-                                              # (bf16 hi + lo, ~1e-5) or 'bf16' (~1e-3); None: today's kernel
-    flash_prefill: bool = False               # CUDA: prefill attention (beyond 32 rows) as flash attention on the
-                                              # tensor cores, bf16 operands (attention_prefill.cu); off: fp32 SIMT
+    fast_expert_gemm: str | None = "split"    # CUDA: the prefill grouped expert GEMM on the pipelined kernel
+                                              # (moe_gemm_fast.cu) with activations 'split' (bf16 hi + lo, ~1e-5)
+                                              # or 'bf16' (~1e-3, faster); None: moe_gemm.cu's 64x64 tc kernel
+    flash_prefill: bool = True                # CUDA: prefill attention (beyond 32 rows) as flash attention on the
+                                              # tensor cores, operands split into bf16 hi + lo (attention_prefill.cu);
+                                              # off: attention_split (fp32 SIMT). docs/benchmarks.md has both timed
     small_moe: bool = False                   # CUDA: routed experts of passes of at most MOE_SMALL_MAX_TOKENS tokens
-                                              # in two kernels (moe_small.cu: no dispatch, combine folded into down)
+                                              # in two kernels (moe_small.cu: no dispatch, combine folded into down);
+                                              # off: slower than today's four kernels at full depth on the H200
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer

@@ -148,6 +148,11 @@ class StepInputs:
         self.cos = self.dev[5 * r:5 * r + r * half].view(np.float32).reshape(r, half)
         self.sin = self.dev[5 * r + r * half:].view(np.float32).reshape(r, half)
 
+    def host_rows(self, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host copies of the first T rows' sequence ids and query lengths (seq, qlen) of the last `fill`."""
+        r = self.rows
+        return self.host[2 * r:2 * r + T], self.host[3 * r:3 * r + T]
+
     def fill(self, step: HostStep, stream) -> None:
         r, half, h = self.rows, self.half, self.host
         for i, a in enumerate((step.ids, step.pos, step.seq, step.pos + 1, np.arange(r))):
@@ -226,7 +231,7 @@ class Decoder:
         att = ws.buf("att", (T, nh, hd))
         sinks = {"sinks": self.w.f32(f"{p}.sinks")} if a.attention_sinks else {}
         self.be.attention(q, kv.keys[i], kv.values[i], inp.seq[:T], inp.qlen[:T], float(a.attention_scale),
-                          window=a.window(i), out=att, ws=ws, max_len=max_len, **sinks)
+                          window=a.window(i), out=att, ws=ws, max_len=max_len, host_rows=inp.host_rows(T), **sinks)
         if a.attention_gate:
             self.sigmoid_gate(att.reshape(T, nh * hd), x, f"{p}.gate_proj", ws.buf("att_g", (T, nh * hd)))
         o = ws.buf("o", (T, a.hidden_size))

@@ -562,7 +562,7 @@ class NumpyBackend:
         return mla_attention(*args, **kwargs)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
-                  sinks=None):
+                  sinks=None, host_rows=None):     # host_rows: q_seq and q_len are host arrays here already
         return attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out)
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):

@@ -54,6 +54,7 @@ class CupyBackend:
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
+        self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -175,11 +176,12 @@ class CupyBackend:
         return self.deltanet(*args, **kwargs)
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int, out, ws, max_len: int,
-                  sinks=None):
+                  sinks=None, host_rows=None):
         """The split attention kernel (splits and partials planned once per shape), or, for head sizes it is not
         built for, the NumPy backend's array code on device arrays (eager only). sinks: f32 [heads] or None. With
-        `flash_prefill`, passes of more than ATT_DECODE_MAX_ROWS rows run `ops.attention_prefill` (it plans its
-        tiles on the host: a device-to-host copy of q_seq and q_len per call)."""
+        `flash_prefill`, passes of more than ATT_DECODE_MAX_ROWS rows run `ops.attention_prefill` over a tile plan
+        made from `host_rows` (host copies of q_seq and q_len) once per pass and window, or else from a
+        device-to-host copy of them."""
         T, nh, hd = q.shape
         if hd not in ATTENTION_HEAD_DIMS:
             from colibri_format.runtime.numpy_backend import attention  # noqa: PLC0415
@@ -187,8 +189,9 @@ class CupyBackend:
             return attention(q, k_cache, v_cache, self.to_host(q_seq), self.to_host(q_len), scale, window=window,
                              sinks=sinks, out=out, xp=self.xp)
         if self.flash_prefill and self.ops.use_flash_prefill(q, k_cache):
+            plan = self._flash_plan(host_rows, nh // k_cache.shape[2], window, k_cache) if host_rows else None
             return self.ops.attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks,
-                                              out=out)
+                                              out=out, plan=plan)
         nkv = k_cache.shape[2]
         key = ("attention", T, max_len)
         if key not in ws.extra:
@@ -197,6 +200,18 @@ class CupyBackend:
         ns, aws = ws.extra[key]
         return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out,
                                   nsplit=ns, workspace=aws)
+
+    def _flash_plan(self, host_rows, group: int, window: int, k_cache):
+        """The flash prefill's tile plan for these rows: every layer of a pass shares its rows, so the plan is made
+        (and copied to the device) once per pass and (group, window) instead of once per layer."""
+        seq_h, len_h = host_rows
+        rows = (seq_h.tobytes(), len_h.tobytes(), k_cache.shape[:2])
+        if rows != self._flash_rows:
+            self._flash_rows, self._flash_plans = rows, {}
+        if (group, window) not in self._flash_plans:
+            self._flash_plans[group, window] = self.ops.prefill_attention_plan_on_device(seq_h, len_h, group,
+                                                                                         window, k_cache)
+        return self._flash_plans[group, window]
 
     def mla_attention(self, q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, *, scale: float,
                       form: str, out, ws):

@@ -187,28 +187,34 @@ def test_the_wrapper_refuses_what_the_kernel_cannot_run(cp):
         ops.attention_prefill(cp.zeros((40, 16, 128), cp.float32)[:, ::2], kc, kc, seq, lens, 0.1)
 
 
-def test_engine_opt_in_runs_prefills_on_it(tmp_path, monkeypatch):
-    """EngineConfig(flash_prefill=True): a batched prefill of 167 rows (GQA 4, sinks, a window on layer 0) runs it on
-    every layer and gives logits as close to the float64 NumPy engine's as today's kernels do."""
+def test_engine_runs_prefills_on_it(tmp_path, monkeypatch):
+    """EngineConfig(flash_prefill=True), the default: a batched prefill of 167 rows (GQA 4, sinks, a window on layer
+    0) runs it on every layer, over tile plans made from the host rows once per window (not per layer), and gives
+    logits as close to the float64 NumPy engine's as attention_split does (flash_prefill=False)."""
     from colibri_format.runtime import Engine, EngineConfig
     from tests.runtime.numpy_tiny import random_weights
     from tests.runtime.tiny_weights import write_colibri
 
     weights = random_weights(seed=7, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                             attention_sinks=True, sliding_window=40, sliding_layers=[0])
+                             attention_sinks=True, sliding_window=40, sliding_layers=[0], num_layers=3,
+                             moe_layers=[0, 1, 2])
     rng = np.random.default_rng(7)
     for i in range(weights.model["num_layers"]):
         weights.dense[f"layers.{i}.attn.sinks"] = rng.uniform(-1.0, 3.0, 8).astype(np.float32)
     path = write_colibri(weights, tmp_path / "flash.colibri", experts="int8_row")
     prompts = [rng.integers(0, 50, n).tolist() for n in (100, 7, 60)]
     cuda = dict(device="cuda", max_seq_len=128)
-    with (Engine(path, EngineConfig(**cuda, flash_prefill=True)) as flash, Engine(path, EngineConfig(**cuda)) as today,
+    with (Engine(path, EngineConfig(**cuda)) as flash, Engine(path, EngineConfig(**cuda, flash_prefill=False)) as today,
           Engine(path, EngineConfig(precision="float64")) as ref):
         assert flash.be.flash_prefill and not today.be.flash_prefill
         expected = ref.logits(prompts)
         base = today.logits(prompts)
         calls = calls_of_attention_prefill(monkeypatch)
+        plans = []
+        real_plan = ops.prefill_attention_plan_on_device
+        monkeypatch.setattr(ops, "prefill_attention_plan_on_device", lambda *a: plans.append(a[3]) or real_plan(*a))
         got = flash.logits(prompts)
-        assert len(calls) == weights.model["num_layers"]
+        assert len(calls) == weights.model["num_layers"] > len(plans)
+        assert sorted(plans) == sorted({flash.args.window(i) for i in range(weights.model["num_layers"])})
         for g, b, e in zip(got, base, expected):
             assert rel(g, e) < max(2e-3, 2 * rel(b, e))

@@ -87,7 +87,7 @@ EAGER_MODULES = ("attention_prefill",)   # used only by eager passes (prefill), 
 
 def warm_up() -> None:
     """Compiles and loads every module a graph may capture now (module loading cannot happen inside a capture);
-    EAGER_MODULES wait for their first call, so an opt-in kernel costs nothing to those who do not use it."""
+    EAGER_MODULES wait for their first call: an engine that never prefills beyond 32 rows never compiles them."""
     for name in MODULES:
         if name not in EAGER_MODULES:
             module(name)
@@ -883,12 +883,22 @@ def prefill_attention_plan(q_seq, q_len, group: int, window: int = 0) -> np.ndar
     return plan[np.argsort(plan[:, 3] - plan[:, 4], kind="stable")]     # most keys first: a shorter last wave
 
 
+def prefill_attention_plan_on_device(seq_h, len_h, group: int, window: int, k_cache):
+    """`prefill_attention_plan` of host q_seq / q_len, checked against the caches the kernel will index (a row out
+    of range would read outside them), as a device int32 array."""
+    seq_h, len_h = np.asarray(seq_h), np.asarray(len_h)
+    nseq, cap = k_cache.shape[0], k_cache.shape[1]
+    if seq_h.size and (seq_h.min() < 0 or seq_h.max() >= nseq or len_h.min() < 0 or len_h.max() > cap):
+        raise ValueError(f"q_seq or q_len out of range for caches of {nseq} sequences x {cap}")
+    return _cupy().asarray(prefill_attention_plan(seq_h, len_h, group, window))
+
+
 def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
                       plan=None):
     """`attention`'s contract (numpy_backend.attention) on the tensor cores: flash attention over the host-planned
     tiles of `prefill_attention_plan` (computed here from q_seq and q_len, a device-to-host copy, unless `plan`,
-    a device int32 array of it, is passed). Tensor cores with fp32 operands split into bf16 hi + lo (about 16
-    significant bits), fp32 accumulation and softmax. Caches f32 or bf16, head_dim 64, 128 or 256."""
+    a device int32 array of it from `prefill_attention_plan_on_device`, is passed). Tensor cores with fp32
+    operands split into bf16 hi + lo (about 16 significant bits), fp32 accumulation and softmax. Caches f32 or bf16, head_dim 64, 128 or 256."""
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
     NQ, nh, hd = q.shape
@@ -907,10 +917,7 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
     if NQ == 0:
         return o
     if plan is None:
-        seq_h, len_h = q_seq.get(), q_len.get()
-        if seq_h.min() < 0 or seq_h.max() >= k_cache.shape[0] or len_h.min() < 0 or len_h.max() > cap:
-            raise ValueError(f"q_seq or q_len out of range for caches of {k_cache.shape[0]} sequences x {cap}")
-        plan = cp.asarray(prefill_attention_plan(seq_h, len_h, nh // nkv, window))
+        plan = prefill_attention_plan_on_device(q_seq.get(), q_len.get(), nh // nkv, window, k_cache)
     _check("plan", plan, dtype=np.int32, ndim=2)
     if plan.shape[1] != limits.FA_PLAN_FIELDS:
         raise ValueError(f"plan must be [tiles, {limits.FA_PLAN_FIELDS}], got {tuple(plan.shape)}")
