@@ -245,7 +245,8 @@ class CupyBackend:
         if isinstance(table, ops.PackedExpertTable):     # no expert extras with 4-bit experts (limits.py refuses)
             return ops.moe_experts_4bit(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                         out=residual, act=ws.buf("moe_act", (P, table.intermediate_size)),
-                                        ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra)
+                                        ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra,
+                                        staged=self._tc4_staging(T, k, table, ws))
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual, small=self.small_moe,
@@ -253,6 +254,14 @@ class CupyBackend:
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
                                extras=extras, fast_gemm=self.fast_expert_gemm,
                                staging=self._fast_staging(T, P, table, extras, ws))
+
+    def _tc4_staging(self, T: int, k: int, table, ws) -> tuple:
+        """The tensor-core 4-bit GEMVs' staged (x, act) buffers (workspace), for the decode passes they run."""
+        ops, H, I = self.ops, table.hidden_size, table.intermediate_size
+        if not ops.uses_tc4(None, table) or ops.gemm_path(T, k, table.num_experts):
+            return None, None
+        return (ws.buf("moe4_x_staged", (T, 2, H // 2), np.uint32),
+                ws.buf("moe4_act_staged", (T * k, 2, I // 2), np.uint32))
 
     def _fast_staging(self, T: int, P: int, table, extras, ws):
         """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it runs."""

@@ -107,6 +107,13 @@ MLA_ROWS = 8
 GEMV4_THREADS = 128
 GEMV4_TOKC = (1, 2, 4, 8)                   # tokens per pass
 EXPAND_THREADS = 256
+# moe_gemv4_tc.cu: the int4_group decode GEMVs on the tensor cores (kernels moe4tc_{gate_up,down}_int4_t<TOKC>, the
+# same GEMV4_TOKC): blocks of TC4_THREADS share an item and split its k-blocks, TC4_KSTEP k-blocks (of 128 columns)
+# loaded by a warp before they are used. GEMV4_TENSOR_CORES: whether ops.moe_experts_4bit runs them for int4_group
+# decode passes by default (off until measured on an H200: benchmarks/gemv4_tc.py)
+TC4_THREADS = 128
+TC4_KSTEP = 2
+GEMV4_TENSOR_CORES = False
 # deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128
@@ -133,6 +140,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
+    "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},
     "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
                           "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},

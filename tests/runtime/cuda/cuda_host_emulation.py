@@ -1,8 +1,10 @@
-"""moe_gemm_fast.cu built for the CPU and run on NumPy arrays: a check of its indexing, shared-memory layout,
-pipeline and fragment layouts on machines without a GPU (tests/runtime/cuda/test_moe_gemm_fast_emulated.py).
+"""Tensor-core kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
+pipelines and fragment layouts on machines without a GPU: moe_gemm_fast.cu (test_moe_gemm_fast_emulated.py) and
+moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py).
 
-The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the five helpers
-that wrap PTX removed (PTX_HELPERS); cuda_host_shim.h stands in for them and for the CUDA built-ins (see its header).
+The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
+wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
+for the CUDA built-ins (see its header).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from colibri_format.runtime.cuda.kernels import ops
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
 PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "bf16x2_sub")
+PTX_STRUCTS = ("TF16", "TBF16")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
 DRIVER = r"""
@@ -50,26 +53,39 @@ extern "C" void emu_down(int split, int grid_x, int grid_y, size_t smem, const u
 """
 
 
-def _without_definition(src: str, name: str) -> str:
-    """src less the definition of function `name` (its template line too), found by matching its braces."""
-    m = re.search(rf"^(template <[^\n]*>\n)?__device__ __forceinline__ [^\n]*\b{name}\(", src, re.MULTILINE)
-    assert m, f"no definition of {name} in moe_gemm_fast.cu"
+def _without_block(src: str, pattern: str, what: str) -> str:
+    """src less the first definition matching `pattern` through its closing brace (and a `;` right after)."""
+    m = re.search(pattern, src, re.MULTILINE)
+    assert m, f"no definition of {what} in the kernel source"
     depth, i = 0, src.index("{", m.end())
     while True:
         depth += {"{": 1, "}": -1}.get(src[i], 0)
         if depth == 0:
             break
         i += 1
-    return src[:m.start()] + src[i + 1:]
+    return src[:m.start()] + src[i + 1:].removeprefix(";")
+
+
+def _without_definition(src: str, name: str) -> str:
+    """src less the definition of function `name` (its template line too)."""
+    return _without_block(src, rf"^(template <[^\n]*>\n)?__device__ __forceinline__ [^\n]*\b{name}\(", name)
+
+
+def host_module_source(module: str) -> str:
+    """Kernel module `module` as g++ compiles it: the shim first, the PTX helpers and structs left out."""
+    src = ops.kernel_source(module)
+    for name in PTX_HELPERS:
+        if re.search(rf"__device__ __forceinline__ [^\n]*\b{name}\(", src):
+            src = _without_definition(src, name)
+    for name in PTX_STRUCTS:
+        src = _without_block(src, rf"^struct {name} ", name)
+    return '#include "cuda_host_shim.h"\n' + src
 
 
 def host_source() -> str:
-    src = ops.kernel_source("moe_gemm_fast")
-    for name in PTX_HELPERS:
-        src = _without_definition(src, name)
+    src = host_module_source("moe_gemm_fast")
     assert DYNAMIC_SHARED in src
-    src = src.replace(DYNAMIC_SHARED, "unsigned char* fast_smem = emu_block->shared.data();")
-    return '#include "cuda_host_shim.h"\n' + src + DRIVER
+    return src.replace(DYNAMIC_SHARED, "unsigned char* fast_smem = emu_block->shared.data();") + DRIVER
 
 
 def _defines(stages: int) -> list[str]:
@@ -77,21 +93,29 @@ def _defines(stages: int) -> list[str]:
         f"-DFAST_STAGES={stages}"]
 
 
-def build(tmp_path: Path, stages: int = limits.FAST_STAGES) -> ctypes.CDLL:
-    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`."""
-    src = tmp_path / "moe_gemm_fast_host.cpp"
-    src.write_text(host_source())
-    lib = tmp_path / "moe_gemm_fast_host.so"
+def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
+    src = tmp_path / f"{name}_host.cpp"
+    src.write_text(source)
+    lib = tmp_path / f"{name}_host.so"
     cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{SHIM_DIR}",
-           *_defines(stages), "-o", str(lib), str(src)]
+           *defines, "-o", str(lib), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return ctypes.CDLL(str(lib))
 
 
+def build(tmp_path: Path, stages: int = limits.FAST_STAGES) -> ctypes.CDLL:
+    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`."""
+    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages))
+
+
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:
     assert a.flags.c_contiguous
     return ctypes.c_void_p(a.ctypes.data)
+
+
+def _nullable(a: np.ndarray | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None) if a is None else _ptr(a)
 
 
 class Emulator:
@@ -138,3 +162,76 @@ class Emulator:
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
             _ptr(weights), _ptr(y), H, I)
+
+
+# ---- moe_gemv4_tc.cu ------------------------------------------------------------------------------------------------
+GEMV4_TC_DRIVER = r"""
+extern "C" void emu_stage(int blocks, const float* in, unsigned int* staged, int rows, int ncols) {
+    emu_launch(blocks, 1, TC4_THREADS, 0, [&] { moe4tc_stage(in, staged, rows, ncols); });
+}
+
+#define TC4_BY_TOKC(STAGE, tokc) \
+    (tokc == 1 ? STAGE##_t1 : tokc == 2 ? STAGE##_t2 : tokc == 4 ? STAGE##_t4 : STAGE##_t8)
+
+extern "C" void emu_gate_up(int tokc, int blocks, const unsigned int* staged, const unsigned long long* blobs,
+                            const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                            const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,
+                            int group) {
+    emu_launch(blocks, 1, TC4_THREADS, 0, [&] {
+        TC4_BY_TOKC(moe4tc_gate_up_int4, tokc)(staged, blobs, fills, off_w, off_s, perm, offsets, active, meta, act,
+                                               H, I, k, group);
+    });
+}
+
+extern "C" void emu_down(int tokc, int blocks, const unsigned int* staged, const unsigned long long* blobs,
+                         const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                         const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
+                         int H, int I, int group) {
+    emu_launch(blocks, 1, TC4_THREADS, 0, [&] {
+        TC4_BY_TOKC(moe4tc_down_int4, tokc)(staged, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w,
+                                            y, H, I, group);
+    });
+}
+"""
+
+
+def build_gemv4_tc(tmp_path: Path) -> ctypes.CDLL:
+    """moe_gemv4_tc.cu for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "moe_gemv4_tc", host_module_source("moe_gemv4_tc") + GEMV4_TC_DRIVER,
+                    limits.define_options("moe_gemv4_tc"))
+
+
+class Gemv4TcEmulator:
+    """moe_gemv4_tc.cu's kernels over host arrays (kept alive by the caller); `blocks` blocks a launch, as few as 1
+    (the grid-stride loop over block items)."""
+
+    def __init__(self, lib: ctypes.CDLL, blocks: int = 3) -> None:
+        self.lib, self.blocks = lib, blocks
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+    def stage(self, a: np.ndarray) -> np.ndarray:
+        """a [rows, ncols] f32 -> [rows, 2, ncols // 2] uint32 (the kernel's bf16 hi/lo pairs)."""
+        a = np.ascontiguousarray(a, np.float32)
+        staged = np.zeros((a.shape[0], 2, a.shape[1] // 2), np.uint32)
+        self.lib.emu_stage(self.blocks, _ptr(a), _ptr(staged), *a.shape)
+        return staged
+
+    @staticmethod
+    def _routing(disp: dict) -> list:
+        return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
+
+    def gate_up(self, tokc: int, staged, ptrs, fills, layout, disp: dict, k: int, act) -> None:
+        self.lib.emu_gate_up(
+            tokc, self.blocks, _ptr(staged), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            *self._routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
+
+    def down(self, tokc: int, staged, ptrs, fills, layout, disp: dict, weights, y) -> None:
+        self.lib.emu_down(
+            tokc, self.blocks, _ptr(staged), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            layout.group_size)

@@ -1,6 +1,9 @@
-// Host emulation of the CUDA features that moe_gemm_fast.cu uses, so that its kernels run, unchanged but for the
-// helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
+// Host emulation of the CUDA features that moe_gemm_fast.cu and moe_gemv4_tc.cu use, so that their kernels run,
+// unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
 //   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block;
+//   - __shfl_xor_sync is warp-collective like mma.sync (below): post, meet, read the partner's, meet;
+//   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
+//     even;
 //   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) is warp-collective: each lane posts its fragments, the warp
 //     meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
 //   - cp.async copies are only queued; a copy lands when the wait_group that retires its group runs (as late as
@@ -36,7 +39,7 @@ using std::min;
 #define __shared__ static   // every thread of the (one running) block sees the same object
 
 struct EmuDim { int x = 0, y = 0, z = 0; };
-thread_local EmuDim threadIdx, blockIdx;
+thread_local EmuDim threadIdx, blockIdx, blockDim, gridDim;
 
 struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
@@ -54,7 +57,6 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
     for (int i = 0; i < 4; ++i) r |= (unsigned int)((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
     return r;
 }
-inline float __shfl_xor_sync(unsigned int, float, int) { std::abort(); }   // common.cuh's reductions: unused here
 
 // ---- problems ---------------------------------------------------------------------------------------------------
 static std::atomic<int> emu_errors{0};
@@ -82,6 +84,7 @@ struct EmuBlock {
     struct Warp {
         std::unique_ptr<std::barrier<>> meet;
         unsigned int a[32][4], b[32][2];
+        float shuffled[32];
     };
     std::vector<Warp> warps;
 };
@@ -145,6 +148,32 @@ inline unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
     return emu_round_bf16(lo) | (emu_round_bf16(hi) << 16);
 }
 
+// ---- 16-bit floats (common.cuh's TF16, TBF16) ----------------------------------------------------------------------
+typedef unsigned short u16;
+
+struct TF16 {
+    typedef u16 storage;
+    static float to_f32(u16 v) { _Float16 h; std::memcpy(&h, &v, 2); return (float)h; }
+    static u16 from_f32(float v) { const _Float16 h = (_Float16)v; u16 r; std::memcpy(&r, &h, 2); return r; }
+};
+
+struct TBF16 {
+    typedef u16 storage;
+    static float to_f32(u16 v) { return __uint_as_float(((unsigned int)v) << 16); }
+    static u16 from_f32(float v) { return (u16)emu_round_bf16(v); }
+};
+
+// ---- shfl.sync.bfly -------------------------------------------------------------------------------------------------
+inline float __shfl_xor_sync(unsigned int, float v, int mask) {
+    const int lane = threadIdx.x & 31;
+    EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
+    w.shuffled[lane] = v;
+    w.meet->arrive_and_wait();
+    const float r = w.shuffled[lane ^ mask];
+    w.meet->arrive_and_wait();
+    return r;
+}
+
 // ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
 
@@ -185,6 +214,9 @@ void emu_launch(int grid_x, int grid_y, int threads, size_t shared_bytes, Body b
                     threadIdx.x = tx;
                     blockIdx.x = bx;
                     blockIdx.y = by;
+                    blockDim.x = threads;
+                    gridDim.x = grid_x;
+                    gridDim.y = grid_y;
                     emu_block = &blk;
                     body();
                     if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri_format import spec as S
 from colibri_format.runtime.cuda.bench import layout_for, numpy_experts
 from colibri_format.runtime.cuda.kernels.ops import ExpertTable
 
@@ -27,6 +28,25 @@ def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter:
         for name, arr in (("gate_up", gu), ("gate_up_scale", gus), ("down", dn), ("down_scale", dns)):
             off = e * layout.size + layout.array(name).offset
             raw = arr.reshape(-1).view(np.uint8)
+            blobs[off:off + raw.size] = raw
+    return layout, numpy_experts(blobs, layout), blobs
+
+
+def packed_experts(rng: np.random.Generator, fmt, group: int, num_experts: int, hidden: int, inter: int):
+    """4-bit blobs (int4_group, mxfp4): (layout, experts(e) -> float64 (gate_up, down), host blobs uint8 [E * size]);
+    random codes, scales about what a quantizer gives for N(0, 1/H) weights."""
+    layout = S.blob_layout(hidden, inter, fmt, group)
+    blobs = np.zeros(num_experts * layout.size, np.uint8)
+    for e in range(num_experts):
+        for a in layout.arrays:
+            n = a.shape[0] * a.shape[1]
+            if a.dtype in (S.DType.I4X2, S.DType.FP4X2):
+                raw = rng.integers(0, 256, n, dtype=np.uint8)
+            elif a.dtype == S.DType.E8M0:
+                raw = rng.integers(118, 124, n, dtype=np.uint8)                    # 2^-9 .. 2^-4
+            else:
+                raw = (rng.uniform(0.5, 1.5, n) * 3.0 / (7.0 * np.sqrt(hidden))).astype(np.float16).view(np.uint8)
+            off = e * layout.size + a.offset
             blobs[off:off + raw.size] = raw
     return layout, numpy_experts(blobs, layout), blobs
 

@@ -20,6 +20,7 @@ from colibri_format.runtime.cuda.bench import numpy_experts
 from colibri_format.runtime.cuda.kernels import ops
 from colibri_format.synthetic import synthetic_model, write_synthetic
 from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.cuda.synthetic_experts import packed_experts
 from tests.runtime.hf_tiny import build_hf
 
 F32_TOL = 2e-5     # fp32 accumulation vs float64 on the same weights
@@ -53,22 +54,8 @@ def f64(a) -> np.ndarray:
 
 
 def packed_blobs(rng, fmt, group: int, E: int, H: int, I: int):
-    """(layout, experts(e) -> float64 (gate_up, down), host blobs uint8 [E * size]): random codes, scales about
-    what a quantizer gives for N(0, 1/H) weights."""
-    layout = S.blob_layout(H, I, fmt, group)
-    blobs = np.zeros(E * layout.size, np.uint8)
-    for e in range(E):
-        for a in layout.arrays:
-            n = a.shape[0] * a.shape[1]
-            if a.dtype in (S.DType.I4X2, S.DType.FP4X2):
-                raw = rng.integers(0, 256, n, dtype=np.uint8)
-            elif a.dtype == S.DType.E8M0:
-                raw = rng.integers(118, 124, n, dtype=np.uint8)                    # 2^-9 .. 2^-4
-            else:
-                raw = (rng.uniform(0.5, 1.5, n) * 3.0 / (7.0 * np.sqrt(H))).astype(np.float16).view(np.uint8)
-            off = e * layout.size + a.offset
-            blobs[off:off + raw.size] = raw
-    return layout, numpy_experts(blobs, layout), blobs
+    """(layout, experts(e) -> float64 (gate_up, down), host blobs uint8 [E * size]) (synthetic_experts)."""
+    return packed_experts(rng, fmt, group, E, H, I)
 
 
 def upload(cp, blobs, E: int, layout):

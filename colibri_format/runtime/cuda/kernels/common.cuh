@@ -92,6 +92,25 @@ __device__ __forceinline__ void i8x16_to_f32(const int4& v, float* out) {
     i8x4_to_f32((unsigned int)v.w, out + 12);
 }
 
+// ---- tensor cores (sm_80+): bf16 pairs, low half first -----------------------------------------------------------
+__device__ __forceinline__ unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
+    unsigned int d;
+    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// c += A B over one m16n8k16 tile, bf16 in, fp32 accumulate; the fragments are the PTX ISA's: lane 4g + t holds A
+// rows g (a0, a2) and g + 8 (a1, a3) at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B column g at k 2t, 2t + 1
+// (b0) and 2t + 8, 2t + 9 (b1), and C rows g (c[0], c[1]) and g + 8 (c[2], c[3]) at columns 2t, 2t + 1.
+__device__ __forceinline__ void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                          unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- warp reductions ------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

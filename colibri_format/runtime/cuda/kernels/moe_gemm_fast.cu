@@ -117,12 +117,6 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const u16* __re
 }
 
 // ---- fragments and MMAs -----------------------------------------------------------------------------------------
-__device__ __forceinline__ unsigned int bf16x2_sub(unsigned int a, unsigned int b) {
-    unsigned int d;
-    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
 // Two signed bytes at bits 0-7 and 16-23 -> their bf16 pair, exactly, in 3 instructions: with r = b & 0x7f, bf16
 // bits 0x4300 | r are 128 + r, and b = (128 + r) - (b < 0 ? 256 : 128), an integer of |b| <= 128 that bf16 holds.
 __device__ __forceinline__ unsigned int i8x2_to_bf16x2(unsigned int spread) {
@@ -135,15 +129,6 @@ __device__ __forceinline__ unsigned int i8x2_to_bf16x2(unsigned int spread) {
 __device__ __forceinline__ void i8x4_to_bf16x2(unsigned int w, unsigned int& b01, unsigned int& b23) {
     b01 = i8x2_to_bf16x2(__byte_perm(w, 0u, 0x4140));   // bytes 0, 1 -> bits 0-7, 16-23
     b23 = i8x2_to_bf16x2(__byte_perm(w, 0u, 0x4342));   // bytes 2, 3
-}
-
-__device__ __forceinline__ void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
-                                          unsigned int a3, unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // The shared B row of n8 tile nt of a warp. down: the warp's 32 consecutive rows. gate_up: the warp's 16 outputs,

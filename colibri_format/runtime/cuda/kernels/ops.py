@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from colibri_format.runtime.cuda import limits
-from colibri_format.runtime.cuda.limits import EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC
+from colibri_format.runtime.cuda.limits import EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
     DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS,
@@ -1324,10 +1324,8 @@ def _tokens4(tokc: int | None, T: int, k: int, num_experts: int) -> int:
     return tokc
 
 
-def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
-                     out=None):
-    """Decode GEMV over 4-bit experts: act [P, I] f32 in sorted (dispatch) order from x [T, H] f32 (`moe_gate_up`'s
-    contract; fills `table.fill_ptrs` slots as it reads)."""
+def _check_gate_up4(x, table: PackedExpertTable, disp: Dispatch, k: int, tokens_per_pass_: int | None, out):
+    """(tokens per pass, act) of a 4-bit gate_up launch, after checking its inputs."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     T = disp.num_pairs // k
@@ -1335,7 +1333,29 @@ def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tok
         raise ValueError("dispatch pairs are not T * k")
     _check_moe_inputs(x, table, disp, H, T)
     tokc = _tokens4(tokens_per_pass_, T, k, table.num_experts)
-    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    return tokc, _out("out", out, (disp.num_pairs, I), cp.float32)
+
+
+def _check_down4(act, table: PackedExpertTable, disp: Dispatch, weights, tokens_per_pass_: int | None, out):
+    """(tokens per pass, ypair) of a 4-bit down launch, after checking its inputs."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    _check_moe_inputs(act, table, disp, I, P)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    k = weights.shape[-1] if weights.ndim == 2 else 1
+    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
+    return tokc, _out("out", out, (P, H), cp.float32)
+
+
+def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
+                     out=None):
+    """Decode GEMV over 4-bit experts: act [P, I] f32 in sorted (dispatch) order from x [T, H] f32 (`moe_gate_up`'s
+    contract; fills `table.fill_ptrs` slots as it reads)."""
+    H, I = table.hidden_size, table.intermediate_size
+    tokc, act = _check_gate_up4(x, table, disp, k, tokens_per_pass_, out)
     fn, grid = _gemv4_launch(f"moe4_gate_up_{table.tag}_t{tokc}")
     fn(grid, (GEMV4_THREADS,),
        (x, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
@@ -1347,22 +1367,83 @@ def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tok
 def moe_down_4bit(act, table: PackedExpertTable, disp: Dispatch, weights, *, tokens_per_pass_: int | None = None,
                   out=None):
     """Decode GEMV over 4-bit experts: ypair [P, H] f32 (pair order) = routing weight * (down @ act)."""
-    cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
-    P = disp.num_pairs
-    _check_moe_inputs(act, table, disp, I, P)
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
-    k = weights.shape[-1] if weights.ndim == 2 else 1
-    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
-    y = _out("out", out, (P, H), cp.float32)
+    tokc, y = _check_down4(act, table, disp, weights, tokens_per_pass_, out)
     fn, grid = _gemv4_launch(f"moe4_down_{table.tag}_t{tokc}")
     fn(grid, (GEMV4_THREADS,),
        (act, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
         disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I),
         np.int32(table.group_size)))
     return y
+
+
+# ---- 4-bit experts on the tensor cores (moe_gemv4_tc.cu): int4_group decode passes ---------------------------------
+TC4_FORMATS = (ExpertFormat.INT4_GROUP,)   # what moe_gemv4_tc.cu decodes
+
+
+def _check_tc4_table(table: PackedExpertTable) -> None:
+    if table.expert_format not in TC4_FORMATS:
+        raise ValueError(f"the tensor-core 4-bit GEMVs take {[f.name for f in TC4_FORMATS]}, not {table.tag}")
+
+
+def stage_activations_tc4(a, *, out=None):
+    """a [rows, ncols] f32 -> [rows, 2, ncols // 2] uint32: bf16 hi and lo pairs in moe_gemv4_tc.cu's word order
+    (the B operand of its MMAs; written once per launch, read by every block)."""
+    cp = _cupy()
+    _check("input", a, dtype=np.float32, ndim=2)
+    rows, ncols = a.shape
+    if ncols % 8:
+        raise ValueError(f"{ncols} columns: the staging permutes words of 8")
+    staged = _out("staged", out, (rows, 2, ncols // 2), cp.uint32)
+    if a.size:
+        kernel("moe_gemv4_tc", "moe4tc_stage")((_grid_stride_blocks(a.size, TC4_THREADS),), (TC4_THREADS,),
+                                              (a, staged, np.int32(rows), np.int32(ncols)))
+    return staged
+
+
+def _tc4_launch(name: str):
+    """(kernel, grid): the blocks the machine holds at once (a grid-stride loop over block items)."""
+    fn = kernel("moe_gemv4_tc", name)
+    return fn, (_sm_count() * resident_blocks(fn, TC4_THREADS),)
+
+
+def moe_gate_up_4bit_tc(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
+                        staged=None, out=None):
+    """`moe_gate_up_4bit` on the tensor cores (int4_group): the same act [P, I], fills included. staged: the
+    [T, 2, H // 2] uint32 buffer `stage_activations_tc4` writes x into (preallocated for graph capture)."""
+    H, I = table.hidden_size, table.intermediate_size
+    tokc, act = _check_gate_up4(x, table, disp, k, tokens_per_pass_, out)
+    _check_tc4_table(table)
+    staged = stage_activations_tc4(x, out=staged)
+    fn, grid = _tc4_launch(f"moe4tc_gate_up_{table.tag}_t{tokc}")
+    fn(grid, (TC4_THREADS,),
+       (staged, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up),
+        np.int64(table.off_gate_up_scale), disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H),
+        np.int32(I), np.int32(k), np.int32(table.group_size)))
+    return act
+
+
+def moe_down_4bit_tc(act, table: PackedExpertTable, disp: Dispatch, weights, *, tokens_per_pass_: int | None = None,
+                     staged=None, out=None):
+    """`moe_down_4bit` on the tensor cores (int4_group): the same ypair [P, H]. staged: act's [P, 2, I // 2] uint32
+    staging buffer (see `moe_gate_up_4bit_tc`)."""
+    H, I = table.hidden_size, table.intermediate_size
+    tokc, y = _check_down4(act, table, disp, weights, tokens_per_pass_, out)
+    _check_tc4_table(table)
+    staged = stage_activations_tc4(act, out=staged)
+    fn, grid = _tc4_launch(f"moe4tc_down_{table.tag}_t{tokc}")
+    fn(grid, (TC4_THREADS,),
+       (staged, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I),
+        np.int32(table.group_size)))
+    return y
+
+
+def uses_tc4(tensor_cores: bool | None, table: PackedExpertTable) -> bool:
+    """Whether a 4-bit decode pass runs moe_gemv4_tc.cu: asked for (None: limits.GEMV4_TENSOR_CORES, read at the
+    call) and a format it decodes; otherwise moe_gemv4.cu's kernels run."""
+    wanted = limits.GEMV4_TENSOR_CORES if tensor_cores is None else tensor_cores
+    return wanted and table.expert_format in TC4_FORMATS
 
 
 class Int8Expansion:
@@ -1414,12 +1495,14 @@ def expand_to_int8(table: PackedExpertTable, disp: Dispatch, expansion: Int8Expa
 
 def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None, alpha: float = 1.0,
                      gemm: bool | None = None, disp: Dispatch | None = None, act=None, ypair=None,
-                     expansions: dict | None = None, out=None):
+                     expansions: dict | None = None, tensor_cores: bool | None = None, staged=(None, None),
+                     out=None):
     """`moe_experts` over 4-bit experts: the moe_gemv4.cu GEMVs, or (gemm_path: prefill) the routed experts
     expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
 
     expansions: a dict that keeps the Int8Expansion workspace between calls (the backend's workspace); None: a
-    fresh one per GEMM call."""
+    fresh one per GEMM call. tensor_cores: decode passes on moe_gemv4_tc.cu where `uses_tc4` says so (None:
+    limits.GEMV4_TENSOR_CORES); staged: its (x, act) staging buffers, preallocated for graph capture."""
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
@@ -1427,6 +1510,9 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
         int8 = expand_to_int8(table, disp, _expansion(table, expansions))
         act = moe_gemm_gate_up(x, int8, disp, k, tensor_cores=False, out=act)
         ypair = moe_gemm_down(act, int8, disp, weights, tensor_cores=False, out=ypair)
+    elif uses_tc4(tensor_cores, table):
+        act = moe_gate_up_4bit_tc(x, table, disp, k, staged=staged[0], out=act)
+        ypair = moe_down_4bit_tc(act, table, disp, weights, staged=staged[1], out=ypair)
     else:
         act = moe_gate_up_4bit(x, table, disp, k, out=act)
         ypair = moe_down_4bit(act, table, disp, weights, out=ypair)
