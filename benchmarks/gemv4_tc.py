@@ -116,7 +116,8 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
 
 def table_md(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"device copy: {copy_gbps:.0f} GB/s (read + written)", "",
-             "| shape | T | stage | SIMT µs | TC µs | SIMT GB/s | TC GB/s | TC / SIMT speed |", "|---|---|---|---|---|---|---|---|"]
+             "| shape | T | stage | SIMT µs | TC µs | SIMT GB/s | TC GB/s | TC / SIMT speed |",
+             "|---|---|---|---|---|---|---|---|"]
     by = {(r["shape"], r["T"], r["stage"], r["variant"]): r for r in rows}
     for (shape, T, stage, variant), r in by.items():
         if variant != "simt":

@@ -49,7 +49,8 @@ extern "C" __global__ void __launch_bounds__(TC4_THREADS)
     moe4tc_stage(const float* __restrict__ in, unsigned int* __restrict__ staged, int rows, int ncols) {
     const int half = ncols >> 1;
     const long long n = (long long)rows * ncols;   // pairs: ncols / 2 per part, two parts a row
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
         const long long r = i / ncols;
         const int q = (int)(i - r * ncols);
         const bool lo = q >= half;
