@@ -13,6 +13,8 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
    switched on the open engine, which reads them per call; "tc + split-attn" is the engine before they became
    the defaults) `bench.prefill_bench`: the median of 3 `infer` calls
    of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
+   With --timeline, the defaults' prefill of each length is also profiled once more (CUPTI through PyTorch's
+   profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass.
 3. decode: `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with `small_moe` off, then on.
 The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
 """
@@ -41,6 +43,7 @@ HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwe
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)
 HEAD_DIM = 128
 MAX_POSITIONS = 8192
+TIMELINE_ROWS = 15     # kernels printed per prefill timeline (all are in the JSON)
 
 
 def log(msg: str) -> None:
@@ -114,7 +117,7 @@ def hf_prefill(name: str, model: dict, tokens: list[int], device: str) -> dict:
     return out
 
 
-def colibri_prefill(path: Path, tokens: list[int], device: str) -> dict:
+def colibri_prefill(path: Path, tokens: list[int], device: str, timeline: bool) -> dict:
     from colibri_format.runtime import Engine, EngineConfig
     from colibri_format.runtime.cuda.bench import prefill_bench
 
@@ -127,7 +130,23 @@ def colibri_prefill(path: Path, tokens: list[int], device: str) -> dict:
             for n in tokens:
                 out[name][str(n)] = prefill_bench(eng, n, np.random.default_rng(n))["ms"]
                 log(f"colibri {name} prefill {n}: {out[name][str(n)]:.1f} ms")
+        if timeline and device == "cuda":
+            out["timelines"] = {str(n): prefill_timeline(eng, n) for n in tokens}
     return out
+
+
+def prefill_timeline(eng, n: int) -> dict | None:
+    """The device timeline of one `n`-token prefill with the engine's last variant (the defaults), printed."""
+    from colibri_format.runtime.cuda.bench import timeline_profile
+
+    prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
+    t = timeline_profile(eng, lambda: eng.infer([prompt]), steps=2)
+    if t is not None:
+        log(f"prefill {n} timeline (CUPTI): span {t['span_us'] / 1e3:.1f} ms = busy {t['busy_us'] / 1e3:.1f} + idle "
+            f"{t['idle_us'] / 1e3:.1f}; {t['kernels_per_step']:.0f} kernels and copies")
+        for name, k in sorted(t["kinds"].items(), key=lambda kv: -kv[1]["us"])[:TIMELINE_ROWS]:
+            log(f"  {name[:60]:<60}{k['calls']:>6.0f}{k['us'] / 1e3:>9.2f} ms{k['us'] / t['span_us']:>7.1%}")
+    return t
 
 
 def colibri_decode(path: Path, device: str) -> dict:
@@ -155,7 +174,7 @@ def table(rows: dict, tokens: list[int]) -> str:
         hf = r.get("transformers")
         if hf:
             lines.append(f"{'transformers bf16':<18}" + "".join(f"{hf[str(n)]:>10.1f}" for n in tokens))
-        for name, ms in r["colibri"].items():
+        for name, ms in ((k, v) for k, v in r["colibri"].items() if k != "timelines"):
             ratios = "".join(f"{hf[str(n)] / ms[str(n)]:>12.2f}" if hf else f"{'-':>12}" for n in tokens)
             lines.append(f"{name:<18}" + "".join(f"{ms[str(n)]:>10.1f}" for n in tokens) + ratios)
         for name, tps in r["decode"].items():
@@ -171,6 +190,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="toy widths (a check of the script)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ap.add_argument("--timeline", action="store_true", help="also a CUPTI timeline of the defaults' prefills")
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -185,7 +205,7 @@ def main() -> int:
         path = Path(args.dir) / f"prefill_{shape}.colibri"
         try:
             r["file"] = write_timed(path, model, log)
-            r["colibri"] = colibri_prefill(path, tokens, args.device)
+            r["colibri"] = colibri_prefill(path, tokens, args.device, args.timeline)
             r["decode"] = colibri_decode(path, args.device)
         finally:
             path.unlink(missing_ok=True)
