@@ -129,6 +129,26 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 # --- HF config -> metadata `model` -------------------------------------------------------------------------
 
+def greedy_walk_within(hf, engine, prompt: list[int], steps: int, tol: float) -> None:
+    """A prompt and `steps` greedy steps: transformers' `generate` (its logits and tokens) against the engine's
+    prefill then one-token decode steps; every step's logits within `tol` (relative) and the same tokens."""
+    n = len(prompt)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    ref_tokens = out.sequences[0, n:].tolist()
+    ref_logits = [t[0].double().numpy() for t in out.logits]
+    runner = engine.decode_runner(1, n + steps)
+    logits = engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0]
+    tokens = []
+    for step in range(steps):
+        assert rel_err(logits, ref_logits[step]) < tol, step
+        tokens.append(int(logits.argmax()))
+        if step < steps - 1:
+            logits = engine.be.to_host(runner.step(np.array([tokens[-1]]), np.array([n + step])))[0]
+    assert tokens == ref_tokens
+
+
 def _rope(cfg) -> dict:
     params = dict(cfg.rope_parameters)
     out = {"type": params.pop("rope_type", "default"), "theta": params.pop("rope_theta")}

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.engine import Engine
 from tests.hf_hybrid import CONFIGS, build, convert_file
-from tests.runtime.hf_tiny import hf_logits, prompts, rel_err
+from tests.runtime.hf_tiny import greedy_walk_within, hf_logits, prompts, rel_err
 
 TOL = 1e-4
 
@@ -25,22 +24,8 @@ def pair(request, tmp_path_factory):
 
 
 def test_prompt_and_16_greedy_steps_match_transformers(pair):
-    hf, engine = pair
-    prompt = prompts(engine.vocab_size, [40], seed=3)[0]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    ref_tokens = out.sequences[0, 40:].tolist()
-    ref_logits = [t[0].double().numpy() for t in out.logits]
-    runner = engine.decode_runner(1, 56)
-    logits = engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0]
-    tokens = []
-    for step in range(16):
-        assert rel_err(logits, ref_logits[step]) < TOL, step
-        tokens.append(int(logits.argmax()))
-        if step < 15:
-            logits = engine.be.to_host(runner.step(np.array([tokens[-1]]), np.array([40 + step])))[0]
-    assert tokens == ref_tokens
+    hf, engine = pair      # the prompt takes the chunked form of the delta rule, the steps the recurrent one
+    greedy_walk_within(hf, engine, prompts(engine.vocab_size, [40], seed=3)[0], 16, TOL)
 
 
 def test_ragged_batch_prefill_and_batched_decoding(pair):

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from colibri_format.errors import UnsupportedModel
 from colibri_format.runtime.engine import Engine, EngineConfig
 from colibri_format.runtime.numpy_backend import mla_attention
 from tests.hf_mla import CONFIGS, build, convert_file
-from tests.runtime.hf_tiny import hf_logits, prompts, rel_err
+from tests.runtime.hf_tiny import greedy_walk_within, hf_logits, prompts, rel_err
 from tests.runtime.tiny_weights import decoder_pass, kv_buffers
 
 TOL = 1e-4
@@ -29,22 +28,8 @@ def pair(request, tmp_path_factory):
 
 
 def test_prompt_and_8_greedy_steps_match_transformers(pair):
-    hf, engine = pair
-    prompt = prompts(engine.vocab_size, [24], seed=3)[0]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    ref_tokens = out.sequences[0, 24:].tolist()
-    ref_logits = [t[0].double().numpy() for t in out.logits]
-    runner = engine.decode_runner(1, 32)
-    logits = engine.be.to_host(engine.prefill_into(runner, [np.array(prompt)]))[0]     # expanded form
-    tokens = []
-    for step in range(8):
-        assert rel_err(logits, ref_logits[step]) < TOL, step
-        tokens.append(int(logits.argmax()))
-        if step < 7:                                                                     # absorbed form
-            logits = engine.be.to_host(runner.step(np.array([tokens[-1]]), np.array([24 + step])))[0]
-    assert tokens == ref_tokens
+    hf, engine = pair      # the prompt takes the expanded attention form, the one-token steps the absorbed one
+    greedy_walk_within(hf, engine, prompts(engine.vocab_size, [24], seed=3)[0], 8, TOL)
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
