@@ -1,10 +1,13 @@
 """GPU tests: every `test_gpu_*.py` module is marked `gpu` and skipped, with a visible reason, when CuPy or a
-CUDA device is missing (CI machines have none). Run them all on a GPU machine with `pytest -m gpu`."""
+CUDA device is missing (CI machines have none). Run them all on a GPU machine with `pytest -m gpu`. The fixtures
+the GPU test modules share: `cp` (the CuPy module) and `rng` (fresh inputs every run, reproducible from the
+printed seed when a test fails)."""
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 SKIP_REASON = "no CUDA GPU / CuPy available"
@@ -27,3 +30,17 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu)
         if not gpu_available():
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

@@ -29,20 +29,6 @@ FORMATS = {"int4-g32": (S.ExpertFormat.INT4_GROUP, 32), "int4-g64": (S.ExpertFor
            "int4-g128": (S.ExpertFormat.INT4_GROUP, 128), "mxfp4": (S.ExpertFormat.MXFP4, 32)}
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def rel(out, expected) -> float:
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     assert out.shape == expected.shape and np.isfinite(out).all(), "unwritten or non-finite output"

@@ -31,20 +31,6 @@ SPANS = {0: (1, 0), 1: (17, 0), 2: (64, 0), 3: (65, 40), 4: (300, 700), 5: (1000
 ORDER = [3, 0, 5, 1, 4, 2]
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def packed_pass(spans, order):
     """q_seq, q_len (causal: position + 1) of a pass packing each sequence's new rows in `order`."""
     seq, lens = [], []

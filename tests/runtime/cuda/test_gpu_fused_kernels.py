@@ -17,20 +17,6 @@ F32_TOL = 2e-5
 BF16_TOL = 1e-2
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def rel(out, expected) -> float:
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     assert out.shape == expected.shape, (out.shape, expected.shape)

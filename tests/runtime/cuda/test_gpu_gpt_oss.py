@@ -36,20 +36,6 @@ EXTRAS = {  # id -> (act, gate_up bias, down bias); the gate/up products here ha
 }
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)    # fresh inputs, reproducible from the printed seed
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def rel(out, expected) -> float:
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     assert out.shape == expected.shape and np.isfinite(out).all(), "wrong shape or an unwritten element"

@@ -22,21 +22,6 @@ F32_TOL = 2e-5    # fp32 accumulation vs float64
 BF16_TOL = 1e-2   # one bf16 rounding of the output
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng(request):
-    # fresh inputs every run, but reproducible from the printed seed when a test fails
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def rel(out, expected) -> float:
     out = np.asarray(out, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)

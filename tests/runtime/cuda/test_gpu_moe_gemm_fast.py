@@ -24,20 +24,6 @@ pytestmark = pytest.mark.gpu
 TOL = {"split": 1e-4, "bf16": 1e-2}   # hi + lo keeps ~16 bits of each activation; bf16 rounds it to 8
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")   # reproducible when a test fails
-    return np.random.default_rng(seed)
-
-
 def rel(out, expected) -> float:
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     assert out.shape == expected.shape, (out.shape, expected.shape)

@@ -17,20 +17,6 @@ from tests.runtime.cuda.test_gpu_kernels import F32_TOL, _moe, f64, nan_like, re
 PLANS = [(g, d) for g in range(len(limits.SMALL_GATE_UP_PLANS)) for d in range(len(limits.SMALL_DOWN_PLANS))]
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _case(cp, rng, T, E, k, H, I, group, shared=False):
     """Device experts and a step's inputs; shared: expert ids[0, 0] in every token (one expert read by several)."""
     layout, experts, blobs = host_experts(rng, E, H, I, group)

@@ -15,13 +15,6 @@ from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda.synthetic_experts import host_experts, upload
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
 @pytest.mark.parametrize("P,E", [(1, 8), (8, 128), (256, 128), (5000, 64)])
 def test_count_routes_matches_numpy(cp, P, E):
     rng = np.random.default_rng(P)

@@ -22,20 +22,6 @@ from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda.test_gpu_kernels import F32_TOL, f64, nan_like, rel, to_device_dtype
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _route(cp, x, w, k, ws, **how):
     """ops.router twice on the same workspace (the tickets must be back at zero), outputs poisoned first."""
     T = x.shape[0]
