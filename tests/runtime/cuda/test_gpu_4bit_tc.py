@@ -15,8 +15,8 @@ from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
-from tests.runtime.cuda.test_gpu_4bit import (  # noqa: F401 -- cp, rng: fixtures
-    CASES, ENGINE_TOL, LONG, PROMPTS, _int4_file, _rel_logits, cp, f64, packed_blobs, rel, rng, routes, upload)
+from tests.runtime.cuda.test_gpu_4bit import (
+    CASES, ENGINE_TOL, LONG, PROMPTS, _int4_file, _rel_logits, f64, packed_blobs, rel, routes, upload)
 
 TC_TOL = 5e-5   # bf16 hi + lo activations, fp32 accumulation (the emulated kernels measure ~4e-6)
 GROUPS = (32, 64, 128)
