@@ -898,7 +898,8 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
     """`attention`'s contract (numpy_backend.attention) on the tensor cores: flash attention over the host-planned
     tiles of `prefill_attention_plan` (computed here from q_seq and q_len, a device-to-host copy, unless `plan`,
     a device int32 array of it from `prefill_attention_plan_on_device`, is passed). Tensor cores with fp32
-    operands split into bf16 hi + lo (about 16 significant bits), fp32 accumulation and softmax. Caches f32 or bf16, head_dim 64, 128 or 256."""
+    operands split into bf16 hi + lo (about 16 significant bits), fp32 accumulation and softmax. Caches f32 or
+    bf16, head_dim 64, 128 or 256."""
     cp = _cupy()
     _check("q", q, dtype=np.float32, ndim=3)
     NQ, nh, hd = q.shape
