@@ -798,6 +798,26 @@ def use_flash_prefill(q, k_cache) -> bool:
             and dtype_code(k_cache) in ("f32", "bf16"))
 
 
+def _check_attention(q, k_cache, v_cache, q_seq, q_len, sinks, cache_codes: tuple[str, ...],
+                     head_dims: tuple[int, ...], who: str) -> tuple[int, int, int, int]:
+    """The inputs every attention kernel takes (q f32 [NQ, nh, hd], caches [S, cap, nkv, hd] of `cache_codes`,
+    int32 q_seq / q_len [NQ], sinks f32 [nh] or None) checked; (NQ, nh, hd, nkv)."""
+    _check("q", q, dtype=np.float32, ndim=3)
+    NQ, nh, hd = q.shape
+    _check("k_cache", k_cache, ndim=4, codes=cache_codes)
+    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
+    nkv = k_cache.shape[2]
+    if k_cache.shape[3] != hd or nh % nkv:
+        raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
+    if hd not in head_dims:
+        raise ValueError(f"head_dim {hd} not supported by {who} {head_dims}")
+    _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
+    _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
+    if sinks is not None:
+        _check("sinks", sinks, dtype=np.float32, shape=(nh,))
+    return NQ, nh, hd, nkv
+
+
 def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None, out=None,
               nsplit: int | None = None, max_len: int | None = None, workspace: AttentionWorkspace | None = None,
               flash_prefill: bool = False):
@@ -814,19 +834,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     if flash_prefill and use_flash_prefill(q, k_cache):
         return attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out)
     cp = _cupy()
-    _check("q", q, dtype=np.float32, ndim=3)
-    NQ, nh, hd = q.shape
-    _check("k_cache", k_cache, ndim=4, codes=("f32", "f16", "bf16"))
-    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
-    nkv = k_cache.shape[2]
-    if k_cache.shape[3] != hd or nh % nkv:
-        raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
-    if hd not in ATTENTION_HEAD_DIMS:
-        raise ValueError(f"head_dim {hd} not supported {ATTENTION_HEAD_DIMS}")
-    _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
-    _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
-    if sinks is not None:
-        _check("sinks", sinks, dtype=np.float32, shape=(nh,))
+    NQ, nh, hd, nkv = _check_attention(q, k_cache, v_cache, q_seq, q_len, sinks, ("f32", "f16", "bf16"),
+                                       ATTENTION_HEAD_DIMS, "attention")
     o = _out("out", out, q.shape, cp.float32)
     if NQ == 0:
         return o
@@ -901,19 +910,9 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
     operands split into bf16 hi + lo (about 16 significant bits), fp32 accumulation and softmax. Caches f32 or
     bf16, head_dim 64, 128 or 256."""
     cp = _cupy()
-    _check("q", q, dtype=np.float32, ndim=3)
-    NQ, nh, hd = q.shape
-    _check("k_cache", k_cache, ndim=4, codes=("f32", "bf16"))
-    _check("v_cache", v_cache, dtype=k_cache.dtype, shape=k_cache.shape)
-    nkv, cap = k_cache.shape[2], k_cache.shape[1]
-    if k_cache.shape[3] != hd or nh % nkv:
-        raise ValueError(f"cache {tuple(k_cache.shape)} incompatible with q {tuple(q.shape)}")
-    if hd not in limits.FA_HEAD_DIMS:
-        raise ValueError(f"head_dim {hd} not supported by attention_prefill {limits.FA_HEAD_DIMS}")
-    _check("q_seq", q_seq, dtype=np.int32, shape=(NQ,))
-    _check("q_len", q_len, dtype=np.int32, shape=(NQ,))
-    if sinks is not None:
-        _check("sinks", sinks, dtype=np.float32, shape=(nh,))
+    NQ, nh, hd, nkv = _check_attention(q, k_cache, v_cache, q_seq, q_len, sinks, ("f32", "bf16"),
+                                       limits.FA_HEAD_DIMS, "attention_prefill")
+    cap = k_cache.shape[1]
     o = _out("out", out, q.shape, cp.float32)
     if NQ == 0:
         return o
