@@ -193,11 +193,20 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true", help="also a CUPTI timeline of the defaults' prefills")
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
     args = ap.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = args.shapes.split(",")
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens takes a comma list of whole numbers, got {args.tokens!r}")
+    if min(tokens) < 1:
+        ap.error(f"--tokens must be positive, got {args.tokens!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict = {}
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         model = model_of(TINY if args.tiny else SHAPES[shape])
         r: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         if not args.no_peer:
