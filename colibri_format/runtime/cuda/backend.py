@@ -258,7 +258,7 @@ class CupyBackend:
     def _tc4_staging(self, T: int, k: int, table, ws) -> tuple:
         """The tensor-core 4-bit GEMVs' staged (x, act) buffers (workspace), for the decode passes they run."""
         ops, H, I = self.ops, table.hidden_size, table.intermediate_size
-        if not ops.uses_tc4(None, table) or ops.gemm_path(T, k, table.num_experts):
+        if not ops.uses_tc4(None, table, T) or ops.gemm_path(T, k, table.num_experts):
             return None, None
         return (ws.buf("moe4_x_staged", (T, 2, H // 2), np.uint32),
                 ws.buf("moe4_act_staged", (T * k, 2, I // 2), np.uint32))

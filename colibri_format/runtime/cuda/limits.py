@@ -109,11 +109,14 @@ GEMV4_TOKC = (1, 2, 4, 8)                   # tokens per pass
 EXPAND_THREADS = 256
 # moe_gemv4_tc.cu: the int4_group decode GEMVs on the tensor cores (kernels moe4tc_{gate_up,down}_int4_t<TOKC>, the
 # same GEMV4_TOKC): blocks of TC4_THREADS share an item and split its k-blocks, TC4_KSTEP k-blocks (of 128 columns)
-# loaded by a warp before they are used. GEMV4_TENSOR_CORES: whether ops.moe_experts_4bit runs them for int4_group
-# decode passes by default (off until measured on an H200: benchmarks/gemv4_tc.py)
+# loaded by a warp before they are used. ops.moe_experts_4bit runs them by default for int4_group decode passes of at
+# least TC4_MIN_TOKENS tokens on experts of at least TC4_MIN_INTERMEDIATE rows: the crossover benchmarks/gemv4_tc.py
+# measured on an H200 (2026-12-02): Mixtral's 14336-row experts at 8 tokens 1.41-1.72x the SIMT kernels, every
+# smaller case (Qwen3 768, gpt-oss 2880 rows; 1-4 tokens) 0.48-0.90x
 TC4_THREADS = 128
 TC4_KSTEP = 2
-GEMV4_TENSOR_CORES = False
+TC4_MIN_TOKENS = 8
+TC4_MIN_INTERMEDIATE = 8192
 # deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128

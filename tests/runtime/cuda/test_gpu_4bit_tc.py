@@ -1,7 +1,8 @@
 """The tensor-core int4_group decode GEMVs (moe_gemv4_tc.cu) on the GPU: against `numpy_backend` in float64 and
 against moe_gemv4.cu's SIMT kernels on the same blobs (every tokens-per-pass variant, groups 32/64/128), their fill
-on read, the checks of their wrappers, and the CUDA engine with the switch (limits.GEMV4_TENSOR_CORES) on: the NumPy
-engine's greedy tokens on a tiny int4 Mixtral, eager and in graphs. CPU twin: test_moe_gemv4_tc_emulated.py.
+on read, the checks of their wrappers, and the CUDA engine with the crossover (limits.TC4_MIN_*) lowered to every
+pass: the NumPy engine's greedy tokens on a tiny int4 Mixtral, eager and in graphs.
+CPU twin: test_moe_gemv4_tc_emulated.py.
 """
 
 from __future__ import annotations
@@ -108,13 +109,15 @@ def test_tc_wrappers_reject_bad_inputs(cp, rng):
     mx_buf, mx_table = upload(cp, mx_blobs, 4, mx_layout)
     with pytest.raises(ValueError, match="tensor-core"):
         ops.moe_gate_up_4bit_tc(x, mx_table, d, 2)
-    assert not ops.uses_tc4(True, mx_table) and ops.uses_tc4(True, table) and not ops.uses_tc4(False, table)
+    assert not ops.uses_tc4(True, mx_table, 2) and ops.uses_tc4(True, table, 2) and not ops.uses_tc4(False, table, 8)
+    assert not ops.uses_tc4(None, table, 8)       # small experts: under the crossover, the SIMT kernels run
 
 
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_engine_with_tensor_core_gemvs_gives_the_numpy_engines_tokens(tmp_path, monkeypatch, group, graphs):
-    monkeypatch.setattr(limits, "GEMV4_TENSOR_CORES", True)
+    monkeypatch.setattr(limits, "TC4_MIN_TOKENS", 1)
+    monkeypatch.setattr(limits, "TC4_MIN_INTERMEDIATE", 1)
     path = _int4_file(tmp_path, group)
     cfg = EngineConfig(device="cuda", max_seq_len=128, use_graphs=graphs)
     with Engine(path, cfg) as gpu, Engine(path, EngineConfig(precision="float64")) as ref, Engine(path) as cpu:

@@ -1439,11 +1439,13 @@ def moe_down_4bit_tc(act, table: PackedExpertTable, disp: Dispatch, weights, *, 
     return y
 
 
-def uses_tc4(tensor_cores: bool | None, table: PackedExpertTable) -> bool:
-    """Whether a 4-bit decode pass runs moe_gemv4_tc.cu: asked for (None: limits.GEMV4_TENSOR_CORES, read at the
-    call) and a format it decodes; otherwise moe_gemv4.cu's kernels run."""
-    wanted = limits.GEMV4_TENSOR_CORES if tensor_cores is None else tensor_cores
-    return wanted and table.expert_format in TC4_FORMATS
+def uses_tc4(tensor_cores: bool | None, table: PackedExpertTable, tokens: int) -> bool:
+    """Whether a 4-bit decode pass of `tokens` runs moe_gemv4_tc.cu: asked for (None: the measured crossover,
+    limits.TC4_MIN_TOKENS and TC4_MIN_INTERMEDIATE, read at the call) and a format it decodes; otherwise
+    moe_gemv4.cu's kernels run."""
+    if tensor_cores is None:
+        tensor_cores = tokens >= limits.TC4_MIN_TOKENS and table.intermediate_size >= limits.TC4_MIN_INTERMEDIATE
+    return tensor_cores and table.expert_format in TC4_FORMATS
 
 
 class Int8Expansion:
@@ -1501,8 +1503,8 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
     expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
 
     expansions: a dict that keeps the Int8Expansion workspace between calls (the backend's workspace); None: a
-    fresh one per GEMM call. tensor_cores: decode passes on moe_gemv4_tc.cu where `uses_tc4` says so (None:
-    limits.GEMV4_TENSOR_CORES); staged: its (x, act) staging buffers, preallocated for graph capture."""
+    fresh one per GEMM call. tensor_cores: decode passes on moe_gemv4_tc.cu where `uses_tc4` says so (None: the
+    measured crossover); staged: its (x, act) staging buffers, preallocated for graph capture."""
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
@@ -1510,7 +1512,7 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
         int8 = expand_to_int8(table, disp, _expansion(table, expansions))
         act = moe_gemm_gate_up(x, int8, disp, k, tensor_cores=False, out=act)
         ypair = moe_gemm_down(act, int8, disp, weights, tensor_cores=False, out=ypair)
-    elif uses_tc4(tensor_cores, table):
+    elif uses_tc4(tensor_cores, table, T):
         act = moe_gate_up_4bit_tc(x, table, disp, k, staged=staged[0], out=act)
         ypair = moe_down_4bit_tc(act, table, disp, weights, staged=staged[1], out=ypair)
     else:
