@@ -44,6 +44,16 @@ def log(*a):
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
+def rebuild_module(name: str, **defines: int) -> None:
+    """Kernel module `name` compiled anew at its next use with these -D constants changed (this process only)."""
+    from colibri_format.runtime.cuda import limits  # noqa: PLC0415
+
+    limits.KERNEL_DEFINES[name].update(defines)
+    for cache in (ops._MODULES, ops._FUNCTIONS):
+        for key in [key for key in cache if key[0] == name]:
+            del cache[key]
+
+
 def time_graph(cp, fn_list, reps: int = 25, per_graph: int | None = None) -> float:
     """Median µs per call of fn_list[i] (called round-robin), from CUDA-graph replays of many calls."""
     cp.cuda.Device().synchronize()  # inputs were made on the legacy stream, which a non-blocking one ignores

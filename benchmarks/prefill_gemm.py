@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_kernels import time_graph
+from benchmarks.gpu_kernels import rebuild_module, time_graph
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.bench import device_experts
 from colibri_format.runtime.cuda.kernels import ops
@@ -79,10 +79,7 @@ def timed_plain(cp, fn) -> float:
 def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
     """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
     limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
-    limits.KERNEL_DEFINES["moe_gemm_fast"].update(FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks)
-    for cache in (ops._MODULES, ops._FUNCTIONS):
-        for key in [key for key in cache if key[0] == "moe_gemm_fast"]:
-            del cache[key]
+    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks)
 
 
 def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "") -> list[dict]:
