@@ -2,7 +2,7 @@
 (issue 16), in one process.
 
     PYTHONPATH=. python benchmarks/gemv4_tc.py --out OUT_DIR [--shapes mixtral,gpt_oss,qwen3] [--tokens 1,2,4,8]
-                                                             [--group 32] [--simt-plans 2:1,2:0,1:1]
+                                                             [--group 32]
 
 Shapes (random int4_group experts, generated on the device): Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2),
 gpt-oss-20b (2880, 2880, 32, top-4), Qwen3-30B-A3B (2048, 768, 128, top-8); T tokens a step. Each kernel is
@@ -10,9 +10,7 @@ captured in a CUDA graph of many launches over rotated routings (each launch pic
 than L2, so the weights come from HBM) and timed by `gpu_kernels.time_graph` (median of replays): µs per launch and
 GB/s of the expert bytes it reads (matrices and scales of its distinct experts), beside a device-to-device copy
 measured in the same run. The tensor-core rows include their activation staging launch (moe4tc_stage). Before
-timing, each tensor-core output is checked against the SIMT kernel's (tested against float64 NumPy).
---simt-plans: the SIMT kernels again, moe_gemv4.cu rebuilt with each (GEMV4_CPL:GEMV4_PIPELINE) plan (outputs
-checked against the default plan's), in a second table. Writes
+timing, each tensor-core output is checked against the SIMT kernel's (tested against float64 NumPy). Writes
 gemv4_tc.json and gemv4_tc.md to OUT_DIR and prints the table. Needs a CUDA GPU and CuPy (exits with status 2
 without them).
 """
@@ -28,10 +26,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_kernels import copy_bandwidth, log, rebuild_module, time_graph  # noqa: E402
+from gpu_kernels import copy_bandwidth, log, time_graph  # noqa: E402
 
 from colibri_format import spec as S  # noqa: E402
-from colibri_format.runtime.cuda import limits  # noqa: E402
 from colibri_format.runtime.cuda.kernels import ops  # noqa: E402
 
 SHAPES = {  # name: (H, I, E, k)
@@ -80,10 +77,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list, expected: dict,
-                plan: tuple | None = None) -> list[dict]:
-    """Rows of the SIMT and tensor-core kernels at one shape and token count (their outputs kept in `expected`);
-    with a plan, of the SIMT kernels alone as last rebuilt, their outputs checked against `expected`."""
+def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list) -> list[dict]:
     H, I, E, k = SHAPES[name]
     buf, table, layout = device_int4_experts(cp, E, H, I, group, seed=T)
     rng = np.random.default_rng(T)
@@ -101,8 +95,6 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
         ("down", "simt"): lambda d: ops.moe_down_4bit(act, table, d, w, out=y),
         ("down", "tc"): lambda d: ops.moe_down_4bit_tc(act, table, d, w, staged=act_staged, out=y_tc),
     }
-    if plan is not None:
-        return bench_plan(cp, name, T, plan, kernels, disps, expected[name, T], (act, y), layout, ids_list, wrong)
     for stage, outs in (("gate_up", (act_tc, act)), ("down", (y_tc, y))):
         kernels[stage, "simt"](disps[0])
         kernels[stage, "tc"](disps[0])
@@ -117,36 +109,9 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
                      "variant": variant, "us": us, "expert_bytes": nbytes, "gbps": nbytes / us / 1e3,
                      "share_of_copy": nbytes / us / 1e3 / copy_gbps})
         log(f"  {name} T={T} {stage:7s} {variant:4s} {us:9.1f} µs {rows[-1]['gbps']:7.0f} GB/s")
-    expected[name, T] = act.get(), y.get()
     del buf
     cp.get_default_memory_pool().free_all_blocks()
     return rows
-
-
-def bench_plan(cp, name, T, plan, kernels, disps, expected, outs, layout, ids_list, wrong: list) -> list[dict]:
-    """The SIMT kernels as rebuilt with `plan` (cpl, pipeline): checked against the default plan's outputs, timed."""
-    rows = []
-    for stage, exp, out in zip(("gate_up", "down"), expected, outs):
-        kernels[stage, "simt"](disps[0])
-        if rel(out.get(), exp) > 1e-6:
-            wrong.append(f"{name} T={T} plan {plan[0]}:{plan[1]} {stage}: differs from the default plan")
-        us = time_graph(cp, [lambda d=d, fn=kernels[stage, "simt"]: fn(d) for d in disps], per_graph=LAUNCHES)
-        nbytes = expert_bytes(layout, ids_list, stage)
-        rows.append({"shape": name, "T": T, "stage": stage, "variant": f"simt {plan[0]}:{plan[1]}", "us": us,
-                     "expert_bytes": nbytes, "gbps": nbytes / us / 1e3})
-        log(f"  {name} T={T} {stage:7s} plan {plan[0]}:{plan[1]} {us:9.1f} µs {rows[-1]['gbps']:7.0f} GB/s")
-    return rows
-
-
-def plans_md(rows: list[dict]) -> str:
-    plan_rows = [r for r in rows if r["variant"].startswith("simt ")]
-    if not plan_rows:
-        return ""
-    lines = ["", f"SIMT plans (GEMV4_CPL:GEMV4_PIPELINE; default {limits.GEMV4_CPL}:{limits.GEMV4_PIPELINE})", "",
-             "| shape | T | stage | plan | µs | GB/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['T']} | {r['stage']} | {r['variant'][5:]} | {r['us']:.1f} | {r['gbps']:.0f} |"
-              for r in plan_rows]
-    return "\n".join(lines) + "\n"
 
 
 def table_md(rows: list[dict], copy_gbps: float) -> str:
@@ -169,14 +134,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--tokens", default="1,2,4,8", help="comma list of tokens a step")
     ap.add_argument("--group", type=int, default=32, help="int4_group scale group (32, 64 or 128)")
-    ap.add_argument("--simt-plans", default="", help="comma list of GEMV4_CPL:GEMV4_PIPELINE plans to time too")
     args = ap.parse_args()
-    try:
-        plans = [tuple(int(v) for v in p.split(":")) for p in args.simt_plans.split(",") if p]
-        if any(len(p) != 2 or p[0] < 1 or p[1] not in (0, 1) for p in plans):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--simt-plans wants CPL:PIPELINE pairs (CPL >= 1, PIPELINE 0 or 1), got {args.simt_plans!r}")
     cp = gpu_or_none()
     if cp is None:
         print("gemv4_tc.py needs a CUDA GPU and CuPy; none found", file=sys.stderr)
@@ -185,15 +143,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     copy_gbps = copy_bandwidth(cp)
     log(f"device copy {copy_gbps:.0f} GB/s")
-    rows, wrong, expected = [], [], {}
-    cases = [(name, int(t)) for name in args.shapes.split(",") for t in args.tokens.split(",")]
-    for name, T in cases:
-        rows += bench_shape(cp, name, T, args.group, copy_gbps, wrong, expected)
-    for plan in plans:          # one rebuild of moe_gemv4.cu a plan
-        rebuild_module("moe_gemv4", GEMV4_CPL=plan[0], GEMV4_PIPELINE=plan[1])
-        for name, T in cases:
-            rows += bench_shape(cp, name, T, args.group, copy_gbps, wrong, expected, plan)
-    md = table_md(rows, copy_gbps) + plans_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong)
+    rows, wrong = [], []
+    for name in args.shapes.split(","):
+        for T in (int(t) for t in args.tokens.split(",")):
+            rows += bench_shape(cp, name, T, args.group, copy_gbps, wrong)
+    md = table_md(rows, copy_gbps) + "".join(f"\nWRONG: {w}" for w in wrong)
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     (out / "gemv4_tc.json").write_text(json.dumps({"when": stamp, "copy_gbps": copy_gbps, "rows": rows,
                                                    "wrong": wrong}, indent=1))

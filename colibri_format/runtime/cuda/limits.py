@@ -106,8 +106,6 @@ MLA_ROWS = 8
 # pass's routed 4-bit experts into int8_group blobs for the grouped GEMM (prefill)
 GEMV4_THREADS = 128
 GEMV4_TOKC = (1, 2, 4, 8)                   # tokens per pass
-GEMV4_CPL = 2                               # 16-byte chunks per row a lane loads a step
-GEMV4_PIPELINE = 1                          # 1: the next step's loads issued before this step is decoded
 EXPAND_THREADS = 256
 # moe_gemv4_tc.cu: the int4_group decode GEMVs on the tensor cores (kernels moe4tc_{gate_up,down}_int4_t<TOKC>, the
 # same GEMV4_TOKC): blocks of TC4_THREADS share an item and split its k-blocks, TC4_KSTEP k-blocks (of 128 columns)
@@ -144,8 +142,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
-    "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "GEMV4_CPL": GEMV4_CPL, "GEMV4_PIPELINE": GEMV4_PIPELINE,
-                  "EXPAND_THREADS": EXPAND_THREADS},
+    "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},
     "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
                           "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},

@@ -14,19 +14,12 @@
 // The GEMVs have the contract, the work items and the fill on read of moe_gemv.cu's kernels (see there):
 //   moe4_gate_up_*: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
 //   moe4_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
-// A warp item is R rows; each lane takes 16-byte chunks of them, GEMV4_CPL chunks per row a step, and sums its
-// chunk's 32 products per token before one multiply by the chunk's group scale. fp32 accumulation throughout. With
-// GEMV4_PIPELINE the next step's loads are issued before the current step is decoded (two steps in registers).
+// A warp item is R rows; each lane takes 16-byte chunks of them, two chunks per row in flight, and sums its
+// chunk's 32 products per token before one multiply by the chunk's group scale. fp32 accumulation throughout.
 #include "common.cuh"
 
 #ifndef GEMV4_THREADS
 #error "GEMV4_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef GEMV4_CPL
-#error "GEMV4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef GEMV4_PIPELINE
-#error "GEMV4_PIPELINE undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 #ifndef EXPAND_THREADS
 #error "EXPAND_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
@@ -68,78 +61,6 @@ struct Packed<true> {  // mxfp4
     }
 };
 
-// part[q][j] += the 8 weights of word wi of each row's chunk v[q] . token j's inputs xrow[j][col .. col + 8), for
-// the nt tokens of the pass. Few tokens: each token's inputs loaded once for all rows; many (TOKC >= 4): each row's
-// weights decoded once for all tokens and the inputs of one token held at a time (holding all tokens' inputs, 8 x
-// TOKC floats, took 255 registers and spilled at TOKC 8). The same products summed in the same order either way.
-template <bool MX, int TOKC, int R>
-__device__ __forceinline__ void dot_word(const int4 (&v)[R], int wi, const float* const (&xrow)[TOKC], int col,
-                                         int nt, float (&part)[R][TOKC]) {
-    auto word = [&](int q) {
-        return (unsigned int)(wi == 0 ? v[q].x : wi == 1 ? v[q].y : wi == 2 ? v[q].z : v[q].w);
-    };
-    auto load8 = [&](int j, float* xv) {
-        const float4* p = reinterpret_cast<const float4*>(xrow[j] + col);
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
-        xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
-    };
-    if constexpr (TOKC >= 4) {
-        float wf[R][8];
-#pragma unroll
-        for (int q = 0; q < R; ++q) Packed<MX>::weights(word(q), wf[q]);
-#pragma unroll
-        for (int j = 0; j < TOKC; ++j) {
-            if (j < nt) {
-                float xv[8];
-                load8(j, xv);
-#pragma unroll
-                for (int q = 0; q < R; ++q)
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[q][u], xv[u], part[q][j]);
-            }
-        }
-    } else {
-        float xv[TOKC][8];
-#pragma unroll
-        for (int j = 0; j < TOKC; ++j)
-            if (j < nt) load8(j, xv[j]);
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-            float wf[8];
-            Packed<MX>::weights(word(q), wf);
-#pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                if (j < nt) {
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[u], xv[j][u], part[q][j]);
-                }
-            }
-        }
-    }
-}
-
-// One step's weights of a warp item: chunk (cb + 32 f + lane) of each of its R rows and that chunk's group scale,
-// for f < CPL (16-byte loads; a lane past the row's last chunk loads nothing)
-template <typename scale_t, int CPL, int R>
-__device__ __forceinline__ void load4_chunks(int4 (&raw)[CPL][R], scale_t (&sraw)[CPL][R],
-                                             const int4* __restrict__ wbase, const scale_t* __restrict__ sbase,
-                                             const int (&row)[R], int cb, int lane, int nchunk, int ngroups,
-                                             int group) {
-#pragma unroll
-    for (int f = 0; f < CPL; ++f) {
-        const int cc = cb + 32 * f + lane;
-        if (cc < nchunk) {
-            const int g = (cc << 5) / group;
-#pragma unroll
-            for (int q = 0; q < R; ++q) {
-                raw[f][q] = __ldg(wbase + (size_t)row[q] * nchunk + cc);
-                sraw[f][q] = sbase[(size_t)row[q] * ngroups + g];
-            }
-        }
-    }
-}
-
 template <bool MX, int TOKC, int R, bool GATEUP>
 __device__ __forceinline__ void moe_gemv4(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                           const unsigned long long* __restrict__ fills, long long off_w,
@@ -149,7 +70,7 @@ __device__ __forceinline__ void moe_gemv4(const float* __restrict__ in, const un
                                           float* __restrict__ out, int ncols, int nout, int k, int group) {
     typedef typename Packed<MX>::scale_t scale_t;
     constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
-    constexpr int CPL = GEMV4_CPL;            // chunks per row a lane loads before using them
+    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
     const int total = meta[0] * n_rg;
@@ -188,47 +109,67 @@ __device__ __forceinline__ void moe_gemv4(const float* __restrict__ in, const un
 #pragma unroll
                 for (int j = 0; j < TOKC; ++j) acc[q][j] = 0.0f;
 
-            int4 raw[CPL][R];
-            scale_t sraw[CPL][R];
-            if (GEMV4_PIPELINE)
-                load4_chunks<scale_t, CPL, R>(raw, sraw, wbase, sbase, row, 0, lane, nchunk, ngroups, group);
 #pragma unroll 1
             for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
-                if (!GEMV4_PIPELINE)
-                    load4_chunks<scale_t, CPL, R>(raw, sraw, wbase, sbase, row, cb, lane, nchunk, ngroups, group);
-                int4 cur[CPL][R];
-                scale_t scur[CPL][R];
+                int4 raw[CPL][R];
+                scale_t sraw[CPL][R];
 #pragma unroll
-                for (int f = 0; f < CPL; ++f)
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc < nchunk) {
+                        const int g = (cc << 5) / group;
 #pragma unroll
-                    for (int q = 0; q < R; ++q) cur[f][q] = raw[f][q], scur[f][q] = sraw[f][q];
-                // GEMV4_PIPELINE: the next step's chunks are in flight while this step's are decoded and summed
-                if (GEMV4_PIPELINE && cb + 32 * CPL < nchunk)
-                    load4_chunks<scale_t, CPL, R>(raw, sraw, wbase, sbase, row, cb + 32 * CPL, lane, nchunk, ngroups,
-                                                  group);
+                        for (int q = 0; q < R; ++q) {
+                            raw[f][q] = __ldg(wbase + (size_t)row[q] * nchunk + cc);
+                            sraw[f][q] = sbase[(size_t)row[q] * ngroups + g];
+                        }
+                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
+#pragma unroll
+                            for (int q = 0; q < R; ++q) {
+                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[q] * nchunk + cc] = raw[f][q];
+                                reinterpret_cast<scale_t*>(fill + off_s)[(size_t)row[q] * ngroups + g] = sraw[f][q];
+                            }
+                        }
+                    }
+                }
 #pragma unroll
                 for (int f = 0; f < CPL; ++f) {
                     const int cc = cb + 32 * f + lane;
                     if (cc >= nchunk) continue;
-                    if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
-                        const int g = (cc << 5) / group;
-#pragma unroll
-                        for (int q = 0; q < R; ++q) {
-                            reinterpret_cast<int4*>(fill + off_w)[(size_t)row[q] * nchunk + cc] = cur[f][q];
-                            reinterpret_cast<scale_t*>(fill + off_s)[(size_t)row[q] * ngroups + g] = scur[f][q];
-                        }
-                    }
                     float part[R][TOKC];
 #pragma unroll
                     for (int q = 0; q < R; ++q)
 #pragma unroll
                         for (int j = 0; j < TOKC; ++j) part[q][j] = 0.0f;
 #pragma unroll
-                    for (int wi = 0; wi < 4; ++wi)  // the chunk's four words, 8 weights each
-                        dot_word<MX, TOKC, R>(cur[f], wi, xrow, (cc << 5) + (wi << 3), nt, part);
+                    for (int wi = 0; wi < 4; ++wi) {  // the chunk's four words, 8 weights each
+                        float xv[TOKC][8];
+#pragma unroll
+                        for (int j = 0; j < TOKC; ++j) {
+                            if (j < nt) {
+                                const float4* p = reinterpret_cast<const float4*>(xrow[j] + (cc << 5) + (wi << 3));
+                                const float4 a = __ldg(p), b = __ldg(p + 1);
+                                xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
+                                xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
+                            }
+                        }
+#pragma unroll
+                        for (int q = 0; q < R; ++q) {
+                            const int4 v = raw[f][q];
+                            float wf[8];
+                            Packed<MX>::weights((unsigned int)(wi == 0 ? v.x : wi == 1 ? v.y : wi == 2 ? v.z : v.w), wf);
+#pragma unroll
+                            for (int j = 0; j < TOKC; ++j) {
+                                if (j < nt) {
+#pragma unroll
+                                    for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[u], xv[j][u], part[q][j]);
+                                }
+                            }
+                        }
+                    }
 #pragma unroll
                     for (int q = 0; q < R; ++q) {
-                        const float s = Packed<MX>::scale(scur[f][q]);
+                        const float s = Packed<MX>::scale(sraw[f][q]);
 #pragma unroll
                         for (int j = 0; j < TOKC; ++j) acc[q][j] = fmaf(part[q][j], s, acc[q][j]);
                     }
