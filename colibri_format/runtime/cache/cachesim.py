@@ -209,13 +209,20 @@ def _replay(keys: list[int], clocks: Sequence[int], parts: list[int] | None,
     return misses, evictions, admissions
 
 
+def _still_read(gone: dict[int, tuple[int, int]], key: int, step: int) -> bool:
+    span = gone.get(key)
+    return span is not None and span[0] <= step <= span[1]
+
+
 def _replay_lagged(keys: list[int], steps: list[int], clocks: Sequence[int], parts: list[int] | None,
                    policies: list[CachePolicy], lag: int | str, warmup: int) -> tuple[int, int, int, int]:
     """The access/miss/insert protocol with publication lag (module docstring); misses and accesses counted from
     pass ``warmup`` on. Returns (counted accesses, counted misses, evictions, admissions)."""
     fill = lag == FILL
+    late = 1 if lag != 0 else 0    # the pipelined engine's table write is a pass behind: an evicted key stays read
     ready: dict[int, int] = {}     # admitted key -> first pass it is a hit in (fill: once filled)
     armed: dict[int, int] = {}     # fill: admitted key, not yet filled -> first pass that can fill it
+    gone: dict[int, tuple[int, int]] = {}   # evicted key -> (first, last) pass that still read its old slot
     accesses = misses = evictions = admissions = 0
     for i, (key, step, now) in enumerate(zip(keys, steps, clocks)):
         pol = policies[0 if parts is None else parts[i]]
@@ -233,16 +240,20 @@ def _replay_lagged(keys: list[int], steps: list[int], clocks: Sequence[int], par
                     admissions += counted
             elif step >= first:
                 continue
-            misses += counted
+            if not _still_read(gone, key, step):
+                misses += counted
             continue
-        misses += counted
+        if not _still_read(gone, key, step):
+            misses += counted
         if not pol.admits(key):
             continue
         victim = pol.insert(key, now)
         if victim is not None:
             evictions += 1
-            ready.pop(victim, None)
+            first = ready.pop(victim, None)
             armed.pop(victim, None)
+            if late and first is not None and first <= step + 1:
+                gone[victim] = (first, step + 1)   # the tables of this pass and the next still name its slot
         if fill:
             armed[key] = step + 2              # admitted while pass step + 1 runs: armed for the pass after
         else:
