@@ -10,6 +10,11 @@ Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2; th
 the device from static buffers, so the step stays one CUDA graph); a budget so small that nothing is resident
 (one slot: every expert streams from the host mapping) for the streaming rate; lrfu + prefetch on random routing.
 
+Expert loading (`EngineConfig.expert_loading`, issue 13's A/B): the paged Zipf-trace cases at 50 % run once per mode
+of `--loading` (default fill,copy,copy-async): "fill" (the GEMV kernels fill admitted slots as they read them),
+"copy" (copied at admission on the copy stream, published at the next table write), "copy-async" (published once an
+event query says the copies are done). `--ab-only` runs just those cases (and the resident baseline).
+
 Each run opens one `Engine(path, EngineConfig(device="cuda", max_cached_experts=..., ...))` and goes through
 `runtime.cuda.bench.decode_bench` (warm-up steps fill the cache, then timed steps). Beside each run: the PCIe
 bound of its measured misses, tokens/s <= pinned host-to-device GB/s / (misses per token x blob bytes), and the
@@ -35,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_format.runtime.engine import Engine, EngineConfig
+from colibri_format.runtime.expert_pool import EXPERT_LOADING
 
 PROMPT = 16      # prompt tokens per sequence before the decode steps
 
@@ -109,7 +115,7 @@ def copy_ceiling(device: str, nbytes: int) -> dict:
 
 
 def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="global", policy="lrfu",
-            prefetch=False, admission="frequency", device="cuda") -> dict:
+            prefetch=False, admission="frequency", device="cuda", loading="fill") -> dict:
     import colibri_format
     from colibri_format.runtime.cuda.bench import decode_bench
 
@@ -117,7 +123,7 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
     cfg = EngineConfig(device=device, max_batch_size=batch, max_seq_len=max(64, PROMPT + warmup + n + 1),
                        verify="never", max_cached_experts=capacity, cache_policy=policy, cache_scope=scope,
-                       prefetch=prefetch, cache_admission=admission)
+                       prefetch=prefetch, cache_admission=admission, expert_loading=loading)
     t0 = time.perf_counter()
     with Engine(path, cfg) as eng:
         opened = time.perf_counter() - t0
@@ -130,7 +136,8 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         blob = eng.experts.blob_size
         source = eng.stats()["host_source"]
     name = policy + ("+prefetch" if prefetch else "") + ("" if admission == "frequency" else f" ({admission})")
-    row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": name,
+    name += "" if capacity is None else f" [{loading}]"
+    row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": name, "loading": loading,
            "routing": routing, "open_s": opened, "host_source": source, "blob_bytes": blob,
            **{k: res[k] for k in ("tokens_per_s", "ms_per_step", "host_ms_per_step", "graph")},
            **res.get("paging", {})}
@@ -151,9 +158,13 @@ def qwen3_cases(path: Path, args, ceilings: dict) -> list[dict]:
     with colibri_format.open(path, verify="never") as f:
         total = len(f.model["moe_layers"]) * f.model["num_experts"]
     half, quarter = total // 2, total // 4
-    cases = [dict(batch=1, capacity=None, routing="trace"), dict(batch=1, capacity=half, routing="trace"),
+    ab = [dict(batch=b, capacity=half, routing="trace", loading=mode) for b in (1, 8) for mode in args.loading]
+    if args.ab_only:
+        cases = [dict(batch=1, capacity=None, routing="trace")] + ab
+        return [run_case(path, case, args, ceilings, "qwen3", total) for case in cases]
+    cases = [dict(batch=1, capacity=None, routing="trace"), *ab[:len(args.loading)],
              dict(batch=1, capacity=half, routing="random"), dict(batch=1, capacity=quarter, routing="random"),
-             dict(batch=8, capacity=None, routing="trace"), dict(batch=8, capacity=half, routing="trace"),
+             dict(batch=8, capacity=None, routing="trace"), *ab[len(args.loading):],
              dict(batch=1, capacity=1, routing="random"),
              dict(batch=1, capacity=half, routing="random", prefetch=True),
              dict(batch=1, capacity=half, routing="trace", admission="always")]
@@ -201,8 +212,17 @@ def main() -> int:
     ap.add_argument("--skip-mixtral", action="store_true")
     ap.add_argument("--work-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     ap.add_argument("--qwen3-file", help="an existing full-depth Qwen3-30B-A3B-shaped file to use (kept)")
+    ap.add_argument("--loading", default="fill,copy,copy-async",
+                    help="expert_loading modes the 50%% Zipf-trace cases run in (comma list)")
+    ap.add_argument("--ab-only", action="store_true",
+                    help="only the resident baseline and the expert_loading A/B cases (Qwen3; implies --skip-mixtral)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
+    args.loading = [m.strip() for m in args.loading.split(",") if m.strip()]
+    bad = [m for m in args.loading if m not in EXPERT_LOADING]
+    if bad or not args.loading:
+        ap.error(f"--loading takes a comma list of {', '.join(EXPERT_LOADING)}")
+    args.skip_mixtral = args.skip_mixtral or args.ab_only
     args.device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
         args.steps, args.warmup = 3, 2

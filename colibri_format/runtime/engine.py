@@ -26,7 +26,8 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.args import ModelArgs
-from colibri_format.runtime.expert_pool import MEMORY_RESERVE, ExpertPool, capacity_from_budget, parse_memory
+from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, ExpertPool, capacity_from_budget,
+                                                 parse_memory)
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
@@ -72,6 +73,13 @@ class EngineConfig:
                                               # on the demo model's real traces, docs/cache.md)
     cache_admission: str = "frequency"        # lfu/lrfu with history: admit a missed expert only when its count
                                               # beats the weakest resident's (else it is read over PCIe); always
+    expert_loading: str = "fill"              # paged experts: how an admitted expert reaches its slot. fill: the
+                                              # GEMV kernels write what they read of it (no second PCIe trip),
+                                              # published after the next pass that routes it is accounted;
+                                              # copy: copied at admission on a copy stream, published at the next
+                                              # table write (the compute stream waits for the copies there);
+                                              # copy-async: the same copies, published once an event query says
+                                              # they are done (never a wait; usually a pass later). docs/cache.md
     verify: str = "first-use"                 # never | first-use | always (expert and tensor checksums)
     trace_path: str | None = None             # write a routing trace (JSON Lines) here
     pinned_experts: tuple | None = None       # (layer, expert) pairs for cache_policy="static"
@@ -86,6 +94,9 @@ class EngineConfig:
         if self.cache_admission not in ("always", "frequency"):
             raise InvalidInput("cache_admission must be 'always' or 'frequency'", field="cache_admission",
                                value=self.cache_admission)
+        if self.expert_loading not in EXPERT_LOADING:
+            raise InvalidInput(f"expert_loading must be one of {', '.join(EXPERT_LOADING)}", field="expert_loading",
+                               value=self.expert_loading)
         if self.gpu_memory is not None:
             if self.max_cached_experts is not None:
                 raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
@@ -349,7 +360,7 @@ class Engine:
         ex.flush()
         out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
                "capacity": ex.capacity, "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
-               "host_source": ex.source.mode, "host_source_note": ex.source.reason,
+               "host_source": ex.source.mode, "host_source_note": ex.source.reason, "expert_loading": ex.loading,
                "load_seconds": self.load_seconds, "graphs": graphs, "paging": ex.counters.as_dict()}
         if self.cache is not None:
             s = self.cache.stats()

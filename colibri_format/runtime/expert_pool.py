@@ -15,13 +15,24 @@ After each pass the host runs the cache off the critical path (`after_pass`):
 2. it reads the previous pass's totals (complete by then: the host has read that pass's logits) and hands each
    routed expert to `runtime.cache.expert_cache.ExpertCache` (lrfu, lru, lfu, static: the simulator's code);
    an access is a hit when the table pointed at a slot during that pass, else a miss read over PCIe;
-3. evictions point their entries back at the mapping at once. An admitted expert is *filled on read*: its
-   entry in a second table (`fill_ptrs`) names its freed slot, and the next GEMV pass that routes it copies each
-   chunk it reads from host memory into the slot as well (device-memory writes, no second trip over PCIe); the
-   host publishes the slot address after accounting for that pass. A pass on the grouped GEMM (prefill) fills
-   nothing: an armed expert it routes is copied instead, on a copy stream that first waits for the table write
-   (no pass reads the slot any more), at most COPY_BYTES_PER_PASS a pass, and published one pass later after
-   the copy's event. Either way a kernel sees a valid old or new address, never a half-written slot.
+3. evictions point their entries back at the mapping at once. How an admitted expert reaches its slot is
+   `expert_loading` (EngineConfig):
+   - "fill" (default): it is *filled on read*: its entry in a second table (`fill_ptrs`) names its freed slot,
+     and the next GEMV pass that routes it copies each chunk it reads from host memory into the slot as well
+     (device-memory writes, no second trip over PCIe); the host publishes the slot address after accounting for
+     that pass. A pass on the grouped GEMM (prefill) fills nothing: an armed expert it routes is copied instead
+     (as below) and published at the next table write. An expert missed at pass N is admitted while pass N+1
+     runs, armed for pass N+2 and resident at the earliest at pass N+4, only if pass N+2 routes it again.
+   - "copy": it is copied at once, on a copy stream, behind the same table write (the copy stream waits for an
+     event recorded on the compute stream after that write: the last pass that could read the victim's slot,
+     or write it as a fill slot, was queued before it), at most COPY_BYTES_PER_PASS a pass (the rest wait for
+     the next passes, read from the host meanwhile); the next table write publishes it with the compute stream
+     waiting for the copies' event first (usually long done): resident from pass N+3 whether routed or not.
+   - "copy-async": the same copies, published by the first table write at which an event query says they are
+     done (no wait on the compute stream; the host is one pass ahead, so usually at pass N+4).
+   Either way a kernel sees a valid old or new address, never a half-written slot: an address is published
+   only behind its copy's event (or its fill pass), and a slot is written only after every pass that the table
+   let read it as another expert's. `cache.md` has the simulated hit rate of each rule ("publication lag").
    By default (`cache_admission="frequency"`) a full cache admits a missed expert only when its count beats
    the weakest resident's, so a stable hot set is not churned by experts read once.
 Table writes are ordered on the compute stream between passes (both tables, when they changed).
@@ -51,6 +62,7 @@ from colibri_format.errors import InvalidInput
 MEMORY_RESERVE = 2 << 30      # bytes of device memory left for activations, KV cache, cuBLAS workspace
 COPY_BYTES_PER_PASS = 512 << 20  # admission copies queued per pass (at least one blob): a burst of admissions
                                  # (filling an empty cache) must not take the bus from the kernels' reads for long
+EXPERT_LOADING = ("fill", "copy", "copy-async")   # how an admitted expert reaches its slot (module docstring)
 VERIFY_THREADS = 8            # host threads hashing blobs at open (xxhash releases the GIL on large inputs)
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
               "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
@@ -80,7 +92,7 @@ class PagingCounters:
     """Demand accesses (one per routed expert per layer per pass) and the bytes paging moved."""
     hits: int = 0                 # accesses served from a device slot
     misses: int = 0               # accesses the kernels read over PCIe from the host mapping
-    loads: int = 0                # admissions completed: filled on read, or copied into their slots
+    loads: int = 0                # admissions loaded: filled on read, or copies queued into their slots
     fills: int = 0                # of those, filled by the GEMV kernels as they read the expert
     prefetch_loads: int = 0       # of those, admitted because the prefetch router predicted them
     bytes_paged: int = 0          # bytes copied into slots
@@ -242,6 +254,11 @@ class ExpertPool:
         self.layers = sorted(args.moe_layers)
         self.E = int(reader.tables.plan.num_experts)
         self.scope, self.capacity = config.cache_scope, capacity
+        self.loading = getattr(config, "expert_loading", "fill")
+        if self.loading not in EXPERT_LOADING:
+            raise InvalidInput(f"expert_loading must be one of {', '.join(EXPERT_LOADING)}", field="expert_loading",
+                               value=self.loading)
+        self.copy_bytes_per_pass = COPY_BYTES_PER_PASS      # admission copies queued per pass (at least one blob)
         self.resident, self.slots = pool_plan(capacity, self.scope, len(self.layers), self.E)
         check_budget(self.slots, self.blob_size, be.free_memory(), self.scope, len(self.layers), self.resident)
         self.compute, self.copy_stream = compute_stream, be.new_stream()
@@ -286,7 +303,8 @@ class ExpertPool:
         self.layer_tables = {
             layer: be.expert_table(self.entries[li], self.layout, check=check(layer) if check else None,
                                    route_totals=self.totals[li] if self.tracking else None,
-                                   fill_ptrs=fills[li] if self.cache is not None else None)
+                                   fill_ptrs=fills[li] if self.cache is not None and self.loading == "fill"
+                                   else None)
             for li, layer in enumerate(self.layers)}
         self._seen = np.zeros((L, self.E), np.uint32)
         self._seen_predicted = np.zeros((L, self.E), np.uint32)
@@ -295,9 +313,10 @@ class ExpertPool:
                                          for _ in range(4 if self.prefetch else 2)] if self.tracking else []
         self._admitting: dict[tuple[int, int], int] = {}   # admitted by the cache, not yet armed: -> pool index
         self._armed: dict[tuple[int, int], int] = {}       # fill slot published: (li, e) -> pool index
-        self._copying: dict[tuple[int, int], int] = {}     # to be copied (a GEMM pass routed it): -> pool index
-        self._pending: dict[tuple[int, int], int] = {}     # copied, not yet published: (li, e) -> slot address
-        self._pending_event = None
+        self._copying: dict[tuple[int, int], int] = {}     # to be copied (admitted, or routed by a GEMM pass while
+                                                           # armed), not yet queued: (li, e) -> pool index
+        self._pending: list[tuple[object, dict]] = []      # copies queued, not yet published, oldest first: (event
+                                                           # behind them on the copy stream, {(li, e): slot address})
         self._dirty = False
         self._uploads = [(be.pinned_empty(self._tables.nbytes).view(np.uint64).reshape(self._tables.shape), None)
                          for _ in range(2)] if self.cache is not None else []
@@ -444,43 +463,74 @@ class ExpertPool:
         self._admitting[(li, e)] = li * self.capacity + slot if self.scope == "per_layer" else slot
         return 1
 
+    def pending_keys(self) -> set:
+        """Experts whose copies are queued and not yet published: (li, e)."""
+        return {key for _, batch in self._pending for key in batch}
+
     def _on_evict(self, layer: int, expert: int, slot: int, value) -> None:
         """The victim's entry points back at the host at the next table write; a copy of it not yet published (or
-        not yet queued: admitted and evicted between two passes) is dropped, as its slot now belongs to another."""
+        not yet queued: admitted and evicted between two passes) is dropped, as its slot now belongs to another
+        (whose own copy is queued behind it on the copy stream, so the slot ends up holding the new expert)."""
         key = (self.layers.index(layer), expert)
-        for state in (self._pending, self._admitting, self._armed, self._copying):
+        for state in (self._admitting, self._armed, self._copying):
             state.pop(key, None)
+        for _, batch in self._pending:
+            batch.pop(key, None)
         self.mirror[key] = self.host[key]
         self.fill_mirror[key] = 0
         self._dirty = True
 
     def _apply(self) -> None:
-        """One table write: last pass's finished copies and filled slots published, this pass's evictions, the
-        newly admitted experts armed for fill on read; then the copies a GEMM pass asked for, behind it."""
+        """One table write: finished copies and filled slots published, this pass's evictions, the newly admitted
+        experts armed for fill on read ("fill") or queued for copying; then the copies, behind the write."""
         be = self.be
-        if self._pending:
-            be.wait(self.compute, self._pending_event)       # usually long done: copies are small beside a pass
-            for key, addr in self._pending.items():
-                self.mirror[key] = addr
-            self._dirty = True
-        self._pending = {}
-        for key, index in self._admitting.items():
-            self._armed[key] = index
-            self.fill_mirror[key] = self._slot_addr(index)
-            self._dirty = True
+        self._publish()
+        if self.loading == "fill":
+            for key, index in self._admitting.items():
+                self._armed[key] = index
+                self.fill_mirror[key] = self._slot_addr(index)
+                self._dirty = True
+        else:
+            self._copying.update(self._admitting)          # after any left over by the budget: oldest first
         self._admitting = {}
         if self._dirty:
             self._upload()
             self._dirty = False
         if not self._copying:
             return
-        be.wait(self.copy_stream, be.record(self.compute))   # nothing reads the freed slots after this point
-        budget = max(1, COPY_BYTES_PER_PASS // self.blob_size)
+        # The copy stream waits for everything queued on the compute stream so far: the passes that may still read
+        # a victim's slot (or fill it, armed for another) were all queued before the table write just above, which
+        # pointed their entries back at the host; the passes after it cannot reach the slots being written.
+        be.wait(self.copy_stream, be.record(self.compute))
+        budget = max(1, self.copy_bytes_per_pass // self.blob_size)
+        batch = {}
         for key in list(self._copying)[:budget]:          # the rest wait for the next passes (read from the host)
             index = self._copying.pop(key)
             self._copy(index, int(self.host[key]))
-            self._pending[key] = self._slot_addr(index)
-        self._pending_event = be.record(self.copy_stream)
+            batch[key] = self._slot_addr(index)
+        self._pending.append((be.record(self.copy_stream), batch))
+
+    def _publish(self) -> None:
+        """Point the entries of copied experts at their slots: every queued batch, the compute stream waiting for
+        the last one's event first ("fill", "copy"); or ("copy-async", on a backend with event queries) only the
+        batches whose event has completed, leaving the rest for a later table write. Batches are in copy-stream
+        order, so a completed event means every batch before it is done too."""
+        if not self._pending:
+            return
+        done = len(self._pending)
+        query = getattr(self.be, "event_done", None) if self.loading == "copy-async" else None
+        if query is not None:
+            done = 0
+            while done < len(self._pending) and query(self._pending[done][0]):
+                done += 1
+            if not done:
+                return
+        self.be.wait(self.compute, self._pending[done - 1][0])    # free when complete (always for copy-async)
+        for _, batch in self._pending[:done]:
+            for key, addr in batch.items():
+                self.mirror[key] = addr
+                self._dirty = True
+        del self._pending[:done]
 
     def _copy(self, index: int, src: int) -> None:
         t0 = time.perf_counter()

@@ -637,6 +637,9 @@ class NumpyBackend:
     def sync_event(self, event) -> None:
         pass
 
+    def event_done(self, event) -> bool:
+        return True
+
     def capture(self, stream, fn):
         raise NotImplementedError("the NumPy backend has no graphs")
 

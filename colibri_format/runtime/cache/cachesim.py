@@ -6,9 +6,17 @@ clock values: the access clock is the position in the global access sequence (on
 partitions), the token clock the forward-pass index + 1 (an engine calls ``begin_token()`` at the start
 of every forward pass). Replaying a trace through an ``ExpertCache`` that way gives identical misses.
 
+Publication lag (``lag``): the paged engine runs its cache one pass behind and publishes an admitted expert's
+slot only later, so an admitted key is not a hit at once. Lag ``L`` (an integer >= 0) makes a key admitted by an
+access at pass ``t`` a hit from pass ``t + 1 + L`` on (lag 0: today's replay, a hit from the next access on);
+``fill`` is the engine's fill-on-read rule: armed from pass ``t + 2``, filled by the first pass ``p >= t + 2``
+that routes it (still a miss), a hit from ``p + 2`` on. The policy sees the same accesses whatever the lag (the
+engine's cache counts an admitted, unpublished expert as held), so only the hits move.
+
 CLI::
 
     colibri cache-sim TRACE --capacity 10%,25%,40%,60% [--policy all] [--scope global|per_layer] [--json]
+        [--admission always|frequency] [--lag 0,1,2,3,fill] [--warmup PASSES]
 
 maps to ``run_cache_sim(TRACE, "10%,25%,40%,60%", policy="all", scope="global")``; the CLI draws the
 result as a table (``colibri_format.cli.render.cache_sim_table``) or prints it as JSON.
@@ -140,12 +148,32 @@ def top_experts(keys: np.ndarray, capacity: int, parts: np.ndarray | None = None
     return pinned
 
 
+FILL = "fill"        # the lag of the engine's fill-on-read rule (see the module docstring)
+
+
+def parse_lags(spec: str) -> list[int | str]:
+    """``0,1,2,3,fill`` -> ``[0, 1, 2, 3, "fill"]`` (integers >= 0 and ``fill``)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidInput("empty lag list", field="lag", value=spec)
+    out: list[int | str] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item == FILL:
+            out.append(FILL)
+        elif item.isdigit() and len(item) <= 6:
+            out.append(int(item))
+        else:
+            raise InvalidInput(f"bad lag {item!r}: use an integer >= 0 or 'fill'", field="lag", value=item)
+    return out
+
+
 @dataclass(frozen=True)
 class SimResult:
-    accesses: int
+    accesses: int          # counted accesses (those of passes >= warmup)
     hits: int
     misses: int
     evictions: int
+    admissions: int = 0    # counted insertions (under ``fill``: counted fills, admissions routed again)
 
     @property
     def miss_rate(self) -> float:
@@ -153,9 +181,9 @@ class SimResult:
 
 
 def _replay(keys: list[int], clocks: Sequence[int], parts: list[int] | None,
-            policies: list[CachePolicy]) -> tuple[int, int]:
-    """Run the access/miss/insert protocol; returns (misses, evictions)."""
-    misses = evictions = 0
+            policies: list[CachePolicy]) -> tuple[int, int, int]:
+    """Run the access/miss/insert protocol; returns (misses, evictions, admissions)."""
+    misses = evictions = admissions = 0
     if parts is None:
         pol = policies[0]
         touch, admits, insert = pol.touch, pol.admits, pol.insert
@@ -163,23 +191,84 @@ def _replay(keys: list[int], clocks: Sequence[int], parts: list[int] | None,
             if touch(key, now):
                 continue
             misses += 1
-            if admits(key) and insert(key, now) is not None:
-                evictions += 1
-        return misses, evictions
+            if admits(key):
+                admissions += 1
+                if insert(key, now) is not None:
+                    evictions += 1
+        return misses, evictions, admissions
     bound = [(p.touch, p.admits, p.insert) for p in policies]
     for key, now, part in zip(keys, clocks, parts):
         touch, admits, insert = bound[part]
         if touch(key, now):
             continue
         misses += 1
-        if admits(key) and insert(key, now) is not None:
+        if admits(key):
+            admissions += 1
+            if insert(key, now) is not None:
+                evictions += 1
+    return misses, evictions, admissions
+
+
+def _still_read(gone: dict[int, tuple[int, int]], key: int, step: int) -> bool:
+    span = gone.get(key)
+    return span is not None and span[0] <= step <= span[1]
+
+
+def _replay_lagged(keys: list[int], steps: list[int], clocks: Sequence[int], parts: list[int] | None,
+                   policies: list[CachePolicy], lag: int | str, warmup: int) -> tuple[int, int, int, int]:
+    """The access/miss/insert protocol with publication lag (module docstring); misses and accesses counted from
+    pass ``warmup`` on. Returns (counted accesses, counted misses, evictions, admissions)."""
+    fill = lag == FILL
+    late = 1 if lag != 0 else 0    # the pipelined engine's table write is a pass behind: an evicted key stays read
+    ready: dict[int, int] = {}     # admitted key -> first pass it is a hit in (fill: once filled)
+    armed: dict[int, int] = {}     # fill: admitted key, not yet filled -> first pass that can fill it
+    gone: dict[int, tuple[int, int]] = {}   # evicted key -> (first, last) pass that still read its old slot
+    accesses = misses = evictions = admissions = 0
+    for i, (key, step, now) in enumerate(zip(keys, steps, clocks)):
+        pol = policies[0 if parts is None else parts[i]]
+        counted = step >= warmup
+        accesses += counted
+        if pol.touch(key, now):
+            first = ready.get(key)
+            if first is None:
+                start = armed.get(key)
+                if start is None:              # resident from the start (static pins): never admitted
+                    continue
+                if step >= start:              # fill: this pass fills it, published after it is accounted
+                    del armed[key]
+                    ready[key] = step + 2
+                    admissions += counted
+            elif step >= first:
+                continue
+            if not _still_read(gone, key, step):
+                misses += counted
+            continue
+        if not _still_read(gone, key, step):
+            misses += counted
+        if not pol.admits(key):
+            continue
+        victim = pol.insert(key, now)
+        if victim is not None:
             evictions += 1
-    return misses, evictions
+            first = ready.pop(victim, None)
+            armed.pop(victim, None)
+            if late and first is not None and first <= step + 1:
+                gone[victim] = (first, step + 1)   # the tables of this pass and the next still name its slot
+        if fill:
+            armed[key] = step + 2              # admitted while pass step + 1 runs: armed for the pass after
+        else:
+            admissions += counted
+            ready[key] = step + 1 + lag if lag else step
+    return accesses, misses, evictions, admissions
 
 
 def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | None,
-             scope: str = "global", *, layer_index: dict[int, int] | None = None, seed: int = 0) -> SimResult:
-    """Replay one access sequence under one policy and capacity (per layer for ``per_layer``)."""
+             scope: str = "global", *, layer_index: dict[int, int] | None = None, seed: int = 0,
+             admission: str = "always", lag: int | str = 0, warmup: int = 0) -> SimResult:
+    """Replay one access sequence under one policy and capacity (per layer for ``per_layer``).
+
+    ``admission="frequency"`` applies to ``lfu``/``lrfu`` with history (as the engine's ``cache_admission``);
+    ``lag``: publication lag (module docstring); ``warmup``: passes replayed but not counted."""
     if scope not in SCOPES:
         raise InvalidInput(f"unknown scope {scope!r}; expected global or per_layer", field="scope", value=scope)
     if layer_index is None:
@@ -214,9 +303,13 @@ def simulate(acc: Accesses, num_experts: int, spec: PolicySpec, capacity: int | 
             policies.append(BeladyPolicy(capacity, sub, next_use(sub)))
         else:
             policies.append(make_policy(spec.policy, capacity, decay=spec.decay, seed=seed,
-                                        history=spec.history))
-    misses, evictions = _replay(keys, clocks, parts, policies)
-    return SimResult(n, n - misses, misses, evictions)
+                                        history=spec.history, admission=admission if spec.history else "always"))
+    if lag == 0 and warmup <= 0:
+        misses, evictions, admissions = _replay(keys, clocks, parts, policies)
+        return SimResult(n, n - misses, misses, evictions, admissions)
+    counted, misses, evictions, admissions = _replay_lagged(keys, acc.step.tolist(), clocks, parts, policies, lag,
+                                                            warmup)
+    return SimResult(counted, counted - misses, misses, evictions, admissions)
 
 
 def _accesses_of(trace: str | os.PathLike[str] | Trace, dedup: bool) -> tuple[Any, Accesses, int]:
@@ -230,7 +323,7 @@ def _accesses_of(trace: str | os.PathLike[str] | Trace, dedup: bool) -> tuple[An
 
 def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy: str = "all",
                   scope: str = "global", *, blob_bytes: int | None = None, dedup: bool = True,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, admission: str = "always", lag: str = "0", warmup: int = 0) -> dict[str, Any]:
     """Replay a trace under each policy at each capacity.
 
     Args:
@@ -241,34 +334,50 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
         scope: ``global`` or ``per_layer``.
         blob_bytes: bytes of one expert blob; adds ``bytes_paged = misses * blob_bytes`` to each row.
         dedup: one access per expert per layer per forward pass (as the engines do).
+        admission: ``always``, or ``frequency`` for the ``lfu``/``lrfu`` policies with history (``+hist``; the
+            others admit always), as the engine's ``cache_admission``.
+        lag: comma list of publication lags, integers >= 0 and ``fill`` (module docstring); one row each.
+        warmup: forward passes replayed before the counting starts (the cache fills during them).
 
     Returns:
         ``{"trace": {...}, "scope", "dedup", "rows": [{"policy", "label", "history", "decay", "clock",
-        "capacity", "capacity_spec", "fraction", "accesses", "hits", "misses", "evictions",
-        "miss_rate", "bytes_paged"?}, ...]}``.
+        "capacity", "capacity_spec", "fraction", "admission", "lag", "accesses", "hits", "misses", "evictions",
+        "admissions", "miss_rate", "hit_rate", "bytes_paged"?}, ...]}``; a row's ``label`` names its admission
+        (``freq``) and lag (``lag 2``, ``lag fill``) when they are not the defaults.
     """
     if scope not in SCOPES:
         raise InvalidInput(f"unknown scope {scope!r}; expected global or per_layer", field="scope", value=scope)
     if blob_bytes is not None and (isinstance(blob_bytes, bool) or not isinstance(blob_bytes, int)
                                    or blob_bytes < 0):
         raise InvalidInput("blob_bytes must be a non-negative integer", field="blob_bytes", value=blob_bytes)
+    if admission not in ("always", "frequency"):
+        raise InvalidInput(f"unknown admission {admission!r}; expected always or frequency", field="admission",
+                           value=admission)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise InvalidInput("warmup must be a non-negative integer", field="warmup", value=warmup)
     specs = parse_policies(policy)
+    lags = parse_lags(lag)
     h, acc, tokens = _accesses_of(trace, dedup)
     per_part = h.num_experts if scope == "per_layer" else h.total_experts
     caps = parse_capacities(capacities, per_part)
     layer_index = {layer: i for i, layer in enumerate(h.moe_layers)}
     distinct = len(set(zip(acc.layer.tolist(), acc.expert.tolist())))
     rows = []
-    for spec in specs:
+    for spec, lag_one in ((spec, lag_one) for spec in specs for lag_one in lags):
+        admits = admission if spec.history else "always"
+        label = spec.label + (" freq" if admits != "always" else "") + (f" lag {lag_one}" if lag_one != 0 else "")
         for cap_spec, cap in caps:
-            res = simulate(acc, h.num_experts, spec, cap, scope, layer_index=layer_index, seed=seed)
+            res = simulate(acc, h.num_experts, spec, cap, scope, layer_index=layer_index, seed=seed,
+                           admission=admits, lag=lag_one, warmup=warmup)
             row: dict[str, Any] = {
-                "policy": spec.policy, "label": spec.label, "history": spec.history,
+                "policy": spec.policy, "label": label, "history": spec.history,
                 "decay": spec.decay if spec.policy == "lrfu" else None,
                 "clock": spec.clock if spec.policy == "lrfu" else None,
                 "capacity": cap, "capacity_spec": cap_spec, "fraction": cap / per_part,
+                "admission": admits, "lag": lag_one,
                 "accesses": res.accesses, "hits": res.hits, "misses": res.misses,
-                "evictions": res.evictions, "miss_rate": res.miss_rate}
+                "evictions": res.evictions, "admissions": res.admissions, "miss_rate": res.miss_rate,
+                "hit_rate": 1.0 - res.miss_rate if res.accesses else 0.0}
             if blob_bytes is not None:
                 row["bytes_paged"] = res.misses * blob_bytes
             rows.append(row)
@@ -278,7 +387,7 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
                   "steps": int(acc.step[-1]) + 1 if len(acc) else 0, "accesses": len(acc),
                   "distinct_experts": distinct,
                   "cold_miss_rate": distinct / len(acc) if len(acc) else 0.0},
-        "scope": scope, "dedup": dedup, "rows": rows}
+        "scope": scope, "dedup": dedup, "warmup": warmup, "rows": rows}
 
 
 # --- synthetic traces -----------------------------------------------------------------------------
