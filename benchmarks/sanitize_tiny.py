@@ -8,8 +8,10 @@ selection bias, full q/k norm, partial RoPE), qwen3_next (Gated DeltaNet and gat
 expert), deepseek_v3 (multi-head latent attention, grouped top-k, a leading dense layer), int4_group and mxfp4
 (4-bit experts). The models come from the full-depth benchmarks' tiny shapes (new_arch_decode.py, hybrid_decode.py,
 mla_decode.py, int4_decode.py), so the sanitizer sees what those benchmarks measure. Each runs a ragged prefill,
-greedy generation (graph capture and replay), batched decode, the paged path with prefetch, and a 40-row prefill
-with greedy steps under each opt-in path of `OPT_INS` (off by default until measured on an H200).
+greedy generation (graph capture and replay), batched decode, the paged path with prefetch in each
+`expert_loading` mode, and a 40-row prefill with greedy steps under each opt-in path of `OPT_INS` (off by default
+until measured on an H200); int4_group also with the tensor-core decode GEMVs on every pass (their crossover,
+limits.TC4_MIN_*, lowered: a tiny model is far below it).
 
 Run from the repository root:
 
@@ -25,7 +27,9 @@ import tempfile
 from pathlib import Path
 
 from colibri_format import spec as S
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.engine import Engine, EngineConfig
+from colibri_format.runtime.expert_pool import EXPERT_LOADING
 from colibri_format.synthetic import synthetic_model, write_synthetic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,10 +68,26 @@ def run(name: str, path: Path, model: dict, device: str) -> None:
         with Engine(path, EngineConfig(device=device, max_seq_len=64, **opt_in)) as eng:
             print(name, opt_in, [x.shape for x in eng.logits([list(range(1, 41))])],
                   eng.generate([1, 2, 3], max_new_tokens=3, stop_ids=[]).output_ids)
+    if name == "int4_group":
+        tc4_everywhere(name, path, device)
     cached = max(2, len(model["moe_layers"]) * model["num_experts"] // 2)
-    with Engine(path, EngineConfig(device=device, max_seq_len=64, max_cached_experts=cached, prefetch=True)) as eng:
-        print(name, "paged", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
-              {k: eng.stats()["paging"][k] for k in ("hits", "misses", "loads")})
+    for loading in EXPERT_LOADING:
+        with Engine(path, EngineConfig(device=device, max_seq_len=64, max_cached_experts=cached, prefetch=True,
+                                       expert_loading=loading)) as eng:
+            print(name, "paged", loading, eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
+                  {k: eng.stats()["paging"][k] for k in ("hits", "misses", "loads")})
+
+
+def tc4_everywhere(name: str, path: Path, device: str) -> None:
+    """Generation and batched decode with moe_gemv4_tc.cu on every int4_group decode pass."""
+    saved = limits.TC4_MIN_TOKENS, limits.TC4_MIN_INTERMEDIATE
+    limits.TC4_MIN_TOKENS = limits.TC4_MIN_INTERMEDIATE = 1
+    try:
+        with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng:
+            print(name, "tc4", eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
+                  eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3))
+    finally:
+        limits.TC4_MIN_TOKENS, limits.TC4_MIN_INTERMEDIATE = saved
 
 
 def main(argv: list[str] | None = None) -> int:
