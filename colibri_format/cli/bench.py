@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from .common import FileArg, JsonOpt, need_cupy, out, print_json
+from .common import FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, need_cupy, out, print_json
 
 
 def command(path: FileArg,
@@ -14,11 +14,8 @@ def command(path: FileArg,
             seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Prefill length.")] = 512,
             num_iters: Annotated[int, typer.Option("--num-iters", min=1, help="Timed decode steps.")] = 32,
             warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
-            max_cached_experts: Annotated[Optional[int], typer.Option(
-                "--max-cached-experts", min=1, help="Expert cache size (default: all).")] = None,
-            gpu_memory: Annotated[Optional[str], typer.Option(
-                "--gpu-memory", help="Device memory budget, e.g. 20GiB, sizing the expert cache.",
-                show_default=False)] = None,
+            max_cached_experts: MaxCachedExpertsOpt = None,
+            gpu_memory: GpuMemoryOpt = None,
             cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
             prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
             as_json: JsonOpt = False) -> None:

@@ -79,6 +79,13 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", show_default=False
                                                   help="System prompt, through the embedded chat template.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling.")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_device, help="cpu or cuda.")]
+MaxCachedExpertsOpt = Annotated[Optional[int], typer.Option(
+    "--max-cached-experts", "--max_cached_experts", min=1,
+    help="Expert cache capacity in experts (default: every expert resident).")]
+GpuMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--gpu-memory", show_default=False,
+    help="Device memory budget, e.g. 20GiB: the expert cache gets what the dense weights, KV cache and workspace "
+         "leave (instead of --max-cached-experts).")]
 
 
 def stop_strings(stop: Optional[list[str]]) -> Optional[list[str]]:

@@ -18,10 +18,10 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from .common import (DeviceOpt, FileArg, JsonOpt, MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt,
-                     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_output_file, command_line, err,
-                     need_cupy, need_jinja2, out, print_json, soft_interrupt, stop_strings,
-                     write_text)
+from .common import (DeviceOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, MaxNewTokensOpt, MinPOpt,
+                     RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+                     check_output_file, command_line, err, need_cupy, need_jinja2, out, print_json, soft_interrupt,
+                     stop_strings, write_text)
 from .errors import Interrupted
 
 # Options the ranks of several --devices do not take yet (runtime/parallel/run.py): run_infer's name, the flag,
@@ -52,17 +52,12 @@ def command(ctx: typer.Context, path: FileArg,
             devices: Annotated[Optional[str], typer.Option(
                 "--devices", help="Expert parallelism: one process per device, e.g. 0,1 (gloo on cpu, NCCL on cuda)."
             )] = None,
-            max_cached_experts: Annotated[Optional[int], typer.Option(
-                "--max-cached-experts", "--max_cached_experts", min=1,
-                help="Expert cache capacity (default: unbounded).")] = None,
+            max_cached_experts: MaxCachedExpertsOpt = None,
             max_seq_len: Annotated[Optional[int], typer.Option(
                 "--max-seq-len", min=1, help="Longest sequence the engine holds, prompt and generated tokens "
                                              "(default 2048; a DSA checkpoint's index_topk may ask for less).",
                 show_default=False)] = None,
-            gpu_memory: Annotated[Optional[str], typer.Option(
-                "--gpu-memory", help="Device memory budget, e.g. 20GiB: the expert cache gets what the dense weights, "
-                                     "one sequence's KV cache and a workspace leave (instead of --max-cached-experts).",
-                show_default=False)] = None,
+            gpu_memory: GpuMemoryOpt = None,
             cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
                                                       help="lru, lfu, lrfu or static.")] = "lrfu",
             cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",

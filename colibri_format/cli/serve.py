@@ -7,11 +7,11 @@ command stops with one line naming the install command. See docs/serve.md.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from .common import DeviceOpt, FileArg, err, need_cupy
+from .common import DeviceOpt, FileArg, GpuMemoryOpt, MaxCachedExpertsOpt, err, need_cupy
 from .errors import MissingDependency, on_interrupt
 
 SERVE_INSTALL = "pip install 'colibri-format[serve]'"
@@ -27,13 +27,8 @@ def command(path: FileArg,
                 "--max-queue", min=0, help="Requests waiting for a slot beyond which a request gets 429.")] = 64,
             max_seq_len: Annotated[int, typer.Option(
                 "--max-seq-len", min=1, help="Prompt + max_tokens of one request (KV positions per slot).")] = 2048,
-            max_cached_experts: Annotated[Optional[int], typer.Option(
-                "--max-cached-experts", min=1, help="Expert cache capacity (default: every expert resident).")]
-            = None,
-            gpu_memory: Annotated[Optional[str], typer.Option(
-                "--gpu-memory", help="Device memory budget, e.g. 20GiB: the expert cache gets what the dense weights "
-                                     "and buffers leave (instead of --max-cached-experts).", show_default=False)]
-            = None) -> None:
+            max_cached_experts: MaxCachedExpertsOpt = None,
+            gpu_memory: GpuMemoryOpt = None) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     need_serve_packages()
     if device == "cuda":

@@ -403,3 +403,11 @@ def test_gpu_memory_sizes_the_cache_or_says_why_in_one_line(model_file):
                      "at least", hint=True)
     assert_one_error(colibri("infer", model_file, "--ids", "1,2", "--gpu-memory", "1GiB",
                              "--max-cached-experts", "2"), 1, "not both", hint=True)
+
+
+def test_chat_takes_the_same_memory_budget(chat_file):
+    ok = colibri("chat", chat_file, "--gpu-memory", "1TiB", "--max-new-tokens", "2", stdin=b"hi\n")
+    assert ok.returncode == 0, ok.stderr
+    assert_one_error(colibri("chat", chat_file, "--gpu-memory", "a lot"), 1, "gpu_memory", hint=True)
+    assert_one_error(colibri("chat", chat_file, "--gpu-memory", "1GiB", "--max_cached_experts", "2"), 1, "not both",
+                     hint=True)
