@@ -281,16 +281,18 @@ def _deepseek_v32(f: Fields, model: Model, groups: tuple[int, int] = (8, 4)) -> 
 _QWEN_EXPERTS = (PerExpert("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
                            "{p}.mlp.experts.{e}.down_proj.weight"),
                  FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))
+# legacy block_sparse_moe experts (w1 gate, w3 up, w2 down), or transformers v5's fused ones under mlp
+_BLOCK_SPARSE_EXPERTS = (PerExpert("{p}.block_sparse_moe.experts.{e}.w1.weight",
+                                   "{p}.block_sparse_moe.experts.{e}.w3.weight",
+                                   "{p}.block_sparse_moe.experts.{e}.w2.weight"),
+                         FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))
 
 MIXTRAL = Adapter(
     model_type="mixtral",
     names=HFNames(
         # legacy checkpoints keep the MoE under block_sparse_moe; v5 fused ones under mlp
         routers=("{p}.block_sparse_moe.gate.weight", "{p}.mlp.gate.weight"),
-        experts=(PerExpert("{p}.block_sparse_moe.experts.{e}.w1.weight",
-                           "{p}.block_sparse_moe.experts.{e}.w3.weight",
-                           "{p}.block_sparse_moe.experts.{e}.w2.weight"),
-                 FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))),
+        experts=_BLOCK_SPARSE_EXPERTS),
     defaults=ConfigDefaults(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072,
                             expert_width_key="intermediate_size"),
     fields=_mixtral,
@@ -358,10 +360,7 @@ MINIMAX_M2 = Adapter(
         # released checkpoints keep the MoE under block_sparse_moe (w1 gate, w3 up, w2 down); v5 fused under mlp
         routers=("{p}.block_sparse_moe.gate.weight", "{p}.mlp.gate.weight"),
         router_bias=("{p}.block_sparse_moe.e_score_correction_bias", "{p}.mlp.e_score_correction_bias"),
-        experts=(PerExpert("{p}.block_sparse_moe.experts.{e}.w1.weight",
-                           "{p}.block_sparse_moe.experts.{e}.w3.weight",
-                           "{p}.block_sparse_moe.experts.{e}.w2.weight"),
-                 FusedLinear("{p}.mlp.experts.gate_up_proj", "{p}.mlp.experts.down_proj"))),
+        experts=_BLOCK_SPARSE_EXPERTS),
     defaults=ConfigDefaults(rope_theta=5e6, rms_norm_eps=1e-6, max_position_embeddings=196608,
                             expert_width_key="intermediate_size"),
     fields=_minimax_m2,
