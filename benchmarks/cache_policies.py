@@ -21,6 +21,7 @@ import platform
 import time
 from pathlib import Path
 
+from colibri_format.cli.render import cache_sim_grid
 from colibri_format.runtime.cache.cachesim import parse_policies, run_cache_sim, simulate, synthetic_trace
 from colibri_format.runtime.cache.trace import access_sequence, read_trace
 
@@ -40,19 +41,7 @@ def miss_table(result: dict) -> str:
     """Markdown: one row per policy, one column per capacity, cells = miss rate (and GiB paged when known)."""
     t = result["trace"]
     unit = "per layer" if result["scope"] == "per_layer" else "total"
-    caps: list[tuple[str, int]] = []
-    for row in result["rows"]:
-        if (row["capacity_spec"], row["capacity"]) not in caps:
-            caps.append((row["capacity_spec"], row["capacity"]))
-    labels: list[str] = []
-    cells: dict[tuple[str, int], str] = {}
-    for row in result["rows"]:
-        if row["label"] not in labels:
-            labels.append(row["label"])
-        cell = f"{100 * row['miss_rate']:.2f}%"
-        if "bytes_paged" in row:
-            cell += f" {row['bytes_paged'] / 2**30:.2f} GiB"
-        cells[(row["label"], row["capacity"])] = cell
+    caps, labels, cells = cache_sim_grid(result)
     lines = [f"expert-cache miss rate, scope={result['scope']}: {t['model']}: {t['moe_layers']} MoE layers x "
              f"{t['num_experts']} experts, top-{t['top_k']}, {t['accesses']} accesses, cold misses "
              f"{100 * t['cold_miss_rate']:.2f}%", "",

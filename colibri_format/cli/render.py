@@ -173,6 +173,24 @@ def render_infer_stats(console: Console, result: dict) -> None:
 
 
 # --- cache-sim ----------------------------------------------------------------------------------------
+def cache_sim_grid(result: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str], dict[tuple[str, int], str]]:
+    """(capacities as (spec, experts), policy labels, {(label, capacity): cell}) of run_cache_sim's rows, in their
+    order; a cell is the miss rate, and the GiB paged when the row has it."""
+    caps: list[tuple[str, int]] = []
+    labels: list[str] = []
+    cells: dict[tuple[str, int], str] = {}
+    for row in result["rows"]:
+        if (row["capacity_spec"], row["capacity"]) not in caps:
+            caps.append((row["capacity_spec"], row["capacity"]))
+        if row["label"] not in labels:
+            labels.append(row["label"])
+        cell = f"{100 * row['miss_rate']:.2f}%"
+        if "bytes_paged" in row:
+            cell += f" {row['bytes_paged'] / 2**30:.2f} GiB"
+        cells[(row["label"], row["capacity"])] = cell
+    return caps, labels, cells
+
+
 def cache_sim_table(result: dict[str, Any]) -> Table:
     """One row per policy, one column per capacity, cells = miss rate (`result`: run_cache_sim's dict)."""
     t = result["trace"]
@@ -182,21 +200,9 @@ def cache_sim_table(result: dict[str, Any]) -> Table:
                            f"top-{t['top_k']}, {t['accesses']} accesses, cold misses "
                            f"{100 * t['cold_miss_rate']:.2f}%"))
     table.add_column("policy")
-    caps: list[tuple[str, int]] = []
-    for row in result["rows"]:
-        if (row["capacity_spec"], row["capacity"]) not in caps:
-            caps.append((row["capacity_spec"], row["capacity"]))
+    caps, labels, cells = cache_sim_grid(result)
     for spec, cap in caps:
         table.add_column(f"{safe(spec)} ({cap} {unit})", justify="right")
-    labels: list[str] = []
-    cells: dict[tuple[str, int], str] = {}
-    for row in result["rows"]:
-        if row["label"] not in labels:
-            labels.append(row["label"])
-        cell = f"{100 * row['miss_rate']:.2f}%"
-        if "bytes_paged" in row:
-            cell += f" {row['bytes_paged'] / 2**30:.2f} GiB"
-        cells[(row["label"], row["capacity"])] = cell
     for label in labels:
         table.add_row(safe(label), *(cells.get((label, cap), "") for _, cap in caps))
     return table
