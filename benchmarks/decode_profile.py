@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernels import copy_bandwidth, time_graph  # noqa: E402
+from synthetic_decode import shaped_model, write_timed  # noqa: E402
 
 SHAPES = {  # full depth: every layer, the real vocabulary (head_dim 128 for all three)
     "qwen3": dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
@@ -123,15 +124,7 @@ def log(msg: str) -> None:
 def ensure_model(path: Path, shape: str) -> Path:
     if path.exists():
         return path
-    from colibri_format import spec as S
-    from colibri_format.synthetic import synthetic_model, write_synthetic
-
-    model = synthetic_model(**SHAPES[shape])
-    model["head_dim"] = 128
-    model["max_position_embeddings"] = 4096
-    t0 = time.perf_counter()
-    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
-    log(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
+    write_timed(path, shaped_model(SHAPES[shape], head_dim=128, max_position_embeddings=4096), log)
     return path
 
 

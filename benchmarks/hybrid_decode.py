@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file, shaped_model
 
 BUDGET = "24GiB"               # the gpu_memory case
 SHAPES = {  # name -> widths; "tiny": the same layer pattern and features at toy widths (the smoke test)
@@ -47,19 +47,15 @@ def log(msg: str) -> None:
 
 def model_of(shape: dict) -> dict:
     """The metadata `model` object of a shape (spec-checked): every fourth layer full attention, the rest linear."""
-    from colibri_format import spec as S
-    from colibri_format.synthetic import synthetic_model
-
-    m = synthetic_model(**{k: shape[k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "experts",
-                                                 "top_k", "expert_inter", "shared")}, qk_norm="per_head")
-    m.update(head_dim=shape["head_dim"], rms_norm_eps=1e-6, max_position_embeddings=262144, attention_gate=True,
-             rope={"type": "default", "theta": 1e7, "partial_rotary_factor": 0.25},
-             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["layers"])],
-             linear_attention={"num_key_heads": shape["key_heads"], "num_value_heads": shape["value_heads"],
-                               "key_head_dim": shape["key_dim"], "value_head_dim": shape["value_dim"],
-                               "conv_kernel": 4})
-    S.check_model(m)
-    return m
+    widths = {k: shape[k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "experts", "top_k",
+                                    "expert_inter", "shared")}
+    return shaped_model(
+        widths, {"qk_norm": "per_head"}, head_dim=shape["head_dim"], rms_norm_eps=1e-6,
+        max_position_embeddings=262144, attention_gate=True,
+        rope={"type": "default", "theta": 1e7, "partial_rotary_factor": 0.25},
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["layers"])],
+        linear_attention={"num_key_heads": shape["key_heads"], "num_value_heads": shape["value_heads"],
+                          "key_head_dim": shape["key_dim"], "value_head_dim": shape["value_dim"], "conv_kernel": 4})
 
 
 def state_bytes_per_step(model: dict, batch: int) -> int:

@@ -29,7 +29,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, write_timed
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, shaped_model, write_timed
 
 MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
                expert_inter=14336)
@@ -42,13 +42,8 @@ def log(msg: str) -> None:
 
 
 def model_of(shape: dict) -> dict:
-    from colibri_format import spec as S
-    from colibri_format.synthetic import synthetic_model
-
-    m = synthetic_model(**{k: v for k, v in shape.items() if k != "head_dim"})
-    m.update(head_dim=shape["head_dim"], max_position_embeddings=4096)
-    S.check_model(m)
-    return m
+    return shaped_model({k: v for k, v in shape.items() if k != "head_dim"}, head_dim=shape["head_dim"],
+                        max_position_embeddings=4096)
 
 
 def paged(path: Path, args, ceilings: dict, experts: int) -> dict:

@@ -29,7 +29,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file
+from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, ensure_file, shaped_model
 
 MINIMAX_LAYERS = 11            # of 62: experts 11 x 3.6 GB, with the dense tensors about 43 GB
 GPT_OSS_YARN = {"type": "yarn", "theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -54,27 +54,20 @@ def log(msg: str) -> None:
 
 def model_of(kind: str, shape: dict) -> dict:
     """The metadata `model` object of a shape (spec-checked)."""
-    from colibri_format import spec as S
-    from colibri_format.synthetic import synthetic_model
-
     widths = {k: shape[k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "experts", "top_k",
                                     "expert_inter")}
     if kind == "gpt_oss":
-        m = synthetic_model(**widths)
-        m.update(head_dim=shape["head_dim"], qkv_bias=True, o_bias=True, attention_sinks=True,
-                 sliding_window=shape["window"], sliding_layers=list(range(0, shape["layers"], 2)),
-                 rope=dict(GPT_OSS_YARN), max_position_embeddings=131072,
-                 router={"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False, "bias": True,
-                         "scale": 1.0},
-                 expert_bias=True, expert_act={"alpha": 1.702, "limit": 7.0, "up_offset": 1.0})
-    else:
-        m = synthetic_model(**widths, qk_norm="full")
-        m.update(head_dim=shape["head_dim"], rms_norm_eps=1e-6, max_position_embeddings=196608,
-                 rope={"type": "default", "theta": 5e6, "partial_rotary_factor": 0.5},
-                 router={"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,
-                         "scale": 1.0})
-    S.check_model(m)
-    return m
+        return shaped_model(widths, head_dim=shape["head_dim"], qkv_bias=True, o_bias=True, attention_sinks=True,
+                            sliding_window=shape["window"], sliding_layers=list(range(0, shape["layers"], 2)),
+                            rope=dict(GPT_OSS_YARN), max_position_embeddings=131072,
+                            router={"scoring": "softmax", "order": "topk_softmax", "normalize_topk": False,
+                                    "bias": True, "scale": 1.0},
+                            expert_bias=True, expert_act={"alpha": 1.702, "limit": 7.0, "up_offset": 1.0})
+    return shaped_model(widths, {"qk_norm": "full"}, head_dim=shape["head_dim"], rms_norm_eps=1e-6,
+                        max_position_embeddings=196608,
+                        rope={"type": "default", "theta": 5e6, "partial_rotary_factor": 0.5},
+                        router={"scoring": "sigmoid", "order": "softmax_topk", "normalize_topk": True, "bias": True,
+                                "scale": 1.0})
 
 
 def table(rows: list[dict]) -> str:

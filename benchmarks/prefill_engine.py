@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import SHAPES  # noqa: E402
-from synthetic_decode import write_timed  # noqa: E402
+from synthetic_decode import shaped_model, write_timed  # noqa: E402
 
 VARIANTS = {  # (fast_expert_gemm, flash_prefill) switched on the open engine's backend; EngineConfig's defaults last
     "tc + split-attn": (None, False), "fast-split": ("split", False), "fast-bf16": ("bf16", False),
@@ -51,14 +51,8 @@ def log(msg: str) -> None:
 
 
 def model_of(shape: dict) -> dict:
-    from colibri_format import spec as S
-    from colibri_format.synthetic import synthetic_model
-
-    m = synthetic_model(**shape)
-    m.update(head_dim=HEAD_DIM if shape["hidden"] > 256 else shape["hidden"] // shape["heads"],
-             max_position_embeddings=MAX_POSITIONS)
-    S.check_model(m)
-    return m
+    return shaped_model(shape, head_dim=HEAD_DIM if shape["hidden"] > 256 else shape["hidden"] // shape["heads"],
+                        max_position_embeddings=MAX_POSITIONS)
 
 
 def hf_config(name: str, model: dict):

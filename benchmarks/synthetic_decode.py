@@ -1,7 +1,8 @@
-"""What the full-depth decode benchmarks (new_arch_decode, hybrid_decode, int4_decode, mla_decode) share: the
-nominal roofline rate, the timed write of a synthetic file, and one decode measurement on either engine (run_bench
-on CUDA; on the NumPy engine bench.decode_bench, a check of the scripts, with the expert bytes a step reads at
-most: min(E, batch x top_k) blobs, and their bias rows, per MoE layer)."""
+"""What the full-depth decode benchmarks (new_arch_decode, hybrid_decode, int4_decode, mla_decode, decode_profile,
+prefill_engine) share: the nominal roofline rate, the model of a shape, the timed write of a synthetic file, and one
+decode measurement on either engine (run_bench on CUDA; on the NumPy engine bench.decode_bench, a check of the
+scripts, with the expert bytes a step reads at most: min(E, batch x top_k) blobs, and their bias rows, per MoE
+layer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ from pathlib import Path
 import numpy as np
 
 HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
+
+
+def shaped_model(widths: dict, synthetic_options: dict | None = None, **fields) -> dict:
+    """The metadata `model` object of `synthetic_model(**widths, **synthetic_options)` with `fields` set over it (a
+    head_dim, max_position_embeddings, an architecture's features), spec-checked."""
+    from colibri_format import spec as S
+    from colibri_format.synthetic import synthetic_model
+
+    model = synthetic_model(**widths, **(synthetic_options or {}))
+    model.update(fields)
+    S.check_model(model)
+    return model
 
 
 def write_timed(path: Path, model: dict, log: Callable[[str], None], **write_options) -> dict:
