@@ -1,16 +1,20 @@
-"""Held-out quality of the bundled demo model when the prefill expert GEMM rounds its activations to bf16
-(`EngineConfig(fast_expert_gemm="bf16")`) instead of splitting them into bf16 hi + lo ("split", the default).
+"""Held-out quality of the bundled demo model when the expert products round their inputs: to bf16 (the prefill
+GEMM's `EngineConfig(fast_expert_gemm="bf16")` instead of bf16 hi + lo, "split", the default), or to int8 with one
+scale per group of 32 inputs (what a dp4a / int8 tensor-core expert kernel, W8A8 or W4A8, would compute; no such
+kernel exists yet: this says whether one is worth writing).
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_bf16_activations.py --threads 1 --out q.json
+    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32] --out q.json
 
-The CUDA kernel cannot run here, so its arithmetic is emulated on the NumPy engine (float32): "bf16" rounds each
-expert product's input to bf16 (round to nearest even, as `ops.split_bf16`'s hi half) - x before gate_up, and
-silu(gate) * up before down - and multiplies in float32, which is what the kernel's bf16 tensor-core products with
-fp32 accumulation compute up to summation order; "split" keeps about 16 bits of each input, within ~1e-5 of the
-float32 engine, so the unmodified NumPy engine stands for it. Both rows score the default conversion (float16 dense,
-int8 row experts) over the windows of `benchmarks/quality.py` (every predicted token of eval.txt unless --tokens),
-against transformers bf16 and fp32 as references, with quality.py's columns. Only prefill passes (more rows than
-the GEMV path takes) run the grouped GEMM on the GPU; a window's logits are one prefill, as here.
+The CUDA kernels cannot run here, so their arithmetic is emulated on the NumPy engine (float32) in every pass: "bf16"
+rounds each expert product's input to bf16 (round to nearest even, as `ops.split_bf16`'s hi half) - x before
+gate_up, and silu(gate) * up before down - and multiplies in float32, which is what the kernel's bf16 tensor-core
+products with fp32 accumulation compute up to summation order; "int8_g32" replaces each group of 32 inputs by
+rint(v / s) * s with s = max|v| / 127 of the group (symmetric, as llama.cpp's q8_1 activations), which an integer
+kernel's int32 group sums times s and the weight scales compute exactly. "split" keeps about 16 bits of each
+input, within ~1e-5 of the float32 engine, so the unmodified NumPy engine stands for it. Every row scores the
+default conversion (float16 dense, int8 row experts) over the windows of `benchmarks/quality.py` (every predicted
+token of eval.txt unless --tokens), against transformers bf16 and fp32 as references, with quality.py's columns.
+The windows are prefill passes; a decode step's rows are rounded the same way, row by row.
 """
 
 from __future__ import annotations
@@ -32,20 +36,38 @@ from colibri_format.dtypes import float32_to_bf16_bits  # noqa: E402
 from colibri_format.runtime import numpy_backend  # noqa: E402
 
 
+INT8_GROUP = 32         # inputs sharing one int8 scale
+
+
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """x rounded to the nearest bf16 value (ties to even), kept in x's float dtype."""
     bits = float32_to_bf16_bits(np.asarray(x, np.float32)).astype(np.uint32) << np.uint32(16)
     return bits.view(np.float32).astype(x.dtype, copy=False)
 
 
+def round_to_int8_groups(x: np.ndarray) -> np.ndarray:
+    """Each row's groups of INT8_GROUP values replaced by rint(v / s) * s, s = max|v| / 127 of the group (a group of
+    zeros stays zero), kept in x's dtype."""
+    rows, cols = x.shape
+    if cols % INT8_GROUP:
+        raise ValueError(f"{cols} inputs are not whole groups of {INT8_GROUP}")
+    g = x.reshape(rows, cols // INT8_GROUP, INT8_GROUP)
+    scale = np.abs(g).max(axis=2, keepdims=True) / 127
+    q = np.rint(np.divide(g, scale, out=np.zeros_like(g), where=scale > 0))
+    return (q * scale).reshape(rows, cols).astype(x.dtype, copy=False)
+
+
+FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups}
+
+
 @contextmanager
-def bf16_expert_inputs():
-    """numpy_backend.expert_ffn with both products' inputs rounded to bf16 while the block runs (moe() looks the
-    function up at each call)."""
+def rounded_expert_inputs(round_input):
+    """numpy_backend.expert_ffn with both products' inputs passed through `round_input` while the block runs (moe()
+    looks the function up at each call)."""
     real = numpy_backend.expert_ffn
 
     def rounded(x, gate_up, down, *, act=None, gate_up_bias=None, down_bias=None):
-        h = round_to_bf16(x) @ gate_up.T
+        h = round_input(x) @ gate_up.T
         if gate_up_bias is not None:
             h = h + gate_up_bias
         inter = gate_up.shape[0] // 2
@@ -53,7 +75,7 @@ def bf16_expert_inputs():
             a = numpy_backend.silu(h[:, :inter]) * h[:, inter:]
         else:
             a = numpy_backend.clamped_swiglu(h[:, :inter], h[:, inter:], **act)
-        y = round_to_bf16(a) @ down.T
+        y = round_input(a) @ down.T
         return y if down_bias is None else y + down_bias
 
     numpy_backend.expert_ffn = rounded
@@ -69,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--batch", type=int, default=4, help="windows per forward pass")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers rows")
+    p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {', '.join(FORMS)}")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    forms = args.forms.split(",")
+    if set(forms) - set(FORMS):
+        p.error(f"unknown --forms {sorted(set(forms) - set(FORMS))}; known: {', '.join(FORMS)}")
 
     import torch
 
@@ -79,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     wins = quality.windows(quality.held_out_ids(), args.window, args.tokens)
     scores = {f"transformers {tag}": quality.score_transformers(wins, tag, args.batch) for tag in ("bf16", "fp32")}
-    with tempfile.TemporaryDirectory(prefix="colibri-bf16-act-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="colibri-act-") as tmp:
         path = Path(tmp) / "default.colibri"
         convert(quality.MODEL_DIR, path, resume=False)
         scores["colibri f16 / int8 row, split (fp32-class) activations"] = quality.score_colibri(path, wins,
                                                                                                args.batch)
-        with bf16_expert_inputs():
-            scores["colibri f16 / int8 row, bf16 expert activations"] = quality.score_colibri(path, wins,
-                                                                                            args.batch)
+        for form in forms:
+            with rounded_expert_inputs(FORMS[form]):
+                scores[f"colibri f16 / int8 row, {form} expert activations"] = quality.score_colibri(
+                    path, wins, args.batch)
     ref_bf16, ref_fp32 = scores["transformers bf16"], scores["transformers fp32"]
     rows = [quality.summarize(name, s, ref_bf16, ref_fp32, wins) for name, s in scores.items()]
     table = quality.markdown(rows)
