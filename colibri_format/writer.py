@@ -37,6 +37,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,18 +97,30 @@ class Slot:
 
 class _WriteBuffer:
     """One thread's write buffer: bytes for the file positions [start, start + length), and the pieces
-    finished in it (their checksums are recorded once those bytes are written)."""
+    finished in it (their checksums are recorded once those bytes are written). With `blocks` 2 (direct I/O)
+    it fills one block of memory while the other one's write is under way (`pending`)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, blocks: int = 1) -> None:
         # Kept for the thread's whole run (fresh pages are costly); page-aligned, one page larger than `capacity`:
         # `data` starts at the file offset's position within a page, so that every page boundary of the file
         # falls on a page boundary of memory (what O_DIRECT needs).
-        self._memory = _aligned_buffer(capacity + DIRECT_ALIGN)
+        self._blocks = [_aligned_buffer(capacity + DIRECT_ALIGN) for _ in range(blocks)]
+        self.pending: list[Future | None] = [None] * blocks
+        self.current = 0
+        self._memory = self._blocks[0]
         self.capacity = capacity
         self.data = self._memory[:capacity]
         self.start = 0
         self.length = 0
         self.finished: list[tuple[PieceKey, int]] = []
+
+    def switch(self) -> Future | None:
+        """Go on in the next block (the caller took this one's bytes); returns that block's write in flight."""
+        self.current = (self.current + 1) % len(self._blocks)
+        self._memory = self._blocks[self.current]
+        self.data = self._memory[:self.capacity]
+        pending, self.pending[self.current] = self.pending[self.current], None
+        return pending
 
     def room(self, offset: int, n: int) -> np.ndarray | None:
         """A view to fill with the n bytes at file `offset` (None: flush first, or too big for the buffer)."""
@@ -166,7 +179,7 @@ class PieceStream:
             return None
         room = self._buffer.room(self.slot.offset + self.pos, n)
         if room is None and n <= len(self._buffer.data):
-            self._writer.flush()
+            self._writer.flush(wait=False)
             room = self._buffer.room(self.slot.offset + self.pos, n)
         self._reserved = n if room is not None else 0
         return room
@@ -238,6 +251,7 @@ class ColibriWriter:
         # One positional write at a time: the kernel serializes writes to one file anyway (the inode lock),
         # and a thread waiting here sleeps, where one waiting on the inode lock spins on a CPU.
         self._write_lock = threading.Lock()
+        self._io: ThreadPoolExecutor | None = None  # direct I/O: writes a full buffer while its thread goes on
         self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
         self._part_id = file_id(self._fd)
@@ -335,21 +349,50 @@ class ColibriWriter:
         if buffered:
             buffer = getattr(self._write_buffers, "buffer", None)
             if buffer is None:
-                buffer = self._write_buffers.buffer = _WriteBuffer(WRITE_BUFFER_BYTES)
+                buffer = self._write_buffers.buffer = _WriteBuffer(WRITE_BUFFER_BYTES, 2 if self._dfd >= 0 else 1)
         return PieceStream(self, self.slot(key), buffer)
 
-    def flush(self) -> None:
-        """Write out the calling thread's write buffer, then record the checksums of the pieces finished in it."""
+    def flush(self, wait: bool = True) -> None:
+        """Write out the calling thread's write buffer, then record the checksums of the pieces finished in it.
+        With direct I/O the write runs on a helper thread while the caller fills the buffer's other block;
+        `wait` (the default; streams pass False when the buffer is full) returns only once every write of this
+        thread's buffer is done, and raises the first that failed (its pieces never count)."""
         buffer = getattr(self._write_buffers, "buffer", None)
         if buffer is None:
             return
         # Both taken out first: a failed write is not retried, and the pieces it held never count.
         length, buffer.length = buffer.length, 0
         finished, buffer.finished = buffer.finished, []
-        data = memoryview(buffer.data)
-        step = length if self._dfd >= 0 else WRITE_CALL_BYTES  # direct: one write (no page-cache folios to size)
-        for pos in range(0, length, max(step, 1)):
-            self._write_at(data[pos:min(length, pos + step)], buffer.start + pos)
+        data = memoryview(buffer.data)[:length]
+        errors = []
+        if length and len(buffer.pending) > 1:
+            if self._io is None:
+                with self._write_lock:
+                    if self._io is None:
+                        self._io = ThreadPoolExecutor(4, thread_name_prefix="colibri-write")
+            buffer.pending[buffer.current] = self._io.submit(self._write_out, data, buffer.start, finished)
+            self._settle(buffer.switch(), errors)  # the block about to be refilled must be written out first
+        elif length:
+            self._write_out(data, buffer.start, finished)
+        if wait:
+            for i, pending in enumerate(buffer.pending):
+                buffer.pending[i] = None
+                self._settle(pending, errors)
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _settle(pending: Future | None, errors: list[BaseException]) -> None:
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as exc:
+                errors.append(exc)
+
+    def _write_out(self, data: memoryview, start: int, finished: list[tuple[PieceKey, int]]) -> None:
+        step = len(data) if self._dfd >= 0 else WRITE_CALL_BYTES  # direct: one write (no page-cache folios to size)
+        for pos in range(0, len(data), step):
+            self._write_at(data[pos:pos + step], start + pos)
         for key, checksum in finished:
             self.checksums[key] = checksum
 
@@ -536,6 +579,9 @@ class ColibriWriter:
         return remove_part and unlink_if_ours(self.part_path, self._part_id)
 
     def _close_direct(self) -> None:
+        if self._io is not None:  # writes still in flight (after an error) end before their descriptor
+            self._io.shutdown(wait=True)
+            self._io = None
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1
