@@ -524,7 +524,7 @@ class ColibriWriter:
     def read_back_later(self, keys: list[PieceKey]) -> None:
         """Direct I/O only: re-hash these written pieces from the device now, on a helper thread, so that the
         read-back overlaps the rest of the conversion (`read_back_results`); a no-op otherwise."""
-        if self._dfd < 0:
+        if self._dfd < 0 or os.environ.get("COLIBRI_NO_EARLY_READBACK"):
             return
         with self._write_lock:
             if self._reader is None:
