@@ -444,7 +444,6 @@ def _do_run(job: Job, writer: ColibriWriter, run: list[Piece]) -> list[tuple[Pie
         for piece in run:
             done.append(_do_piece(job, writer, piece))
         writer.flush()
-        writer.read_back_later([p.key for p, _ in done])
     except BaseException as exc:
         with contextlib.suppress(Exception):
             writer.flush()  # the pieces finished before the error; a failed write counts none of them
