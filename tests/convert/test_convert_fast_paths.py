@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -436,6 +437,64 @@ def test_the_same_file_for_any_workers_runs_and_buffer(ckpt, tmp_path, monkeypat
         out = tmp_path / f"m{len(options)}.colibri"
         convert(ckpt, out, workers=workers, **options)
         assert _digests(out) == (data, errors)
+
+
+# --- direct I/O (writer.py: whole pages of write buffers with O_DIRECT, read back through O_DIRECT) ----------------
+def _refuse_o_direct(monkeypatch) -> None:
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+@pytest.mark.parametrize("how", ["probed", "refused", "unavailable", "tmpfs"])
+def test_direct_and_buffered_writes_give_the_same_file(ckpt, tmp_path, monkeypatch, how):
+    """Where the filesystem refuses O_DIRECT (EINVAL at the probe) or the platform has none, everything is written
+    buffered, and so on tmpfs (which takes O_DIRECT but keeps the file in memory anyway); either way the bytes are
+    the pinned ones (with direct I/O, dense tensors at 256-byte offsets cross page boundaries: their partial pages
+    go through the page cache, their whole pages direct)."""
+    if how == "refused":
+        _refuse_o_direct(monkeypatch)
+    elif how == "unavailable":
+        monkeypatch.setattr(writer_mod, "_O_DIRECT", 0)
+    elif how == "tmpfs":
+        monkeypatch.setattr(writer_mod, "_filesystem_type", lambda fd: 0x01021994)
+    w = ColibriWriter(tmp_path / "probe.colibri", _model(), dense_dtype=S.DType.F16,
+                      expert_format=S.ExpertFormat.INT8_ROW)
+    direct = w.direct_io
+    assert os.pread(w._fd, S.DATA_OFFSET, 0) == bytes(S.DATA_OFFSET)  # the probe leaves the header page zero
+    w.abort(remove_part=True)
+    if how != "probed":
+        assert not direct
+    for options, data, errors in PINNED[:3]:
+        out = tmp_path / f"m{len(options)}.colibri"
+        convert(ckpt, out, workers=2, **options)
+        assert _digests(out) == (data, errors)
+
+
+def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(ckpt, tmp_path, monkeypatch):
+    """One byte of one write altered on its way to the file: the read-back (right after the run with direct I/O,
+    at the end otherwise) finds it, and nothing is renamed into place."""
+    real = ColibriWriter._write_at
+    state = {"done": False}
+
+    def altered(self, data, offset):
+        data = memoryview(data).cast("B")
+        if not state["done"] and len(data) > 4096 and offset >= self.plan.experts_offset:
+            state["done"] = True
+            data = bytearray(data)
+            data[100] ^= 1
+        real(self, data, offset)
+
+    monkeypatch.setattr(ColibriWriter, "_write_at", altered)
+    out = tmp_path / "m.colibri"
+    with pytest.raises(WriteError, match="does not read back as written"):
+        convert(ckpt, out, workers=2)
+    assert state["done"] and not out.exists()
 
 
 def test_writes_do_not_grow_with_the_number_of_pieces(tmp_path, monkeypatch):

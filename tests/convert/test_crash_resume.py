@@ -150,7 +150,7 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
     subprocess.run(_cli(big_ckpt, tmp_path / "timing.colibri", "--workers", "1"), env=ENV, check=True, timeout=120)
     full = time.monotonic() - start
     kills, rc, most_saved = 0, None, 0
-    for round_ in range(6):
+    for round_ in range(12):
         # --force: a round killed between the rename and its exit leaves a complete file to replace
         proc = subprocess.Popen(_cli(big_ckpt, out, "--workers", "1", "--force"), env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -164,7 +164,13 @@ def test_random_sigkills_then_resume_is_byte_identical(big_ckpt, big_clean, tmp_
             kills += 1
         rc = proc.wait(timeout=120)
         if rc == 0:
-            break
+            if kills >= 2:
+                break
+            # Done before its kill (the timing run was slow, e.g. under other I/O): the file must be complete;
+            # convert it again from scratch (--force), killing sooner.
+            assert _digest(out) == big_clean
+            full /= 2
+            continue
         assert rc == -signal.SIGKILL, proc.stderr.read()[-2000:]
         # Killed after the rename (between it and the exit) the file is there, and complete.
         assert not out.exists() or _digest(out) == big_clean
