@@ -26,6 +26,7 @@ import pytest
 
 from colibri_format.cli.errors import DEBUG_HINT
 from colibri_format.runtime.cache.trace import read_trace
+from tests.subprocesses import default_sigint
 
 ENV = {k: v for k, v in os.environ.items() if k != "COLIBRI_DEBUG"} | {"COLUMNS": "200", "NO_COLOR": "1"}
 
@@ -280,7 +281,7 @@ class Running:
     def __init__(self, *args: str, stdin: bool = False) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "colibri_format", *args], env=ENV,
                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
         self.out = b""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from colibri_format.cli import main
+from tests.subprocesses import default_sigint
 
 
 def test_help(capsys):
@@ -77,7 +78,8 @@ def test_the_command_serves_until_ctrl_c(demo_file):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "colibri_format", "serve", demo_file, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_sigint)   # the Ctrl-C reaches it even if this run ignores SIGINT
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
