@@ -254,11 +254,7 @@ class ExpertPool:
         self.layers = sorted(args.moe_layers)
         self.E = int(reader.tables.plan.num_experts)
         self.scope, self.capacity = config.cache_scope, capacity
-        self.loading = getattr(config, "expert_loading", "fill")
-        if self.loading not in EXPERT_LOADING:
-            raise InvalidInput(f"expert_loading must be one of {', '.join(EXPERT_LOADING)}", field="expert_loading",
-                               value=self.loading)
-        self.copy_bytes_per_pass = COPY_BYTES_PER_PASS      # admission copies queued per pass (at least one blob)
+        self.loading = config.expert_loading                # checked by EngineConfig
         self.resident, self.slots = pool_plan(capacity, self.scope, len(self.layers), self.E)
         check_budget(self.slots, self.blob_size, be.free_memory(), self.scope, len(self.layers), self.resident)
         self.compute, self.copy_stream = compute_stream, be.new_stream()
@@ -502,7 +498,7 @@ class ExpertPool:
         # a victim's slot (or fill it, armed for another) were all queued before the table write just above, which
         # pointed their entries back at the host; the passes after it cannot reach the slots being written.
         be.wait(self.copy_stream, be.record(self.compute))
-        budget = max(1, self.copy_bytes_per_pass // self.blob_size)
+        budget = max(1, COPY_BYTES_PER_PASS // self.blob_size)
         batch = {}
         for key in list(self._copying)[:budget]:          # the rest wait for the next passes (read from the host)
             index = self._copying.pop(key)
