@@ -26,6 +26,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.args import ModelArgs
+from colibri_format.runtime.cache.expert_cache import ADMISSIONS, ExpertCache
 from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, ExpertPool, capacity_from_budget,
                                                  parse_memory)
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
@@ -91,7 +92,7 @@ class EngineConfig:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
         if self.device not in ("cpu", "cuda"):
             raise InvalidInput("device must be 'cpu' or 'cuda'", field="device", value=self.device)
-        if self.cache_admission not in ("always", "frequency"):
+        if self.cache_admission not in ADMISSIONS:
             raise InvalidInput("cache_admission must be 'always' or 'frequency'", field="cache_admission",
                                value=self.cache_admission)
         if self.expert_loading not in EXPERT_LOADING:
@@ -181,8 +182,6 @@ def _check_index_topk(args, config: EngineConfig) -> None:
 
 
 def make_cache(config: EngineConfig, capacity: int | None, on_evict=None):
-    from colibri_format.runtime.cache.expert_cache import ExpertCache
-
     pinned = [tuple(p) for p in config.pinned_experts] if config.pinned_experts is not None else None
     history = config.cache_history and config.cache_policy in ("lfu", "lrfu")
     cache = ExpertCache(capacity, policy=config.cache_policy, scope=config.cache_scope,

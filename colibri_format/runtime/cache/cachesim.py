@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cache.expert_cache import (SCOPES, BeladyPolicy, CachePolicy, check_decay, make_policy,
-                                          next_use)
+from colibri_format.runtime.cache.expert_cache import (ADMISSIONS, SCOPES, BeladyPolicy, CachePolicy, check_decay,
+                                                       make_policy, next_use)
 from colibri_format.runtime.cache.trace import (Accesses, Trace, access_sequence, check_shape, make_header,
                                                 read_accesses, records_from_arrays)
 
@@ -350,7 +350,7 @@ def run_cache_sim(trace: str | os.PathLike[str] | Trace, capacities: str, policy
     if blob_bytes is not None and (isinstance(blob_bytes, bool) or not isinstance(blob_bytes, int)
                                    or blob_bytes < 0):
         raise InvalidInput("blob_bytes must be a non-negative integer", field="blob_bytes", value=blob_bytes)
-    if admission not in ("always", "frequency"):
+    if admission not in ADMISSIONS:
         raise InvalidInput(f"unknown admission {admission!r}; expected always or frequency", field="admission",
                            value=admission)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
