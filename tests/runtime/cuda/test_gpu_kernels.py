@@ -279,6 +279,36 @@ def test_attention_decode_merges_in_its_last_block_and_leaves_tickets_zero(cp, r
         assert int(ws.tickets.sum()) == 0
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_decode_work_follows_the_length_not_the_splits(cp, rng, window):
+    """A workspace and split count planned for a long cache (as a captured graph is), replayed at lengths from 1 to
+    the capacity: splits get >= ATT_DECODE_MIN_KEYS keys each and the merge reads only the splits that hold keys,
+    so short rows leave most splits empty; every length stays exact and the tickets end at zero."""
+    S, cap, nkv, nh, hd = 2, 1100, 4, 32, 128
+    ns = ops.limits.ATT_MAX_SPLITS
+    kc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    vc = cp.asarray(float32_to_bf16_bits(rng.standard_normal((S, cap, nkv, hd)).astype(np.float32)))
+    sinks = rng.standard_normal(nh).astype(np.float32)
+    ws = ops.AttentionWorkspace(2, nh, hd, ns)
+    k_h, v_h = f64(kc.get()), f64(vc.get())
+    for lens in ([1, 15], [16, 17], [33, 100], [1023, 1024], [1100, 2]):
+        q_seq, q_len = np.array([0, 1], np.int32), np.array(lens, np.int32)
+        q = rng.standard_normal((2, nh, hd)).astype(np.float32)
+        exp = nb.attention(f64(q), k_h, v_h, q_seq, q_len, 0.1, window=window, sinks=f64(sinks))
+        out = ops.attention(cp.asarray(q), kc, vc, cp.asarray(q_seq), cp.asarray(q_len), 0.1, window=window,
+                            sinks=cp.asarray(sinks), out=nan_like(cp, q.shape), nsplit=ns, workspace=ws)
+        assert rel(out.get(), exp) < F32_TOL, lens
+        assert int(ws.tickets.sum()) == 0
+
+
+def test_attention_refuses_more_splits_than_the_merge_holds(cp, rng):
+    kc = cp.zeros((1, 8, 1, 64), cp.float32)
+    q = cp.zeros((1, 1, 64), cp.float32)
+    rows = cp.zeros(1, cp.int32), cp.ones(1, cp.int32)
+    with pytest.raises(ValueError, match="nsplit"):
+        ops.attention(q, kc, kc, *rows, 0.1, nsplit=ops.limits.ATT_MAX_SPLITS + 1)
+
+
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
 def test_embedding(cp, rng, wdt):
     V, H = 100, 64

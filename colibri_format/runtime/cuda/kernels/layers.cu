@@ -235,6 +235,26 @@ ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 #endif
 #define ATT_HPW (ATT_GMAX / ATT_WARPS)
 static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
+#ifndef ATT_DECODE_MIN_KEYS
+#error "ATT_DECODE_MIN_KEYS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef ATT_MAX_SPLITS
+#error "ATT_MAX_SPLITS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+// Keys a split of attention_decode takes: the span over nsplit, but at least ATT_DECODE_MIN_KEYS, so a short context
+// (decode at position 60 in a graph captured for a 32k cache) runs on a few splits and the merge reads only those
+// (splits past the span have no keys and are not merged). The grid, fixed at capture, follows the capacity; the
+// work follows the length.
+static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
+__device__ __forceinline__ int attention_decode_chunk(int span, int nsplit) {
+    return max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
+}
+
+// The splits that hold keys (the first ones): span / chunk rounded up, 0 for an empty span.
+__device__ __forceinline__ int attention_decode_used_splits(int span, int nsplit) {
+    const int chunk = attention_decode_chunk(span, nsplit);
+    return span > 0 ? min(nsplit, (span + chunk - 1) / chunk) : 0;
+}
 // One warp's heads of attention_decode over its split's keys: the partials (or, unsplit, the output).
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
@@ -250,7 +270,7 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int len = q_len[n];
     const int first = window > 0 ? max(0, len - window) : 0;
-    const int chunk = (len - first + nsplit - 1) / nsplit;
+    const int chunk = attention_decode_chunk(len - first, nsplit);
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
     const size_t row = (size_t)nkv * HD;
     const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
@@ -336,12 +356,17 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
 // With splits, the last block of a (row, kv head, head chunk) to finish merges the chunk's heads (as
 // attention_merge does, sinks included) and resets the ticket to 0 for the next launch (graph replays): one launch
 // less per layer. Partials are read past L1 (written by other blocks); the fence orders them before the ticket.
+// Only the `used` splits that hold keys are read. A warp per head first turns the splits' (max, sum) into weights
+// exp(m_s - max) / denominator in shared memory, with lanes across splits (independent loads, one round trip);
+// then each thread sums its output values' partials with those weights, so no thread runs a serial chain of
+// dependent loads and exponentials per split (the merge was most of a short-context decode call before).
 template <int HD>
 __device__ __forceinline__ void attention_merge_last(const float* part_ml, const float* part_acc,
                                                      const float* __restrict__ sinks, int* __restrict__ tickets,
-                                                     float* __restrict__ out, int nh, int nsplit, int n, int kvh,
-                                                     int G, int g0, int ng) {
+                                                     float* __restrict__ out, int nh, int nsplit, int used, int n,
+                                                     int kvh, int G, int g0, int ng) {
     __shared__ int s_last;
+    __shared__ float s_w[ATT_GMAX][ATT_MAX_SPLITS];
     const float NEG_INF = __int_as_float(0xff800000);
     const int ticket_id = (n * gridDim.y + kvh) * (gridDim.z / nsplit) + g0 / ATT_GMAX;
     __syncthreads();                                  // every warp's partials are written
@@ -352,25 +377,41 @@ __device__ __forceinline__ void attention_merge_last(const float* part_ml, const
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < ng * HD; i += blockDim.x) {
-        const int g = i / HD, d = i - g * HD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < ng; g += ATT_WARPS) {
         const int head = kvh * G + g0 + g;
         const size_t r = (size_t)n * nh + head;
-        float mx = sinks != nullptr ? __ldg(sinks + head) : NEG_INF;
-        const float sink = mx;
-        for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, __ldcg(part_ml + (r * nsplit + sp) * 2));
-        float num = 0.0f, den = 0.0f;
-        if (mx != NEG_INF) {
-            for (int sp = 0; sp < nsplit; ++sp) {
-                const float ms = __ldcg(part_ml + (r * nsplit + sp) * 2);
-                if (ms == NEG_INF) continue;
-                const float c = expf(ms - mx);
-                num = fmaf(__ldcg(part_acc + (r * nsplit + sp) * HD + d), c, num);
-                den = fmaf(__ldcg(part_ml + (r * nsplit + sp) * 2 + 1), c, den);
-            }
-            if (sink != NEG_INF) den += expf(sink - mx);
+        const float sink = sinks != nullptr ? __ldg(sinks + head) : NEG_INF;
+        float ms[ATT_MAX_SPLITS / 32], ls[ATT_MAX_SPLITS / 32];
+        float mx = sink;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) {
+            const int sp = lane + 32 * i;
+            ms[i] = sp < used ? __ldcg(part_ml + (r * nsplit + sp) * 2) : NEG_INF;
+            ls[i] = sp < used ? __ldcg(part_ml + (r * nsplit + sp) * 2 + 1) : 0.0f;
+            mx = fmaxf(mx, ms[i]);
         }
-        out[r * HD + d] = den > 0.0f ? num / den : 0.0f;
+        mx = warp_max(mx);
+        float den = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) {
+            ms[i] = ms[i] == NEG_INF ? 0.0f : expf(ms[i] - mx);     // mx finite where any m_s is
+            den = fmaf(ls[i], ms[i], den);
+        }
+        den = warp_sum(den);
+        if (sink != NEG_INF) den += expf(sink - mx);
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) s_w[g][lane + 32 * i] = ms[i] * inv;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ng * HD; i += blockDim.x) {
+        const int g = i / HD, d = i - g * HD;
+        const size_t r = (size_t)n * nh + kvh * G + g0 + g;
+        const float* acc = part_acc + r * nsplit * HD + d;
+        float num = 0.0f;
+        for (int sp = 0; sp < used; ++sp) num = fmaf(__ldcg(acc + (size_t)sp * HD), s_w[g][sp], num);
+        out[r * HD + d] = num;
     }
     if (threadIdx.x == 0) tickets[ticket_id] = 0;
 }
@@ -390,10 +431,14 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     const int n = blockIdx.x, kvh = blockIdx.y;
     const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
     const int G = nh / nkv, g0 = gchunk * ATT_GMAX, ng = min(ATT_GMAX, G - g0);
-    if (warp * ATT_HPW < ng)                        // else no head of this chunk for this warp
+    const int len = q_len[n], span = len - (window > 0 ? max(0, len - window) : 0);
+    const int used = attention_decode_used_splits(span, nsplit);
+    // unsplit, the one block writes the output even for an empty span; split, blocks past `used` have no keys
+    if (warp * ATT_HPW < ng && (nsplit == 1 || split < used))   // else no head of this chunk for this warp
         attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv, capacity,
                                        window, scale, nsplit, n, kvh, split, G, g0, ng);
-    if (nsplit > 1) attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, n, kvh, G, g0, ng);
+    if (nsplit > 1)
+        attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }
 
 #define ATTENTION_DECODE_KERNEL(SUF, TC, HPL)                                                                   \

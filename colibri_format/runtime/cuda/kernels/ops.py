@@ -774,10 +774,11 @@ def rmsnorm(x, w, eps: float, *, out_dtype=None, w_offset: float = 0.0, out=None
 
 def attention_splits(num_rows: int, kv_heads: int, group: int, max_len: int) -> int:
     """Context splits of the attention kernels: enough blocks for two waves, at least 64 keys a split (the split
-    kernel) or ATT_DECODE_MIN_KEYS (the decode kernel, up to ATT_DECODE_MAX_ROWS query rows), at most 64."""
+    kernel) or ATT_DECODE_MIN_KEYS (the decode kernel, up to ATT_DECODE_MAX_ROWS query rows), at most
+    ATT_MAX_SPLITS. (The decode kernel then gives each split at least ATT_DECODE_MIN_KEYS of the real length.)"""
     blocks = num_rows * kv_heads * -(-group // ATT_GMAX)
     min_keys = ATT_DECODE_MIN_KEYS if num_rows <= ATT_DECODE_MAX_ROWS else 64
-    return max(1, min(-(-max_len // min_keys), -(-2 * _sm_count() // blocks), 64))
+    return max(1, min(-(-max_len // min_keys), -(-2 * _sm_count() // blocks), limits.ATT_MAX_SPLITS))
 
 
 class AttentionWorkspace:
@@ -844,6 +845,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     cap = k_cache.shape[1]
     args_tail = (np.int32(nh), np.int32(nkv), np.int32(cap), np.int32(window), np.float32(scale))
     ns = nsplit or attention_splits(NQ, nkv, group, max_len or cap)
+    if not 1 <= ns <= limits.ATT_MAX_SPLITS:
+        raise ValueError(f"nsplit {ns} outside 1..{limits.ATT_MAX_SPLITS}")
     if ns > 1:
         ws = workspace or AttentionWorkspace(NQ, nh, hd, ns)
         if ws.shape != (NQ, nh, hd, ns):
