@@ -38,7 +38,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +273,8 @@ class ColibriWriter:
         # and a thread waiting here sleeps, where one waiting on the inode lock spins on a CPU.
         self._write_lock = threading.Lock()
         self._io: ThreadPoolExecutor | None = None  # direct I/O: writes a full buffer while its thread goes on
+        self._read_backs: dict[PieceKey, tuple[int, Future]] = {}  # read_back_later: checksum, re-hash on disk
+        self._reader: ThreadPoolExecutor | None = None  # its own thread: reads never queue ahead of writes
         self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
         self._part_id = file_id(self._fd)
@@ -388,11 +390,7 @@ class ColibriWriter:
         data = memoryview(buffer.data)[:length]
         errors = []
         if length and len(buffer.pending) > 1:
-            if self._io is None:
-                with self._write_lock:
-                    if self._io is None:
-                        self._io = ThreadPoolExecutor(4, thread_name_prefix="colibri-write")
-            buffer.pending[buffer.current] = self._io.submit(self._write_out, data, buffer.start, finished)
+            buffer.pending[buffer.current] = self._executor().submit(self._write_out, data, buffer.start, finished)
             self._settle(buffer.switch(), errors)  # the block about to be refilled must be written out first
         elif length:
             self._write_out(data, buffer.start, finished)
@@ -402,6 +400,12 @@ class ColibriWriter:
                 self._settle(pending, errors)
         if errors:
             raise errors[0]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._write_lock:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(4, thread_name_prefix="colibri-io")
+            return self._io
 
     @staticmethod
     def _settle(pending: Future | None, errors: list[BaseException]) -> None:
@@ -517,6 +521,31 @@ class ColibriWriter:
             skip = 0
         return h.intdigest()
 
+    def read_back_later(self, keys: list[PieceKey]) -> None:
+        """Direct I/O only: re-hash these written pieces from the device now, on a helper thread, so that the
+        read-back overlaps the rest of the conversion (`read_back_results`); a no-op otherwise."""
+        if self._dfd < 0:
+            return
+        with self._write_lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="colibri-read-back")
+            io = self._reader
+        for key in keys:
+            checksum = self.checksums.get(key)
+            if checksum is not None:
+                self._read_backs[key] = (checksum, io.submit(self.checksum_on_disk, self.slot(key)))
+
+    def read_back_results(self) -> set[PieceKey]:
+        """The pieces that `read_back_later` found intact and that still carry the checksum it checked."""
+        ok = set()
+        for key, (checksum, future) in self._read_backs.items():
+            try:
+                if future.result() == checksum == self.checksums.get(key):
+                    ok.add(key)
+            except (OSError, CancelledError):
+                pass  # re-read (and reported) by the caller
+        return ok
+
     def keep_if_intact(self, key: PieceKey, checksum: int) -> bool:
         """Resume: take over a piece an earlier run wrote, if its bytes still hash to `checksum`."""
         intact = self.checksum_on_disk(self.slot(key)) == checksum
@@ -601,9 +630,11 @@ class ColibriWriter:
         return remove_part and unlink_if_ours(self.part_path, self._part_id)
 
     def _close_direct(self) -> None:
-        if self._io is not None:  # writes still in flight (after an error) end before their descriptor
-            self._io.shutdown(wait=True)
-            self._io = None
+        # writes still in flight (after an error) end before their descriptor; queued read-backs are dropped
+        for pool in (self._io, self._reader):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=pool is self._reader)
+        self._io = self._reader = None
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1
