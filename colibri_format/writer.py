@@ -21,10 +21,12 @@ of a buffer before its first and after its last page boundary, and every other w
 sections and header of `finalize`), go through the page cache as before; they never share a page with a direct
 write, and the kernel keeps the two paths coherent either way (a direct write flushes and drops cached pages of
 its range first). The read-back (resume, the final verify pass) then reads through O_DIRECT as well, so it
-checks what the device holds instead of filling the page cache. fsync of the `.part` covers both descriptors
-(one inode), so the durability protocol is unchanged. Where O_DIRECT is refused (EINVAL: no direct I/O, or an
-alignment it does not take) everything is written buffered; so it is on tmpfs and ramfs, which take O_DIRECT but
-keep the file in the page cache anyway.
+checks what the device holds instead of filling the page cache; a converter's pieces can be read back as soon as
+their writes are done (`read_back_later`), which is sound because each piece's `Slot` is made once, bounds every
+write of the piece and is what the tables record, and the slots and sections are checked disjoint
+(convert/verify.py). fsync of the `.part` covers both descriptors (one inode), so the durability protocol is
+unchanged. Where O_DIRECT is refused (EINVAL: no direct I/O, or an alignment it does not take) everything is
+written buffered; so it is on tmpfs and ramfs, which take O_DIRECT but keep the file in the page cache anyway.
 
 `finalize()` writes the metadata, the directory, the WSIT and, last, the header; then fsync, rename over
 the destination and fsync the folder. An interrupted job therefore never leaves anything at the
@@ -38,7 +40,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +51,9 @@ from . import spec as S
 from .dtypes import NUMPY_STORAGE, to_storage
 from .errors import InvalidInput, WriteError
 from .fsutil import atomic_replace, create_fresh, file_id, fsync_fd, open_private, pwrite_all, unlink_if_ours
-from .spec.checks import group_rule
+from .spec.checks import Region, check_disjoint, group_rule
 from .spec.checksum import dense_seed, digest, expert_seed, section_seed
+from .spec.structs import DENSE_ENTRY_FIELD_OFFSETS, HEADER_FIELD_OFFSETS, WSIT_ENTRY_FIELD_OFFSETS
 
 PieceKey = str | tuple[int, int]  # a dense tensor's name, or (layer, expert) of an expert blob
 # Read-back (the final verify pass, resume) in pieces that stay in a core's cache between the read and the hash: on
@@ -265,6 +268,15 @@ class ColibriWriter:
         dense = [(name, self.dense_dtype, shape) for name, shape in S.canonical_dense_tensors(model)]
         self.plan = S.plan_file(dense, tuple(model["moe_layers"]), model["num_experts"], blob)
         self._dense_index = {t.name: t for t in self.plan.dense}
+        # Every piece's slot, made once: the streams that write a piece are bounded by this very object, and the
+        # directory and WSIT entries `finalize` writes are made from it. Checked before anything is created: inside
+        # the data region, and no two sharing a byte (a planning bug never writes a byte).
+        self._slots: dict[PieceKey, Slot] = {
+            **{t.name: Slot(t.name, t.offset, t.size, dense_seed(t.name, t.offset)) for t in self.plan.dense},
+            **{(layer, e): Slot((layer, e), self.plan.blob_offset(layer, e), self.plan.blob.size,
+                                expert_seed(layer, e, self.plan.blob_offset(layer, e)))
+               for layer, e in self.plan.blob_keys()}}
+        self.check_slots()
         self.checksums: dict[PieceKey, int] = {}  # every piece written (or kept) so far
         self._before_piece_write = before_piece_write
         self._read_buffers = threading.local()
@@ -273,6 +285,8 @@ class ColibriWriter:
         # and a thread waiting here sleeps, where one waiting on the inode lock spins on a CPU.
         self._write_lock = threading.Lock()
         self._io: ThreadPoolExecutor | None = None  # direct I/O: writes a full buffer while its thread goes on
+        self._read_backs: dict[PieceKey, tuple[int, Future]] = {}  # read_back_later: checksum, re-hash on disk
+        self._reader: ThreadPoolExecutor | None = None  # its own thread: reads never queue ahead of writes
         self.part_path = part_path_for(self.path)
         self._fd = self._open_part(resume)
         self._part_id = file_id(self._fd)
@@ -351,17 +365,36 @@ class ColibriWriter:
         return [t.name for t in self.plan.dense] + self.plan.blob_keys()
 
     def slot(self, key: PieceKey) -> Slot:
-        """Where the plan puts a piece; InvalidInput when it has no such piece."""
-        if isinstance(key, str):
-            t = self._dense_index.get(key)
-            if t is None:
+        """Where the plan puts a piece (the one `Slot` the tables record); InvalidInput when it has no such piece."""
+        found = self._slots.get(key) if isinstance(key, (str, tuple)) else None
+        if found is None:
+            if isinstance(key, str):
                 raise InvalidInput("tensor is not part of this model's dense directory", field="name", value=key)
-            return Slot(key, t.offset, t.size, dense_seed(key, t.offset))
-        layer, expert = key
-        if layer not in self.plan.moe_layers or not 0 <= expert < self.plan.num_experts:
             raise InvalidInput("no such (layer, expert) in this model", field="expert", value=key)
-        offset = self.plan.blob_offset(layer, expert)
-        return Slot((layer, expert), offset, self.plan.blob.size, expert_seed(layer, expert, offset))
+        return found
+
+    def check_slots(self) -> None:
+        """LayoutError unless every piece's slot lies inside the data region (after the header, before the metadata)
+        and no two share a byte (also done when the writer is made, before the `.part` exists)."""
+        check_disjoint(self._piece_regions([(k, s.offset, s.size) for k, s in self._slots.items()]),
+                       self.plan.metadata_offset, "the data region")
+
+    def _piece_regions(self, pieces: list[tuple[PieceKey, int, int]], dir_off: int | None = None,
+                       wsit_off: int | None = None) -> list[Region]:
+        """The header and the bytes each piece's table entry records, for `check_disjoint`: `pieces` as (key, offset,
+        size), dense tensors in directory order then blobs in WSIT order; `dir_off` / `wsit_off` place the entries'
+        offset fields in the file (None: the tables are not placed yet)."""
+        regions = [Region("the header", 0, S.HEADER_SIZE, "header", 0)]
+        d_field, w_field = DENSE_ENTRY_FIELD_OFFSETS["offset"][0], WSIT_ENTRY_FIELD_OFFSETS["offset"][0]
+        n_dense = len(self.plan.dense)
+        for k, (key, offset, size) in enumerate(pieces):
+            if k < n_dense:
+                at = None if dir_off is None else dir_off + k * S.DENSE_ENTRY_SIZE + d_field
+                regions.append(Region(f"dense tensor {key!r}", offset, size, f"dense[{k}].offset", at))
+            else:
+                at = None if wsit_off is None else wsit_off + (k - n_dense) * S.WSIT_ENTRY_SIZE + w_field
+                regions.append(Region(f"expert {key}", offset, size, f"wsit[{k - n_dense}].offset", at))
+        return regions
 
     def stream(self, key: PieceKey, buffered: bool = False) -> PieceStream:
         """A stream that writes the piece `key` chunk by chunk; its `finish()` records the checksum. A buffered
@@ -388,11 +421,7 @@ class ColibriWriter:
         data = memoryview(buffer.data)[:length]
         errors = []
         if length and len(buffer.pending) > 1:
-            if self._io is None:
-                with self._write_lock:
-                    if self._io is None:
-                        self._io = ThreadPoolExecutor(4, thread_name_prefix="colibri-write")
-            buffer.pending[buffer.current] = self._io.submit(self._write_out, data, buffer.start, finished)
+            buffer.pending[buffer.current] = self._executor().submit(self._write_out, data, buffer.start, finished)
             self._settle(buffer.switch(), errors)  # the block about to be refilled must be written out first
         elif length:
             self._write_out(data, buffer.start, finished)
@@ -402,6 +431,12 @@ class ColibriWriter:
                 self._settle(pending, errors)
         if errors:
             raise errors[0]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._write_lock:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(4, thread_name_prefix="colibri-io")
+            return self._io
 
     @staticmethod
     def _settle(pending: Future | None, errors: list[BaseException]) -> None:
@@ -517,6 +552,31 @@ class ColibriWriter:
             skip = 0
         return h.intdigest()
 
+    def read_back_later(self, keys: list[PieceKey]) -> None:
+        """Direct I/O only: re-hash these written pieces from the device now, on a helper thread, so that the
+        read-back overlaps the rest of the conversion (`read_back_results`); a no-op otherwise."""
+        if self._dfd < 0:
+            return
+        with self._write_lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="colibri-read-back")
+            io = self._reader
+        for key in keys:
+            checksum = self.checksums.get(key)
+            if checksum is not None:
+                self._read_backs[key] = (checksum, io.submit(self.checksum_on_disk, self.slot(key)))
+
+    def read_back_results(self) -> set[PieceKey]:
+        """The pieces that `read_back_later` found intact and that still carry the checksum it checked."""
+        ok = set()
+        for key, (checksum, future) in self._read_backs.items():
+            try:
+                if future.result() == checksum == self.checksums.get(key):
+                    ok.add(key)
+            except (OSError, CancelledError):
+                pass  # re-read (and reported) by the caller
+        return ok
+
     def keep_if_intact(self, key: PieceKey, checksum: int) -> bool:
         """Resume: take over a piece an earlier run wrote, if its bytes still hash to `checksum`."""
         intact = self.checksum_on_disk(self.slot(key)) == checksum
@@ -563,12 +623,23 @@ class ColibriWriter:
     def _write_sections(self, meta_raw: bytes) -> S.Header:
         plan = self.plan
         dir_off, wsit_off, wsit_size, file_size = plan.sections(len(meta_raw), len(plan.dense))
-        directory = b"".join(
-            S.DenseEntry(t.name, int(t.dtype), len(t.shape), 0, t.shape, t.offset, t.size,
-                         self.checksums[t.name]).pack() for t in plan.dense)
-        wsit = b"".join(
-            S.WsitEntry(layer, e, plan.blob_offset(layer, e), plan.blob.size, self.checksums[(layer, e)]).pack()
-            for layer, e in plan.blob_keys())
+        # The entries record the very slots the pieces' streams were bounded by (`slot`).
+        dense = [S.DenseEntry(t.name, int(t.dtype), len(t.shape), 0, t.shape, s.offset, s.size, self.checksums[s.key])
+                 for t, s in ((t, self._slots[t.name]) for t in plan.dense)]
+        blobs = [S.WsitEntry(*s.key, s.offset, s.size, self.checksums[s.key])
+                 for s in (self._slots[key] for key in plan.blob_keys())]
+        directory = b"".join(e.pack() for e in dense)
+        wsit = b"".join(e.pack() for e in blobs)
+        # Before the first byte of the sections: every piece the tables record, the header and the sections lie
+        # inside the file and share no byte (convert/verify.py says why the early read-back relies on this).
+        regions = self._piece_regions([(e.name, e.offset, e.size) for e in dense]
+                                      + [((e.layer, e.expert), e.offset, e.size) for e in blobs], dir_off, wsit_off)
+        regions += [Region("the metadata", plan.metadata_offset, dir_off - plan.metadata_offset, "metadata_offset",
+                           HEADER_FIELD_OFFSETS["metadata_offset"][0]),
+                    Region("the dense directory", dir_off, len(directory), "dense_dir_offset",
+                           HEADER_FIELD_OFFSETS["dense_dir_offset"][0]),
+                    Region("the WSIT", wsit_off, len(wsit), "wsit_offset", HEADER_FIELD_OFFSETS["wsit_offset"][0])]
+        check_disjoint(regions, file_size)
         os.ftruncate(self._fd, file_size)
         pwrite_all(self._fd, meta_raw, plan.metadata_offset)
         meta_end = plan.metadata_offset + len(meta_raw)
@@ -601,9 +672,11 @@ class ColibriWriter:
         return remove_part and unlink_if_ours(self.part_path, self._part_id)
 
     def _close_direct(self) -> None:
-        if self._io is not None:  # writes still in flight (after an error) end before their descriptor
-            self._io.shutdown(wait=True)
-            self._io = None
+        # writes still in flight (after an error) end before their descriptor; queued read-backs are dropped
+        for pool in (self._io, self._reader):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=pool is self._reader)
+        self._io = self._reader = None
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1

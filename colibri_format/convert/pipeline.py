@@ -364,7 +364,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         run = Progressive()
         _restore_stats(run, kept)
         todo = [p for p in job.pieces if p.key not in writer.checksums]
-        _convert_pieces(job, writer, journal, run, todo, progress)
+        _convert_pieces(job, writer, journal, run, todo, progress, read_back=verify)
         if verify:
             verify_all(writer, job.options.workers)
         metadata = _metadata(job, run)
@@ -436,14 +436,17 @@ def _restore_stats(run: Progressive, records: list[dict[str, Any]]) -> None:
 
 
 # --- the work ---------------------------------------------------------------------------------------
-def _do_run(job: Job, writer: ColibriWriter, run: list[Piece]) -> list[tuple[Piece, Filled]]:
+def _do_run(job: Job, writer: ColibriWriter, run: list[Piece], read_back: bool = False) -> list[tuple[Piece, Filled]]:
     """Convert a run of pieces through this thread's write buffer and write it out. On an error, the pieces
-    whose bytes did reach the file (the buffer is written out first) are handed on with it (PartialRun)."""
+    whose bytes did reach the file (the buffer is written out first) are handed on with it (PartialRun).
+    `read_back` (the final verify will run): with direct I/O, the pieces are re-read as soon as they are written."""
     done = []
     try:
         for piece in run:
             done.append(_do_piece(job, writer, piece))
         writer.flush()
+        if read_back:
+            writer.read_back_later([p.key for p, _ in done])
     except BaseException as exc:
         with contextlib.suppress(Exception):
             writer.flush()  # the pieces finished before the error; a failed write counts none of them
@@ -475,7 +478,7 @@ def _record(piece: Piece, filled: Filled) -> dict[str, Any]:
 
 
 def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Progressive,
-                    todo: list[Piece], progress: Progress | None) -> None:
+                    todo: list[Piece], progress: Progress | None, read_back: bool = False) -> None:
     batch = schedule.Batch(writer.sync, journal)
     total_bytes = sum(p.source_bytes for p in todo)
 
@@ -492,8 +495,8 @@ def _convert_pieces(job: Job, writer: ColibriWriter, journal: Journal, run: Prog
     if progress:
         progress(0, len(todo), 0, total_bytes)
     try:
-        schedule.run_bounded(schedule.runs(todo, lambda p: p.source_bytes), lambda r: _do_run(job, writer, r),
-                             job.options.workers, done)
+        schedule.run_bounded(schedule.runs(todo, lambda p: p.source_bytes),
+                             lambda r: _do_run(job, writer, r, read_back), job.options.workers, done)
     except BaseException:
         # Whatever finished is made durable even on Ctrl-C or a write error, so a resume skips it; the
         # original error is the one reported. A failed fsync journals nothing (fsync errors are not retried).

@@ -4,7 +4,36 @@ Resume trusts nothing by size: a journal record counts only if the bytes at its 
 the checksum it recorded, and the source bytes the piece was made from still hash to the source digest it
 recorded (an in-place edit of a shard that keeps its size and mtime is caught here: the piece is converted
 again). Before the rename every piece is re-hashed once more against the checksums the directory will
-carry, which catches a planning or offset bug that per-piece checks cannot see.
+carry (`verify_all`).
+
+With direct I/O most pieces are re-hashed early: each run's pieces once the run's writes are done (`flush`
+returns only then, helper threads' direct writes included; `ColibriWriter.read_back_later` then reads on a
+reader thread, overlapping the rest of the conversion), and `verify_all` re-reads only the pieces not found
+intact that way (a read that failed, was cancelled or hashed wrong is no verdict) and those a resume kept.
+A piece read back before the job's last write would not see a later stray write into its bytes (a planning
+bug: two pieces' slots overlapping, a section written over a blob); an end-of-job pass over every piece
+catches the first kind (not the second: the sections are written after it). Both are excluded by
+construction instead:
+
+1. Every write of piece bytes goes through a `PieceStream`, which refuses to write past its `Slot`; the
+   write buffer only gathers bytes a stream placed there, at the positions the stream asked for, and writes
+   out exactly those bytes (whole pages direct, the partial pages at either end buffered: never rounded out
+   to a page). The writer
+   makes each piece's `Slot` once; the stream, the read-back and the directory or WSIT entry `finalize`
+   writes all take that one object (`ColibriWriter.slot`), so a piece is written, checked and recorded at
+   the same bytes.
+2. The slots are checked to lie inside the data region and to share no byte when the writer is made
+   (before the `.part` exists) and again at the start of `verify_all`; `finalize` checks the entries it is
+   about to write, the header, the metadata, the directory and the WSIT the same way (inside the file,
+   pairwise disjoint; sorted by offset, one pass: `spec.checks.check_disjoint`, a LayoutError naming the
+   field, its value and its position) before it writes the first byte of them.
+3. Nothing else writes the `.part` after a piece is written: the direct-I/O probe writes the zero header
+   page when the file is opened, before any piece; the journal is another file.
+
+So every write after a piece's own last write lands in a slot or section disjoint from it, and the piece's
+bytes are what its read-back hashed: a piece found intact right after its run stays intact until the
+rename. (Neither check sees a change from outside the process after the read; the end-of-job pass did not
+either, between its read and the rename.)
 """
 
 from __future__ import annotations
@@ -69,8 +98,11 @@ def keep_journaled_pieces(writer: ColibriWriter, records: list[dict[str, Any]], 
 
 
 def verify_all(writer: ColibriWriter, workers: int) -> None:
-    """Re-hash every piece in the .part against its checksum before the rename (catches planning bugs)."""
-    keys = writer.piece_keys()
+    """Re-hash against its checksum, before the rename, every piece not already found intact after its run's writes
+    (module docstring: why such a piece cannot have changed since)."""
+    writer.check_slots()  # an overlap is a planning bug, not a failed write: refused as such, before any reading
+    early = writer.read_back_results()
+    keys = [k for k in writer.piece_keys() if k not in early]
     with ThreadPoolExecutor(workers) as ex:
         ok = list(ex.map(lambda k: writer.checksum_on_disk(writer.slot(k)) == writer.checksums[k], keys))
     bad = [k if isinstance(k, str) else f"expert {k}" for k, good in zip(keys, ok) if not good]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -229,6 +231,35 @@ def check_layout(h: Header, entries: list[DenseEntry], wsit: np.ndarray) -> File
         _bad("experts_offset", h.experts_offset, f"the dense tensors end at {plan.experts_offset}", E.LayoutError)
     _check_wsit_entries(h, wsit, plan)
     return plan
+
+
+class Region(NamedTuple):
+    """Bytes [start, start + size) of a file, as one table entry or header field records them (`check_disjoint`)."""
+
+    what: str          # for the message: "expert (0, 3)", "dense tensor 'model.norm.weight'", "the WSIT"
+    start: int
+    size: int
+    field: str         # the field that records `start`: "wsit[3].offset", "dense[0].offset", "metadata_offset"
+    at: int | None     # where that field lies in the file (None: not placed yet)
+
+
+def check_disjoint(regions: Iterable[Region], file_size: int, within: str = "the file") -> None:
+    """Every region lies within [0, file_size) (`within` names that range) and no two share a byte: sorted by start,
+    one pass that keeps the furthest end seen so far. A LayoutError names the offending region's field, its start
+    and where the field lies. Independent of `plan_file` on purpose: the writer checks its own plan with it
+    (writer.py)."""
+    furthest: Region | None = None
+    for r in sorted((r for r in regions if r.size), key=lambda r: r.start):
+        end = r.start + r.size
+        if r.start < 0 or r.size < 0 or end > file_size:
+            raise E.LayoutError(f"{r.what} at [{r.start}, {end}) does not lie within {within} [0, {file_size})",
+                                field=r.field, value=r.start, offset=r.at)
+        if furthest is not None and r.start < furthest.start + furthest.size:
+            raise E.LayoutError(f"{r.what} at [{r.start}, {end}) overlaps {furthest.what} at "
+                                f"[{furthest.start}, {furthest.start + furthest.size})", field=r.field, value=r.start,
+                                offset=r.at)
+        if furthest is None or end > furthest.start + furthest.size:
+            furthest = r
 
 
 def _check_wsit_entries(h: Header, wsit: np.ndarray, plan: FilePlan) -> None:

@@ -497,6 +497,26 @@ def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(ckpt, tmp_pa
     assert state["done"] and not out.exists()
 
 
+def test_an_early_read_back_that_fails_is_done_again_at_the_end(ckpt, tmp_path, monkeypatch):
+    """A read-back right after a run that fails (here: one that reports a wrong hash) is no verdict: the piece is
+    re-read before the rename, and the conversion ends with the pinned file."""
+    real = ColibriWriter.read_back_later
+    bad = []
+
+    def once_wrong(self, keys):
+        real(self, keys)
+        if not bad and self._read_backs:
+            key, (checksum, future) = next(iter(self._read_backs.items()))
+            future.result()
+            self._read_backs[key] = (checksum ^ 1, future)
+            bad.append(key)
+
+    monkeypatch.setattr(ColibriWriter, "read_back_later", once_wrong)
+    out = tmp_path / "m.colibri"
+    convert(ckpt, out, workers=2)
+    assert _digests(out) == PINNED[0][1:]
+
+
 def test_writes_do_not_grow_with_the_number_of_pieces(tmp_path, monkeypatch):
     """Many small experts go out in a few large writes: not one write (or more) per piece."""
     ckpt = tmp_path / "many"
