@@ -1,6 +1,7 @@
-"""Tensor-core kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
-pipelines and fragment layouts on machines without a GPU: moe_gemm_fast.cu (test_moe_gemm_fast_emulated.py) and
-moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py).
+"""CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
+pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
+(test_moe_gemm_fast_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py) and layers.cu's attention_decode
+(test_attention_decode_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -22,7 +23,8 @@ from colibri_format.runtime.cuda.kernels import ops
 
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
-PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "bf16x2_sub")
+PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "bf16x2_sub",
+               "load16_stream")
 PTX_STRUCTS = ("TF16", "TBF16")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
@@ -35,7 +37,7 @@ extern "C" void emu_gate_up(int split, int grid_x, int grid_y, size_t smem, cons
                             const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                             const int* offsets, const int* tile_expert, const int* tile_start, float* act, int H,
                             int I, int k) {
-    emu_launch(grid_x, grid_y, FAST_THREADS, smem, [&] {
+    emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
         (split ? moe_gemm_fast_gate_up_split : moe_gemm_fast_gate_up_bf16)(
             x_hi, x_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k);
     });
@@ -45,7 +47,7 @@ extern "C" void emu_down(int split, int grid_x, int grid_y, size_t smem, const u
                          const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* tile_expert, const int* tile_start, const float* pair_w,
                          float* y, int H, int I) {
-    emu_launch(grid_x, grid_y, FAST_THREADS, smem, [&] {
+    emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
         (split ? moe_gemm_fast_down_split : moe_gemm_fast_down_bf16)(
             a_hi, a_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I);
     });
@@ -167,7 +169,7 @@ class Emulator:
 # ---- moe_gemv4_tc.cu ------------------------------------------------------------------------------------------------
 GEMV4_TC_DRIVER = r"""
 extern "C" void emu_stage(int blocks, const float* in, unsigned int* staged, int rows, int ncols) {
-    emu_launch(blocks, 1, TC4_THREADS, 0, [&] { moe4tc_stage(in, staged, rows, ncols); });
+    emu_launch({blocks, 1, 1}, TC4_THREADS, 0, [&] { moe4tc_stage(in, staged, rows, ncols); });
 }
 
 #define TC4_BY_TOKC(STAGE, tokc) \
@@ -177,7 +179,7 @@ extern "C" void emu_gate_up(int tokc, int blocks, const unsigned int* staged, co
                             const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
                             const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,
                             int group) {
-    emu_launch(blocks, 1, TC4_THREADS, 0, [&] {
+    emu_launch({blocks, 1, 1}, TC4_THREADS, 0, [&] {
         TC4_BY_TOKC(moe4tc_gate_up_int4, tokc)(staged, blobs, fills, off_w, off_s, perm, offsets, active, meta, act,
                                                H, I, k, group);
     });
@@ -187,7 +189,7 @@ extern "C" void emu_down(int tokc, int blocks, const unsigned int* staged, const
                          const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
                          int H, int I, int group) {
-    emu_launch(blocks, 1, TC4_THREADS, 0, [&] {
+    emu_launch({blocks, 1, 1}, TC4_THREADS, 0, [&] {
         TC4_BY_TOKC(moe4tc_down_int4, tokc)(staged, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w,
                                             y, H, I, group);
     });
@@ -235,3 +237,65 @@ class Gemv4TcEmulator:
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)
+
+
+# ---- layers.cu: attention_decode -------------------------------------------------------------------------------------
+ATTENTION_DECODE_KERNELS = tuple(f"{c}_hd{hd}" for c in ("f32", "f16", "bf16") for hd in (64, 128, 256))
+
+LAYERS_DRIVER = r"""
+#define EMU_ATTENTION_DECODE(SUF, TC)                                                                            \
+    extern "C" void emu_attention_decode_##SUF(int gx, int gy, int gz, unsigned order, const float* q,          \
+                                               const TC::storage* kc, const TC::storage* vc, const int* q_seq,  \
+                                               const int* q_len, const float* sinks, float* ml, float* acc,     \
+                                               int* tickets, float* out, int nh, int nkv, int capacity,         \
+                                               int window, float scale, int nsplit) {                           \
+        emu_launch({gx, gy, gz}, ATT_THREADS, 0, [&] {                                                           \
+            attention_decode_##SUF(q, kc, vc, q_seq, q_len, sinks, ml, acc, tickets, out, nh, nkv, capacity,     \
+                                   window, scale, nsplit);                                                       \
+        }, order);                                                                                               \
+    }
+""" + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS)
+
+
+def build_layers(tmp_path: Path) -> ctypes.CDLL:
+    """layers.cu for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "layers", host_module_source("layers") + LAYERS_DRIVER, limits.define_options("layers"))
+
+
+class AttentionDecodeEmulator:
+    """layers.cu's attention_decode kernels over host arrays, launched as `ops.attention` launches them for up to
+    ATT_DECODE_MAX_ROWS query rows; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+    @staticmethod
+    def workspace(num_rows: int, heads: int, head_dim: int, nsplit: int) -> dict:
+        """ops.AttentionWorkspace's arrays: partials NaN (a merge that reads one not written this launch shows),
+        tickets zero."""
+        return {"ml": np.full(num_rows * heads * nsplit * 2, np.nan, np.float32),
+                "acc": np.full(num_rows * heads * nsplit * head_dim, np.nan, np.float32),
+                "tickets": np.zeros(num_rows * heads, np.int32)}
+
+    def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None,
+                  nsplit: int = 1, workspace: dict | None = None, order: int = 1) -> np.ndarray:
+        NQ, nh, hd = q.shape
+        assert NQ <= limits.ATT_DECODE_MAX_ROWS and 1 <= nsplit <= limits.ATT_MAX_SPLITS
+        nkv, cap = k_cache.shape[2], k_cache.shape[1]
+        code = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}[k_cache.dtype]
+        out = np.full(q.shape, np.nan, np.float32)
+        if nsplit > 1:
+            ws = workspace or self.workspace(NQ, nh, hd, nsplit)
+            ml, acc, tickets = _ptr(ws["ml"]), _ptr(ws["acc"]), _ptr(ws["tickets"])
+        else:
+            ml = acc = _ptr(out)
+            tickets = ctypes.c_void_p(None)
+        grid = (NQ, nkv, -(-(nh // nkv) // limits.ATT_GMAX) * nsplit)
+        getattr(self.lib, f"emu_attention_decode_{code}_hd{hd}")(
+            *grid, ctypes.c_uint(order), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len),
+            _nullable(sinks), ml, acc, tickets, _ptr(out), nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
+        return out

@@ -1,7 +1,13 @@
-// Host emulation of the CUDA features that moe_gemm_fast.cu and moe_gemv4_tc.cu use, so that their kernels run,
-// unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a CPU:
-//   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block;
-//   - __shfl_xor_sync is warp-collective like mma.sync (below): post, meet, read the partner's, meet;
+// Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu and layers.cu use, so that their kernels
+// run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a
+// CPU:
+//   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block; blocks run one at a time, in
+//     grid order or a shuffled one (so a kernel whose last block to take a ticket merges runs with various ones last);
+//   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
+//     previous block's values (not poisoned: GCC drops a section attribute on a template's static locals);
+//   - __shfl_xor_sync and __shfl_sync are warp-collective like mma.sync (below): post, meet, read the partner's,
+//     meet;
+//   - atomicAdd and __threadfence are the host's (blocks do not overlap: what the fences order is not exercised);
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
 //   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) is warp-collective: each lane posts its fragments, the warp
@@ -23,6 +29,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,7 +42,7 @@ using std::min;
 #define __global__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))   // alignas may not follow `static`
 #define __shared__ static   // every thread of the (one running) block sees the same object
 
 struct EmuDim { int x = 0, y = 0, z = 0; };
@@ -49,6 +56,14 @@ struct float4 { float x, y, z, w; };
 
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
+inline uint4 load16_stream(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
@@ -163,16 +178,17 @@ struct TBF16 {
     static u16 from_f32(float v) { return (u16)emu_round_bf16(v); }
 };
 
-// ---- shfl.sync.bfly -------------------------------------------------------------------------------------------------
-inline float __shfl_xor_sync(unsigned int, float v, int mask) {
-    const int lane = threadIdx.x & 31;
+// ---- shfl.sync.bfly, shfl.sync.idx ---------------------------------------------------------------------------------
+inline float emu_shuffle(float v, int from) {
     EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
-    w.shuffled[lane] = v;
+    w.shuffled[threadIdx.x & 31] = v;
     w.meet->arrive_and_wait();
-    const float r = w.shuffled[lane ^ mask];
+    const float r = w.shuffled[from & 31];
     w.meet->arrive_and_wait();
     return r;
 }
+inline float __shfl_xor_sync(unsigned int, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
+inline float __shfl_sync(unsigned int, float v, int lane) { return emu_shuffle(v, lane); }
 
 // ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
@@ -202,27 +218,30 @@ inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a
 }
 
 // ---- launches -------------------------------------------------------------------------------------------------------
-// Runs body() as every thread of every block of the grid, one block at a time.
+// Runs body() as every thread of every block of the grid, one block at a time: in x, y, z order, or (order_seed
+// != 0) in an order shuffled with that seed.
 template <typename Body>
-void emu_launch(int grid_x, int grid_y, int threads, size_t shared_bytes, Body body) {
-    for (int by = 0; by < grid_y; ++by)
-        for (int bx = 0; bx < grid_x; ++bx) {
-            EmuBlock blk(threads, shared_bytes);
-            std::vector<std::thread> pool;
-            for (int tx = 0; tx < threads; ++tx)
-                pool.emplace_back([&, tx] {
-                    threadIdx.x = tx;
-                    blockIdx.x = bx;
-                    blockIdx.y = by;
-                    blockDim.x = threads;
-                    gridDim.x = grid_x;
-                    gridDim.y = grid_y;
-                    emu_block = &blk;
-                    body();
-                    if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");
-                    emu_open_group.clear();
-                    emu_groups.clear();
-                });
-            for (auto& th : pool) th.join();
-        }
+void emu_launch(EmuDim grid, int threads, size_t shared_bytes, Body body, unsigned order_seed = 0) {
+    std::vector<EmuDim> blocks;
+    for (int bz = 0; bz < grid.z; ++bz)
+        for (int by = 0; by < grid.y; ++by)
+            for (int bx = 0; bx < grid.x; ++bx) blocks.push_back({bx, by, bz});
+    if (order_seed != 0) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(order_seed));
+    for (const EmuDim& b : blocks) {
+        EmuBlock blk(threads, shared_bytes);
+        std::vector<std::thread> pool;
+        for (int tx = 0; tx < threads; ++tx)
+            pool.emplace_back([&, tx] {
+                threadIdx.x = tx;
+                blockIdx = b;
+                blockDim.x = threads;
+                gridDim = grid;
+                emu_block = &blk;
+                body();
+                if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");
+                emu_open_group.clear();
+                emu_groups.clear();
+            });
+        for (auto& th : pool) th.join();
+    }
 }
