@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint
 from tests.hf_models import make_tiny_checkpoint, reference_state
 
 
@@ -41,3 +42,12 @@ def tiny_reference() -> Callable[..., dict[str, Any]]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def bf16_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bf16, 2 layers x 6 experts of hidden 128 / FFN 96, several shards (read only: copy it to change it)."""
+    d = tmp_path_factory.mktemp("bf16_moe")
+    write_checkpoint(d, mixtral_config(vocab=300, hidden=128, layers=2, experts=6, inter=96, heads=4, kv_heads=2),
+                     dtype="bfloat16", shard_bytes=200 << 10)
+    return d

@@ -352,20 +352,11 @@ def test_a_partial_run_hands_on_what_it_finished_then_raises(workers):
 
 
 # --- positional chunk reads -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    """bf16, 2 layers x 6 experts of hidden 128 / FFN 96, several shards."""
-    d = tmp_path_factory.mktemp("fast_paths")
-    write_checkpoint(d, mixtral_config(vocab=300, hidden=128, layers=2, experts=6, inter=96, heads=4, kv_heads=2),
-                     dtype="bfloat16", shard_bytes=200 << 10)
-    return d
-
-
-def test_chunks_read_positionally_are_the_mapped_rows(ckpt, monkeypatch):
+def test_chunks_read_positionally_are_the_mapped_rows(bf16_moe_checkpoint, monkeypatch):
     from colibri_format.convert import rows
 
     monkeypatch.setattr(rows, "CHUNK_ELEMENTS", 1000)  # several chunks a tensor, rows cut unevenly
-    with open_checkpoint(ckpt) as src:
+    with open_checkpoint(bf16_moe_checkpoint) as src:
         for name in ("model.embed_tokens.weight", "model.layers.1.block_sparse_moe.experts.5.w2.weight",
                      "model.norm.weight"):
             view = src.native_view(name)
@@ -382,10 +373,10 @@ def test_chunks_read_positionally_are_the_mapped_rows(ckpt, monkeypatch):
         assert src.positional_reader("model.norm.weight", np.zeros(128, np.uint16)) is None  # not a view of it
 
 
-def test_a_shard_shrunk_under_the_reader_is_an_error_not_a_crash(ckpt, tmp_path):
+def test_a_shard_shrunk_under_the_reader_is_an_error_not_a_crash(bf16_moe_checkpoint, tmp_path):
     import shutil
 
-    copy = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+    copy = Path(shutil.copytree(bf16_moe_checkpoint, tmp_path / "bf16_moe_checkpoint"))
     name = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
     with open_checkpoint(copy) as src:
         view = src.native_view(name)
@@ -397,8 +388,9 @@ def test_a_shard_shrunk_under_the_reader_is_an_error_not_a_crash(ckpt, tmp_path)
 
 
 # --- whole conversions --------------------------------------------------------------------------------------------
-# The data region (dense tensors and blobs) and the `quantization` metadata (per-expert errors) of `ckpt` converted
-# with these options, as the converter wrote them before issue 20 (tree e94380a): xxh3-64 hex digests.
+# The data region (dense tensors and blobs) and the `quantization` metadata (per-expert errors) of
+# `bf16_moe_checkpoint` converted with these options, as the converter wrote them before issue 20 (tree e94380a):
+# xxh3-64 hex digests.
 PINNED = [
     ({}, "ff5849a00ee64cc4", "72a255a8947bcd9c"),
     ({"group_size": 32}, "c7ee1b5ff2846569", "d0e03decbcb2eaab"),
@@ -417,9 +409,9 @@ def _digests(out: Path) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("options, data, errors", PINNED, ids=["int8-row", "int8-g32", "f16-experts", "f32-g16"])
-def test_the_output_is_what_the_converter_wrote_before(ckpt, tmp_path, options, data, errors):
+def test_the_output_is_what_the_converter_wrote_before(bf16_moe_checkpoint, tmp_path, options, data, errors):
     out = tmp_path / "m.colibri"
-    convert(ckpt, out, **options)
+    convert(bf16_moe_checkpoint, out, **options)
     assert _digests(out) == (data, errors)
 
 
@@ -428,14 +420,14 @@ def test_the_output_is_what_the_converter_wrote_before(ckpt, tmp_path, options, 
     (2, 1 << 16, 5, 3 * 4096),       # runs of a few pieces, flushes in the middle of pieces
     (3, 1 << 30, 1000, 1 << 24),     # one run for everything
 ])
-def test_the_same_file_for_any_workers_runs_and_buffer(ckpt, tmp_path, monkeypatch, workers, run_bytes, run_pieces,
-                                                       buffer):
+def test_the_same_file_for_any_workers_runs_and_buffer(bf16_moe_checkpoint, tmp_path, monkeypatch, workers, run_bytes,
+                                                       run_pieces, buffer):
     monkeypatch.setattr(schedule, "RUN_BYTES", run_bytes)
     monkeypatch.setattr(schedule, "RUN_PIECES", run_pieces)
     monkeypatch.setattr(writer_mod, "WRITE_BUFFER_BYTES", buffer)
     for options, data, errors in PINNED[:2]:
         out = tmp_path / f"m{len(options)}.colibri"
-        convert(ckpt, out, workers=workers, **options)
+        convert(bf16_moe_checkpoint, out, workers=workers, **options)
         assert _digests(out) == (data, errors)
 
 
@@ -452,7 +444,7 @@ def _refuse_o_direct(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("how", ["probed", "refused", "unavailable", "tmpfs"])
-def test_direct_and_buffered_writes_give_the_same_file(ckpt, tmp_path, monkeypatch, how):
+def test_direct_and_buffered_writes_give_the_same_file(bf16_moe_checkpoint, tmp_path, monkeypatch, how):
     """Where the filesystem refuses O_DIRECT (EINVAL at the probe) or the platform has none, everything is written
     buffered, and so on tmpfs (which takes O_DIRECT but keeps the file in memory anyway); either way the bytes are
     the pinned ones (with direct I/O, dense tensors at 256-byte offsets cross page boundaries: their partial pages
@@ -472,11 +464,11 @@ def test_direct_and_buffered_writes_give_the_same_file(ckpt, tmp_path, monkeypat
         assert not direct
     for options, data, errors in PINNED[:3]:
         out = tmp_path / f"m{len(options)}.colibri"
-        convert(ckpt, out, workers=2, **options)
+        convert(bf16_moe_checkpoint, out, workers=2, **options)
         assert _digests(out) == (data, errors)
 
 
-def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(ckpt, tmp_path, monkeypatch):
+def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_checkpoint, tmp_path, monkeypatch):
     """One byte of one write altered on its way to the file: the read-back (right after the run with direct I/O,
     at the end otherwise) finds it, and nothing is renamed into place."""
     real = ColibriWriter._write_at
@@ -493,11 +485,11 @@ def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(ckpt, tmp_pa
     monkeypatch.setattr(ColibriWriter, "_write_at", altered)
     out = tmp_path / "m.colibri"
     with pytest.raises(WriteError, match="does not read back as written"):
-        convert(ckpt, out, workers=2)
+        convert(bf16_moe_checkpoint, out, workers=2)
     assert state["done"] and not out.exists()
 
 
-def test_an_early_read_back_that_fails_is_done_again_at_the_end(ckpt, tmp_path, monkeypatch):
+def test_an_early_read_back_that_fails_is_done_again_at_the_end(bf16_moe_checkpoint, tmp_path, monkeypatch):
     """A read-back right after a run that fails (here: one that reports a wrong hash) is no verdict: the piece is
     re-read before the rename, and the conversion ends with the pinned file."""
     real = ColibriWriter.read_back_later
@@ -513,7 +505,7 @@ def test_an_early_read_back_that_fails_is_done_again_at_the_end(ckpt, tmp_path, 
 
     monkeypatch.setattr(ColibriWriter, "read_back_later", once_wrong)
     out = tmp_path / "m.colibri"
-    convert(ckpt, out, workers=2)
+    convert(bf16_moe_checkpoint, out, workers=2)
     assert _digests(out) == PINNED[0][1:]
 
 

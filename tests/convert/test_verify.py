@@ -20,23 +20,14 @@ from colibri_format.errors import LayoutError
 from colibri_format.spec.structs import WSIT_ENTRY_FIELD_OFFSETS
 from colibri_format.synthetic import synthetic_model, write_synthetic
 from colibri_format.writer import ColibriWriter, Slot, part_path_for
-from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    """bf16, 2 layers x 6 experts of hidden 128 / FFN 96."""
-    d = tmp_path_factory.mktemp("verify")
-    write_checkpoint(d, mixtral_config(vocab=300, hidden=128, layers=2, experts=6, inter=96, heads=4, kv_heads=2),
-                     dtype="bfloat16", shard_bytes=200 << 10)
-    return d
 
 
 def _no_output(out: Path) -> None:
     assert not out.exists() and not part_path_for(out).exists()
 
 
-def test_overlapping_slots_from_the_planner_are_refused_before_anything_is_written(ckpt, tmp_path, monkeypatch):
+def test_overlapping_slots_from_the_planner_are_refused_before_anything_is_written(bf16_moe_checkpoint, tmp_path,
+                                                                                   monkeypatch):
     """A planner that puts expert (1, 3) one page into expert (1, 2): refused when the writer is made (no `.part`
     created, nothing written), naming the WSIT entry, its offset and the piece it overlaps."""
     real_plan = S.plan_file
@@ -52,13 +43,13 @@ def test_overlapping_slots_from_the_planner_are_refused_before_anything_is_writt
     monkeypatch.setattr(S, "plan_file", plan_file)
     out = tmp_path / "m.colibri"
     with pytest.raises(LayoutError, match=r"expert \(1, 3\) at \[\d+, \d+\) overlaps expert \(1, 2\)") as info:
-        convert(ckpt, out, workers=2)
+        convert(bf16_moe_checkpoint, out, workers=2)
     assert info.value.field == "wsit[9].offset"  # layers 0 and 1 of 6 experts each: entry 6 + 3
     _no_output(out)
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_a_slot_moved_after_planning_is_refused_before_the_rename(ckpt, tmp_path, monkeypatch, verify):
+def test_a_slot_moved_after_planning_is_refused_before_the_rename(bf16_moe_checkpoint, tmp_path, monkeypatch, verify):
     """Expert (0, 4)'s slot moved onto expert (0, 1)'s after the writer checked its plan (a slot allocation bug the
     plan check cannot see): the pieces are written where their slots say, and `finalize` refuses the tables before
     writing them, with or without the read-back (without it the layout check is the only one), naming the WSIT
@@ -75,7 +66,7 @@ def test_a_slot_moved_after_planning_is_refused_before_the_rename(ckpt, tmp_path
     monkeypatch.setattr(ColibriWriter, "__init__", init)
     out = tmp_path / "m.colibri"
     with pytest.raises(LayoutError, match=r"expert \(0, 4\) at \[\d+, \d+\) overlaps expert \(0, 1\)") as info:
-        convert(ckpt, out, workers=2, verify=verify)
+        convert(bf16_moe_checkpoint, out, workers=2, verify=verify)
     err = info.value
     assert err.field == "wsit[4].offset" and err.value > 0
     if not verify:  # finalize: where the entry would lie in the file (the verify step's check comes before the tables)
@@ -83,7 +74,7 @@ def test_a_slot_moved_after_planning_is_refused_before_the_rename(ckpt, tmp_path
     _no_output(out)
 
 
-def test_sections_over_a_blob_are_refused_before_they_are_written(ckpt, tmp_path, monkeypatch):
+def test_sections_over_a_blob_are_refused_before_they_are_written(bf16_moe_checkpoint, tmp_path, monkeypatch):
     """A plan whose dense directory starts inside the last blob: `finalize` refuses before writing a section (the
     blob, read back intact long before, would otherwise be overwritten after its read-back)."""
     real_sections = S.FilePlan.sections
@@ -104,7 +95,7 @@ def test_sections_over_a_blob_are_refused_before_they_are_written(ckpt, tmp_path
     monkeypatch.setattr(ColibriWriter, "_write_sections", write_sections)
     out = tmp_path / "m.colibri"
     with pytest.raises(LayoutError, match="overlaps") as info:
-        convert(ckpt, out, workers=2)
+        convert(bf16_moe_checkpoint, out, workers=2)
     assert writes and info.value.field == "dense_dir_offset" and info.value.offset == 120  # the header field
     _no_output(out)
 
@@ -135,7 +126,7 @@ def test_the_stream_the_read_back_and_the_tables_share_one_slot(tmp_path, monkey
     assert slots and recorded == slots
 
 
-def test_pieces_read_back_early_are_not_read_again(ckpt, tmp_path, monkeypatch):
+def test_pieces_read_back_early_are_not_read_again(bf16_moe_checkpoint, tmp_path, monkeypatch):
     """With direct I/O every piece is read back right after its run, and the end-of-job pass re-reads none of them
     (the reads after `read_back_results`, which waits for the early ones, are the end-of-job pass's)."""
     probe = ColibriWriter(tmp_path / "probe.colibri", synthetic_model(layers=2, experts=4), dense_dtype=S.DType.F16,
@@ -159,5 +150,5 @@ def test_pieces_read_back_early_are_not_read_again(ckpt, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ColibriWriter, "read_back_results", results)
     monkeypatch.setattr(ColibriWriter, "checksum_on_disk", checksum_on_disk)
-    convert(ckpt, tmp_path / "m.colibri", workers=2)
+    convert(bf16_moe_checkpoint, tmp_path / "m.colibri", workers=2)
     assert seen["early"] == seen["all"] and seen["late"] == []
