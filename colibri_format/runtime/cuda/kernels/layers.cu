@@ -241,37 +241,19 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #ifndef ATT_MAX_SPLITS
 #error "ATT_MAX_SPLITS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-// Keys a split of attention_decode takes: the span over nsplit, but at least ATT_DECODE_MIN_KEYS, so a short context
-// (decode at position 60 in a graph captured for a 32k cache) runs on a few splits and the merge reads only those
-// (splits past the span have no keys and are not merged). The grid, fixed at capture, follows the capacity; the
-// work follows the length.
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
-__device__ __forceinline__ int attention_decode_chunk(int span, int nsplit) {
-    return max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
-}
-
-// The splits that hold keys (the first ones): span / chunk rounded up, 0 for an empty span.
-__device__ __forceinline__ int attention_decode_used_splits(int span, int nsplit) {
-    const int chunk = attention_decode_chunk(span, nsplit);
-    return span > 0 ? min(nsplit, (span + chunk - 1) / chunk) : 0;
-}
-// One warp's heads of attention_decode over its split's keys: the partials (or, unsplit, the output).
+// One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
                                                       const typename TC::storage* __restrict__ kc,
                                                       const typename TC::storage* __restrict__ vc,
-                                                      const int* __restrict__ q_seq, const int* __restrict__ q_len,
-                                                      const float* __restrict__ sinks, float* part_ml,
-                                                      float* part_acc, float* __restrict__ out, int nh, int nkv,
-                                                      int capacity, int window, float scale, int nsplit, int n,
-                                                      int kvh, int split, int G, int g0, int ng) {
+                                                      const int* __restrict__ q_seq, const float* __restrict__ sinks,
+                                                      float* part_ml, float* part_acc, float* __restrict__ out,
+                                                      int nh, int nkv, int capacity, float scale, int nsplit, int n,
+                                                      int kvh, int split, int G, int g0, int ng, int lo, int hi) {
     constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int len = q_len[n];
-    const int first = window > 0 ? max(0, len - window) : 0;
-    const int chunk = attention_decode_chunk(len - first, nsplit);
-    const int lo = first + split * chunk, hi = min(len, lo + chunk);
     const size_t row = (size_t)nkv * HD;
     const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
 
@@ -431,12 +413,17 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     const int n = blockIdx.x, kvh = blockIdx.y;
     const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
     const int G = nh / nkv, g0 = gchunk * ATT_GMAX, ng = min(ATT_GMAX, G - g0);
-    const int len = q_len[n], span = len - (window > 0 ? max(0, len - window) : 0);
-    const int used = attention_decode_used_splits(span, nsplit);
+    // Each split takes the span over nsplit keys, but at least ATT_DECODE_MIN_KEYS, so a short context (decode at
+    // position 60 in a graph captured for a 32k cache) runs on the first few splits and the merge reads only those
+    // `used` ones: the grid, fixed at capture, follows the capacity; the work follows the length.
+    const int len = q_len[n], first = window > 0 ? max(0, len - window) : 0, span = len - first;
+    const int chunk = max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
+    const int used = (span + chunk - 1) / chunk;     // <= nsplit, as chunk >= span / nsplit; 0 for an empty span
+    const int lo = first + split * chunk, hi = min(len, lo + chunk);
     // unsplit, the one block writes the output even for an empty span; split, blocks past `used` have no keys
     if (warp * ATT_HPW < ng && (nsplit == 1 || split < used))   // else no head of this chunk for this warp
-        attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, q_len, sinks, part_ml, part_acc, out, nh, nkv, capacity,
-                                       window, scale, nsplit, n, kvh, split, G, g0, ng);
+        attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
+                                       nsplit, n, kvh, split, G, g0, ng, lo, hi);
     if (nsplit > 1)
         attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }
