@@ -18,10 +18,9 @@ construction instead:
 1. Every write of piece bytes goes through a `PieceStream`, which refuses to write past its `Slot`; the
    write buffer only gathers bytes a stream placed there, at the positions the stream asked for, and writes
    out exactly those bytes (whole pages direct, the partial pages at either end buffered: never rounded out
-   to a page). The writer
-   makes each piece's `Slot` once; the stream, the read-back and the directory or WSIT entry `finalize`
-   writes all take that one object (`ColibriWriter.slot`), so a piece is written, checked and recorded at
-   the same bytes.
+   to a page). The writer makes each piece's `Slot` once; the stream, the read-back and the directory or
+   WSIT entry `finalize` writes all take that one object (`ColibriWriter.slot`), so a piece is written,
+   checked and recorded at the same bytes.
 2. The slots are checked to lie inside the data region and to share no byte when the writer is made
    (before the `.part` exists) and again at the start of `verify_all`; `finalize` checks the entries it is
    about to write, the header, the metadata, the directory and the WSIT the same way (inside the file,
