@@ -31,10 +31,11 @@ static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps")
 // position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds
 __device__ __forceinline__ int a8_position(int l) { return (l & ~7) | ((l & 1) << 2) | ((l & 7) >> 1); }
 
-// one warp a group (lane l holds input l); groups are rows * ncols / 32 consecutive runs of the row-major input
+// one warp a group (lane l holds input l); groups are rows * ncols / 32 consecutive runs of the row-major input;
+// moe4a8_round may write in place (x == rounded: each lane reads its input before it writes it)
 template <bool STAGED>
-__device__ __forceinline__ void a8_quantize(const float* __restrict__ x, signed char* __restrict__ q,
-                                            float* __restrict__ s, float* __restrict__ rounded, long long ngroups) {
+__device__ __forceinline__ void a8_quantize(const float* x, signed char* __restrict__ q,
+                                            float* __restrict__ s, float* rounded, long long ngroups) {
     const int lane = threadIdx.x & 31;
     const long long warps_total = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long g = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; g < ngroups; g += warps_total) {
