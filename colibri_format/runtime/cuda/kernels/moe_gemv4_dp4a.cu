@@ -27,7 +27,7 @@
 #endif
 static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
 
-// ---- activations: int8 per group of 32 -----------------------------------------------------------------------------
+// ---- activations: int8 per group of 32 ---------------------------------------------------------------------------
 // position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds
 __device__ __forceinline__ int a8_position(int l) { return (l & ~7) | ((l & 1) << 2) | ((l & 7) >> 1); }
 
@@ -62,8 +62,10 @@ extern "C" __global__ void __launch_bounds__(A8_QUANT_THREADS)
     a8_quantize<false>(x, nullptr, nullptr, rounded, ngroups);
 }
 
-// ---- the GEMVs --------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int a8_word(const int4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+// ---- the GEMVs ----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int a8_word(const int4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 template <int TOKC, int R, bool GATEUP>
 __device__ __forceinline__ void moe_gemv4_a8(const signed char* __restrict__ inq, const float* __restrict__ ins,

@@ -1500,7 +1500,8 @@ def quantize_activations_a8(a, *, q=None, scales=None):
     groups = rows * ncols // A8_GROUP
     if groups:
         kernel("moe_gemv4_dp4a", "moe4a8_quantize")(
-            (_grid_stride_blocks(groups * 32, A8_QUANT_THREADS),), (A8_QUANT_THREADS,), (a, q, scales, np.int64(groups)))
+            (_grid_stride_blocks(groups * 32, A8_QUANT_THREADS),), (A8_QUANT_THREADS,),
+            (a, q, scales, np.int64(groups)))
     return q, scales
 
 
