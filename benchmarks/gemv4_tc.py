@@ -1,5 +1,5 @@
 """The 4-bit (int4_group) decode GEMVs: moe_gemv4.cu's SIMT kernels against moe_gemv4_tc.cu's tensor-core ones
-(issue 16), in one process.
+and moe_gemv4_dp4a.cu's dp4a ones on int8 activations (issue 16), in one process.
 
     PYTHONPATH=. python benchmarks/gemv4_tc.py --out OUT_DIR [--shapes mixtral,gpt_oss,qwen3] [--tokens 1,2,4,8]
                                                              [--group 32]
@@ -9,8 +9,10 @@ gpt-oss-20b (2880, 2880, 32, top-4), Qwen3-30B-A3B (2048, 768, 128, top-8); T to
 captured in a CUDA graph of many launches over rotated routings (each launch picks other experts of a set larger
 than L2, so the weights come from HBM) and timed by `gpu_kernels.time_graph` (median of replays): µs per launch and
 GB/s of the expert bytes it reads (matrices and scales of its distinct experts), beside a device-to-device copy
-measured in the same run. The tensor-core rows include their activation staging launch (moe4tc_stage). Before
-timing, each tensor-core output is checked against the SIMT kernel's (tested against float64 NumPy). Writes
+measured in the same run. The tensor-core rows include their activation staging launch (moe4tc_stage), the dp4a
+rows their activation quantization launch (moe4a8_quantize). Before timing, each tensor-core output is checked
+against the SIMT kernel's (tested against float64 NumPy), and each dp4a output against the SIMT kernel's on the
+same activations rounded to int8 per group of 32 (`ops.round_activations_a8`). Writes
 gemv4_tc.json and gemv4_tc.md to OUT_DIR and prints the table. Needs a CUDA GPU and CuPy (exits with status 2
 without them).
 """
@@ -89,11 +91,25 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
     act, act_tc = cp.empty((T * k, I), cp.float32), cp.empty((T * k, I), cp.float32)
     y, y_tc = cp.empty((T * k, H), cp.float32), cp.empty((T * k, H), cp.float32)
     x_staged, act_staged = cp.empty((T, 2, H // 2), cp.uint32), cp.empty((T * k, 2, I // 2), cp.uint32)
+    act_a8, y_a8 = cp.empty((T * k, I), cp.float32), cp.empty((T * k, H), cp.float32)
+    xq, xs = cp.empty((T, H), cp.int8), cp.empty((T, H // ops.A8_GROUP), cp.float32)
+    aq, as_ = cp.empty((T * k, I), cp.int8), cp.empty((T * k, I // ops.A8_GROUP), cp.float32)
+
+    def gate_up_a8(d):
+        ops.quantize_activations_a8(x, q=xq, scales=xs)
+        return ops.moe_gate_up_4bit_a8(xq, xs, table, d, k, out=act_a8)
+
+    def down_a8(d):
+        ops.quantize_activations_a8(act, q=aq, scales=as_)
+        return ops.moe_down_4bit_a8(aq, as_, table, d, w, out=y_a8)
+
     kernels = {
         ("gate_up", "simt"): lambda d: ops.moe_gate_up_4bit(x, table, d, k, out=act),
         ("gate_up", "tc"): lambda d: ops.moe_gate_up_4bit_tc(x, table, d, k, staged=x_staged, out=act_tc),
+        ("gate_up", "dp4a"): gate_up_a8,
         ("down", "simt"): lambda d: ops.moe_down_4bit(act, table, d, w, out=y),
         ("down", "tc"): lambda d: ops.moe_down_4bit_tc(act, table, d, w, staged=act_staged, out=y_tc),
+        ("down", "dp4a"): down_a8,
     }
     for stage, outs in (("gate_up", (act_tc, act)), ("down", (y_tc, y))):
         kernels[stage, "simt"](disps[0])
@@ -101,6 +117,13 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
         diff = rel(outs[0].get(), outs[1].get())
         if diff > AGREE:
             wrong.append(f"{name} T={T} g{group} {stage}: tensor cores differ from SIMT by {diff:.2e}")
+    # dp4a against SIMT on the same rounded activations (act: the SIMT gate_up's, as the dp4a down reads it)
+    want_act = ops.moe_gate_up_4bit(ops.round_activations_a8(x), table, disps[0], k).get()
+    want_y = ops.moe_down_4bit(ops.round_activations_a8(act), table, disps[0], w).get()
+    for stage, got, want in (("gate_up", gate_up_a8(disps[0]), want_act), ("down", down_a8(disps[0]), want_y)):
+        diff = rel(got.get(), want)
+        if diff > AGREE:
+            wrong.append(f"{name} T={T} g{group} {stage}: dp4a differs from SIMT on rounded inputs by {diff:.2e}")
     rows = []
     for (stage, variant), fn in kernels.items():
         us = time_graph(cp, [lambda d=d, fn=fn: fn(d) for d in disps], per_graph=LAUNCHES)
@@ -116,15 +139,17 @@ def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list
 
 def table_md(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"device copy: {copy_gbps:.0f} GB/s (read + written)", "",
-             "| shape | T | stage | SIMT µs | TC µs | SIMT GB/s | TC GB/s | TC / SIMT speed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | T | stage | SIMT µs | TC µs | dp4a µs | SIMT GB/s | TC GB/s | dp4a GB/s | TC / SIMT speed "
+             "| dp4a / SIMT speed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["shape"], r["T"], r["stage"], r["variant"]): r for r in rows}
     for (shape, T, stage, variant), r in by.items():
         if variant != "simt":
             continue
-        tc = by[shape, T, stage, "tc"]
-        lines.append(f"| {shape} | {T} | {stage} | {r['us']:.1f} | {tc['us']:.1f} | {r['gbps']:.0f} | "
-                     f"{tc['gbps']:.0f} | {r['us'] / tc['us']:.2f}x |")
+        tc, a8 = by[shape, T, stage, "tc"], by[shape, T, stage, "dp4a"]
+        lines.append(f"| {shape} | {T} | {stage} | {r['us']:.1f} | {tc['us']:.1f} | {a8['us']:.1f} | "
+                     f"{r['gbps']:.0f} | {tc['gbps']:.0f} | {a8['gbps']:.0f} | {r['us'] / tc['us']:.2f}x | "
+                     f"{r['us'] / a8['us']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

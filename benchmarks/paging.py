@@ -115,7 +115,7 @@ def copy_ceiling(device: str, nbytes: int) -> dict:
 
 
 def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="global", policy="lrfu",
-            prefetch=False, admission="frequency", device="cuda", loading="fill") -> dict:
+            prefetch=False, admission="frequency", device="cuda", loading="fill", int8_activations=True) -> dict:
     import colibri_format
     from colibri_format.runtime.cuda.bench import decode_bench
 
@@ -123,7 +123,8 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         layers, E, k = sorted(f.model["moe_layers"]), f.model["num_experts"], f.model["top_k"]
     cfg = EngineConfig(device=device, max_batch_size=batch, max_seq_len=max(64, PROMPT + warmup + n + 1),
                        verify="never", max_cached_experts=capacity, cache_policy=policy, cache_scope=scope,
-                       prefetch=prefetch, cache_admission=admission, expert_loading=loading)
+                       prefetch=prefetch, cache_admission=admission, expert_loading=loading,
+                       int8_activations=int8_activations)
     t0 = time.perf_counter()
     with Engine(path, cfg) as eng:
         opened = time.perf_counter() - t0

@@ -63,6 +63,12 @@ class EngineConfig:
     small_moe: bool = False                   # CUDA: routed experts of passes of at most MOE_SMALL_MAX_TOKENS tokens
                                               # in two kernels (moe_small.cu: no dispatch, combine folded into down);
                                               # off: slower than today's four kernels at full depth on the H200
+    int8_activations: bool = True             # int4_group experts (limits.A8_FORMATS): each expert product rounds
+                                              # its input to int8 per group of 32 (s = max|v| / 127, symmetric);
+                                              # CUDA decode passes run the dp4a GEMVs (moe_gemv4_dp4a.cu), prefill
+                                              # the grouped GEMM on the rounded inputs; the NumPy engine rounds the
+                                              # same way (docs/quality.md). Off: float activations (other formats
+                                              # always)
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -196,14 +202,14 @@ def make_backend(config: EngineConfig):
     if config.device == "cpu":
         from colibri_format.runtime.numpy_backend import NumpyBackend
 
-        return NumpyBackend(np.dtype(config.precision))
+        return NumpyBackend(np.dtype(config.precision), int8_activations=config.int8_activations)
     try:
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
     return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
                              fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill,
-                             small_moe=config.small_moe)
+                             small_moe=config.small_moe, int8_activations=config.int8_activations)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

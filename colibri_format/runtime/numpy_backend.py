@@ -22,6 +22,7 @@ import numpy as np
 from colibri_format.dequant import dequantize_matrix
 from colibri_format.dtypes import NUMPY_STORAGE
 from colibri_format.errors import InvalidInput
+from colibri_format.runtime.cuda.limits import A8_FORMATS, A8_GROUP
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -413,33 +414,58 @@ def clamped_swiglu(gate, up, *, alpha: float, limit: float | None, up_offset: fl
     return (up + up.dtype.type(up_offset)) * gate / (1.0 + np.exp(-gate.dtype.type(alpha) * gate))
 
 
-def expert_ffn(x, gate_up, down, *, act: dict | None = None, gate_up_bias=None, down_bias=None):
+def quantize_int8_groups(x, group: int = A8_GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 [rows, cols], s [rows, cols / group] in x's dtype): each row's groups of `group` consecutive values
+    as q = rint(v / s), s = max|v| / 127 of the group (symmetric; a group of zeros: s = 0, q = 0), in x's dtype. On
+    float32 x this is moe_gemv4_dp4a.cu's quantizer bit for bit (IEEE division, rint half to even);
+    benchmarks/quality_activations.py's "int8_g32" form is q * s."""
+    x = np.asarray(x)
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"{cols} inputs are not whole groups of {group}")
+    g = x.reshape(rows, cols // group, group)
+    scale = np.abs(g).max(axis=2, keepdims=True) / x.dtype.type(127)
+    q = np.rint(np.divide(g, scale, out=np.zeros_like(g), where=scale > 0))
+    return q.astype(np.int8).reshape(rows, cols), scale.reshape(rows, cols // group)
+
+
+def round_int8_groups(x, group: int = A8_GROUP) -> np.ndarray:
+    """x with each group of `group` values replaced by q * s (`quantize_int8_groups`), in x's dtype: the inputs the
+    int8-activation expert products compute with (EngineConfig.int8_activations)."""
+    q, s = quantize_int8_groups(x, group)
+    rows, cols = q.shape
+    return (q.astype(x.dtype).reshape(rows, cols // group, group) * s[:, :, None]).reshape(rows, cols)
+
+
+def expert_ffn(x, gate_up, down, *, act: dict | None = None, gate_up_bias=None, down_bias=None, round_input=None):
     """down(silu(gate x) * up x) with gate_up [2I, H]: rows [:I] gate, [I:] up; with `act` (model.expert_act)
-    the clamped SwiGLU instead of silu(gate) * up, and the biases (model.expert_bias) after each product."""
-    h = x @ gate_up.T
+    the clamped SwiGLU instead of silu(gate) * up, and the biases (model.expert_bias) after each product.
+    round_input: applied to each product's input (x, and the activation before down), e.g. `round_int8_groups`."""
+    h = (x if round_input is None else round_input(x)) @ gate_up.T
     if gate_up_bias is not None:
         h = h + gate_up_bias
     inter = gate_up.shape[0] // 2
     a = silu(h[:, :inter]) * h[:, inter:] if act is None else clamped_swiglu(h[:, :inter], h[:, inter:], **act)
-    y = a @ down.T
+    y = (a if round_input is None else round_input(a)) @ down.T
     return y if down_bias is None else y + down_bias
 
 
 def moe(x, ids, weights, experts, *, residual, alpha: float = 1.0, act: dict | None = None, gate_up_bias=None,
-        down_bias=None):
+        down_bias=None, round_input=None):
     """residual += alpha * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), slots summed in order j = 0..k-1.
 
     `experts(e)` gives (gate_up, down) in x's dtype; act, gate_up_bias [E, 2I] and down_bias [E, H]: see
-    `expert_ffn` (gpt-oss).
+    `expert_ffn` (gpt-oss); round_input: the products' input rounding (`expert_ffn`; None: none).
     """
     T, k = ids.shape
     ypair = np.zeros((T, k, x.shape[1]), x.dtype)
+    rounding = {} if round_input is None else {"round_input": round_input}
     for e in np.unique(ids):
         arrays = experts(int(e))
         rows, slot = np.nonzero(ids == e)          # a token picks an expert at most once: rows are unique
         biases = {"gate_up_bias": None if gate_up_bias is None else widen(gate_up_bias[e], x.dtype),
                   "down_bias": None if down_bias is None else widen(down_bias[e], x.dtype)}
-        ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays, act=act, **biases)
+        ypair[rows, slot] = weights[rows, slot, None] * expert_ffn(x[rows], *arrays, act=act, **biases, **rounding)
     residual += residual.dtype.type(alpha) * ypair.sum(1)
     return residual
 
@@ -527,9 +553,11 @@ class NumpyBackend:
     graphs = False
     host_is_device = True
 
-    def __init__(self, dtype=np.float32) -> None:
+    def __init__(self, dtype=np.float32, int8_activations: bool = False) -> None:
         self.xp = np
         self.dtype = np.dtype(dtype)
+        self.int8_activations = int8_activations   # EngineConfig.int8_activations: A8_FORMATS experts' products
+                                                   # round their inputs to int8 per group (`round_int8_groups`)
 
     # --- what the engine asks of a backend ------------------------------------------------------------------
     def check_support(self, model: dict, blob_layout) -> None:
@@ -571,6 +599,8 @@ class NumpyBackend:
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)
+        if self.int8_activations and table.layout.expert_format in A8_FORMATS:
+            expert = {**expert, "round_input": round_int8_groups}
         out = moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
         if table.fill_ptrs is not None:
             table.fill(ids)

@@ -1,8 +1,11 @@
 """The NumPy engine on int4_group and mxfp4 experts: it computes exactly what it computes on float32 experts
-holding the dequantized weights (float32 engine), and the float64 oracle reads the same weights (what every CUDA
-kernel is tested against); paged (a small expert cache) and resident runs agree."""
+holding the dequantized weights (float32 engine), with float activations, and with `int8_activations` (int4_group)
+what those compute on expert inputs rounded to int8 per group of 32; the float64 oracle reads the same weights (what
+every CUDA kernel is tested against); paged (a small expert cache) and resident runs agree."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -43,12 +46,48 @@ def files(request, tmp_path_factory):
 def test_logits_equal_those_of_the_dequantized_float32_file(files, precision):
     packed, flat = files
     batch = [[1, 5, 9, 2, 33, 17], [4, 4, 60]]
-    config = EngineConfig(precision=precision)
+    config = EngineConfig(precision=precision, int8_activations=False)
     with Engine(packed, config) as q, Engine(flat, config) as f:
         for a, b in zip(q.logits(batch), f.logits(batch)):
             np.testing.assert_array_equal(a, b)
         assert q.generate(batch[0], max_new_tokens=6, stop_ids=[]).output_ids == \
             f.generate(batch[0], max_new_tokens=6, stop_ids=[]).output_ids
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_int8_activations_are_the_float_products_of_rounded_inputs(files, precision, monkeypatch):
+    """int4_group: the switch rounds both expert products' inputs (numpy_backend.round_int8_groups), which the
+    float32-expert file computes when its expert_ffn rounds them; mxfp4 (not in limits.A8_FORMATS) is unchanged."""
+    packed, flat = files
+    batch = [[1, 5, 9, 2, 33, 17], [4, 4, 60]]
+    with Engine(packed, EngineConfig(precision=precision)) as q:
+        rounded = q.logits(batch)
+        int4 = S.ExpertFormat(q.reader.blob_layout.expert_format) == S.ExpertFormat.INT4_GROUP
+    with Engine(packed, EngineConfig(precision=precision, int8_activations=False)) as q:
+        plain = q.logits(batch)
+    for a, b in zip(rounded, plain):
+        if int4:
+            assert not np.array_equal(a, b)
+            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.05
+        else:
+            np.testing.assert_array_equal(a, b)
+    if int4:
+        monkeypatch.setattr(nb, "expert_ffn", functools.partial(nb.expert_ffn, round_input=nb.round_int8_groups))
+        with Engine(flat, EngineConfig(precision=precision, int8_activations=False)) as f:
+            for a, b in zip(rounded, f.logits(batch)):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_rounded_float32_engine_is_near_the_rounded_float64_one(files):
+    """The CUDA tests' oracle (float64, rounded) and the float32 engine round alike but near ties."""
+    packed, _ = files
+    batch = [[1, 5, 9, 2, 33, 17], [4, 4, 60]]
+    with Engine(packed) as f32, Engine(packed, EngineConfig(precision="float64")) as f64, \
+            Engine(packed, EngineConfig(precision="float64", int8_activations=False)) as plain:
+        for a, b, c in zip(f32.logits(batch), f64.logits(batch), plain.logits(batch)):
+            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 8e-3
+            if S.ExpertFormat(f32.reader.blob_layout.expert_format) == S.ExpertFormat.INT4_GROUP:
+                assert np.linalg.norm(a - b) < np.linalg.norm(a - c)
 
 
 def test_paged_experts_compute_the_same(files):

@@ -36,7 +36,7 @@ class CupyBackend:
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False) -> None:
+                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -54,6 +54,7 @@ class CupyBackend:
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
+        self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
         self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
@@ -243,10 +244,13 @@ class CupyBackend:
         if key not in ws.extra:
             ws.extra[key] = ops.dispatch_buffers(P, E)
         if isinstance(table, ops.PackedExpertTable):     # no expert extras with 4-bit experts (limits.py refuses)
+            a8 = ops.uses_a8(self.int8_activations, table)
             return ops.moe_experts_4bit(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                         out=residual, act=ws.buf("moe_act", (P, table.intermediate_size)),
                                         ypair=ws.buf("moe_ypair", (P, table.hidden_size)), expansions=ws.extra,
-                                        staged=self._tc4_staging(T, k, table, ws))
+                                        staged=(None, None) if a8 else self._tc4_staging(T, k, table, ws),
+                                        int8_activations=a8, a8_buffers=self._a8_buffers(T, k, table, ws) if a8
+                                        else None)
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual, small=self.small_moe,
@@ -262,6 +266,16 @@ class CupyBackend:
             return None, None
         return (ws.buf("moe4_x_staged", (T, 2, H // 2), np.uint32),
                 ws.buf("moe4_act_staged", (T * k, 2, I // 2), np.uint32))
+
+    def _a8_buffers(self, T: int, k: int, table, ws) -> dict:
+        """The int8-activation path's buffers (workspace): decode passes the int8 x and act with their group scales,
+        prefill (GEMM) passes the rounded x (act is rounded in place)."""
+        ops, H, I, P = self.ops, table.hidden_size, table.intermediate_size, T * k
+        if ops.gemm_path(T, k, table.num_experts):
+            return {"x_rounded": ws.buf("moe4a8_x_rounded", (T, H))}
+        g = ops.A8_GROUP
+        return {"xq": ws.buf("moe4a8_xq", (T, H), np.int8), "xs": ws.buf("moe4a8_xs", (T, H // g)),
+                "aq": ws.buf("moe4a8_aq", (P, I), np.int8), "as": ws.buf("moe4a8_as", (P, I // g))}
 
     def _fast_staging(self, T: int, P: int, table, extras, ws):
         """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it runs."""
@@ -371,5 +385,5 @@ class _TimedOps:
 
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe)
+                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe, int8_activations)

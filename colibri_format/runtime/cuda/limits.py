@@ -120,6 +120,14 @@ TC4_THREADS = 128
 TC4_KSTEP = 2
 TC4_MIN_TOKENS = 8
 TC4_MIN_INTERMEDIATE = 8192
+# moe_gemv4_dp4a.cu: the int4_group decode GEMVs on int8 activations (EngineConfig.int8_activations; kernels
+# moe4a8_{gate_up,down}_int4_t<TOKC>, the same GEMV4_TOKC, blocks of A8_THREADS) and the activations' rounding to
+# int8 per group of A8_GROUP inputs (moe4a8_quantize, moe4a8_round: a warp a group, blocks of A8_QUANT_THREADS).
+# A8_FORMATS: the expert formats whose products round their inputs when the switch is on (both engines read it)
+A8_THREADS = 128
+A8_QUANT_THREADS = 256
+A8_GROUP = 32
+A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 # deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128
@@ -148,6 +156,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},
+    "moe_gemv4_dp4a": {"A8_THREADS": A8_THREADS, "A8_QUANT_THREADS": A8_QUANT_THREADS},
     "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
                           "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},

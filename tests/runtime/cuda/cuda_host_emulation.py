@@ -1,7 +1,7 @@
 """CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
-(test_moe_gemm_fast_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py) and layers.cu's attention_decode
-(test_attention_decode_emulated.py).
+(test_moe_gemm_fast_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu
+(test_moe_gemv4_dp4a_emulated.py) and layers.cu's attention_decode (test_attention_decode_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -234,6 +234,92 @@ class Gemv4TcEmulator:
     def down(self, tokc: int, staged, ptrs, fills, layout, disp: dict, weights, y) -> None:
         self.lib.emu_down(
             tokc, self.blocks, _ptr(staged), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            layout.group_size)
+
+
+# ---- moe_gemv4_dp4a.cu ----------------------------------------------------------------------------------------------
+GEMV4_DP4A_DRIVER = r"""
+extern "C" void emu_quantize(int blocks, const float* x, signed char* q, float* s, long long ngroups) {
+    emu_launch({blocks, 1, 1}, A8_QUANT_THREADS, 0, [&] { moe4a8_quantize(x, q, s, ngroups); });
+}
+
+extern "C" void emu_round(int blocks, const float* x, float* rounded, long long ngroups) {
+    emu_launch({blocks, 1, 1}, A8_QUANT_THREADS, 0, [&] { moe4a8_round(x, rounded, ngroups); });
+}
+
+#define A8_BY_TOKC(STAGE, tokc) \
+    (tokc == 1 ? STAGE##_t1 : tokc == 2 ? STAGE##_t2 : tokc == 4 ? STAGE##_t4 : STAGE##_t8)
+
+extern "C" void emu_gate_up(int tokc, int blocks, const signed char* xq, const float* xs,
+                            const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
+                            long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,
+                            float* act, int H, int I, int k, int group) {
+    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
+        A8_BY_TOKC(moe4a8_gate_up_int4, tokc)(xq, xs, blobs, fills, off_w, off_s, perm, offsets, active, meta, act, H,
+                                              I, k, group);
+    });
+}
+
+extern "C" void emu_down(int tokc, int blocks, const signed char* aq, const float* as, const unsigned long long* blobs,
+                         const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                         const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
+                         int H, int I, int group) {
+    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
+        A8_BY_TOKC(moe4a8_down_int4, tokc)(aq, as, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w,
+                                           y, H, I, group);
+    });
+}
+"""
+
+
+def build_gemv4_dp4a(tmp_path: Path) -> ctypes.CDLL:
+    """moe_gemv4_dp4a.cu for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "moe_gemv4_dp4a", host_module_source("moe_gemv4_dp4a") + GEMV4_DP4A_DRIVER,
+                    limits.define_options("moe_gemv4_dp4a"))
+
+
+class Gemv4Dp4aEmulator:
+    """moe_gemv4_dp4a.cu's kernels over host arrays (kept alive by the caller); `blocks` blocks a launch (the
+    grid-stride loops over groups and warp items)."""
+
+    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
+        self.lib, self.blocks = lib, blocks
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+    def quantize(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """a [rows, ncols] f32 -> (q int8 [rows, ncols] staged, s f32 [rows, ncols // 32]) (moe4a8_quantize)."""
+        a = np.ascontiguousarray(a, np.float32)
+        rows, ncols = a.shape
+        q = np.full((rows, ncols), 99, np.int8)
+        s = np.full((rows, ncols // 32), np.nan, np.float32)
+        self.lib.emu_quantize(self.blocks, _ptr(a), _ptr(q), _ptr(s), ctypes.c_longlong(rows * ncols // 32))
+        return q, s
+
+    def round(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """moe4a8_round: a rounded as floats q * s (out may be a: in place)."""
+        a = np.ascontiguousarray(a, np.float32)
+        out = np.full(a.shape, np.nan, np.float32) if out is None else out
+        self.lib.emu_round(self.blocks, _ptr(a), _ptr(out), ctypes.c_longlong(a.size // 32))
+        return out
+
+    @staticmethod
+    def _routing(disp: dict) -> list:
+        return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
+
+    def gate_up(self, tokc: int, xq, xs, ptrs, fills, layout, disp: dict, k: int, act) -> None:
+        self.lib.emu_gate_up(
+            tokc, self.blocks, _ptr(xq), _ptr(xs), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            *self._routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
+
+    def down(self, tokc: int, aq, as_, ptrs, fills, layout, disp: dict, weights, y) -> None:
+        self.lib.emu_down(
+            tokc, self.blocks, _ptr(aq), _ptr(as_), _ptr(ptrs), _nullable(fills),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)

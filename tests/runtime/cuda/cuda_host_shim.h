@@ -1,6 +1,6 @@
-// Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu and layers.cu use, so that their kernels
-// run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and these stand in), on a
-// CPU:
+// Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu, moe_gemv4_dp4a.cu and layers.cu use,
+// so that their kernels run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and
+// these stand in), on a CPU:
 //   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block; blocks run one at a time, in
 //     grid order or a shuffled one (so a kernel whose last block to take a ticket merges runs with various ones last);
 //   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
@@ -71,6 +71,12 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
     unsigned int r = 0;
     for (int i = 0; i < 4; ++i) r |= (unsigned int)((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
     return r;
+}
+
+// dp4a: c + the sum of the four signed-byte products of a and b
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
 }
 
 // ---- problems ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Kernel level: the moe_gemv4.cu GEMVs (every tokens-per-pass variant), their fill
 int8_group feeding the grouped GEMM, against `numpy_backend` in float64 on the same blob bytes (`blob_arrays`:
 colibri_format/dequant.py), for int4 groups of 32/64/128 and mxfp4. Engine level: a tiny Mixtral converted with
 `--quant-bits 4` and synthetic mxfp4 files give the NumPy engine's greedy tokens and logits close to the float64
-engine, eager and in graphs, prefill and decode; paged experts (a small cache) compute what resident ones do.
+engine, eager and in graphs, prefill and decode, with float activations (`EngineConfig(int8_activations=False)`;
+the default int8 activations of int4_group experts: test_gpu_4bit_dp4a.py); paged experts (a small cache) compute what
+resident ones do (with the default: the dp4a kernels for int4_group).
 """
 
 from __future__ import annotations
@@ -200,8 +202,10 @@ def _rel_logits(a, b) -> float:
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, name, graphs):
     path = _file(tmp_path, name)
-    cfg = EngineConfig(device="cuda", max_seq_len=128, use_graphs=graphs)
-    with Engine(path, cfg) as gpu, Engine(path, EngineConfig(precision="float64")) as ref, Engine(path) as cpu:
+    cfg = EngineConfig(device="cuda", max_seq_len=128, use_graphs=graphs, int8_activations=False)
+    flt = EngineConfig(int8_activations=False)    # float activations (int8 ones: test_gpu_4bit_dp4a.py)
+    with Engine(path, cfg) as gpu, Engine(path, EngineConfig(precision="float64", int8_activations=False)) as ref, \
+            Engine(path, flt) as cpu:
         assert S.ExpertFormat(gpu.reader.blob_layout.expert_format) == FORMATS[name][0]
         for got, exp in zip(gpu.logits(PROMPTS + [LONG]), ref.logits(PROMPTS + [LONG])):
             assert _rel_logits(got, exp) < ENGINE_TOL

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from colibri_format.runtime.cuda import limits
-from colibri_format.runtime.cuda.limits import EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS
+from colibri_format.runtime.cuda.limits import (
+    A8_FORMATS, A8_GROUP, A8_QUANT_THREADS, A8_THREADS, EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS)
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
     DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS,
@@ -1451,6 +1452,137 @@ def uses_tc4(tensor_cores: bool | None, table: PackedExpertTable, tokens: int) -
     return tensor_cores and table.expert_format in TC4_FORMATS
 
 
+# ---- 4-bit experts on int8 activations (moe_gemv4_dp4a.cu): int4_group decode passes --------------------------------
+A8_STAGE_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])   # the staged bytes of each 8 inputs (moe_gemv4_dp4a.cu)
+
+
+def uses_a8(int8_activations: bool, table: ExpertTable) -> bool:
+    """Whether an expert table's products run on int8 activations: asked for (EngineConfig.int8_activations) and a
+    format moe_gemv4_dp4a.cu decodes (A8_FORMATS); int8 / float experts keep their float-activation kernels."""
+    return bool(int8_activations) and isinstance(table, PackedExpertTable) and table.expert_format in A8_FORMATS
+
+
+def quantize_activations_a8_reference(a) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy twin of `quantize_activations_a8` (float32 arithmetic, bit for bit): (q int8 [rows, ncols] in the
+    staged byte order, scales f32 [rows, ncols // A8_GROUP]) (`numpy_backend.quantize_int8_groups`)."""
+    from colibri_format.runtime.numpy_backend import quantize_int8_groups  # noqa: PLC0415
+
+    a = np.asarray(a, np.float32)
+    q, s = quantize_int8_groups(a, A8_GROUP)
+    rows, ncols = q.shape
+    return np.ascontiguousarray(q.reshape(rows, ncols // 8, 8)[:, :, A8_STAGE_ORDER].reshape(rows, ncols)), s
+
+
+def unstage_a8(q) -> np.ndarray:
+    """Staged int8 activations (host array) back in column order."""
+    q = np.asarray(q)
+    rows, ncols = q.shape
+    out = np.empty_like(q).reshape(rows, ncols // 8, 8)
+    out[:, :, A8_STAGE_ORDER] = q.reshape(rows, ncols // 8, 8)
+    return out.reshape(rows, ncols)
+
+
+def _check_a8_input(a, name: str = "input"):
+    _check(name, a, dtype=np.float32, ndim=2)
+    if a.shape[1] % A8_GROUP:
+        raise ValueError(f"{name} has {a.shape[1]} columns: not whole groups of {A8_GROUP}")
+    return a.shape[0], a.shape[1]
+
+
+def quantize_activations_a8(a, *, q=None, scales=None):
+    """a [rows, ncols] f32 -> (q int8 [rows, ncols], scales f32 [rows, ncols // A8_GROUP]): each group of A8_GROUP
+    inputs as rint(v / s), s = max|v| / 127 (moe4a8_quantize; q in the staged byte order the dp4a GEMVs read; twin:
+    `quantize_activations_a8_reference`)."""
+    cp = _cupy()
+    rows, ncols = _check_a8_input(a)
+    q = _out("q", q, (rows, ncols), cp.int8)
+    scales = _out("scales", scales, (rows, ncols // A8_GROUP), cp.float32)
+    groups = rows * ncols // A8_GROUP
+    if groups:
+        kernel("moe_gemv4_dp4a", "moe4a8_quantize")(
+            (_grid_stride_blocks(groups * 32, A8_QUANT_THREADS),), (A8_QUANT_THREADS,),
+            (a, q, scales, np.int64(groups)))
+    return q, scales
+
+
+def round_activations_a8(a, *, out=None):
+    """a [rows, ncols] f32 rounded to int8 per group of A8_GROUP, as floats q * s (moe4a8_round; `out` may be a:
+    in place; twin: `numpy_backend.round_int8_groups` on float32)."""
+    cp = _cupy()
+    rows, ncols = _check_a8_input(a)
+    out = _out("out", out, (rows, ncols), cp.float32)
+    groups = rows * ncols // A8_GROUP
+    if groups:
+        kernel("moe_gemv4_dp4a", "moe4a8_round")(
+            (_grid_stride_blocks(groups * 32, A8_QUANT_THREADS),), (A8_QUANT_THREADS,), (a, out, np.int64(groups)))
+    return out
+
+
+def _check_a8_table(table: PackedExpertTable) -> None:
+    if not isinstance(table, PackedExpertTable) or table.expert_format not in A8_FORMATS:
+        raise ValueError(f"the dp4a 4-bit GEMVs take {[f.name for f in A8_FORMATS]} tables")
+
+
+def _check_a8_pair(q, s, rows: int, cols: int) -> None:
+    _check("q", q, dtype=np.int8, shape=(rows, cols))
+    _check("scales", s, dtype=np.float32, shape=(rows, cols // A8_GROUP))
+
+
+def _a8_launch(name: str):
+    fn = kernel("moe_gemv4_dp4a", name)
+    return fn, (_sm_count() * resident_blocks(fn, A8_THREADS),)
+
+
+def moe_gate_up_4bit_a8(xq, xs, table: PackedExpertTable, disp: Dispatch, k: int, *,
+                        tokens_per_pass_: int | None = None, out=None):
+    """`moe_gate_up_4bit` on int8 activations (int4_group): act [P, I] f32 in sorted order from x's
+    `quantize_activations_a8` (xq int8 [T, H], xs f32 [T, H // A8_GROUP]); fills `table.fill_ptrs` as it reads."""
+    cp = _cupy()
+    table.check()
+    _check_a8_table(table)
+    H, I = table.hidden_size, table.intermediate_size
+    T = disp.num_pairs // k
+    if T * k != disp.num_pairs:
+        raise ValueError("dispatch pairs are not T * k")
+    if disp.num_experts != table.num_experts:
+        raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
+    _check_a8_pair(xq, xs, T, H)
+    tokc = _tokens4(tokens_per_pass_, T, k, table.num_experts)
+    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    fn, grid = _a8_launch(f"moe4a8_gate_up_{table.tag}_t{tokc}")
+    fn(grid, (A8_THREADS,),
+       (xq, xs, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up),
+        np.int64(table.off_gate_up_scale), disp.perm, disp.offsets, disp.active, disp.meta, act, np.int32(H),
+        np.int32(I), np.int32(k), np.int32(table.group_size)))
+    return act
+
+
+def moe_down_4bit_a8(aq, as_, table: PackedExpertTable, disp: Dispatch, weights, *,
+                     tokens_per_pass_: int | None = None, out=None):
+    """`moe_down_4bit` on int8 activations (int4_group): ypair [P, H] f32 (pair order) = routing weight *
+    (down @ act) from act's `quantize_activations_a8` (aq int8 [P, I], as_ f32 [P, I // A8_GROUP])."""
+    cp = _cupy()
+    table.check()
+    _check_a8_table(table)
+    H, I = table.hidden_size, table.intermediate_size
+    P = disp.num_pairs
+    if disp.num_experts != table.num_experts:
+        raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
+    _check_a8_pair(aq, as_, P, I)
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    k = weights.shape[-1] if weights.ndim == 2 else 1
+    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
+    y = _out("out", out, (P, H), cp.float32)
+    fn, grid = _a8_launch(f"moe4a8_down_{table.tag}_t{tokc}")
+    fn(grid, (A8_THREADS,),
+       (aq, as_, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        disp.perm, disp.offsets, disp.active, disp.meta, weights, y, np.int32(H), np.int32(I),
+        np.int32(table.group_size)))
+    return y
+
+
 class Int8Expansion:
     """Device int8_group blobs of the same shape and group size for every expert of a 4-bit table (the prefill
     GEMM's input, written by `expand_to_int8` for a pass's routed experts): num_experts x ~1.125 bytes a weight."""
@@ -1501,20 +1633,36 @@ def expand_to_int8(table: PackedExpertTable, disp: Dispatch, expansion: Int8Expa
 def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None, alpha: float = 1.0,
                      gemm: bool | None = None, disp: Dispatch | None = None, act=None, ypair=None,
                      expansions: dict | None = None, tensor_cores: bool | None = None, staged=(None, None),
-                     out=None):
+                     int8_activations: bool = False, a8_buffers: dict | None = None, out=None):
     """`moe_experts` over 4-bit experts: the moe_gemv4.cu GEMVs, or (gemm_path: prefill) the routed experts
     expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
 
     expansions: a dict that keeps the Int8Expansion workspace between calls (the backend's workspace); None: a
     fresh one per GEMM call. tensor_cores: decode passes on moe_gemv4_tc.cu where `uses_tc4` says so (None: the
-    measured crossover); staged: its (x, act) staging buffers, preallocated for graph capture."""
+    measured crossover); staged: its (x, act) staging buffers, preallocated for graph capture.
+    int8_activations (int4_group only, `uses_a8`): both products' inputs rounded to int8 per group of A8_GROUP;
+    decode passes run moe_gemv4_dp4a.cu (tensor_cores ignored), prefill passes the same GEMM on the rounded inputs
+    (`round_activations_a8`). a8_buffers: its buffers, preallocated for graph capture (keys xq, xs, aq, as for
+    decode, x_rounded for prefill; missing ones are allocated)."""
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
+    if int8_activations and table.expert_format not in A8_FORMATS:
+        raise ValueError(f"int8 activations are built for {[f.name for f in A8_FORMATS]}, not {table.tag}")
+    bufs = a8_buffers or {}
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     if use_gemm:
         int8 = expand_to_int8(table, disp, _expansion(table, expansions))
+        if int8_activations:
+            x = round_activations_a8(x, out=bufs.get("x_rounded"))
         act = moe_gemm_gate_up(x, int8, disp, k, tensor_cores=False, out=act)
+        if int8_activations:
+            act = round_activations_a8(act, out=act)
         ypair = moe_gemm_down(act, int8, disp, weights, tensor_cores=False, out=ypair)
+    elif int8_activations:
+        xq, xs = quantize_activations_a8(x, q=bufs.get("xq"), scales=bufs.get("xs"))
+        act = moe_gate_up_4bit_a8(xq, xs, table, disp, k, out=act)
+        aq, as_ = quantize_activations_a8(act, q=bufs.get("aq"), scales=bufs.get("as"))
+        ypair = moe_down_4bit_a8(aq, as_, table, disp, weights, out=ypair)
     elif uses_tc4(tensor_cores, table, T):
         act = moe_gate_up_4bit_tc(x, table, disp, k, staged=staged[0], out=act)
         ypair = moe_down_4bit_tc(act, table, disp, weights, staged=staged[1], out=ypair)

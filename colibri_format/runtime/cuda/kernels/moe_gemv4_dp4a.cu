@@ -1,0 +1,215 @@
+// 4-bit (int4_group) expert decode GEMVs on int8 activations: `__dp4a` sums of four int8 products instead of an
+// fp32 FMA per weight and token (moe_gemv4.cu's kernels are instruction-bound, docs/benchmarks.md). The contract,
+// the work items, the last-item shift and the fill on read are moe_gemv4.cu's (see there and moe_gemv.cu):
+//   moe4a8_gate_up_int4_t<TOKC>: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
+//   moe4a8_down_int4_t<TOKC>:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
+// with each input row x[tok] (act[pos]) replaced by its int8 rounding (EngineConfig.int8_activations):
+//
+// Activations: moe4a8_quantize rounds each group of 32 consecutive inputs of a row, once per launch, to
+// q = rint(v / s), s = max|v| / 127 of the group (symmetric; a group of zeros has s = 0 and q = 0), fp32 IEEE
+// division and rintf (half to even) as NumPy's float32 np.rint(v / s) (the twin: ops.quantize_int8_groups_reference;
+// benchmarks/quality_activations.py's "int8_g32" form). q is stored with each 8 inputs permuted to
+// (0, 2, 4, 6, 1, 3, 5, 7): the order in which a packed word's even and odd nibbles are picked. s: one float a group.
+// moe4a8_round writes rint(v / s) * s as floats instead (the prefill GEMM's inputs: the same rounding everywhere).
+//
+// Weights: a 16-byte chunk is 32 weights, one activation group, inside one weight group (32, 64 or 128). A word w
+// (weights 8u .. 8u + 7, low nibble first) gives two dp4a operands with no sign extension: (w << 4) & 0xF0F0F0F0
+// holds 16 x the even weights as signed bytes, w & 0xF0F0F0F0 16 x the odd ones; the 1/16 is folded into the weight
+// scale (exact). Per chunk, row and token: 8 dp4a into an int32 (|sum| <= 32 * 128 * 127 < 2^24: exact as a
+// float), then acc += sum * (weight scale / 16 * activation scale) in fp32.
+#include "common.cuh"
+
+#ifndef A8_THREADS
+#error "A8_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_QUANT_THREADS
+#error "A8_QUANT_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
+
+// ---- activations: int8 per group of 32 ---------------------------------------------------------------------------
+// position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds
+__device__ __forceinline__ int a8_position(int l) { return (l & ~7) | ((l & 1) << 2) | ((l & 7) >> 1); }
+
+// one warp a group (lane l holds input l); groups are rows * ncols / 32 consecutive runs of the row-major input;
+// moe4a8_round may write in place (x == rounded: each lane reads its input before it writes it)
+template <bool STAGED>
+__device__ __forceinline__ void a8_quantize(const float* x, signed char* __restrict__ q,
+                                            float* __restrict__ s, float* rounded, long long ngroups) {
+    const int lane = threadIdx.x & 31;
+    const long long warps_total = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long g = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; g < ngroups; g += warps_total) {
+        const float v = x[g * 32 + lane];
+        const float m = warp_max(fabsf(v));
+        const float sc = m / 127.0f;
+        const float qv = sc > 0.0f ? rintf(v / sc) : 0.0f;
+        if (STAGED) {
+            q[g * 32 + a8_position(lane)] = (signed char)(int)qv;
+            if (lane == 0) s[g] = sc;
+        } else {
+            rounded[g * 32 + lane] = qv * sc;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(A8_QUANT_THREADS)
+    moe4a8_quantize(const float* x, signed char* q, float* s, long long ngroups) {
+    a8_quantize<true>(x, q, s, nullptr, ngroups);
+}
+
+extern "C" __global__ void __launch_bounds__(A8_QUANT_THREADS)
+    moe4a8_round(const float* x, float* rounded, long long ngroups) {
+    a8_quantize<false>(x, nullptr, nullptr, rounded, ngroups);
+}
+
+// ---- the GEMVs ----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int a8_word(const int4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <int TOKC, int R, bool GATEUP>
+__device__ __forceinline__ void moe_gemv4_a8(const signed char* __restrict__ inq, const float* __restrict__ ins,
+                                             const unsigned long long* __restrict__ blobs,
+                                             const unsigned long long* __restrict__ fills, long long off_w,
+                                             long long off_s, const int* __restrict__ perm,
+                                             const int* __restrict__ offsets, const int* __restrict__ active,
+                                             const int* __restrict__ meta, const float* __restrict__ pair_w,
+                                             float* __restrict__ out, int ncols, int nout, int k, int group) {
+    constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
+    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
+    const int lane = threadIdx.x & 31;
+    const int n_rg = (nout + ROUT - 1) / ROUT;
+    const int total = meta[0] * n_rg;
+    const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights, one activation group) per row
+    const int ngroups = ncols / group;
+    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
+        const int slot = item / n_rg;
+        const int o0 = (item - slot * n_rg) * ROUT;
+        const int e = active[slot];
+        const char* blob = reinterpret_cast<const char*>(blobs[e]);
+        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
+        const u16* sbase = reinterpret_cast<const u16*>(blob + off_s);
+        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        const int ob = min(o0, nout - ROUT);  // the last item shifted inside the matrix (moe_gemv4.cu)
+        int row[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) row[r] = ob + (r % ROUT) + (r >= ROUT ? nout : 0);
+        const int start = offsets[e];
+        const int cnt = offsets[e + 1] - start;
+
+        for (int c0 = 0; c0 < cnt; c0 += TOKC) {
+            const int nt = min(TOKC, cnt - c0);
+            int trow[TOKC];  // input row of each token of the pass
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                const int pos = start + c0 + min(j, nt - 1);
+                trow[j] = GATEUP ? perm[pos] / k : pos;
+            }
+            float acc[R][TOKC];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int j = 0; j < TOKC; ++j) acc[r][j] = 0.0f;
+
+#pragma unroll 1
+            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
+                int4 raw[CPL][R];
+                u16 sraw[CPL][R];
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc < nchunk) {
+                        const int g = (cc << 5) / group;
+#pragma unroll
+                        for (int r = 0; r < R; ++r) {
+                            raw[f][r] = __ldg(wbase + (size_t)row[r] * nchunk + cc);
+                            sraw[f][r] = sbase[(size_t)row[r] * ngroups + g];
+                        }
+                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
+#pragma unroll
+                            for (int r = 0; r < R; ++r) {
+                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[r] * nchunk + cc] = raw[f][r];
+                                reinterpret_cast<u16*>(fill + off_s)[(size_t)row[r] * ngroups + g] = sraw[f][r];
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc >= nchunk) continue;
+                    float ws[R];
+#pragma unroll
+                    for (int r = 0; r < R; ++r) ws[r] = TF16::to_f32(sraw[f][r]) * 0.0625f;
+#pragma unroll
+                    for (int j = 0; j < TOKC; ++j) {
+                        if (j < nt) {
+                            const int4* ap = reinterpret_cast<const int4*>(inq + (size_t)trow[j] * ncols) + 2 * cc;
+                            const int4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
+                            const float as = __ldg(ins + (size_t)trow[j] * nchunk + cc);
+#pragma unroll
+                            for (int r = 0; r < R; ++r) {
+                                int sum = 0;
+#pragma unroll
+                                for (int wi = 0; wi < 4; ++wi) {
+                                    const unsigned int w = (unsigned int)a8_word(raw[f][r], wi);
+                                    const int4& a = wi < 2 ? a0 : a1;
+                                    sum = __dp4a((int)((w << 4) & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1)), sum);
+                                    sum = __dp4a((int)(w & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1) + 1), sum);
+                                }
+                                acc[r][j] = fmaf((float)sum, ws[r] * as, acc[r][j]);
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                if (j < nt) {
+                    const int pos = start + c0 + j;
+#pragma unroll
+                    for (int r = 0; r < ROUT; ++r) {
+                        const float a = warp_sum(acc[r][j]);
+                        if (GATEUP) {
+                            const float b = warp_sum(acc[r + ROUT][j]);
+                            if (lane == 0 && ob + r >= o0) out[(size_t)pos * nout + ob + r] = silu_f32(a) * b;
+                        } else if (lane == 0 && ob + r >= o0) {
+                            const int pair = perm[pos];
+                            out[(size_t)pair * nout + ob + r] = __ldg(pair_w + pair) * a;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define GATE_UP_A8_KERNEL(NAME, TOKC, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
+        NAME(const signed char* xq, const float* xs, const unsigned long long* blobs,                           \
+             const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
+             const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k, int group) { \
+        moe_gemv4_a8<TOKC, R, true>(xq, xs, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, act, \
+                                    H, I, k, group);                                                            \
+    }
+#define DOWN_A8_KERNEL(NAME, TOKC, R)                                                                             \
+    extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
+        NAME(const signed char* aq, const float* as, const unsigned long long* blobs,                           \
+             const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
+             const int* offsets, const int* active, const int* meta, const float* pair_w, float* y, int H, int I, \
+             int group) {                                                                                       \
+        moe_gemv4_a8<TOKC, R, false>(aq, as, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, \
+                                     H, 1, group);                                                              \
+    }
+
+// suffix: t<TOKC> (tokens per pass); rows per warp item: 4, or 2 from 4 tokens (registers), as moe_gemv4.cu
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t1, 1, 4)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t2, 2, 4)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t4, 4, 2)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t8, 8, 2)
+DOWN_A8_KERNEL(moe4a8_down_int4_t1, 1, 4)
+DOWN_A8_KERNEL(moe4a8_down_int4_t2, 2, 4)
+DOWN_A8_KERNEL(moe4a8_down_int4_t4, 4, 2)
+DOWN_A8_KERNEL(moe4a8_down_int4_t8, 8, 2)
