@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from colibri_format.errors import InvalidInput, UnsupportedModel
+from colibri_format.runtime.cuda.limits import A8_FORMATS
 from colibri_format.runtime.engine import Engine, EngineConfig, GenerationResult
-from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelDecoder, ResidentExperts
+from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelDecoder, ResidentExperts, round_int8_groups
 from colibri_format.runtime.parallel.placement import Placement, plan_placement
 
 
@@ -48,7 +49,9 @@ class ExpertParallelEngine(Engine):
         self.group = group
         self.placement = placement or self._plan(trace)
         self.owned_store = ResidentExperts(self.placement.owned(self.rank), device)
-        self.exchange = ExpertExchange(self.placement, self.rank, self._owned_expert, device, group, check_routing)
+        rounds = config.int8_activations and self.experts.layout.expert_format in A8_FORMATS
+        self.exchange = ExpertExchange(self.placement, self.rank, self._owned_expert, device, group, check_routing,
+                                       round_input=round_int8_groups if rounds else None)
         self.decoder = ExpertParallelDecoder(self.args, self.dense, self.experts, self.be, self.exchange)
 
     def _owned_expert(self, layer: int, expert: int):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from colibri_format.runtime.forward import Decoder
+from colibri_format.runtime.numpy_backend import round_int8_groups as numpy_round_int8_groups
 from colibri_format.runtime.parallel.placement import Placement, quotas
 
 
@@ -70,10 +71,23 @@ class ResidentExperts:
         return set(self._store)
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    h = x @ gate_up.T                                   # [n, 2I]: gate rows first, then up (spec §8)
+RoundInput = Callable[[torch.Tensor], torch.Tensor]
+
+
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               round_input: RoundInput | None = None) -> torch.Tensor:
+    """down(silu(gate x) * up x); round_input (if given) applied to each product's input, as the single-process
+    engines do with EngineConfig.int8_activations."""
+    keep = round_input or (lambda t: t)
+    h = keep(x) @ gate_up.T                              # [n, 2I]: gate rows first, then up (spec §8)
     inter = gate_up.shape[0] // 2
-    return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down.T
+    return keep(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down.T
+
+
+def round_int8_groups(t: torch.Tensor) -> torch.Tensor:
+    """The NumPy engine's int8-per-group rounding (numpy_backend.round_int8_groups) of a torch tensor, computed by
+    that function itself on the host so the ranks' arithmetic is the single-process engine's bit for bit."""
+    return torch.from_numpy(numpy_round_int8_groups(t.detach().cpu().numpy())).to(t.device)
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,7 @@ class ExpertExchange:
     """The routed-expert part of every MoE layer, for one rank of an expert-parallel group."""
 
     def __init__(self, placement: Placement, rank: int, get_expert: Callable, device: str,
-                 group=None, check_routing: bool = False) -> None:
+                 group=None, check_routing: bool = False, round_input: RoundInput | None = None) -> None:
         self.placement, self.rank, self.world = placement, rank, placement.world_size
         self.get_expert = get_expert
         self.device = torch.device(device)
@@ -114,6 +128,7 @@ class ExpertExchange:
         self.check_routing = check_routing
         self._owners = {layer: placement.owner_array(layer) for layer in placement.moe_layers}
         self.rows_sent = 0          # token rows this rank dispatched to other ranks (for stats)
+        self.round_input = round_input   # the expert products' input rounding (int8 activations), or None
 
     def routed(self, layer: int, x: np.ndarray, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
         if self.check_routing:
@@ -143,7 +158,7 @@ class ExpertExchange:
         for e in np.unique(experts):                     # ascending: each owned expert fetched once per step
             sel = self._index(np.nonzero(experts == e)[0])
             gate_up, down = self.get_expert(layer, int(e))
-            out[sel] = expert_ffn(rows[sel], gate_up, down)
+            out[sel] = expert_ffn(rows[sel], gate_up, down, self.round_input)
         return out
 
     def _combine(self, plan: ExchangePlan, returned: torch.Tensor, weights: np.ndarray, k: int,

@@ -1,7 +1,7 @@
 """Expert parallelism on CPU: gloo process groups of 2 and 3 ranks on loopback against the one-process engine.
 
-Every supported architecture's tiny checkpoint is converted to a float32 `.colibri` file (plus one int8 file);
-one group of ranks is started per world size and runs every file: logits of a ragged batch, greedy and seeded
+Every supported architecture's tiny checkpoint is converted to a float32 `.colibri` file (plus an int8 and an int4
+one); one group of ranks is started per world size and runs every file: logits of a ragged batch, greedy and seeded
 sampled generation. The test process compares them with `Engine` (<= 1e-5 relative logit error, equal tokens)
 and checks that each rank loaded only experts it owns. Ranks are this file run as a script (`--rank`), so no
 pickling of test functions across processes is needed. Placement and the exchange plan are tested in-process.
@@ -123,6 +123,10 @@ def files(tmp_path_factory) -> dict[str, str]:
         convert(make_tiny_checkpoint(arch, root / f"hf-{arch}"), out[arch], dtype="float32", quantize="none")
     out["qwen3_moe-int8"] = str(root / "qwen3_moe-int8.colibri")
     convert(root / "hf-qwen3_moe", out["qwen3_moe-int8"], dtype="float32", quantize="expert")
+    # int4_group experts: both engines round the expert products' inputs to int8 (EngineConfig.int8_activations
+    # on by default), which moves the routed sum by far more than LOGIT_TOL, so the ranks must round too
+    out["qwen3_moe-int4"] = str(root / "qwen3_moe-int4.colibri")
+    convert(root / "hf-qwen3_moe", out["qwen3_moe-int4"], dtype="float32", quantize="expert", quant_bits=4)
     return out
 
 
