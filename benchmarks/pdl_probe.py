@@ -126,7 +126,7 @@ class ExLauncher:
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         cfg = LaunchConfig((grid, 1, 1), (block, 1, 1), 0, ctypes.c_void_p(stream_ptr),
                            ctypes.pointer(self.attr) if pdl else None, 1 if pdl else 0)
-        rc = self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
+        rc = self.cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(getattr(fn, "ptr", None) or fn.kernel.ptr), params, None)
         if rc:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
 
