@@ -357,6 +357,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
     journal: Journal | None = None
     try:
         writer.check_free_space(len(S.encode_metadata(job.tokenizer)) if job.tokenizer else 0)
+        writer.allocate_data_region()
         kept = keep_journaled_pieces(writer, state.pieces, job.options.workers,
                                      lambda key: source_digest(job.src, job.piece(key).rows),
                                      job.options.allow_non_finite) if resuming else []

@@ -328,6 +328,52 @@ def test_pieces_in_a_failed_write_never_count(tmp_path):
     w.abort(remove_part=True)
 
 
+def test_a_full_buffers_partial_page_goes_out_direct_with_the_next_bytes(tmp_path, monkeypatch):
+    """With direct I/O, a buffer that fills up in the middle of a page keeps that partial page for its next block
+    when the stream goes on there: contiguous page-aligned pieces make no write through the page cache, whatever
+    the chunk sizes; the file and the checksums are those of plain streams."""
+    monkeypatch.setattr(writer_mod, "WRITE_BUFFER_BYTES", 3 * 4096)
+    w = ColibriWriter(tmp_path / "m.colibri", _model(), dense_dtype=S.DType.F16, expert_format=S.ExpertFormat.INT8_ROW)
+    if not w.direct_io:
+        w.abort(remove_part=True)
+        pytest.skip("no direct I/O on this filesystem")
+    buffered = []
+    real = writer_mod.pwrite_all
+    monkeypatch.setattr(writer_mod, "pwrite_all", lambda fd, data, offset: (
+        buffered.append((offset, len(memoryview(data)))) if fd == w._fd else None, real(fd, data, offset)))
+    expected = {}
+    for i, key in enumerate(w.plan.blob_keys()):
+        data = _blob_bytes(w, key, i)
+        stream = w.stream(key, buffered=True)
+        for a in range(0, len(data), 3000):
+            chunk = np.frombuffer(data[a:a + 3000], np.uint8)
+            room = stream.reserve(len(chunk))
+            assert room is not None
+            room[:] = chunk
+            stream.commit(len(chunk))
+        expected[key] = stream.finish()
+    w.flush()
+    assert buffered == []
+    assert w.checksums == expected
+    for i, key in enumerate(w.plan.blob_keys()):
+        assert os.pread(w._fd, w.slot(key).size, w.slot(key).offset) == _blob_bytes(w, key, i)
+    w.abort(remove_part=True)
+
+
+def test_allocating_the_data_region_keeps_what_the_part_holds(tmp_path):
+    """`allocate_data_region` (direct I/O) allocates the pieces' blocks and changes no byte and not the size: a
+    resumed `.part` keeps its pieces."""
+    w = ColibriWriter(tmp_path / "m.colibri", _model(), dense_dtype=S.DType.F16, expert_format=S.ExpertFormat.INT8_ROW)
+    key = w.plan.blob_keys()[1]
+    w.write_expert_blob(*key, _blob_bytes(w, key, 7))
+    before = os.pread(w._fd, w.plan.metadata_offset, 0), os.fstat(w._fd).st_size
+    w.allocate_data_region()
+    assert (os.pread(w._fd, w.plan.metadata_offset, 0), os.fstat(w._fd).st_size) == before
+    if w.direct_io:
+        assert os.fstat(w._fd).st_blocks * 512 >= w.plan.metadata_offset
+    w.abort(remove_part=True)
+
+
 # --- runs -------------------------------------------------------------------------------------------------------
 def test_runs_cut_in_order_by_bytes_or_count():
     sizes = [5, 5, 40, 1, 1, 1, 1, 1, 100, 3]
