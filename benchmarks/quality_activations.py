@@ -3,7 +3,8 @@ GEMM's `EngineConfig(fast_expert_gemm="bf16")` instead of bf16 hi + lo, "split",
 scale per group of 32 inputs (what a dp4a / int8 tensor-core expert kernel, W8A8 or W4A8, would compute; no such
 kernel exists yet: this says whether one is worth writing).
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32] --out q.json
+    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32] \
+        [--experts int8_row,int4_g32] --out q.json
 
 The CUDA kernels cannot run here, so their arithmetic is emulated on the NumPy engine (float32) in every pass: "bf16"
 rounds each expert product's input to bf16 (round to nearest even, as `ops.split_bf16`'s hi half) - x before
@@ -15,6 +16,12 @@ input, within ~1e-5 of the float32 engine, so the unmodified NumPy engine stands
 default conversion (float16 dense, int8 row experts) over the windows of `benchmarks/quality.py` (every predicted
 token of eval.txt unless --tokens), against transformers bf16 and fp32 as references, with quality.py's columns.
 The windows are prefill passes; a decode step's rows are rounded the same way, row by row.
+
+--experts picks the conversions scored (default int8_row, the file above): int4_g32 is `convert(quant_bits=4,
+group_size=32)`, whose products the engine itself rounds to int8 per group of 32 by default
+(`EngineConfig(int8_activations=True)`, numpy_backend.round_int8_groups). Every "split" and emulated row runs
+with int8_activations=False (float activations, then the form's rounding alone); an int4_g32 file adds a row of
+the engine's own default, int8_activations=True, which must score exactly as its emulated int8_g32 row.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import datetime
 import json
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,6 +66,23 @@ def round_to_int8_groups(x: np.ndarray) -> np.ndarray:
 
 
 FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups}
+# --experts: row label, convert() options
+EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bits=4, group_size=32))}
+
+
+def score_colibri(path: Path, wins: list[np.ndarray], batch: int, int8_activations: bool) -> quality.Scores:
+    """quality.score_colibri with EngineConfig.int8_activations set (it takes the engine's default)."""
+    from colibri_format.runtime.engine import Engine, EngineConfig
+
+    out = quality.Scores()
+    with Engine(path, EngineConfig(max_batch_size=batch, int8_activations=int8_activations)) as eng:
+        t0 = time.perf_counter()
+        for i in range(0, len(wins), batch):
+            chunk = wins[i:i + batch]
+            for logits, ids in zip(eng.logits([w[:-1].tolist() for w in chunk]), chunk):
+                out.add(logits, ids[1:])
+        out.seconds = time.perf_counter() - t0
+    return out
 
 
 @contextmanager
@@ -92,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="windows per forward pass")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers rows")
     p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {', '.join(FORMS)}")
+    p.add_argument("--experts", default="int8_row", help=f"comma list of {', '.join(EXPERTS)} (the conversions)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    forms = args.forms.split(",")
+    forms = args.forms.split(",") if args.forms else []
     if set(forms) - set(FORMS):
         p.error(f"unknown --forms {sorted(set(forms) - set(FORMS))}; known: {', '.join(FORMS)}")
+    experts = args.experts.split(",")
+    if not experts or set(experts) - set(EXPERTS):
+        p.error(f"unknown --experts {sorted(set(experts) - set(EXPERTS))}; known: {', '.join(EXPERTS)}")
 
     import torch
 
@@ -105,23 +134,35 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     wins = quality.windows(quality.held_out_ids(), args.window, args.tokens)
     scores = {f"transformers {tag}": quality.score_transformers(wins, tag, args.batch) for tag in ("bf16", "fp32")}
+    checks = {}
     with tempfile.TemporaryDirectory(prefix="colibri-act-") as tmp:
-        path = Path(tmp) / "default.colibri"
-        convert(quality.MODEL_DIR, path, resume=False)
-        scores["colibri f16 / int8 row, split (fp32-class) activations"] = quality.score_colibri(path, wins,
-                                                                                               args.batch)
-        for form in forms:
-            with rounded_expert_inputs(FORMS[form]):
-                scores[f"colibri f16 / int8 row, {form} expert activations"] = quality.score_colibri(
-                    path, wins, args.batch)
+        for kind in experts:
+            label, opts = EXPERTS[kind]
+            path = Path(tmp) / f"{kind}.colibri"
+            convert(quality.MODEL_DIR, path, resume=False, **opts)
+            scores[f"colibri f16 / {label}, split (fp32-class) activations"] = score_colibri(path, wins, args.batch,
+                                                                                            False)
+            for form in forms:
+                with rounded_expert_inputs(FORMS[form]):
+                    scores[f"colibri f16 / {label}, {form} expert activations"] = score_colibri(
+                        path, wins, args.batch, False)
+            if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
+                name = f"colibri f16 / {label}, engine int8_activations=True (default)"
+                scores[name] = score_colibri(path, wins, args.batch, True)
+                emulated = scores.get(f"colibri f16 / {label}, int8_g32 expert activations")
+                if emulated is not None:
+                    same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
+                    checks[f"{kind}: engine int8_activations == emulated int8_g32"] = same
     ref_bf16, ref_fp32 = scores["transformers bf16"], scores["transformers fp32"]
     rows = [quality.summarize(name, s, ref_bf16, ref_fp32, wins) for name, s in scores.items()]
     table = quality.markdown(rows)
     print(table)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_head": quality.git_head(), "machine": quality.machine(), "window": args.window,
-            "predicted_tokens": len(wins) * args.window}
+            "predicted_tokens": len(wins) * args.window, "checks": checks}
     print(f"\n{info['predicted_tokens']} predicted tokens, {info['machine']['nproc']} cores, {info['date']}")
+    for what, ok in checks.items():
+        print(f"{what}: {ok}")
     if args.out:
         Path(args.out).write_text(json.dumps({**info, "rows": rows, "markdown": table}, indent=1) + "\n")
     return 0
