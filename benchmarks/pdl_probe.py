@@ -13,7 +13,8 @@ they stream from HBM), captured in one CUDA graph, in four forms:
 - `plain`: CuPy launches (today's engine);
 - `ex`: the same kernels through cuLaunchKernelEx without the attribute (the launch path alone);
 - `pdl`: with the attribute, every kernel waiting at its start and letting its dependents launch at once;
-- `pdl+l2`: as `pdl`, each GEMV warp first prefetching its weight rows into L2 (`prefetch.global.L2::evict_last`).
+- `pdl+l2`: as `pdl`, each GEMV warp first prefetching its weight rows into L2 (`prefetch.global.L2::evict_last`);
+- `pdl-late`, `pdl-late+l2`: as those, but each kernel lets its dependents launch only after its main loop.
 
 Every form must give the plain form's output bit for bit (checked). Writes pdl_probe.json to OUT_DIR.
 """
@@ -32,9 +33,13 @@ SOURCE = r"""
 #define MODE_WAIT 1
 #define MODE_TRIGGER 2
 #define MODE_PREFETCH 4
+#define MODE_TRIGGER_LATE 8
 __device__ __forceinline__ void prologue(int mode) {
     if (mode & MODE_TRIGGER) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (mode & MODE_WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void late_trigger(int mode) {
+    if (mode & MODE_TRIGGER_LATE) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
@@ -85,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv(const float* x, const uns
             }
         }
     }
+    late_trigger(mode);
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
         a0 += __shfl_xor_sync(0xffffffffu, a0, o);
@@ -97,6 +103,7 @@ extern "C" __global__ void tiny(const float* in, float* out, int n_in, int n_out
     prologue(mode);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_out; i += gridDim.x * blockDim.x)
         out[i] = 0.5f * in[i % n_in] + 0.01f;
+    late_trigger(mode);
 }
 """
 
@@ -158,8 +165,8 @@ def main() -> int:
     weight_bytes = sum(w.nbytes for w in w_qkv + w_o)
 
     def step(form: str) -> None:
-        mode = {"plain": 0, "ex": 0, "pdl": 3, "pdl+l2": 7}[form]
-        gmode = mode
+        mode = {"plain": 0, "ex": 0, "pdl": 3, "pdl+l2": 7, "pdl-late": 9, "pdl-late+l2": 13}[form]
+        gmode, mode = mode, mode & ~4
 
         def launch(fn, grid, block, args, kmode):
             args = list(args[:-1]) + [kmode]
@@ -168,15 +175,15 @@ def main() -> int:
             else:
                 ex(fn, grid, block, args, stream.ptr, pdl=form.startswith("pdl"))
 
-        launch(tiny, 16, 256, [h0, xa, H, H, 0], mode & 3)
+        launch(tiny, 16, 256, [h0, xa, H, H, 0], mode)
         for i in range(a.layers):
             launch(gemv, QKV // 16, 256, [xa, w_qkv[i], ya, QKV, H, 0], gmode)
-            launch(tiny, 16, 256, [ya, xb, QKV, O_IN, 0], mode & 3)
+            launch(tiny, 16, 256, [ya, xb, QKV, O_IN, 0], mode)
             launch(gemv, H // 16, 256, [xb, w_o[i], yb, H, O_IN, 0], gmode)
-            launch(tiny, 16, 256, [yb, xa, H, H, 0], mode & 3)
+            launch(tiny, 16, 256, [yb, xa, H, H, 0], mode)
 
     results, reference = [], None
-    for form in ("plain", "ex", "pdl", "pdl+l2"):
+    for form in ("plain", "ex", "pdl", "pdl+l2", "pdl-late", "pdl-late+l2"):
         with stream:
             stream.begin_capture()
             step(form)
