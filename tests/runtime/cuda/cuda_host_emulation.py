@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_format import spec as S
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 
@@ -118,6 +119,11 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 def _nullable(a: np.ndarray | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None) if a is None else _ptr(a)
+
+
+def _routing(disp: dict) -> list:
+    """A host dispatch's (perm, offsets, active, meta) as kernel arguments."""
+    return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
 
 
 class Emulator:
@@ -221,21 +227,81 @@ class Gemv4TcEmulator:
         self.lib.emu_stage(self.blocks, _ptr(a), _ptr(staged), *a.shape)
         return staged
 
-    @staticmethod
-    def _routing(disp: dict) -> list:
-        return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
-
     def gate_up(self, tokc: int, staged, ptrs, fills, layout, disp: dict, k: int, act) -> None:
         self.lib.emu_gate_up(
             tokc, self.blocks, _ptr(staged), _ptr(ptrs), _nullable(fills),
             ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
-            *self._routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
+            *_routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
 
     def down(self, tokc: int, staged, ptrs, fills, layout, disp: dict, weights, y) -> None:
         self.lib.emu_down(
             tokc, self.blocks, _ptr(staged), _ptr(ptrs), _nullable(fills),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
-            *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            layout.group_size)
+
+
+# ---- moe_gemv4.cu (float inputs) -------------------------------------------------------------------------------------
+GEMV4_DRIVER = r"""
+#define G4_BY_TOKC(STAGE, tokc) \
+    (tokc == 1 ? STAGE##_t1 : tokc == 2 ? STAGE##_t2 : tokc == 4 ? STAGE##_t4 : STAGE##_t8)
+#define G4_BY_FORMAT(STAGE, mx, tokc) (mx ? G4_BY_TOKC(STAGE##_mxfp4, tokc) : G4_BY_TOKC(STAGE##_int4, tokc))
+
+extern "C" void emu_gate_up(int mx, int tokc, int blocks, const float* x, const unsigned long long* blobs,
+                            const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                            const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,
+                            int group) {
+    emu_launch({blocks, 1, 1}, GEMV4_THREADS, 0, [&] {
+        G4_BY_FORMAT(moe4_gate_up, mx, tokc)(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, act, H, I, k,
+                                             group);
+    });
+}
+
+extern "C" void emu_down(int mx, int tokc, int blocks, const float* a, const unsigned long long* blobs,
+                         const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                         const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
+                         int H, int I, int group) {
+    emu_launch({blocks, 1, 1}, GEMV4_THREADS, 0, [&] {
+        G4_BY_FORMAT(moe4_down, mx, tokc)(a, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, H, I,
+                                          group);
+    });
+}
+"""
+
+
+def build_gemv4(tmp_path: Path) -> ctypes.CDLL:
+    """moe_gemv4.cu (the float-input 4-bit GEMVs) for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "moe_gemv4", host_module_source("moe_gemv4") + GEMV4_DRIVER,
+                    limits.define_options("moe_gemv4"))
+
+
+class Gemv4Emulator:
+    """moe_gemv4.cu's decode GEMVs (int4_group and mxfp4 blobs, float inputs) over host arrays; `blocks` blocks a
+    launch (the grid-stride loop over warp items)."""
+
+    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
+        self.lib, self.blocks = lib, blocks
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+    @staticmethod
+    def _mx(layout) -> int:
+        return int(layout.expert_format == S.ExpertFormat.MXFP4)
+
+    def gate_up(self, tokc: int, x, ptrs, fills, layout, disp: dict, k: int, act) -> None:
+        self.lib.emu_gate_up(
+            self._mx(layout), tokc, self.blocks, _ptr(x), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            *_routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k,
+            layout.group_size)
+
+    def down(self, tokc: int, a, ptrs, fills, layout, disp: dict, weights, y) -> None:
+        self.lib.emu_down(
+            self._mx(layout), tokc, self.blocks, _ptr(a), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)
 
 
@@ -307,21 +373,17 @@ class Gemv4Dp4aEmulator:
         self.lib.emu_round(self.blocks, _ptr(a), _ptr(out), ctypes.c_longlong(a.size // 32))
         return out
 
-    @staticmethod
-    def _routing(disp: dict) -> list:
-        return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
-
     def gate_up(self, tokc: int, xq, xs, ptrs, fills, layout, disp: dict, k: int, act) -> None:
         self.lib.emu_gate_up(
             tokc, self.blocks, _ptr(xq), _ptr(xs), _ptr(ptrs), _nullable(fills),
             ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
-            *self._routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
+            *_routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size)
 
     def down(self, tokc: int, aq, as_, ptrs, fills, layout, disp: dict, weights, y) -> None:
         self.lib.emu_down(
             tokc, self.blocks, _ptr(aq), _ptr(as_), _ptr(ptrs), _nullable(fills),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
-            *self._routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)
 
 

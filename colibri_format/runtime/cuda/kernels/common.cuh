@@ -157,3 +157,111 @@ template <bool EXTRAS>
 __device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex, int e, int nout, int o) {
     return EXTRAS && ex.bias ? y + __ldg(ex.bias + (size_t)e * nout + o) : y;
 }
+
+// ---- 4-bit decode GEMVs: the walk over warp items (moe_gemv4.cu float inputs, moe_gemv4_dp4a.cu int8 inputs) -------
+// The contract and the work items of moe_gemv.cu's kernels, over packed 4-bit rows (16-byte chunks of 32 weights,
+// one scale per group of `group` weights, [rows, groups]):
+//   GATEUP: act[pos, i] = silu(in[tok] . gate[i]) * (in[tok] . up[i]), gate rows [0, nout), up [nout, 2 nout),
+//           tok = perm[pos] / k
+//   down:   y[pair, h] = pair_w[pair] * (in[pos] . down[h]), pair = perm[pos]
+// A warp item is R rows of one active expert; each lane loads CPL chunks of every row (and their scales) before
+// handing each to `dot.chunk`, which adds its products with up to TOKC input rows (`trow`: row indices of `in`)
+// to acc[R][TOKC]. Fill on read (fills[e] != 0): the first token pass also stores every chunk and scale it reads
+// at the same offsets of the admitted slot; the items of a launch cover every row and scale of the matrix.
+template <typename Dot, int TOKC, int R, bool GATEUP>
+__device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long long* __restrict__ blobs,
+                                             const unsigned long long* __restrict__ fills, long long off_w,
+                                             long long off_s, const int* __restrict__ perm,
+                                             const int* __restrict__ offsets, const int* __restrict__ active,
+                                             const int* __restrict__ meta, const float* __restrict__ pair_w,
+                                             float* __restrict__ out, int ncols, int nout, int k, int group) {
+    typedef typename Dot::scale_t scale_t;
+    constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
+    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
+    const int lane = threadIdx.x & 31;
+    const int n_rg = (nout + ROUT - 1) / ROUT;
+    const int total = meta[0] * n_rg;
+    const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights) per row
+    const int ngroups = ncols / group;
+    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
+        const int slot = item / n_rg;
+        const int o0 = (item - slot * n_rg) * ROUT;
+        const int e = active[slot];
+        const char* blob = reinterpret_cast<const char*>(blobs[e]);
+        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
+        const scale_t* sbase = reinterpret_cast<const scale_t*>(blob + off_s);
+        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
+        // only the outputs at or past its own o0
+        const int ob = min(o0, nout - ROUT);
+        int row[R];
+#pragma unroll
+        for (int q = 0; q < R; ++q) row[q] = ob + (q % ROUT) + (q >= ROUT ? nout : 0);
+        const int start = offsets[e];
+        const int cnt = offsets[e + 1] - start;
+
+        for (int c0 = 0; c0 < cnt; c0 += TOKC) {
+            const int nt = min(TOKC, cnt - c0);
+            int trow[TOKC];  // input row of each token of the pass (the last one repeated past nt)
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                const int pos = start + c0 + min(j, nt - 1);
+                trow[j] = GATEUP ? perm[pos] / k : pos;
+            }
+            float acc[R][TOKC];
+#pragma unroll
+            for (int q = 0; q < R; ++q)
+#pragma unroll
+                for (int j = 0; j < TOKC; ++j) acc[q][j] = 0.0f;
+
+#pragma unroll 1
+            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
+                int4 raw[CPL][R];
+                scale_t sraw[CPL][R];
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc < nchunk) {
+                        const int g = (cc << 5) / group;
+#pragma unroll
+                        for (int q = 0; q < R; ++q) {
+                            raw[f][q] = __ldg(wbase + (size_t)row[q] * nchunk + cc);
+                            sraw[f][q] = sbase[(size_t)row[q] * ngroups + g];
+                        }
+                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
+#pragma unroll
+                            for (int q = 0; q < R; ++q) {
+                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[q] * nchunk + cc] = raw[f][q];
+                                reinterpret_cast<scale_t*>(fill + off_s)[(size_t)row[q] * ngroups + g] = sraw[f][q];
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int f = 0; f < CPL; ++f) {
+                    const int cc = cb + 32 * f + lane;
+                    if (cc < nchunk) dot.template chunk<TOKC, R>(acc, raw[f], sraw[f], trow, nt, cc);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                if (j < nt) {
+                    const int pos = start + c0 + j;
+#pragma unroll
+                    for (int q = 0; q < ROUT; ++q) {
+                        const float a = warp_sum(acc[q][j]);
+                        if (GATEUP) {
+                            const float b = warp_sum(acc[q + ROUT][j]);
+                            if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
+                        } else if (lane == 0 && ob + q >= o0) {
+                            const int pair = perm[pos];
+                            out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -11,11 +11,12 @@
 // NumPy engine's dequantized weights bit for bit; the GEMVs multiply each chunk's partial sum by its scale instead
 // (fp32 rounding apart, the same products).
 //
-// The GEMVs have the contract, the work items and the fill on read of moe_gemv.cu's kernels (see there):
+// The GEMVs have the contract, the work items and the fill on read of moe_gemv.cu's kernels, walked by
+// common.cuh's packed4_gemv (shared with moe_gemv4_dp4a.cu):
 //   moe4_gate_up_*: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
 //   moe4_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
-// A warp item is R rows; each lane takes 16-byte chunks of them, two chunks per row in flight, and sums its
-// chunk's 32 products per token before one multiply by the chunk's group scale. fp32 accumulation throughout.
+// A warp item is R rows; each lane takes 16-byte chunks of them, two chunks per row in flight, and (FloatDot) sums
+// its chunk's 32 products per token before one multiply by the chunk's group scale. fp32 accumulation throughout.
 #include "common.cuh"
 
 #ifndef GEMV4_THREADS
@@ -61,156 +62,72 @@ struct Packed<true> {  // mxfp4
     }
 };
 
-template <bool MX, int TOKC, int R, bool GATEUP>
-__device__ __forceinline__ void moe_gemv4(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
-                                          const unsigned long long* __restrict__ fills, long long off_w,
-                                          long long off_s, const int* __restrict__ perm,
-                                          const int* __restrict__ offsets, const int* __restrict__ active,
-                                          const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                          float* __restrict__ out, int ncols, int nout, int k, int group) {
+// float inputs: each chunk's 32 products per token summed, then one multiply by the chunk's group scale
+template <bool MX>
+struct FloatDot {
     typedef typename Packed<MX>::scale_t scale_t;
-    constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
-    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
-    const int lane = threadIdx.x & 31;
-    const int n_rg = (nout + ROUT - 1) / ROUT;
-    const int total = meta[0] * n_rg;
-    const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights) per row
-    const int ngroups = ncols / group;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+    const float* in;  // [rows, ncols]
+    int ncols;
 
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
-        const int slot = item / n_rg;
-        const int o0 = (item - slot * n_rg) * ROUT;
-        const int e = active[slot];
-        const char* blob = reinterpret_cast<const char*>(blobs[e]);
-        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
-        const scale_t* sbase = reinterpret_cast<const scale_t*>(blob + off_s);
-        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
-        // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
-        // only the outputs at or past its own o0
-        const int ob = min(o0, nout - ROUT);
-        int row[R];
+    template <int TOKC, int R>
+    __device__ __forceinline__ void chunk(float (&acc)[R][TOKC], const int4 (&raw)[R], const scale_t (&sraw)[R],
+                                          const int (&trow)[TOKC], int nt, int cc) const {
+        float part[R][TOKC];
 #pragma unroll
-        for (int q = 0; q < R; ++q) row[q] = ob + (q % ROUT) + (q >= ROUT ? nout : 0);
-        const int start = offsets[e];
-        const int cnt = offsets[e + 1] - start;
-
-        for (int c0 = 0; c0 < cnt; c0 += TOKC) {
-            const int nt = min(TOKC, cnt - c0);
-            const float* xrow[TOKC];
+        for (int q = 0; q < R; ++q)
 #pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                const int pos = start + c0 + min(j, nt - 1);
-                xrow[j] = in + (size_t)(GATEUP ? perm[pos] / k : pos) * ncols;
-            }
-            float acc[R][TOKC];
+            for (int j = 0; j < TOKC; ++j) part[q][j] = 0.0f;
 #pragma unroll
-            for (int q = 0; q < R; ++q)
-#pragma unroll
-                for (int j = 0; j < TOKC; ++j) acc[q][j] = 0.0f;
-
-#pragma unroll 1
-            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
-                int4 raw[CPL][R];
-                scale_t sraw[CPL][R];
-#pragma unroll
-                for (int f = 0; f < CPL; ++f) {
-                    const int cc = cb + 32 * f + lane;
-                    if (cc < nchunk) {
-                        const int g = (cc << 5) / group;
-#pragma unroll
-                        for (int q = 0; q < R; ++q) {
-                            raw[f][q] = __ldg(wbase + (size_t)row[q] * nchunk + cc);
-                            sraw[f][q] = sbase[(size_t)row[q] * ngroups + g];
-                        }
-                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
-#pragma unroll
-                            for (int q = 0; q < R; ++q) {
-                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[q] * nchunk + cc] = raw[f][q];
-                                reinterpret_cast<scale_t*>(fill + off_s)[(size_t)row[q] * ngroups + g] = sraw[f][q];
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int f = 0; f < CPL; ++f) {
-                    const int cc = cb + 32 * f + lane;
-                    if (cc >= nchunk) continue;
-                    float part[R][TOKC];
-#pragma unroll
-                    for (int q = 0; q < R; ++q)
-#pragma unroll
-                        for (int j = 0; j < TOKC; ++j) part[q][j] = 0.0f;
-#pragma unroll
-                    for (int wi = 0; wi < 4; ++wi) {  // the chunk's four words, 8 weights each
-                        float xv[TOKC][8];
-#pragma unroll
-                        for (int j = 0; j < TOKC; ++j) {
-                            if (j < nt) {
-                                const float4* p = reinterpret_cast<const float4*>(xrow[j] + (cc << 5) + (wi << 3));
-                                const float4 a = __ldg(p), b = __ldg(p + 1);
-                                xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
-                                xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
-                            }
-                        }
-#pragma unroll
-                        for (int q = 0; q < R; ++q) {
-                            const int4 v = raw[f][q];
-                            float wf[8];
-                            Packed<MX>::weights((unsigned int)(wi == 0 ? v.x : wi == 1 ? v.y : wi == 2 ? v.z : v.w), wf);
-#pragma unroll
-                            for (int j = 0; j < TOKC; ++j) {
-                                if (j < nt) {
-#pragma unroll
-                                    for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[u], xv[j][u], part[q][j]);
-                                }
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < R; ++q) {
-                        const float s = Packed<MX>::scale(sraw[f][q]);
-#pragma unroll
-                        for (int j = 0; j < TOKC; ++j) acc[q][j] = fmaf(part[q][j], s, acc[q][j]);
-                    }
-                }
-            }
+        for (int wi = 0; wi < 4; ++wi) {  // the chunk's four words, 8 weights each
+            float xv[TOKC][8];
 #pragma unroll
             for (int j = 0; j < TOKC; ++j) {
                 if (j < nt) {
-                    const int pos = start + c0 + j;
+                    const float4* p =
+                        reinterpret_cast<const float4*>(in + (size_t)trow[j] * ncols + (cc << 5) + (wi << 3));
+                    const float4 a = __ldg(p), b = __ldg(p + 1);
+                    xv[j][0] = a.x; xv[j][1] = a.y; xv[j][2] = a.z; xv[j][3] = a.w;
+                    xv[j][4] = b.x; xv[j][5] = b.y; xv[j][6] = b.z; xv[j][7] = b.w;
+                }
+            }
 #pragma unroll
-                    for (int q = 0; q < ROUT; ++q) {
-                        const float a = warp_sum(acc[q][j]);
-                        if (GATEUP) {
-                            const float b = warp_sum(acc[q + ROUT][j]);
-                            if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
-                        } else if (lane == 0 && ob + q >= o0) {
-                            const int pair = perm[pos];
-                            out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
-                        }
+            for (int q = 0; q < R; ++q) {
+                const int4 v = raw[q];
+                float wf[8];
+                Packed<MX>::weights((unsigned int)(wi == 0 ? v.x : wi == 1 ? v.y : wi == 2 ? v.z : v.w), wf);
+#pragma unroll
+                for (int j = 0; j < TOKC; ++j) {
+                    if (j < nt) {
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) part[q][j] = fmaf(wf[u], xv[j][u], part[q][j]);
                     }
                 }
             }
         }
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+            const float s = Packed<MX>::scale(sraw[q]);
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) acc[q][j] = fmaf(part[q][j], s, acc[q][j]);
+        }
     }
-}
+};
 
 #define GATE_UP4_KERNEL(NAME, MX, TOKC, R)                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
         NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,  \
              long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act, \
              int H, int I, int k, int group) {                                                                 \
-        moe_gemv4<MX, TOKC, R, true>(x, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, act, H, \
-                                     I, k, group);                                                             \
+        packed4_gemv<FloatDot<MX>, TOKC, R, true>(FloatDot<MX>{x, H}, blobs, fills, off_w, off_s, perm, offsets, \
+                                                  active, meta, nullptr, act, H, I, k, group);                 \
     }
 #define DOWN4_KERNEL(NAME, MX, TOKC, R)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
         NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w, \
              long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,         \
              const float* pair_w, float* y, int H, int I, int group) {                                         \
-        moe_gemv4<MX, TOKC, R, false>(act, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, \
-                                      H, 1, group);                                                            \
+        packed4_gemv<FloatDot<MX>, TOKC, R, false>(FloatDot<MX>{act, I}, blobs, fills, off_w, off_s, perm, offsets, \
+                                                   active, meta, pair_w, y, I, H, 1, group);                   \
     }
 
 // suffix: <int4 | mxfp4>_t<TOKC> (tokens per pass); rows per warp item: 4, or 2 from 4 tokens (registers)

@@ -1,6 +1,6 @@
 // 4-bit (int4_group) expert decode GEMVs on int8 activations: `__dp4a` sums of four int8 products instead of an
 // fp32 FMA per weight and token (moe_gemv4.cu's kernels are instruction-bound, docs/benchmarks.md). The contract,
-// the work items, the last-item shift and the fill on read are moe_gemv4.cu's (see there and moe_gemv.cu):
+// the work items, the last-item shift and the fill on read are moe_gemv4.cu's: both walk common.cuh's packed4_gemv:
 //   moe4a8_gate_up_int4_t<TOKC>: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
 //   moe4a8_down_int4_t<TOKC>:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
 // with each input row x[tok] (act[pos]) replaced by its int8 rounding (EngineConfig.int8_activations):
@@ -67,132 +67,50 @@ __device__ __forceinline__ int a8_word(const int4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int TOKC, int R, bool GATEUP>
-__device__ __forceinline__ void moe_gemv4_a8(const signed char* __restrict__ inq, const float* __restrict__ ins,
-                                             const unsigned long long* __restrict__ blobs,
-                                             const unsigned long long* __restrict__ fills, long long off_w,
-                                             long long off_s, const int* __restrict__ perm,
-                                             const int* __restrict__ offsets, const int* __restrict__ active,
-                                             const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                             float* __restrict__ out, int ncols, int nout, int k, int group) {
-    constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
-    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
-    const int lane = threadIdx.x & 31;
-    const int n_rg = (nout + ROUT - 1) / ROUT;
-    const int total = meta[0] * n_rg;
-    const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights, one activation group) per row
-    const int ngroups = ncols / group;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+// int8 inputs (staged by moe4a8_quantize): per chunk, row and token 8 dp4a into an int32, then one multiply by the
+// weight group's scale / 16 times the activation group's scale
+struct A8Dot {
+    typedef u16 scale_t;
+    const signed char* inq;  // [rows, ncols], each 8 inputs in a8_position order
+    const float* ins;        // [rows, ncols / 32]
+    int ncols;
 
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
-        const int slot = item / n_rg;
-        const int o0 = (item - slot * n_rg) * ROUT;
-        const int e = active[slot];
-        const char* blob = reinterpret_cast<const char*>(blobs[e]);
-        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
-        const u16* sbase = reinterpret_cast<const u16*>(blob + off_s);
-        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
-        const int ob = min(o0, nout - ROUT);  // the last item shifted inside the matrix (moe_gemv4.cu)
-        int row[R];
+    template <int TOKC, int R>
+    __device__ __forceinline__ void chunk(float (&acc)[R][TOKC], const int4 (&raw)[R], const u16 (&sraw)[R],
+                                          const int (&trow)[TOKC], int nt, int cc) const {
+        float ws[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) row[r] = ob + (r % ROUT) + (r >= ROUT ? nout : 0);
-        const int start = offsets[e];
-        const int cnt = offsets[e + 1] - start;
-
-        for (int c0 = 0; c0 < cnt; c0 += TOKC) {
-            const int nt = min(TOKC, cnt - c0);
-            int trow[TOKC];  // input row of each token of the pass
+        for (int r = 0; r < R; ++r) ws[r] = TF16::to_f32(sraw[r]) * 0.0625f;
 #pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                const int pos = start + c0 + min(j, nt - 1);
-                trow[j] = GATEUP ? perm[pos] / k : pos;
-            }
-            float acc[R][TOKC];
+        for (int j = 0; j < TOKC; ++j) {
+            if (j < nt) {
+                const int4* ap = reinterpret_cast<const int4*>(inq + (size_t)trow[j] * ncols) + 2 * cc;
+                const int4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
+                const float as = __ldg(ins + (size_t)trow[j] * (ncols >> 5) + cc);
 #pragma unroll
-            for (int r = 0; r < R; ++r)
+                for (int r = 0; r < R; ++r) {
+                    int sum = 0;
 #pragma unroll
-                for (int j = 0; j < TOKC; ++j) acc[r][j] = 0.0f;
-
-#pragma unroll 1
-            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
-                int4 raw[CPL][R];
-                u16 sraw[CPL][R];
-#pragma unroll
-                for (int f = 0; f < CPL; ++f) {
-                    const int cc = cb + 32 * f + lane;
-                    if (cc < nchunk) {
-                        const int g = (cc << 5) / group;
-#pragma unroll
-                        for (int r = 0; r < R; ++r) {
-                            raw[f][r] = __ldg(wbase + (size_t)row[r] * nchunk + cc);
-                            sraw[f][r] = sbase[(size_t)row[r] * ngroups + g];
-                        }
-                        if (fill && c0 == 0) {  // fill on read: the chunk and its scale, at the same offsets
-#pragma unroll
-                            for (int r = 0; r < R; ++r) {
-                                reinterpret_cast<int4*>(fill + off_w)[(size_t)row[r] * nchunk + cc] = raw[f][r];
-                                reinterpret_cast<u16*>(fill + off_s)[(size_t)row[r] * ngroups + g] = sraw[f][r];
-                            }
-                        }
+                    for (int wi = 0; wi < 4; ++wi) {
+                        const unsigned int w = (unsigned int)a8_word(raw[r], wi);
+                        const int4& a = wi < 2 ? a0 : a1;
+                        sum = __dp4a((int)((w << 4) & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1)), sum);
+                        sum = __dp4a((int)(w & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1) + 1), sum);
                     }
-                }
-#pragma unroll
-                for (int f = 0; f < CPL; ++f) {
-                    const int cc = cb + 32 * f + lane;
-                    if (cc >= nchunk) continue;
-                    float ws[R];
-#pragma unroll
-                    for (int r = 0; r < R; ++r) ws[r] = TF16::to_f32(sraw[f][r]) * 0.0625f;
-#pragma unroll
-                    for (int j = 0; j < TOKC; ++j) {
-                        if (j < nt) {
-                            const int4* ap = reinterpret_cast<const int4*>(inq + (size_t)trow[j] * ncols) + 2 * cc;
-                            const int4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
-                            const float as = __ldg(ins + (size_t)trow[j] * nchunk + cc);
-#pragma unroll
-                            for (int r = 0; r < R; ++r) {
-                                int sum = 0;
-#pragma unroll
-                                for (int wi = 0; wi < 4; ++wi) {
-                                    const unsigned int w = (unsigned int)a8_word(raw[f][r], wi);
-                                    const int4& a = wi < 2 ? a0 : a1;
-                                    sum = __dp4a((int)((w << 4) & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1)), sum);
-                                    sum = __dp4a((int)(w & 0xF0F0F0F0u), a8_word(a, 2 * (wi & 1) + 1), sum);
-                                }
-                                acc[r][j] = fmaf((float)sum, ws[r] * as, acc[r][j]);
-                            }
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                if (j < nt) {
-                    const int pos = start + c0 + j;
-#pragma unroll
-                    for (int r = 0; r < ROUT; ++r) {
-                        const float a = warp_sum(acc[r][j]);
-                        if (GATEUP) {
-                            const float b = warp_sum(acc[r + ROUT][j]);
-                            if (lane == 0 && ob + r >= o0) out[(size_t)pos * nout + ob + r] = silu_f32(a) * b;
-                        } else if (lane == 0 && ob + r >= o0) {
-                            const int pair = perm[pos];
-                            out[(size_t)pair * nout + ob + r] = __ldg(pair_w + pair) * a;
-                        }
-                    }
+                    acc[r][j] = fmaf((float)sum, ws[r] * as, acc[r][j]);
                 }
             }
         }
     }
-}
+};
 
 #define GATE_UP_A8_KERNEL(NAME, TOKC, R)                                                                          \
     extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
         NAME(const signed char* xq, const float* xs, const unsigned long long* blobs,                           \
              const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
              const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k, int group) { \
-        moe_gemv4_a8<TOKC, R, true>(xq, xs, blobs, fills, off_w, off_s, perm, offsets, active, meta, nullptr, act, \
-                                    H, I, k, group);                                                            \
+        packed4_gemv<A8Dot, TOKC, R, true>(A8Dot{xq, xs, H}, blobs, fills, off_w, off_s, perm, offsets, active,  \
+                                           meta, nullptr, act, H, I, k, group);                                 \
     }
 #define DOWN_A8_KERNEL(NAME, TOKC, R)                                                                             \
     extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
@@ -200,8 +118,8 @@ __device__ __forceinline__ void moe_gemv4_a8(const signed char* __restrict__ inq
              const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
              const int* offsets, const int* active, const int* meta, const float* pair_w, float* y, int H, int I, \
              int group) {                                                                                       \
-        moe_gemv4_a8<TOKC, R, false>(aq, as, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, I, \
-                                     H, 1, group);                                                              \
+        packed4_gemv<A8Dot, TOKC, R, false>(A8Dot{aq, as, I}, blobs, fills, off_w, off_s, perm, offsets, active, \
+                                            meta, pair_w, y, I, H, 1, group);                                   \
     }
 
 // suffix: t<TOKC> (tokens per pass); rows per warp item: 4, or 2 from 4 tokens (registers), as moe_gemv4.cu
