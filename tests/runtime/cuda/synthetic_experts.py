@@ -3,6 +3,8 @@ benchmark-sized ones and the oracle's blob view are `runtime.cuda.bench.device_e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from colibri_format import spec as S
@@ -58,3 +60,28 @@ def upload(blobs: np.ndarray, num_experts: int, layout):
     buf = cp.asarray(blobs)
     ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(num_experts)], np.uint64))
     return buf, ExpertTable.from_layout(ptrs, layout)
+
+
+@dataclass
+class RoutedPairs:
+    """A small routed decode problem over host blobs (the emulated expert-kernel tests)."""
+    ptrs: np.ndarray    # uint64 [E]: host address of each expert's blob (the kernels' table of blob addresses)
+    ids: np.ndarray     # int32 [T, k]: expert e routed counts[e] times, shuffled
+    x: np.ndarray       # float32 [T, H], N(0, 1)
+    w: np.ndarray       # float32 [T, k]: routing weights
+    slots: np.ndarray   # zeroed like the blobs: the admitted slots fill on read writes
+    fills: np.ndarray   # uint64 [E]: the slot of every even expert, 0 (not admitted) for the odd ones
+
+
+def routed_pairs(rng: np.random.Generator, blobs: np.ndarray, blob_size: int, counts: list[int], k: int,
+                 hidden: int) -> RoutedPairs:
+    E = len(counts)
+    ptrs = np.array([blobs.ctypes.data + e * blob_size for e in range(E)], np.uint64)
+    ids = np.repeat(np.arange(E), counts).astype(np.int32)
+    rng.shuffle(ids)
+    ids = ids.reshape(-1, k)
+    x = rng.standard_normal((ids.shape[0], hidden)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+    slots = np.zeros_like(blobs)
+    fills = np.array([slots.ctypes.data + e * blob_size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    return RoutedPairs(ptrs, ids, x, w, slots, fills)

@@ -13,7 +13,7 @@ from colibri_format.dtypes import to_float32
 from colibri_format.runtime.cuda import limits
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, Emulator, build
-from tests.runtime.cuda.synthetic_experts import host_experts
+from tests.runtime.cuda.synthetic_experts import host_experts, routed_pairs
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -71,13 +71,9 @@ def check_against_float64(emulator: Emulator, case, split: bool) -> None:
     rng = np.random.default_rng(15)
     E, k, H, I, counts = case
     layout, experts, blobs = host_experts(rng, E, H, I)
-    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-    ids = np.repeat(np.arange(E), counts).astype(np.int32)
-    rng.shuffle(ids)
-    ids = ids.reshape(-1, k)
-    T, P = ids.shape[0], ids.size
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
+    ptrs, ids, x, w = r.ptrs, r.ids, r.x, r.w
+    P = ids.size
     d = host_dispatch(ids, E)
 
     hi, lo = expect.split_bf16(x)

@@ -16,7 +16,7 @@ from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, Gemv4Dp4aEmulator, build_gemv4_dp4a
-from tests.runtime.cuda.synthetic_experts import packed_experts
+from tests.runtime.cuda.synthetic_experts import packed_experts, routed_pairs
 from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, host_dispatch, rel
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
@@ -92,16 +92,10 @@ def check_against_float64(emulator: Gemv4Dp4aEmulator, case, tokc: int, fill: bo
     rng = np.random.default_rng(16)
     group, E, k, H, I, counts = case
     layout, experts, blobs = packed_experts(rng, S.ExpertFormat.INT4_GROUP, group, E, H, I)
-    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-    ids = np.repeat(np.arange(E), counts).astype(np.int32)
-    rng.shuffle(ids)
-    ids = ids.reshape(-1, k)
-    T, P = ids.shape[0], ids.size
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
+    ptrs, ids, x, w, slots, fills = r.ptrs, r.ids, r.x, r.w, r.slots, r.fills
+    P = ids.size
     d = host_dispatch(ids, E)
-    slots = np.zeros_like(blobs)
-    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
 
     xq, xs = emulator.quantize(x)
     act = np.full((P, I), np.nan, np.float32)

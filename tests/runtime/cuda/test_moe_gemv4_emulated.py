@@ -13,7 +13,7 @@ import pytest
 from colibri_format import spec as S
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, Gemv4Emulator, build_gemv4
-from tests.runtime.cuda.synthetic_experts import packed_experts
+from tests.runtime.cuda.synthetic_experts import packed_experts, routed_pairs
 from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, host_dispatch, rel
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
@@ -51,16 +51,10 @@ def check_against_float64(emulator: Gemv4Emulator, case, tokc: int, fill: bool) 
     rng = np.random.default_rng(4)
     fmt, group, E, k, H, I, counts = case
     layout, experts, blobs = packed_experts(rng, fmt, group, E, H, I)
-    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-    ids = np.repeat(np.arange(E), counts).astype(np.int32)
-    rng.shuffle(ids)
-    ids = ids.reshape(-1, k)
-    T, P = ids.shape[0], ids.size
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
+    ptrs, ids, x, w, slots, fills = r.ptrs, r.ids, r.x, r.w, r.slots, r.fills
+    P = ids.size
     d = host_dispatch(ids, E)
-    slots = np.zeros_like(blobs)
-    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
 
     act = np.full((P, I), np.nan, np.float32)
     emulator.gate_up(tokc, x, ptrs, fills if fill else None, layout, d, k, act)
