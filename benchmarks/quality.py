@@ -122,11 +122,12 @@ def score_transformers(wins: list[np.ndarray], dtype_name: str, batch: int) -> S
     return out
 
 
-def score_colibri(path: Path, wins: list[np.ndarray], batch: int) -> Scores:
+def score_colibri(path: Path, wins: list[np.ndarray], batch: int, **engine_options) -> Scores:
+    """Every window of `wins` scored by the NumPy engine on `path` (engine_options: more EngineConfig fields)."""
     from colibri_format.runtime.engine import Engine, EngineConfig
 
     out = Scores()
-    with Engine(path, EngineConfig(max_batch_size=batch)) as eng:
+    with Engine(path, EngineConfig(max_batch_size=batch, **engine_options)) as eng:
         t0 = time.perf_counter()
         for i in range(0, len(wins), batch):
             chunk = wins[i:i + batch]

@@ -31,7 +31,6 @@ import datetime
 import json
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,18 +70,7 @@ EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bit
 
 
 def score_colibri(path: Path, wins: list[np.ndarray], batch: int, int8_activations: bool) -> quality.Scores:
-    """quality.score_colibri with EngineConfig.int8_activations set (it takes the engine's default)."""
-    from colibri_format.runtime.engine import Engine, EngineConfig
-
-    out = quality.Scores()
-    with Engine(path, EngineConfig(max_batch_size=batch, int8_activations=int8_activations)) as eng:
-        t0 = time.perf_counter()
-        for i in range(0, len(wins), batch):
-            chunk = wins[i:i + batch]
-            for logits, ids in zip(eng.logits([w[:-1].tolist() for w in chunk]), chunk):
-                out.add(logits, ids[1:])
-        out.seconds = time.perf_counter() - t0
-    return out
+    return quality.score_colibri(path, wins, batch, int8_activations=int8_activations)
 
 
 @contextmanager
