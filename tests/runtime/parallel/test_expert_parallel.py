@@ -125,8 +125,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     convert(root / "hf-qwen3_moe", out["qwen3_moe-int8"], dtype="float32", quantize="expert")
     # int4_group experts: both engines round the expert products' inputs to int8 (EngineConfig.int8_activations
     # on by default), which moves the routed sum by far more than LOGIT_TOL, so the ranks must round too
+    # (experts of 32 rows: an int4 group of 32 must divide the expert's intermediate size)
     out["qwen3_moe-int4"] = str(root / "qwen3_moe-int4.colibri")
-    convert(root / "hf-qwen3_moe", out["qwen3_moe-int4"], dtype="float32", quantize="expert", quant_bits=4)
+    convert(make_tiny_checkpoint("qwen3_moe", root / "hf-qwen3_moe-i32", moe_intermediate_size=32),
+            out["qwen3_moe-int4"], dtype="float32", quantize="expert", quant_bits=4)
     return out
 
 
