@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .common import FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, need_cupy, out, print_json
+from .common import ActivationsOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, need_cupy, out, print_json
 
 
 def command(path: FileArg,
@@ -16,6 +16,7 @@ def command(path: FileArg,
             warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
             max_cached_experts: MaxCachedExpertsOpt = None,
             gpu_memory: GpuMemoryOpt = None,
+            int8_activations: ActivationsOpt = True,
             cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
             prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
             as_json: JsonOpt = False) -> None:
@@ -25,7 +26,7 @@ def command(path: FileArg,
 
     result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
                        warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
-                       cache_policy=cache_policy, prefetch=prefetch)
+                       cache_policy=cache_policy, prefetch=prefetch, int8_activations=int8_activations)
     if as_json:
         print_json(result)
     else:

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from .common import (DeviceOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, MaxNewTokensOpt, MinPOpt,
-                     RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
+from .common import (ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, MaxNewTokensOpt,
+                     MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
                      check_output_file, command_line, err, need_cupy, need_jinja2, out, print_json, soft_interrupt,
                      stop_strings, write_text)
 from .errors import Interrupted
@@ -58,6 +58,7 @@ def command(ctx: typer.Context, path: FileArg,
                                              "(default 2048; a DSA checkpoint's index_topk may ask for less).",
                 show_default=False)] = None,
             gpu_memory: GpuMemoryOpt = None,
+            int8_activations: ActivationsOpt = True,
             cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
                                                       help="lru, lfu, lrfu or static.")] = "lrfu",
             cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",
@@ -105,6 +106,7 @@ def command(ctx: typer.Context, path: FileArg,
             result = run(path, text, ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
                          max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
+                         int8_activations=int8_activations,
                          cache_scope=cache_scope,
                          pinned_experts=pinned, trace_path=str(trace) if trace else None,
                          **extra, **({"stop_request": request} if not ranks else {}))

@@ -208,3 +208,39 @@ def test_a_prompt_from_standard_input_reaches_the_ranks_as_text(chat_file, launc
     assert main(["infer", chat_file, "--prompt", "-", "--devices", "0,1"]) == 0
     worker = calls[0][0][3:]
     assert worker[worker.index("--prompt") + 1] == "hello ranks"
+
+
+@pytest.mark.parametrize("flags, expected", [((), True), (("--float-activations",), False),
+                                             (("--int8-activations",), True)])
+def test_the_activation_switch_reaches_the_engine(model_file, capsys, monkeypatch, flags, expected):
+    """--int8-activations (the default) / --float-activations become EngineConfig.int8_activations."""
+    from colibri_format.runtime import infer as infer_lib
+
+    seen = {}
+    real = infer_lib.run_infer
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(infer_lib, "run_infer", spy)
+    _infer_json(capsys, model_file, "--ids", "1,2", "--max-new-tokens", "2", *flags)
+    assert seen["int8_activations"] is expected
+
+
+def test_chat_takes_the_activation_switch(chat_file, capsys, monkeypatch):
+    import io
+
+    import colibri_format.runtime as runtime
+
+    configs = []
+
+    class Recorded(runtime.EngineConfig):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            configs.append(self)
+
+    monkeypatch.setattr(runtime, "EngineConfig", Recorded)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"/exit\n")))
+    assert main(["chat", chat_file, "--float-activations"]) == 0
+    assert [c.int8_activations for c in configs] == [False]

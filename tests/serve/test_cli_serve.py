@@ -48,6 +48,15 @@ def test_gpu_memory(monkeypatch, demo_file, capsys):
     assert main(["serve", demo_file, "--gpu-memory", "lots"]) == 2 or "gpu_memory" in capsys.readouterr().err
 
 
+def test_activation_switch(monkeypatch, demo_file):
+    from colibri_format.serve import server
+
+    calls = []
+    monkeypatch.setattr(server, "serve", lambda *a, **k: calls.append(a))
+    assert main(["serve", demo_file]) == 0 and calls[-1][1].int8_activations is True
+    assert main(["serve", demo_file, "--float-activations"]) == 0 and calls[-1][1].int8_activations is False
+
+
 @pytest.mark.parametrize("missing", [("fastapi",), ("uvicorn",), ("fastapi", "uvicorn")])
 def test_missing_packages_are_one_line(monkeypatch, capsys, demo_file, missing):
     real = importlib.util.find_spec
