@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/decode_profile.py --out OUT_DIR [--shapes qwen3,olmoe,mixtral] [--peer PEER.py]
 
 (a) `runtime.cuda.bench.run_bench` on full-depth files (`--shapes`: Qwen3-30B-A3B, OLMoE-1B-7B, Mixtral-8x7B; bf16
-    dense, int8 experts; written by `synthetic.write_synthetic(reuse_expert=True)` if missing) at batch 1 and 8:
+    dense, int8 experts, or int4_group g32 with `--experts int4_g32`; written by
+    `synthetic.write_synthetic(reuse_expert=True)` if missing) at batch 1 and 8:
     tokens/s, roofline share, and the device timeline of replayed decode steps from CUPTI (every kernel's time per
     step, busy + idle = span); `--peer ../shared/tools/peer_torch_compile_moe.py` then runs the torch.compile int8
     peer on the same shapes in the same call.
@@ -121,10 +122,18 @@ def log(msg: str) -> None:
     print(f"[decode_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def ensure_model(path: Path, shape: str) -> Path:
+EXPERT_FORMATS = {"int8": {}, "int4_g32": {"expert_format": "INT4_GROUP", "group_size": 32}}   # --experts
+
+
+def ensure_model(path: Path, shape: str, experts: str = "int8") -> Path:
     if path.exists():
         return path
-    write_timed(path, shaped_model(SHAPES[shape], head_dim=128, max_position_embeddings=4096), log)
+    from colibri_format import spec as S
+
+    options = dict(EXPERT_FORMATS[experts])
+    if "expert_format" in options:
+        options["expert_format"] = S.ExpertFormat[options["expert_format"]]
+    write_timed(path, shaped_model(SHAPES[shape], head_dim=128, max_position_embeddings=4096), log, **options)
     return path
 
 
@@ -189,6 +198,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
+    ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
+                    help="expert format of the files (int4_g32: int8 activations, the engine's default)")
     args = ap.parse_args()
     import cupy as cp
 
@@ -204,10 +215,11 @@ def main() -> int:
     if not args.skip_engine:
         result["engine"] = {}
         for shape in shapes:
-            path = Path(args.qwen3_file) if shape == "qwen3" else Path(f"/dev/shm/{shape}_full.colibri")
-            ensure_model(path, shape)
+            keep = shape == "qwen3" and args.experts == "int8"
+            path = Path(args.qwen3_file) if keep else Path(f"/dev/shm/{shape}_{args.experts}_full.colibri")
+            ensure_model(path, shape, args.experts)
             result["engine"][shape] = engine_profile(path, [int(b) for b in args.batches.split(",")])
-            if shape != "qwen3":
+            if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
     if args.peer:
