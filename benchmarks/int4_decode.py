@@ -62,9 +62,9 @@ def paged(path: Path, args, ceilings: dict, experts: int) -> dict:
 
 def activations(fmt, int8_activations: bool) -> str:
     """Which expert activations a run of format `fmt` uses: 'int8' (the dp4a path) or 'float'."""
-    from colibri_format.runtime.cuda.limits import A8_FORMATS
+    from colibri_format.runtime.cuda.limits import rounds_activations
 
-    return "int8" if int8_activations and fmt in A8_FORMATS else "float"
+    return "int8" if rounds_activations(int8_activations, fmt) else "float"
 
 
 def resident(path: Path, args, int8_activations: bool) -> dict:

@@ -43,6 +43,7 @@ from colibri_format.runtime.engine import Engine, EngineConfig
 from colibri_format.runtime.expert_pool import EXPERT_LOADING
 
 PROMPT = 16      # prompt tokens per sequence before the decode steps
+ZIPF_SKEW, ZIPF_LOCALITY = 1.0, 0.2   # the replayed routing trace (paging_lag.py and paging_bound.py simulate it)
 
 QWEN3 = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8, expert_inter=768,
              qk_norm="per_head", head_dim=128)
@@ -53,6 +54,13 @@ TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, expert_inter=3
 
 def log(msg: str) -> None:
     print(f"[paging {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def zipf_trace(layers: int, experts: int, k: int, steps: int, seed: int = 0, batch: int = 1):
+    """The benchmark's synthetic routing trace (`cachesim.synthetic_trace` at ZIPF_SKEW, ZIPF_LOCALITY)."""
+    from colibri_format.runtime.cache.cachesim import synthetic_trace
+
+    return synthetic_trace(layers, experts, k, steps, skew=ZIPF_SKEW, locality=ZIPF_LOCALITY, seed=seed, batch=batch)
 
 
 def write_model(path: Path, shape: dict, dry: bool) -> Path:
@@ -76,9 +84,7 @@ class TraceRoutes:
     through the trace (eager)."""
 
     def __init__(self, eng, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
-        from colibri_format.runtime.cache.cachesim import synthetic_trace
-
-        trace = synthetic_trace(len(layers), experts, k, steps, skew=1.0, locality=0.2, seed=seed, batch=batch)
+        trace = zipf_trace(len(layers), experts, k, steps, seed=seed, batch=batch)
         self.choices = np.zeros((steps, len(layers), batch, k), np.int32)
         for rec in trace.records:
             for li, (_, chosen) in enumerate(rec.experts):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from colibri_format.runtime.cache.cachesim import run_cache_sim, synthetic_trace
+from benchmarks.paging import zipf_trace
+from colibri_format.runtime.cache.cachesim import run_cache_sim
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 48, 128, 8, 2048, 768          # Qwen3-30B-A3B
 BLOB_BYTES = 3 * HIDDEN * INTER + 4 * (2 * INTER + HIDDEN)              # int8 gate_up + down, f32 row scales
@@ -25,7 +26,7 @@ WARMUP, COUNTED = 64, 48                                                # paging
 
 
 def bounds(batch: int, gbps: float, seed: int) -> list[dict]:
-    trace = synthetic_trace(LAYERS, EXPERTS, TOP_K, WARMUP + COUNTED, skew=1.0, locality=0.2, seed=seed, batch=batch)
+    trace = zipf_trace(LAYERS, EXPERTS, TOP_K, WARMUP + COUNTED, seed=seed, batch=batch)
     result = run_cache_sim(trace, "50%", POLICIES, admission="frequency", warmup=WARMUP)
     rows = []
     for row in result["rows"]:

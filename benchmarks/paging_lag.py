@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from colibri_format.runtime.cache.cachesim import run_cache_sim, synthetic_trace
+from benchmarks.paging import zipf_trace
+from colibri_format.runtime.cache.cachesim import run_cache_sim
 
 LAGS = "0,1,2,3,fill"
 WINDOWS = (("benchmark (64 warm-up + 48)", 64, 48), ("steady (200 warm-up + 1000)", 200, 1000))
@@ -31,7 +32,7 @@ def main() -> int:
     for name, warmup, counted in WINDOWS:
         sums: dict[str, list[float]] = {}
         for seed in seeds:
-            trace = synthetic_trace(48, 128, 8, warmup + counted, skew=1.0, locality=0.2, seed=seed, batch=args.batch)
+            trace = zipf_trace(48, 128, 8, warmup + counted, seed=seed, batch=args.batch)
             res = run_cache_sim(trace, args.capacity, "lrfu+hist:0.999:token", "global", admission="frequency",
                                 lag=LAGS, warmup=warmup)
             for row in res["rows"]:

@@ -1,7 +1,7 @@
 """Held-out quality of the bundled demo model when the expert products round their inputs: to bf16 (the prefill
 GEMM's `EngineConfig(fast_expert_gemm="bf16")` instead of bf16 hi + lo, "split", the default), or to int8 with one
-scale per group of 32 inputs (what a dp4a / int8 tensor-core expert kernel, W8A8 or W4A8, would compute; no such
-kernel exists yet: this says whether one is worth writing).
+scale per group of 32 inputs (what a dp4a / int8 tensor-core expert kernel, W8A8 or W4A8, computes: for int4_group
+experts moe_gemv4_dp4a.cu does, `EngineConfig.int8_activations`).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32] \
         [--experts int8_row,int4_g32] --out q.json
@@ -69,10 +69,6 @@ FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups}
 EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bits=4, group_size=32))}
 
 
-def score_colibri(path: Path, wins: list[np.ndarray], batch: int, int8_activations: bool) -> quality.Scores:
-    return quality.score_colibri(path, wins, batch, int8_activations=int8_activations)
-
-
 @contextmanager
 def rounded_expert_inputs(round_input):
     """numpy_backend.expert_ffn with both products' inputs passed through `round_input` while the block runs (moe()
@@ -128,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             label, opts = EXPERTS[kind]
             path = Path(tmp) / f"{kind}.colibri"
             convert(quality.MODEL_DIR, path, resume=False, **opts)
-            scores[f"colibri f16 / {label}, split (fp32-class) activations"] = score_colibri(path, wins, args.batch,
-                                                                                            False)
+            scores[f"colibri f16 / {label}, split (fp32-class) activations"] = quality.score_colibri(
+                path, wins, args.batch, int8_activations=False)
             for form in forms:
                 with rounded_expert_inputs(FORMS[form]):
-                    scores[f"colibri f16 / {label}, {form} expert activations"] = score_colibri(
-                        path, wins, args.batch, False)
+                    scores[f"colibri f16 / {label}, {form} expert activations"] = quality.score_colibri(
+                        path, wins, args.batch, int8_activations=False)
             if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
                 name = f"colibri f16 / {label}, engine int8_activations=True (default)"
-                scores[name] = score_colibri(path, wins, args.batch, True)
+                scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=True)
                 emulated = scores.get(f"colibri f16 / {label}, int8_g32 expert activations")
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))

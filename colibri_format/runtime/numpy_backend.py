@@ -22,7 +22,7 @@ import numpy as np
 from colibri_format.dequant import dequantize_matrix
 from colibri_format.dtypes import NUMPY_STORAGE
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import A8_FORMATS, A8_GROUP
+from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -556,8 +556,8 @@ class NumpyBackend:
     def __init__(self, dtype=np.float32, int8_activations: bool = False) -> None:
         self.xp = np
         self.dtype = np.dtype(dtype)
-        self.int8_activations = int8_activations   # EngineConfig.int8_activations: A8_FORMATS experts' products
-                                                   # round their inputs to int8 per group (`round_int8_groups`)
+        self.int8_activations = int8_activations   # EngineConfig.int8_activations: limits.rounds_activations
+                                                   # experts' products round their inputs (`round_int8_groups`)
 
     # --- what the engine asks of a backend ------------------------------------------------------------------
     def check_support(self, model: dict, blob_layout) -> None:
@@ -599,7 +599,7 @@ class NumpyBackend:
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)
-        if self.int8_activations and table.layout.expert_format in A8_FORMATS:
+        if rounds_activations(self.int8_activations, table.layout.expert_format):
             expert = {**expert, "round_input": round_int8_groups}
         out = moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
         if table.fill_ptrs is not None:

@@ -128,6 +128,12 @@ A8_THREADS = 128
 A8_QUANT_THREADS = 256
 A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
+
+
+def rounds_activations(int8_activations: bool, expert_format) -> bool:
+    """Whether experts of `expert_format` round their products' inputs to int8 (EngineConfig.int8_activations on
+    and the format in A8_FORMATS): the one rule every engine and benchmark follows."""
+    return bool(int8_activations) and expert_format in A8_FORMATS
 # deltanet.cu: conv and plan blocks of DELTANET_THREADS; the delta rule runs a thread per value column of a head
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128

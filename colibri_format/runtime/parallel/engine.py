@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from colibri_format.errors import InvalidInput, UnsupportedModel
-from colibri_format.runtime.cuda.limits import A8_FORMATS
+from colibri_format.runtime.cuda.limits import rounds_activations
 from colibri_format.runtime.engine import Engine, EngineConfig, GenerationResult
 from colibri_format.runtime.parallel.ep import ExpertExchange, ExpertParallelDecoder, ResidentExperts, round_int8_groups
 from colibri_format.runtime.parallel.placement import Placement, plan_placement
@@ -49,7 +49,7 @@ class ExpertParallelEngine(Engine):
         self.group = group
         self.placement = placement or self._plan(trace)
         self.owned_store = ResidentExperts(self.placement.owned(self.rank), device)
-        rounds = config.int8_activations and self.experts.layout.expert_format in A8_FORMATS
+        rounds = rounds_activations(config.int8_activations, self.experts.layout.expert_format)
         self.exchange = ExpertExchange(self.placement, self.rank, self._owned_expert, device, group, check_routing,
                                        round_input=round_int8_groups if rounds else None)
         self.decoder = ExpertParallelDecoder(self.args, self.dense, self.experts, self.be, self.exchange)

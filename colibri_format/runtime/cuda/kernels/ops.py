@@ -1459,7 +1459,7 @@ A8_STAGE_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])   # the staged bytes of each
 def uses_a8(int8_activations: bool, table: ExpertTable) -> bool:
     """Whether an expert table's products run on int8 activations: asked for (EngineConfig.int8_activations) and a
     format moe_gemv4_dp4a.cu decodes (A8_FORMATS); int8 / float experts keep their float-activation kernels."""
-    return bool(int8_activations) and isinstance(table, PackedExpertTable) and table.expert_format in A8_FORMATS
+    return isinstance(table, PackedExpertTable) and limits.rounds_activations(int8_activations, table.expert_format)
 
 
 def quantize_activations_a8_reference(a) -> tuple[np.ndarray, np.ndarray]:
