@@ -95,6 +95,9 @@ FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf1
 DG_THREADS = 256
 DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
+# layers.cu's rmsnorm and fused.cu's add_rmsnorm hold a row in registers, NORM_VECS 4-element vectors a thread (rows of
+# up to 4 * NORM_VECS * threads elements: 8192 with 256 threads), so a decode step's norms pay one memory latency
+NORM_VECS = 8
 # fused.cu
 FUSED_THREADS = 256
 QKV_THREADS = 128
@@ -155,10 +158,10 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
-               "DG_THREADS": DG_THREADS,
+               "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
-    "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS},
+    "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS, "NORM_VECS": NORM_VECS},
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},

@@ -1,7 +1,8 @@
 """CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
 (test_moe_gemm_fast_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu
-(test_moe_gemv4_dp4a_emulated.py) and layers.cu's attention_decode (test_attention_decode_emulated.py).
+(test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode (test_attention_decode_emulated.py) and the norms
+(layers.cu's rmsnorm, fused.cu's add_rmsnorm: test_norms_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -390,6 +391,8 @@ class Gemv4Dp4aEmulator:
 # ---- layers.cu: attention_decode -------------------------------------------------------------------------------------
 ATTENTION_DECODE_KERNELS = tuple(f"{c}_hd{hd}" for c in ("f32", "f16", "bf16") for hd in (64, 128, 256))
 
+RMSNORM_KERNELS = ("f32_f32_f32", "f32_f32_bf16", "f32_bf16_f16", "bf16_f32_f32")   # <x>_<out>_<weight>
+
 LAYERS_DRIVER = r"""
 #define EMU_ATTENTION_DECODE(SUF, TC)                                                                            \
     extern "C" void emu_attention_decode_##SUF(int gx, int gy, int gz, unsigned order, const float* q,          \
@@ -402,7 +405,13 @@ LAYERS_DRIVER = r"""
                                    window, scale, nsplit);                                                       \
         }, order);                                                                                               \
     }
-""" + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS)
+#define EMU_RMSNORM(SUF, TX, TO, TW)                                                                             \
+    extern "C" void emu_rmsnorm_##SUF(int rows, int threads, const TX::storage* x, const TW::storage* w,          \
+                                      TO::storage* out, int D, float eps, float w_offset) {                     \
+        emu_launch({rows, 1, 1}, threads, 0, [&] { rmsnorm_##SUF(x, w, out, D, eps, w_offset); });               \
+    }
+""" + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
+    f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS)
 
 
 def build_layers(tmp_path: Path) -> ctypes.CDLL:
@@ -447,3 +456,50 @@ class AttentionDecodeEmulator:
             *grid, ctypes.c_uint(order), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len),
             _nullable(sinks), ml, acc, tickets, _ptr(out), nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
         return out
+
+
+# ---- layers.cu's rmsnorm, fused.cu's add_rmsnorm ----------------------------------------------------------------------
+FUSED_DRIVER = r"""
+#define EMU_ADD_RMSNORM(SUF, TW)                                                                                  \
+    extern "C" void emu_add_rmsnorm_##SUF(int rows, float* h, const float* b, const TW::storage* w, float* x,    \
+                                          int D, float alpha, float eps) {                                       \
+        emu_launch({rows, 1, 1}, FUSED_THREADS, 0, [&] { add_rmsnorm_##SUF(h, b, w, x, D, alpha, eps); });       \
+    }
+EMU_ADD_RMSNORM(f32, TF32)
+EMU_ADD_RMSNORM(bf16, TBF16)
+"""
+
+
+def build_fused(tmp_path: Path) -> ctypes.CDLL:
+    """fused.cu for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "fused", host_module_source("fused") + FUSED_DRIVER, limits.define_options("fused"))
+
+
+def _code(a: np.ndarray) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}[a.dtype]
+
+
+class NormEmulator:
+    """layers.cu's rmsnorm and fused.cu's add_rmsnorm over host arrays (16-bit bf16 as uint16 bits), launched one
+    block a row as ops.rmsnorm / ops.add_rmsnorm launch them; arrays may be views at any element offset."""
+
+    def __init__(self, layers: ctypes.CDLL, fused: ctypes.CDLL) -> None:
+        self.layers, self.fused = layers, fused
+        for lib in (layers, fused):
+            lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        for lib in (self.layers, self.fused):
+            if int(lib.emu_error_count()):
+                return int(lib.emu_error_count()), lib.emu_first_error().decode()
+        return 0, ""
+
+    def rmsnorm(self, x, w, out, eps: float, *, w_offset: float = 0.0, threads: int = 256) -> None:
+        rows, D = x.shape
+        getattr(self.layers, f"emu_rmsnorm_{_code(x)}_{_code(out)}_{_code(w)}")(
+            rows, threads, _ptr(x), _ptr(w), _ptr(out), D, ctypes.c_float(eps), ctypes.c_float(w_offset))
+
+    def add_rmsnorm(self, h, b, w, x, eps: float, *, alpha: float = 1.0) -> None:
+        rows, D = h.shape
+        getattr(self.fused, f"emu_add_rmsnorm_{_code(w)}")(
+            rows, _ptr(h), _ptr(b), _ptr(w), _ptr(x), D, ctypes.c_float(alpha), ctypes.c_float(eps))

@@ -73,6 +73,40 @@ __device__ __forceinline__ void load16_f32<TF16>(const u16* p, float* out) { loa
 template <>
 __device__ __forceinline__ void load16_f32<TBF16>(const u16* p, float* out) { load16_f32_16bit<TBF16>(p, out); }
 
+// Loads (stores) 4 consecutive elements at p, aligned to 4 elements (`vec4_aligned`), widened to (narrowed from)
+// floats: one 16-byte access for TF32, one 8-byte access for the 16-bit types. Plain (coherent) loads: the norms
+// read rows that the same launch rewrites in place.
+template <typename T>
+__device__ __forceinline__ bool vec4_aligned(const typename T::storage* p) {
+    return ((size_t)p & (4 * sizeof(typename T::storage) - 1)) == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ void load4_f32(const typename T::storage* p, float* out) {
+    if constexpr (sizeof(typename T::storage) == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        out[0] = T::to_f32((u16)(v.x & 0xffffu)); out[1] = T::to_f32((u16)(v.x >> 16));
+        out[2] = T::to_f32((u16)(v.y & 0xffffu)); out[3] = T::to_f32((u16)(v.y >> 16));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store4_f32(typename T::storage* p, const float* v) {
+    if constexpr (sizeof(typename T::storage) == 4) {
+        float4 o;
+        o.x = v[0]; o.y = v[1]; o.z = v[2]; o.w = v[3];
+        *reinterpret_cast<float4*>(p) = o;
+    } else {
+        uint2 o;
+        o.x = (unsigned int)T::from_f32(v[0]) | ((unsigned int)T::from_f32(v[1]) << 16);
+        o.y = (unsigned int)T::from_f32(v[2]) | ((unsigned int)T::from_f32(v[3]) << 16);
+        *reinterpret_cast<uint2*>(p) = o;
+    }
+}
+
 // ---- int8 -> float without the (slow) conversion unit --------------------------------------------------------
 // For a signed byte b, (b ^ 0x80) is b + 128 as an unsigned byte u; the float whose bits are 0x4B000000 | u is
 // exactly 2^23 + u, so subtracting 2^23 + 128 gives b exactly.
@@ -122,6 +156,55 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(COLIBRI_FULL_MASK, v, o));
     return v;
+}
+
+// Sum of v over the block (every thread gets it); s_red holds 32 floats (at most 32 warps); starts with a barrier,
+// so s_red may be reused by consecutive calls.
+__device__ __forceinline__ float block_sum(float v, float* s_red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();                       // s_red may still be read from a previous call
+    if (lane == 0) s_red[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? s_red[lane] : 0.0f;
+    t = warp_sum(t);
+    return t;
+}
+
+// ---- a row held in registers (the norms at decode: one row a block, latency-bound) ---------------------------------
+// Thread t holds elements 4 (u blockDim + t) .. + 3 for u < NV, so all of a row's loads are in flight at once and
+// the row is read once. Rows of D % 4 == 0 elements, at most 4 NV blockDim, every pointer vec4-aligned; the
+// kernels fall back to their strided loops otherwise (the test is uniform over the block).
+template <int NV>
+__device__ __forceinline__ bool row_fits_registers(int D) {
+    return D % 4 == 0 && D <= 4 * NV * (int)blockDim.x;
+}
+
+template <int NV>
+__device__ __forceinline__ int row_vec4(int u) { return 4 * (u * (int)blockDim.x + (int)threadIdx.x); }
+
+// v [NV][4]: the held elements (zero past D); w [NV][4]: the norm weight; out = v * rsqrt(mean(v^2) + eps) * (w +
+// w_offset), stored to o (TO) where in the row
+template <typename TO, int NV>
+__device__ __forceinline__ void norm_row_registers(float (&v)[NV][4], const float (&w)[NV][4],
+                                                   typename TO::storage* o, int D, float eps, float w_offset,
+                                                   float* s_red) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NV; ++u)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ss = fmaf(v[u][j], v[u][j], ss);
+    const float inv = rsqrtf(block_sum(ss, s_red) / (float)D + eps);
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        const int i = row_vec4<NV>(u);
+        if (i < D) {
+            float r[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) r[j] = v[u][j] * inv * (w[u][j] + w_offset);
+            store4_f32<TO>(o + i, r);
+        }
+    }
 }
 
 __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }

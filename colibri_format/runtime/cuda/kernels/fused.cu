@@ -11,27 +11,45 @@
 #ifndef FUSED_THREADS
 #error "FUSED_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef NORM_VECS
+#error "NORM_VECS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 #ifndef QKV_THREADS
 #error "QKV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 // FUSED_THREADS: add_rmsnorm blocks (block_sum: at most 32 warps); QKV_THREADS: qkv_rope_kv, one warp a head
 static_assert(FUSED_THREADS % 32 == 0 && FUSED_THREADS <= 1024 && QKV_THREADS % 32 == 0, "whole warps");
 
-// Sum of v over the block (every thread gets it); s_red holds 32 floats; ends with a barrier.
-__device__ __forceinline__ float block_sum(float v, float* s_red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();                       // s_red may still be read from a previous call
-    if (lane == 0) s_red[warp] = v;
-    __syncthreads();
-    float t = lane < nwarps ? s_red[lane] : 0.0f;
-    t = warp_sum(t);
-    return t;
-}
-
 // ------------------------------------------------------------------------------------------------ add + RMSNorm
 // h [R, D] f32 is updated in place (h += alpha * b); x [R, D] f32 = h * rsqrt(mean(h^2) + eps) * w.
 // Each thread re-reads only the elements it wrote itself, so h may be read and written by the same launch.
+template <typename TW>
+__device__ __forceinline__ void add_rmsnorm_registers(float* hr, const float* br, const typename TW::storage* w,
+                                                      float* xr, int D, float alpha, float eps, float* s_red) {
+    float v[NORM_VECS][4], g[NORM_VECS][4];
+#pragma unroll
+    for (int u = 0; u < NORM_VECS; ++u) {     // every load before any store: h may alias b
+        const int i = row_vec4<NORM_VECS>(u);
+        float bv[4];
+        if (i < D) {
+            load4_f32<TF32>(hr + i, v[u]);
+            load4_f32<TF32>(br + i, bv);
+            load4_f32<TW>(w + i, g[u]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[u][j] = bv[j] = g[u][j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[u][j] = fmaf(alpha, bv[j], v[u][j]);
+    }
+#pragma unroll
+    for (int u = 0; u < NORM_VECS; ++u) {
+        const int i = row_vec4<NORM_VECS>(u);
+        if (i < D) store4_f32<TF32>(hr + i, v[u]);
+    }
+    norm_row_registers<TF32, NORM_VECS>(v, g, xr, D, eps, 0.0f, s_red);
+}
+
 template <typename TW>
 __device__ __forceinline__ void add_rmsnorm_impl(float* h, const float* __restrict__ b,
                                                  const typename TW::storage* __restrict__ w, float* __restrict__ x,
@@ -40,6 +58,11 @@ __device__ __forceinline__ void add_rmsnorm_impl(float* h, const float* __restri
     float* hr = h + (size_t)blockIdx.x * D;
     const float* br = b + (size_t)blockIdx.x * D;
     float* xr = x + (size_t)blockIdx.x * D;
+    if (row_fits_registers<NORM_VECS>(D) && vec4_aligned<TF32>(hr) && vec4_aligned<TF32>(br) &&
+        vec4_aligned<TF32>(xr) && vec4_aligned<TW>(w)) {
+        add_rmsnorm_registers<TW>(hr, br, w, xr, D, alpha, eps, s_red);
+        return;
+    }
     float ss = 0.0f;
     constexpr int U = 8;   // elements a thread loads before it stores any (h may alias b: the compiler cannot hoist)
     for (int i0 = threadIdx.x; i0 < D; i0 += U * blockDim.x) {

@@ -3,33 +3,50 @@
 // where cuBLAS cannot be captured through CuPy). All math is fp32.
 #include "common.cuh"
 
+#ifndef NORM_VECS
+#error "NORM_VECS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+
 // ------------------------------------------------------------------------------------------------ RMSNorm
-// out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * (w + w_offset); one block per row.
+// out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * (w + w_offset); one block per row (out may be x: in place).
+// Rows that fit NORM_VECS vectors a thread are held in registers (common.cuh: one round of loads, the latency a
+// decode step pays once per norm); others take the strided loop.
 template <typename TX, typename TO, typename TW>
-__device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* __restrict__ x,
-                                             const typename TW::storage* __restrict__ w,
-                                             typename TO::storage* __restrict__ out, int D, float eps,
-                                             float w_offset) {
+__device__ __forceinline__ void rmsnorm_registers(const typename TX::storage* xr, const typename TW::storage* w,
+                                                  typename TO::storage* orow, int D, float eps, float w_offset,
+                                                  float* s_red) {
+    float v[NORM_VECS][4], g[NORM_VECS][4];
+#pragma unroll
+    for (int u = 0; u < NORM_VECS; ++u) {
+        const int i = row_vec4<NORM_VECS>(u);
+        if (i < D) {
+            load4_f32<TX>(xr + i, v[u]);
+            load4_f32<TW>(w + i, g[u]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[u][j] = g[u][j] = 0.0f;
+        }
+    }
+    norm_row_registers<TO, NORM_VECS>(v, g, orow, D, eps, w_offset, s_red);
+}
+
+template <typename TX, typename TO, typename TW>
+__device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* x, const typename TW::storage* w,
+                                             typename TO::storage* out, int D, float eps, float w_offset) {
     __shared__ float s_red[32];
     const typename TX::storage* xr = x + (size_t)blockIdx.x * D;
     typename TO::storage* orow = out + (size_t)blockIdx.x * D;
+    if (row_fits_registers<NORM_VECS>(D) && vec4_aligned<TX>(xr) && vec4_aligned<TO>(orow) && vec4_aligned<TW>(w)) {
+        rmsnorm_registers<TX, TO, TW>(xr, w, orow, D, eps, w_offset, s_red);
+        return;
+    }
     float ss = 0.0f;
-#pragma unroll 8     // a row's loads in flight together (one row a block: latency-bound)
+#pragma unroll 8
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         const float v = TX::to_f32(xr[i]);
         ss = fmaf(v, v, ss);
     }
-    ss = warp_sum(ss);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    if (lane == 0) s_red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float v = lane < nwarps ? s_red[lane] : 0.0f;
-        v = warp_sum(v);
-        if (lane == 0) s_red[0] = v;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(s_red[0] / (float)D + eps);
+    const float inv = rsqrtf(block_sum(ss, s_red) / (float)D + eps);
 #pragma unroll 8
     for (int i = threadIdx.x; i < D; i += blockDim.x)
         orow[i] = TO::from_f32(TX::to_f32(xr[i]) * inv * (TW::to_f32(w[i]) + w_offset));
