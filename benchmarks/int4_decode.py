@@ -1,7 +1,8 @@
-"""Batch-1 decode with int8 vs 4-bit experts (int4_group g32, mxfp4) on a full-depth Mixtral-8x7B-shaped file
+"""Batch-1 decode with int8 vs 4-bit experts (int4_group g32/g64/g128, mxfp4) on a full-depth Mixtral-8x7B-shaped file
 (issue 16): resident tokens/s and paged PCIe bytes per token.
 
-    PYTHONPATH=. python benchmarks/int4_decode.py --out OUT_DIR [--formats int8,int4_g32,mxfp4] [--float-activations]
+    PYTHONPATH=. python benchmarks/int4_decode.py --out OUT_DIR [--formats int8,int4_g32,int4_g128,mxfp4]
+        [--float-activations]
     PYTHONPATH=. python benchmarks/int4_decode.py --out OUT_DIR --tiny --device cpu      # smoke test, no GPU
 
 Each format is a synthetic random file (`synthetic.write_synthetic(reuse_expert=True)`: bf16 dense, one random
@@ -38,7 +39,8 @@ from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, s
 MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
                expert_inter=14336)
 TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, expert_inter=128)
-FORMATS = {"int8": ("INT8_ROW", 0), "int4_g32": ("INT4_GROUP", 32), "mxfp4": ("MXFP4", 32)}
+FORMATS = {"int8": ("INT8_ROW", 0), "int4_g32": ("INT4_GROUP", 32), "int4_g64": ("INT4_GROUP", 64),
+           "int4_g128": ("INT4_GROUP", 128), "mxfp4": ("MXFP4", 32)}
 
 
 def log(msg: str) -> None:

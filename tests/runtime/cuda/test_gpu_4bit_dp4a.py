@@ -55,6 +55,25 @@ def test_quantize_is_the_twin_bit_for_bit(cp, rng, shape):
     np.testing.assert_array_equal(inplace.get(), nb.round_int8_groups(x))
 
 
+@pytest.mark.parametrize("T,H,E,k", [(1, 4096, 8, 2), (3, 2048, 128, 8), (37, 4224, 64, 6), (1, 32, 4, 1)])
+def test_dispatch_rounds_x_as_the_quantizer(cp, rng, T, H, E, k):
+    """moe_dispatch_a8: the dispatch of moe_dispatch and x's int8 rounding of moe4a8_quantize, bit for bit."""
+    x = (rng.standard_normal((T, H)) * rng.uniform(1e-3, 1e3, (T, 1))).astype(np.float32)
+    x[0, :32] = np.concatenate([[127.0], np.arange(-15, 16) + 0.5])      # ties to even
+    ids = cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    xq = cp.full((T, H), 99, cp.int8)
+    xs = cp.full((T, H // 32), cp.nan, cp.float32)
+    got = ops.dispatch(ids, E, quantize=(cp.asarray(x), xq, xs))
+    plain = ops.dispatch(ids, E)
+    for field in ("counts", "offsets", "perm", "inv", "active", "meta", "tile_expert", "tile_start"):
+        np.testing.assert_array_equal(getattr(got, field).get(), getattr(plain, field).get(), err_msg=field)
+    want_q, want_s = ops.quantize_activations_a8_reference(x)
+    np.testing.assert_array_equal(xq.get(), want_q)
+    np.testing.assert_array_equal(xs.get().view(np.uint32), want_s.view(np.uint32))
+    with pytest.raises(ValueError, match="shape"):
+        ops.dispatch(ids, E, quantize=(cp.asarray(x), xq[:, :32], xs))
+
+
 @pytest.mark.parametrize("name", sorted(INT4))
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("tokc", [None, 1, 2, 4, 8])

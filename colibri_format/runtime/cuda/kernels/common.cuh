@@ -171,6 +171,34 @@ __device__ __forceinline__ float block_sum(float v, float* s_red) {
     return t;
 }
 
+// ---- activations rounded to int8 per group of 32 (the dp4a 4-bit GEMVs' inputs; moe_gemv4_dp4a.cu's header) -----------
+// position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds
+__device__ __forceinline__ int a8_position(int l) { return (l & ~7) | ((l & 1) << 2) | ((l & 7) >> 1); }
+
+__device__ __forceinline__ long long global_warp() { return ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ long long total_warps() { return ((long long)gridDim.x * blockDim.x) >> 5; }
+
+// Warps warp0, warp0 + nwarps, ... each round one group (lane l holds input l); groups are rows * ncols / 32
+// consecutive runs of the row-major input. STAGED: q (a8_position order) and s (one scale a group); else rounded =
+// q * s as floats, which may be x itself (each lane reads its input before it writes it).
+template <bool STAGED>
+__device__ __forceinline__ void a8_quantize(const float* x, signed char* __restrict__ q, float* __restrict__ s,
+                                            float* rounded, long long ngroups, long long warp0, long long nwarps) {
+    const int lane = threadIdx.x & 31;
+    for (long long g = warp0; g < ngroups; g += nwarps) {
+        const float v = x[g * 32 + lane];
+        const float m = warp_max(fabsf(v));
+        const float sc = m / 127.0f;
+        const float qv = sc > 0.0f ? rintf(v / sc) : 0.0f;
+        if (STAGED) {
+            q[g * 32 + a8_position(lane)] = (signed char)(int)qv;
+            if (lane == 0) s[g] = sc;
+        } else {
+            rounded[g * 32 + lane] = qv * sc;
+        }
+    }
+}
+
 // ---- a row held in registers (the norms at decode: one row a block, latency-bound) ---------------------------------
 // Thread t holds elements 4 (u blockDim + t) .. + 3 for u < NV, so all of a row's loads are in flight at once and
 // the row is read once. Rows of D % 4 == 0 elements, at most 4 NV blockDim, every pointer vec4-aligned; the

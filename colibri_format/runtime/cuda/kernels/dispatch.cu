@@ -12,6 +12,8 @@
 //   tile_expert[], tile_start[]  tiles of tile_m consecutive sorted rows that belong to one expert (prefill
 //                    GEMM); max_tiles entries are written (-1 past num_tiles), max_tiles >= P / tile_m + E.
 // Expert ids outside [0, E) are counted in meta[2] and left out (their inv entry is -1).
+// moe_dispatch_a8: the same on block 0, and the pass's expert inputs rounded to int8 (common.cuh's a8_quantize) on
+// the blocks after it.
 #include "common.cuh"
 
 #ifndef DISPATCH_THREADS
@@ -45,10 +47,11 @@ __device__ int warp0_exclusive_scan(int* vals, int n) {
     return __shfl_sync(COLIBRI_FULL_MASK, incl, 31);
 }
 
-extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
-    moe_dispatch(const int* __restrict__ ids, int P, int E, int tile_m, int max_tiles, int* __restrict__ counts,
-                 int* __restrict__ offsets, int* __restrict__ perm, int* __restrict__ inv, int* __restrict__ active,
-                 int* __restrict__ meta, int* __restrict__ tile_expert, int* __restrict__ tile_start) {
+__device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int P, int E, int tile_m, int max_tiles,
+                                               int* __restrict__ counts, int* __restrict__ offsets,
+                                               int* __restrict__ perm, int* __restrict__ inv, int* __restrict__ active,
+                                               int* __restrict__ meta, int* __restrict__ tile_expert,
+                                               int* __restrict__ tile_start) {
     __shared__ int s_warp[DISPATCH_WARPS][DISPATCH_MAX_E];  // per-warp counts, then per-warp bases
     __shared__ int s_run[DISPATCH_MAX_E];                    // running count per expert
     __shared__ int s_off[DISPATCH_MAX_E];
@@ -138,6 +141,28 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
             perm[pos] = p;
         }
     }
+}
+
+#define DISPATCH_ARGS                                                                                              \
+    const int *__restrict__ ids, int P, int E, int tile_m, int max_tiles, int *__restrict__ counts,              \
+        int *__restrict__ offsets, int *__restrict__ perm, int *__restrict__ inv, int *__restrict__ active,      \
+        int *__restrict__ meta, int *__restrict__ tile_expert, int *__restrict__ tile_start
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) moe_dispatch(DISPATCH_ARGS) {
+    dispatch_pairs(ids, P, E, tile_m, max_tiles, counts, offsets, perm, inv, active, meta, tile_expert, tile_start);
+}
+
+// The dispatch (block 0) and, on blocks 1.., the int8 rounding of the pass's expert inputs x [T, H] (H % 32 == 0) into
+// xq, xs as moe4a8_quantize writes them: the dp4a 4-bit decode GEMVs' first input staged in the launch that
+// precedes them instead of one of its own (a decode step is a chain of latency-bound launches).
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
+    moe_dispatch_a8(DISPATCH_ARGS, const float* __restrict__ x, signed char* __restrict__ xq, float* __restrict__ xs,
+                    long long ngroups) {
+    if (blockIdx.x == 0) {
+        dispatch_pairs(ids, P, E, tile_m, max_tiles, counts, offsets, perm, inv, active, meta, tile_expert,
+                       tile_start);
+        return;
+    }
+    a8_quantize<true>(x, xq, xs, nullptr, ngroups, global_warp() - DISPATCH_WARPS, total_warps() - DISPATCH_WARPS);
 }
 
 // Route counting for paged experts: totals[e] += the pairs routed to expert e (ids outside [0, E) ignored). The

@@ -27,39 +27,15 @@
 #endif
 static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
 
-// ---- activations: int8 per group of 32 ---------------------------------------------------------------------------
-// position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds
-__device__ __forceinline__ int a8_position(int l) { return (l & ~7) | ((l & 1) << 2) | ((l & 7) >> 1); }
-
-// one warp a group (lane l holds input l); groups are rows * ncols / 32 consecutive runs of the row-major input;
-// moe4a8_round may write in place (x == rounded: each lane reads its input before it writes it)
-template <bool STAGED>
-__device__ __forceinline__ void a8_quantize(const float* x, signed char* __restrict__ q,
-                                            float* __restrict__ s, float* rounded, long long ngroups) {
-    const int lane = threadIdx.x & 31;
-    const long long warps_total = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long g = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; g < ngroups; g += warps_total) {
-        const float v = x[g * 32 + lane];
-        const float m = warp_max(fabsf(v));
-        const float sc = m / 127.0f;
-        const float qv = sc > 0.0f ? rintf(v / sc) : 0.0f;
-        if (STAGED) {
-            q[g * 32 + a8_position(lane)] = (signed char)(int)qv;
-            if (lane == 0) s[g] = sc;
-        } else {
-            rounded[g * 32 + lane] = qv * sc;
-        }
-    }
-}
-
+// ---- activations: int8 per group of 32 (common.cuh's a8_quantize; moe_dispatch_a8 in dispatch.cu runs it too) ------
 extern "C" __global__ void __launch_bounds__(A8_QUANT_THREADS)
     moe4a8_quantize(const float* x, signed char* q, float* s, long long ngroups) {
-    a8_quantize<true>(x, q, s, nullptr, ngroups);
+    a8_quantize<true>(x, q, s, nullptr, ngroups, global_warp(), total_warps());
 }
 
 extern "C" __global__ void __launch_bounds__(A8_QUANT_THREADS)
     moe4a8_round(const float* x, float* rounded, long long ngroups) {
-    a8_quantize<false>(x, nullptr, nullptr, rounded, ngroups);
+    a8_quantize<false>(x, nullptr, nullptr, rounded, ngroups, global_warp(), total_warps());
 }
 
 // ---- the GEMVs ----------------------------------------------------------------------------------------------------

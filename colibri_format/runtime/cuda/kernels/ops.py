@@ -249,8 +249,12 @@ def dispatch_buffers(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) ->
                     P, E, tile_m)
 
 
-def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | None = None) -> Dispatch:
-    """Groups the pairs of ids [T, k] (or [P]) int32 by expert on the device (see dispatch.cu)."""
+def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | None = None,
+             quantize: tuple | None = None) -> Dispatch:
+    """Groups the pairs of ids [T, k] (or [P]) int32 by expert on the device (see dispatch.cu).
+
+    quantize: (x [T, H] f32, xq int8 [T, H], xs f32 [T, H // A8_GROUP]): the same launch also writes x rounded to
+    int8 as `quantize_activations_a8` does (moe_dispatch_a8: one launch fewer a decode step on int8 activations)."""
     cp = _cupy()
     _check("ids", ids, dtype=np.int32)
     P, E = int(ids.size), int(num_experts)
@@ -263,10 +267,18 @@ def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | No
         out = dispatch_buffers(P, E, tile_m)
     elif out.num_pairs != P or out.num_experts != E or out.tile_m != tile_m:
         raise ValueError("dispatch buffers were made for another shape")
-    kernel("dispatch", "moe_dispatch")(
-        (1,), (DISPATCH_THREADS,),
-        (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm, out.inv,
-         out.active, out.meta, out.tile_expert, out.tile_start))
+    args = (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm,
+            out.inv, out.active, out.meta, out.tile_expert, out.tile_start)
+    if quantize is None:
+        kernel("dispatch", "moe_dispatch")((1,), (DISPATCH_THREADS,), args)
+        return out
+    x, xq, xs = quantize
+    rows, ncols = _check_a8_input(x)
+    _check_a8_pair(xq, xs, rows, ncols)
+    groups = rows * ncols // A8_GROUP
+    kernel("dispatch", "moe_dispatch_a8")(
+        (1 + _grid_stride_blocks(max(groups, 1) * 32, DISPATCH_THREADS),), (DISPATCH_THREADS,),
+        (*args, x, xq, xs, np.int64(groups)))
     return out
 
 
@@ -1649,7 +1661,12 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
     if int8_activations and table.expert_format not in A8_FORMATS:
         raise ValueError(f"int8 activations are built for {[f.name for f in A8_FORMATS]}, not {table.tag}")
     bufs = a8_buffers or {}
-    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
+    a8_decode = int8_activations and not use_gemm
+    if a8_decode:        # x rounded to int8 by the dispatch launch
+        cp = _cupy()
+        xq = _out("xq", bufs.get("xq"), x.shape, cp.int8)
+        xs = _out("xs", bufs.get("xs"), (T, x.shape[1] // A8_GROUP), cp.float32)
+    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp, quantize=(x, xq, xs) if a8_decode else None)
     if use_gemm:
         int8 = expand_to_int8(table, disp, _expansion(table, expansions))
         if int8_activations:
@@ -1658,8 +1675,7 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
         if int8_activations:
             act = round_activations_a8(act, out=act)
         ypair = moe_gemm_down(act, int8, disp, weights, tensor_cores=False, out=ypair)
-    elif int8_activations:
-        xq, xs = quantize_activations_a8(x, q=bufs.get("xq"), scales=bufs.get("xs"))
+    elif a8_decode:
         act = moe_gate_up_4bit_a8(xq, xs, table, disp, k, out=act)
         aq, as_ = quantize_activations_a8(act, q=bufs.get("aq"), scales=bufs.get("as"))
         ypair = moe_down_4bit_a8(aq, as_, table, disp, weights, out=ypair)
