@@ -69,7 +69,7 @@ STAGES = ("reads/casts", "quantize", "checksum", "writes", "fsync/journal", "oth
 CHILD = ("import json, sys\n"
          "from colibri_format.convert.pipeline import convert\n"
          "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False,\n"
-         "            quant_bits=int(sys.argv[4]))\n"
+         "            quant_bits=int(sys.argv[4]), verify=sys.argv[5] == '1')\n"
          "print(json.dumps(s.to_dict()))\n"
          "sys.stderr.write([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
          "sys.stderr.write([l for l in open('/proc/self/io') if l.startswith('syscw')][0])\n")
@@ -106,7 +106,7 @@ CHILD_STAGES = ("import json, resource, sys, threading, time\n"
                 "wrap(W.ColibriWriter, 'checksum_on_disk', 'verify re-read')\n"
                 "t1 = resource.getrusage(resource.RUSAGE_SELF)\n"
                 "s = convert(sys.argv[1], sys.argv[2], quantize='expert', workers=int(sys.argv[3]), resume=False,\n"
-                "            quant_bits=int(sys.argv[4]))\n"
+                "            quant_bits=int(sys.argv[4]), verify=sys.argv[5] == '1')\n"
                 "t2 = resource.getrusage(resource.RUSAGE_SELF)\n"
                 "cpu = lambda a, b: (b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime)\n"
                 "print(json.dumps({'stages_s': acc, 'convert_cpu_s': cpu(t1, t2),\n"
@@ -115,12 +115,13 @@ CHILD_STAGES = ("import json, resource, sys, threading, time\n"
                 "                  'startup_cpu_s': t1.ru_utime + t1.ru_stime, 'source_bytes': s.bytes_in}))\n")
 
 
-def cpu_stage_run(ckpt: Path, out: Path, workers: int, quant_bits: int = 8) -> dict:
+def cpu_stage_run(ckpt: Path, out: Path, workers: int, quant_bits: int = 8, verify: bool = True) -> dict:
     """The --cpu-stages conversion (this tree), in a child; its output is removed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run([sys.executable, "-c", CHILD_STAGES, str(ckpt.resolve()), str(out.resolve()),
-                               str(workers), str(quant_bits)], env=env, cwd=ROOT, capture_output=True, text=True)
+                               str(workers), str(quant_bits), str(int(verify))], env=env, cwd=ROOT,
+                              capture_output=True, text=True)
     finally:
         out.unlink(missing_ok=True)
     if proc.returncode != 0:
@@ -194,7 +195,7 @@ def file_sha256(path: Path) -> str:
 
 
 def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bool = False,
-              quant_bits: int = 8) -> dict:
+              quant_bits: int = 8, verify: bool = True) -> dict:
     """One conversion in a child process whose `colibri_format` is the one under `root`; with `sha256`, the
     output's SHA-256 is taken (after the child's figures) before the output is removed."""
     load1 = os.getloadavg()[0]
@@ -205,7 +206,7 @@ def run_child(ckpt: Path, out: Path, workers: int, root: Path = ROOT, sha256: bo
         start = time.perf_counter()
         # run in `root`: `python -c` puts the working directory first on sys.path, before PYTHONPATH
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt.resolve()), str(out.resolve()), str(workers),
-                                 str(quant_bits)],
+                                 str(quant_bits), str(int(verify))],
                                 env=env, cwd=root, stdout=so, stderr=se, text=True)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -361,6 +362,9 @@ def main() -> None:
     ap.add_argument("--sha256", action="store_true",
                     help="hash every output (outside the child's figures) and check that all runs of all trees wrote "
                          "the same bytes (exit status 3 when they differ)")
+    ap.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="convert with verify=False (`colibri convert --no-verify`: no read-back of the written pieces; "
+                         "the default verifies, as the CLI does)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
@@ -374,7 +378,7 @@ def main() -> None:
     out_dir = args.out_dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else args.dir)
     load = os.getloadavg()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
-            "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "gb": gb,
+            "load_avg_at_start": [round(x, 2) for x in load], "workers": args.workers, "verify": args.verify, "gb": gb,
             "quant_bits": args.quant_bits,
             "output_dir": str(out_dir), "command": " ".join(["benchmarks/convert_piece_sizes.py", *sys.argv[1:]])}
     results = []
@@ -401,7 +405,7 @@ def main() -> None:
                         wait_quiet(args.quiet_wait)
                         warm(ckpt)  # a quiet wait may outlast the page cache's patience
                     runs[label].append(run_child(ckpt, out, args.workers, root, sha256=args.sha256,
-                                                 quant_bits=args.quant_bits))
+                                                 quant_bits=args.quant_bits, verify=args.verify))
                     print(f"  convert{label}: {runs[label][-1]['wall_s']:.2f} s "
                           f"(others' CPU {runs[label][-1]['others_cpu_s']:.1f} s)", file=sys.stderr, flush=True)
             if args.sha256:
@@ -418,7 +422,7 @@ def main() -> None:
                      "median_wall_s": walls[len(walls) // 2]}
                 if args.cpu_stages and not label:
                     warm(ckpt)
-                    r["cpu_stages"] = cpu_stage_run(ckpt, out, args.workers, args.quant_bits)
+                    r["cpu_stages"] = cpu_stage_run(ckpt, out, args.workers, args.quant_bits, args.verify)
                     print("  " + cpu_stage_line(name, r["cpu_stages"]), file=sys.stderr, flush=True)
                 if not args.no_profile and not label:
                     warm(ckpt)
@@ -433,7 +437,8 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     head = (f"{meta['date']}, nproc {meta['nproc']}, load average at start {meta['load_avg_at_start']}, "
-              f"workers {args.workers}, int{args.quant_bits} experts, output on {out_dir}")
+              f"workers {args.workers}, int{args.quant_bits} experts, output on {out_dir}"
+              f"{'' if args.verify else ', no verify'}")
     stage_rows = [cpu_stage_line(r["shape"], r["cpu_stages"]) for r in results if "cpu_stages" in r]
     if stage_rows:
         head_stages = ("| shape | CPU user + sys s per GB | CPU s per GB: " + " / ".join((*CPU_STAGES, "rest")) +
