@@ -38,3 +38,13 @@ def test_infer_text_and_chat(demo_file, capsys):
     tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     prompt = tok.decode(chat["prompt_ids"], skip_special_tokens=False)
     assert prompt.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"), prompt
+
+
+def test_the_demo_converts_again_over_its_own_output(tmp_path, monkeypatch):
+    """`make demo` twice: the second convert replaces the first one's file instead of refusing it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    import demo
+    target = tmp_path / "demo.colibri"
+    for _ in range(2):
+        assert main([*demo.convert_args(target), "--quiet"]) == 0
+    assert main(["validate", str(target)]) == 0

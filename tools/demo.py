@@ -28,12 +28,18 @@ def colibri(*args: str) -> None:
         sys.exit(rc)
 
 
+def convert_args(target: Path) -> list[str]:
+    """The demo's convert command: --force replaces the file an earlier `make demo` wrote there (demo-out/ is the
+    demo's own folder), so the demo runs again."""
+    return ["convert", "--model-path", str(MODEL), "--output-path", str(target), "--dtype", "float16",
+            "--quantize", "expert", "--restart", "--force"]
+
+
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     target = OUT / "colibri-demo-moe.colibri"
     started = time.perf_counter()
-    colibri("convert", "--model-path", str(MODEL), "--output-path", str(target), "--dtype", "float16",
-            "--quantize", "expert", "--restart")
+    colibri(*convert_args(target))
     colibri("inspect", str(target))
     colibri("validate", str(target))
     colibri("infer", str(target), "--prompt", PROMPT, "--max-new-tokens", "48", "--stats")
