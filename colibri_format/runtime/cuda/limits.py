@@ -129,6 +129,10 @@ TC4_MIN_INTERMEDIATE = 8192
 # A8_FORMATS: the expert formats whose products round their inputs when the switch is on (both engines read it)
 A8_THREADS = 128
 A8_QUANT_THREADS = 256
+# tokens a pass -> ((gate_up rows a warp item, 16-byte chunks of each row a lane loads at once), (down: the same));
+# gate_up items take half their rows from the gate and half from the up matrix (even). benchmarks/gemv4_sweep.py
+# times other plans against these.
+A8_PLANS = {1: ((4, 2), (4, 2)), 2: ((4, 2), (4, 2)), 4: ((2, 2), (2, 2)), 8: ((2, 2), (2, 2))}
 A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 
@@ -141,6 +145,12 @@ def rounds_activations(int8_activations: bool, expert_format) -> bool:
 # (value_head_dim up to DELTANET_MAX_VALUE_DIM, one block) with the row's q and k in shared memory
 DELTANET_THREADS = 128
 DELTANET_MAX_VALUE_DIM = 1024
+
+def a8_plan_defines(plans: dict) -> dict[str, int]:
+    """The -D constants of the dp4a GEMVs' plans (A8_PLANS' form): A8_{GU,DN}_T<tokens>_{ROWS,CPL}."""
+    return {f"A8_{stage}_T{tok}_{name}": v for tok, stages in plans.items()
+            for stage, plan in zip(("GU", "DN"), stages) for name, v in zip(("ROWS", "CPL"), plan)}
+
 
 KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
@@ -165,7 +175,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "mla": {"MLA_THREADS": MLA_THREADS, "MLA_MAX_RANK": MLA_MAX_RANK, "MLA_ROWS": MLA_ROWS},
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},
-    "moe_gemv4_dp4a": {"A8_THREADS": A8_THREADS, "A8_QUANT_THREADS": A8_QUANT_THREADS},
+    "moe_gemv4_dp4a": {"A8_THREADS": A8_THREADS, "A8_QUANT_THREADS": A8_QUANT_THREADS,
+                       **a8_plan_defines(A8_PLANS)},
     "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
                           "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},

@@ -24,9 +24,19 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 TOL = 2e-6   # the same int8 activations: int32 group sums exact, fp32 scale products and accumulation vs float64
 
 
+# plans other than limits.A8_PLANS (benchmarks/gemv4_sweep.py's candidates): one row or eight a warp item, one or
+# four chunks a lane loads at once
+OTHER_PLANS = {1: ((8, 1), (1, 8)), 2: ((2, 4), (4, 4)), 4: ((4, 1), (8, 2)), 8: ((4, 2), (1, 4))}
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return Gemv4Dp4aEmulator(build_gemv4_dp4a(tmp_path_factory.mktemp("moe_gemv4_dp4a_host")))
+
+
+@pytest.fixture(scope="module")
+def other_plans(tmp_path_factory):
+    return Gemv4Dp4aEmulator(build_gemv4_dp4a(tmp_path_factory.mktemp("moe_gemv4_dp4a_plans"), OTHER_PLANS))
 
 
 def dequantized(q_staged, s) -> np.ndarray:
@@ -81,6 +91,12 @@ CASES = [(32, 4, 2, 224, 96, [3, 0, 1, 2]), (64, 3, 2, 320, 192, [2, 2, 0]), (12
 @pytest.mark.parametrize("tokc", [1, 2, 4, 8])
 def test_emulated_kernels_match_float64(emulator, case, tokc):
     check_against_float64(emulator, case, tokc, fill=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"g{c[0]}-H{c[3]}-I{c[4]}")
+@pytest.mark.parametrize("tokc", [1, 2, 4, 8])
+def test_other_plans_match_float64(other_plans, case, tokc):
+    check_against_float64(other_plans, case, tokc, fill=tokc == 2)
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"g{c[0]}-H{c[3]}-I{c[4]}")

@@ -279,7 +279,7 @@ __device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex
 // handing each to `dot.chunk`, which adds its products with up to TOKC input rows (`trow`: row indices of `in`)
 // to acc[R][TOKC]. Fill on read (fills[e] != 0): the first token pass also stores every chunk and scale it reads
 // at the same offsets of the admitted slot; the items of a launch cover every row and scale of the matrix.
-template <typename Dot, int TOKC, int R, bool GATEUP>
+template <typename Dot, int TOKC, int R, int CPL, bool GATEUP>
 __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long long* __restrict__ blobs,
                                              const unsigned long long* __restrict__ fills, long long off_w,
                                              long long off_s, const int* __restrict__ perm,
@@ -288,7 +288,6 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
                                              float* __restrict__ out, int ncols, int nout, int k, int group) {
     typedef typename Dot::scale_t scale_t;
     constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
-    constexpr int CPL = 2;                    // chunks per row a lane loads before using them
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
     const int total = meta[0] * n_rg;

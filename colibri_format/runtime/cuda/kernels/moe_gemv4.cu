@@ -118,7 +118,7 @@ struct FloatDot {
         NAME(const float* x, const unsigned long long* blobs, const unsigned long long* fills, long long off_w,  \
              long long off_s, const int* perm, const int* offsets, const int* active, const int* meta, float* act, \
              int H, int I, int k, int group) {                                                                 \
-        packed4_gemv<FloatDot<MX>, TOKC, R, true>(FloatDot<MX>{x, H}, blobs, fills, off_w, off_s, perm, offsets, \
+        packed4_gemv<FloatDot<MX>, TOKC, R, 2, true>(FloatDot<MX>{x, H}, blobs, fills, off_w, off_s, perm, offsets, \
                                                   active, meta, nullptr, act, H, I, k, group);                 \
     }
 #define DOWN4_KERNEL(NAME, MX, TOKC, R)                                                                          \
@@ -126,7 +126,7 @@ struct FloatDot {
         NAME(const float* act, const unsigned long long* blobs, const unsigned long long* fills, long long off_w, \
              long long off_s, const int* perm, const int* offsets, const int* active, const int* meta,         \
              const float* pair_w, float* y, int H, int I, int group) {                                         \
-        packed4_gemv<FloatDot<MX>, TOKC, R, false>(FloatDot<MX>{act, I}, blobs, fills, off_w, off_s, perm, offsets, \
+        packed4_gemv<FloatDot<MX>, TOKC, R, 2, false>(FloatDot<MX>{act, I}, blobs, fills, off_w, off_s, perm, offsets, \
                                                    active, meta, pair_w, y, I, H, 1, group);                   \
     }
 

@@ -25,6 +25,9 @@
 #ifndef A8_QUANT_THREADS
 #error "A8_QUANT_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef A8_DN_T8_CPL
+#error "A8_PLANS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
 
 // ---- activations: int8 per group of 32 (common.cuh's a8_quantize; moe_dispatch_a8 in dispatch.cu runs it too) ------
@@ -80,30 +83,32 @@ struct A8Dot {
     }
 };
 
-#define GATE_UP_A8_KERNEL(NAME, TOKC, R)                                                                          \
+#define GATE_UP_A8_KERNEL(NAME, TOKC, R, CPL)                                                                     \
     extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
         NAME(const signed char* xq, const float* xs, const unsigned long long* blobs,                           \
              const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
              const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k, int group) { \
-        packed4_gemv<A8Dot, TOKC, R, true>(A8Dot{xq, xs, H}, blobs, fills, off_w, off_s, perm, offsets, active,  \
-                                           meta, nullptr, act, H, I, k, group);                                 \
+        packed4_gemv<A8Dot, TOKC, R, CPL, true>(A8Dot{xq, xs, H}, blobs, fills, off_w, off_s, perm, offsets,     \
+                                                active, meta, nullptr, act, H, I, k, group);                    \
     }
-#define DOWN_A8_KERNEL(NAME, TOKC, R)                                                                             \
+#define DOWN_A8_KERNEL(NAME, TOKC, R, CPL)                                                                        \
     extern "C" __global__ void __launch_bounds__(A8_THREADS)                                                    \
         NAME(const signed char* aq, const float* as, const unsigned long long* blobs,                           \
              const unsigned long long* fills, long long off_w, long long off_s, const int* perm,                \
              const int* offsets, const int* active, const int* meta, const float* pair_w, float* y, int H, int I, \
              int group) {                                                                                       \
-        packed4_gemv<A8Dot, TOKC, R, false>(A8Dot{aq, as, I}, blobs, fills, off_w, off_s, perm, offsets, active, \
-                                            meta, pair_w, y, I, H, 1, group);                                   \
+        packed4_gemv<A8Dot, TOKC, R, CPL, false>(A8Dot{aq, as, I}, blobs, fills, off_w, off_s, perm, offsets,    \
+                                                 active, meta, pair_w, y, I, H, 1, group);                      \
     }
 
-// suffix: t<TOKC> (tokens per pass); rows per warp item: 4, or 2 from 4 tokens (registers), as moe_gemv4.cu
-GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t1, 1, 4)
-GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t2, 2, 4)
-GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t4, 4, 2)
-GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t8, 8, 2)
-DOWN_A8_KERNEL(moe4a8_down_int4_t1, 1, 4)
-DOWN_A8_KERNEL(moe4a8_down_int4_t2, 2, 4)
-DOWN_A8_KERNEL(moe4a8_down_int4_t4, 4, 2)
-DOWN_A8_KERNEL(moe4a8_down_int4_t8, 8, 2)
+// suffix: t<TOKC> (tokens per pass); rows per warp item and chunks a lane loads per row at once: limits.py's A8_PLANS
+#define A8_GATE_UP(T) GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t##T, T, A8_GU_T##T##_ROWS, A8_GU_T##T##_CPL)
+#define A8_DOWN(T) DOWN_A8_KERNEL(moe4a8_down_int4_t##T, T, A8_DN_T##T##_ROWS, A8_DN_T##T##_CPL)
+A8_GATE_UP(1)
+A8_GATE_UP(2)
+A8_GATE_UP(4)
+A8_GATE_UP(8)
+A8_DOWN(1)
+A8_DOWN(2)
+A8_DOWN(4)
+A8_DOWN(8)
