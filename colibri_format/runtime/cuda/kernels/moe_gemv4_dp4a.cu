@@ -25,8 +25,54 @@
 #ifndef A8_QUANT_THREADS
 #error "A8_QUANT_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+// A8_{GU,DN}_T<tokens>_{ROWS,CPL}: limits.py's A8_PLANS
+#ifndef A8_GU_T1_ROWS
+#error "A8_GU_T1_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T1_CPL
+#error "A8_GU_T1_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T1_ROWS
+#error "A8_DN_T1_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T1_CPL
+#error "A8_DN_T1_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T2_ROWS
+#error "A8_GU_T2_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T2_CPL
+#error "A8_GU_T2_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T2_ROWS
+#error "A8_DN_T2_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T2_CPL
+#error "A8_DN_T2_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T4_ROWS
+#error "A8_GU_T4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T4_CPL
+#error "A8_GU_T4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T4_ROWS
+#error "A8_DN_T4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T4_CPL
+#error "A8_DN_T4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T8_ROWS
+#error "A8_GU_T8_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_GU_T8_CPL
+#error "A8_GU_T8_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef A8_DN_T8_ROWS
+#error "A8_DN_T8_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 #ifndef A8_DN_T8_CPL
-#error "A8_PLANS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#error "A8_DN_T8_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
 
@@ -102,13 +148,11 @@ struct A8Dot {
     }
 
 // suffix: t<TOKC> (tokens per pass); rows per warp item and chunks a lane loads per row at once: limits.py's A8_PLANS
-#define A8_GATE_UP(T) GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t##T, T, A8_GU_T##T##_ROWS, A8_GU_T##T##_CPL)
-#define A8_DOWN(T) DOWN_A8_KERNEL(moe4a8_down_int4_t##T, T, A8_DN_T##T##_ROWS, A8_DN_T##T##_CPL)
-A8_GATE_UP(1)
-A8_GATE_UP(2)
-A8_GATE_UP(4)
-A8_GATE_UP(8)
-A8_DOWN(1)
-A8_DOWN(2)
-A8_DOWN(4)
-A8_DOWN(8)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t1, 1, A8_GU_T1_ROWS, A8_GU_T1_CPL)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t2, 2, A8_GU_T2_ROWS, A8_GU_T2_CPL)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t4, 4, A8_GU_T4_ROWS, A8_GU_T4_CPL)
+GATE_UP_A8_KERNEL(moe4a8_gate_up_int4_t8, 8, A8_GU_T8_ROWS, A8_GU_T8_CPL)
+DOWN_A8_KERNEL(moe4a8_down_int4_t1, 1, A8_DN_T1_ROWS, A8_DN_T1_CPL)
+DOWN_A8_KERNEL(moe4a8_down_int4_t2, 2, A8_DN_T2_ROWS, A8_DN_T2_CPL)
+DOWN_A8_KERNEL(moe4a8_down_int4_t4, 4, A8_DN_T4_ROWS, A8_DN_T4_CPL)
+DOWN_A8_KERNEL(moe4a8_down_int4_t8, 8, A8_DN_T8_ROWS, A8_DN_T8_CPL)
