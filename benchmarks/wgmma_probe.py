@@ -21,7 +21,13 @@ memory packed as 8 x 8 core matrices, no swizzle; N = 64 and 128) once per hypot
 
 Each hypothesis runs on random operands and on B = the identity (D = A's first 16 columns: a wrong A mapping shows
 as a permutation of A). The table gives the largest error against NumPy's float64 product; a hypothesis holds when
-it is exact (the products of small integers and bf16 values are exact in fp32). Writes wgmma_probe.json.
+it is exact (the products of small integers and bf16 values are exact in fp32).
+
+Stage 2, with the layout that held: `gemm_w8_bf16`, a first grouped GEMM of int8 weights (row scales) and bf16
+activations on wgmma (one warpgroup a 64-row x 128-token tile, cp.async double buffering, the weights pre-packed so
+each thread loads its A fragments as 32 contiguous bytes): checked against float64 on a small case with a partial
+token tile, then timed on Mixtral-8x7B's expert products at a 512-token prefill (8 experts x 128 rows; issue 15's
+target is >= 400 TFLOP/s). Writes wgmma_probe.json.
 """
 
 from __future__ import annotations
@@ -37,6 +43,111 @@ import numpy as np
 
 WIDTHS = (64, 128)
 HYPOTHESES = {"lbo=K": (128, 256), "lbo=N": (256, 128)}   # (leading, stride) byte offsets of the descriptor
+
+GEMM_SOURCE = r"""
+// ---- stage 2: a grouped int8-weight x bf16-activation GEMM on wgmma (a first cut; the layouts of stage 1) -------
+// Y[e, t, o] = scale[e, o] * sum_k W[e, o, k] X[e, t, k]: a block of one warpgroup computes 64 weight rows (wgmma
+// M) x GN = 128 tokens (wgmma N) of one expert; K in steps of GK = 64 (four k16 wgmmas). X's tile of a step is
+// staged by cp.async in shared memory as stage 1's core matrices (double buffered); the weights are pre-packed on
+// the host so that each thread's A fragments of a step are 32 contiguous bytes (two 16-byte loads, one step ahead)
+// and widened int8 -> bf16 in registers; the row scales are applied in the epilogue.
+#define GK 64
+#define GN 128
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void wgmma_n128(float* d, const unsigned* a, unsigned long long desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ unsigned bf16x2_of_bytes(unsigned w, int first) {
+    return (unsigned)bf16_of_int((signed char)(w >> (8 * first))) |
+           ((unsigned)bf16_of_int((signed char)(w >> (8 * first + 8))) << 16);
+}
+
+// a[j][0..3] of k16 step j from the step's 32 packed bytes (per j: row r cols c, c+1, c+8, c+9, then row r+8 alike)
+__device__ __forceinline__ void a_fragments(const uint4* w, unsigned (&a)[4][4]) {
+    const unsigned words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned lo = words[2 * j], hi = words[2 * j + 1];
+        a[j][0] = bf16x2_of_bytes(lo, 0);
+        a[j][1] = bf16x2_of_bytes(hi, 0);
+        a[j][2] = bf16x2_of_bytes(lo, 2);
+        a[j][3] = bf16x2_of_bytes(hi, 2);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    gemm_w8_bf16(const uint4* __restrict__ Wp, const float* __restrict__ scale, const u16* __restrict__ X,
+                 float* __restrict__ Y, int M, int NO, int K, int lbo, int sbo) {
+    __shared__ __align__(128) u16 sX[2][GN * GK];
+    const int e = blockIdx.z, rb = blockIdx.x, t0 = blockIdx.y * GN;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int steps = K / GK;
+    const u16* Xe = X + (size_t)e * M * K;
+    const uint4* Wt = Wp + ((size_t)e * (NO / 64) + rb) * steps * 256 + tid * 2;
+    auto load_x = [&](int buf, int step) {
+        for (int i = tid; i < GN * (GK / 8); i += 128) {
+            const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
+            u16* dst = sX[buf] + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8;
+            cp_async16(dst, Xe + (size_t)tok * K + step * GK + q * 8);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    uint4 w[2] = {__ldg(Wt), __ldg(Wt + 1)};
+    load_x(0, 0);
+    for (int s = 0; s < steps; ++s) {
+        uint4 wn[2] = {w[0], w[1]};
+        if (s + 1 < steps) {
+            load_x((s + 1) & 1, s + 1);
+            wn[0] = __ldg(Wt + (size_t)(s + 1) * 256);
+            wn[1] = __ldg(Wt + (size_t)(s + 1) * 256 + 1);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        unsigned a[4][4];
+        a_fragments(w, a);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_n128(d, a[j], smem_desc(sX[s & 1] + j * (GN / 8) * 2 * 64, lbo, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        __syncthreads();   // the buffer this step read is refilled by the next step's copies
+        w[0] = wn[0];
+        w[1] = wn[1];
+    }
+    const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3), o = rb * 64 + r;
+    const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
+    float* Ye = Y + (size_t)e * M * NO;
+#pragma unroll
+    for (int j = 0; j < GN / 8; ++j) {
+        const int t = t0 + 8 * j + c;
+        if (t < M) {
+            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
+            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
+        }
+        if (t + 1 < M) {
+            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
+            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
+        }
+    }
+}
+"""
 
 SOURCE = r"""
 typedef unsigned short u16;
@@ -112,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(128) probe_n128(const signed char* 
                                                              int sbo) {
     probe<128>(A, B, D, lbo, sbo);
 }
-"""
+""" + GEMM_SOURCE
 
 
 def build(workdir: Path) -> Path:
@@ -149,6 +260,81 @@ def run_case(cp, fn, A: np.ndarray, B: np.ndarray, lbo: int, sbo: int) -> float:
     return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max())
 
 
+def pack_weights(W: np.ndarray) -> np.ndarray:
+    """W int8 [E, NO, K] -> gemm_w8_bf16's order [E, NO / 64, K / 64, 128 threads, 32 bytes]: thread t (warp w, lane
+    l; r = 16 w + l / 4, c = 2 (l % 4)) holds for k16 step j of a 64-column step the bytes of row r at columns c,
+    c + 1, c + 8, c + 9, then row r + 8 alike."""
+    E, NO, K = W.shape
+    t = np.arange(128)
+    r, c = 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4)
+    rows = np.broadcast_to(r[:, None, None] + np.array([0, 0, 0, 0, 8, 8, 8, 8]), (128, 4, 8))
+    cols = 16 * np.arange(4)[None, :, None] + c[:, None, None] + np.array([0, 1, 8, 9, 0, 1, 8, 9])
+    blocks = W.reshape(E, NO // 64, 64, K // 64, 64)
+    packed = blocks[:, :, rows, :, cols]                       # [128, 4, 8, E, NO / 64, K / 64]
+    return np.ascontiguousarray(packed.transpose(3, 4, 5, 0, 1, 2)).reshape(E, NO // 64, K // 64, 128, 32)
+
+
+def launch_gemm(cp, fn, Wp, scale, X, Y, lbo: int, sbo: int) -> None:
+    E, M, K = X.shape
+    NO = scale.shape[1]
+    fn((NO // 64, -(-M // 128), E), (128,), (Wp, scale, X, Y, np.int32(M), np.int32(NO), np.int32(K), np.int32(lbo),
+                                             np.int32(sbo)))
+
+
+def check_gemm(cp, fn, lbo: int, sbo: int) -> float:
+    """Relative error of gemm_w8_bf16 against float64 on 2 experts of 100 tokens (a partial tile), 128 x 256."""
+    rng = np.random.default_rng(1)
+    E, M, NO, K = 2, 100, 128, 256
+    W = rng.integers(-127, 128, (E, NO, K), dtype=np.int8)
+    scale = rng.uniform(1e-3, 2e-3, (E, NO)).astype(np.float32)
+    X = bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
+    Y = cp.full((E, M, NO), np.nan, cp.float32)
+    launch_gemm(cp, fn, cp.asarray(pack_weights(W)), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo)
+    want = np.einsum("emk,eok->emo", bf16_value(X).astype(np.float64), W.astype(np.float64)) * scale[:, None, :]
+    got = Y.get()
+    return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def time_gemm(cp, fn, E: int, M: int, NO: int, K: int, lbo: int, sbo: int, reps: int = 10) -> float:
+    """Median µs of gemm_w8_bf16 on random device operands (the weight bytes taken as already packed)."""
+    Wp = cp.random.randint(-127, 128, (E, NO, K), dtype=cp.int8)
+    scale = cp.full((E, NO), 1e-3, cp.float32)
+    X = cp.random.standard_normal((E, M, K), dtype=cp.float32).astype(cp.float16).view(cp.uint16)  # any 16-bit
+    Y = cp.empty((E, M, NO), cp.float32)
+    for _ in range(3):
+        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo)
+    times = []
+    for _ in range(reps):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+    del Wp, X, Y
+    cp.get_default_memory_pool().free_all_blocks()
+    return float(np.median(times))
+
+
+# stage 2's timed cases: Mixtral-8x7B's expert products at a 512-token prefill (top-2 of 8: 128 rows an expert)
+GEMM_CASES = {"mixtral gate_up": (8, 128, 28672, 4096), "mixtral down": (8, 128, 4096, 14336)}
+
+
+def gemm_stage(cp, mod, hypothesis: str) -> tuple[list[str], dict]:
+    lbo, sbo = HYPOTHESES[hypothesis]
+    fn = mod.get_function("gemm_w8_bf16")
+    err = check_gemm(cp, fn, lbo, sbo)
+    rows, results = [f"gemm_w8_bf16 ({hypothesis}) against float64: relative error {err:.3g}"], {"check": err}
+    if err > 1e-5:
+        return rows, results
+    for name, (E, M, NO, K) in GEMM_CASES.items():
+        us = time_gemm(cp, fn, E, M, NO, K, lbo, sbo)
+        tflops = 2 * E * M * NO * K / us / 1e6
+        results[name] = {"us": us, "tflops": tflops}
+        rows.append(f"{name}: E {E} x {M} rows, {NO} x {K}: {us:.1f} µs, {tflops:.1f} TFLOP/s")
+    return rows, results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -174,7 +360,10 @@ def main() -> int:
                 results[f"N={N} {name}"] = err
                 rows.append(f"| {N} | {name} | {err['random']:.3g} | {err['identity']:.3g} | "
                             f"{'holds' if max(err.values()) == 0 else 'no'} |")
+        held = [h for h in HYPOTHESES if all(max(results[f"N={N} {h}"].values()) == 0 for N in WIDTHS)]
+        gemm_rows, results["gemm"] = gemm_stage(cp, mod, held[0]) if held else (["no hypothesis held: no GEMM"], {})
     print("| N | descriptor | max err, random | max err, B = I | |\n|---|---|---|---|---|\n" + "\n".join(rows))
+    print("\n".join(gemm_rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "wgmma_probe.json").write_text(json.dumps(results, indent=1))
