@@ -38,6 +38,9 @@ DISPATCH_MAX_E = 512
 GEMV_THREADS = 128
 GEMV_TOKC = (1, 2, 4, 8)                    # tokens per pass of the moe_{gate_up,down}_t<TOKC> kernels
 GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks of loads a lane issued at once
+# the w4 kernels' plan (the one-token default): (rows a warp item, 16-byte chunks of each row a lane loads at once)
+# of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
+GEMV_W4_PLAN = ((4, 4), (4, 4))
 # moe_small.cu: the routed experts of a decode step of at most MOE_SMALL_MAX_TOKENS tokens in two launches (gate/up
 # items indexed by (pair, rows) straight from the router's ids; down items by (token, rows) over the token's k
 # experts, the combine folded in). Plans, each compiled as kernel suffix _p<index> (moe_small.cu instantiates two
@@ -130,7 +133,7 @@ TC4_MIN_INTERMEDIATE = 8192
 A8_THREADS = 128
 A8_QUANT_THREADS = 256
 # tokens a pass -> ((gate_up rows a warp item, 16-byte chunks of each row a lane loads at once), (down: the same));
-# gate_up items take half their rows from the gate and half from the up matrix (even). benchmarks/gemv4_sweep.py
+# gate_up items take half their rows from the gate and half from the up matrix (even). benchmarks/gemv_sweep.py
 # times other plans against these.
 A8_PLANS = {1: ((4, 2), (4, 2)), 2: ((4, 2), (4, 2)), 4: ((2, 2), (2, 2)), 8: ((2, 2), (2, 2))}
 A8_GROUP = 32
@@ -146,17 +149,27 @@ def rounds_activations(int8_activations: bool, expert_format) -> bool:
 DELTANET_THREADS = 128
 DELTANET_MAX_VALUE_DIM = 1024
 
-def a8_plan_defines(plans: dict) -> dict[str, int]:
-    """The -D constants of the dp4a GEMVs' plans (A8_PLANS' form): A8_{GU,DN}_T<tokens>_{ROWS,CPL}."""
-    return {f"A8_{stage}_T{tok}_{name}": v for tok, stages in plans.items()
+def plan_defines(prefix: str, plans: dict[str, tuple]) -> dict[str, int]:
+    """-D constants <prefix>_{GU,DN}_<key>_{ROWS,CPL} of GEMV plans {key: ((gate_up rows, chunks), (down ...))}."""
+    return {f"{prefix}_{stage}_{key}_{name}": v for key, stages in plans.items()
             for stage, plan in zip(("GU", "DN"), stages) for name, v in zip(("ROWS", "CPL"), plan)}
+
+
+def a8_plan_defines(plans: dict) -> dict[str, int]:
+    """The dp4a GEMVs' plans (A8_PLANS' form, by tokens a pass) as A8_{GU,DN}_T<tokens>_{ROWS,CPL}."""
+    return plan_defines("A8", {f"T{tok}": stages for tok, stages in plans.items()})
+
+
+def w4_plan_defines(plan: tuple) -> dict[str, int]:
+    """The w4 GEMVs' plan (GEMV_W4_PLAN's form) as WIDE_{GU,DN}_W4_{ROWS,CPL}."""
+    return plan_defines("WIDE", {"W4": plan})
 
 
 KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
-    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_small": {"SMALL_THREADS": SMALL_THREADS,
                   **{f"SG{i}_{name}": v for i, plan in enumerate(SMALL_GATE_UP_PLANS)
                      for name, v in zip(("ROWS", "CHUNKS", "BLOCKS_R", "BLOCKS_G"), plan)},

@@ -342,7 +342,7 @@ extern "C" void emu_down(int tokc, int blocks, const signed char* aq, const floa
 
 
 def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None) -> ctypes.CDLL:
-    """moe_gemv4_dp4a.cu for the CPU, with limits.py's constants (`plans`: other A8_PLANS, as gemv4_sweep.py
+    """moe_gemv4_dp4a.cu for the CPU, with limits.py's constants (`plans`: other A8_PLANS, as gemv_sweep.py
     builds them)."""
     defines = {**limits.KERNEL_DEFINES["moe_gemv4_dp4a"], **limits.a8_plan_defines(plans or limits.A8_PLANS)}
     return _compile(tmp_path, "moe_gemv4_dp4a", host_module_source("moe_gemv4_dp4a") + GEMV4_DP4A_DRIVER,

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 TOL = 2e-6   # the same int8 activations: int32 group sums exact, fp32 scale products and accumulation vs float64
 
 
-# plans other than limits.A8_PLANS (benchmarks/gemv4_sweep.py's candidates): one row or eight a warp item, one or
+# plans other than limits.A8_PLANS (benchmarks/gemv_sweep.py's candidates): one row or eight a warp item, one or
 # four chunks a lane loads at once
 OTHER_PLANS = {1: ((8, 1), (1, 8)), 2: ((2, 4), (4, 4)), 4: ((4, 1), (8, 2)), 8: ((4, 2), (1, 4))}
 

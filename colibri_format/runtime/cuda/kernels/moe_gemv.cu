@@ -26,6 +26,18 @@
 #ifndef GEMV_THREADS
 #error "GEMV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef WIDE_GU_W4_ROWS
+#error "WIDE_GU_W4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef WIDE_GU_W4_CPL
+#error "WIDE_GU_W4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef WIDE_DN_W4_ROWS
+#error "WIDE_DN_W4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef WIDE_DN_W4_CPL
+#error "WIDE_DN_W4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 
 template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP, bool EXTRAS = false>
 __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
@@ -349,15 +361,16 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
         moe_gemv_wide<R, CPL, GROUPED, false>(act, blobs, fills, off_w, off_s, perm, offsets, active, meta,    \
                                               pair_w, y, I, H, 1, group);                                      \
     }
-// suffix: w<CPL>_<r | g>; 4 rows per warp item
+// suffix: w<2 | 4>_<r | g>; w2: 4 rows per warp item, 2 chunks a lane loads at once; w4 (the one-token default):
+// limits.py's GEMV_W4_PLAN
 GATE_UP_WIDE_KERNEL(moe_gate_up_w2_r, 4, 2, false)
-GATE_UP_WIDE_KERNEL(moe_gate_up_w4_r, 4, 4, false)
+GATE_UP_WIDE_KERNEL(moe_gate_up_w4_r, WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, false)
 GATE_UP_WIDE_KERNEL(moe_gate_up_w2_g, 4, 2, true)
-GATE_UP_WIDE_KERNEL(moe_gate_up_w4_g, 4, 4, true)
+GATE_UP_WIDE_KERNEL(moe_gate_up_w4_g, WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, true)
 DOWN_WIDE_KERNEL(moe_down_w2_r, 4, 2, false)
-DOWN_WIDE_KERNEL(moe_down_w4_r, 4, 4, false)
+DOWN_WIDE_KERNEL(moe_down_w4_r, WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, false)
 DOWN_WIDE_KERNEL(moe_down_w2_g, 4, 2, true)
-DOWN_WIDE_KERNEL(moe_down_w4_g, 4, 4, true)
+DOWN_WIDE_KERNEL(moe_down_w4_g, WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, true)
 
 // ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
 // bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.
@@ -390,9 +403,9 @@ GATE_UP_EXTRAS_KERNEL(moe_gate_up_t2_g_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, t
 GATE_UP_EXTRAS_KERNEL(moe_gate_up_t4_g_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, true, true))
 GATE_UP_EXTRAS_KERNEL(moe_gate_up_t8_g_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, true, true))
 GATE_UP_EXTRAS_KERNEL(moe_gate_up_w2_r_extras, (GEMV_THREADS), WIDE_X(4, 2, false, true))
-GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_r_extras, (GEMV_THREADS), WIDE_X(4, 4, false, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_r_extras, (GEMV_THREADS), WIDE_X(WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, false, true))
 GATE_UP_EXTRAS_KERNEL(moe_gate_up_w2_g_extras, (GEMV_THREADS), WIDE_X(4, 2, true, true))
-GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_g_extras, (GEMV_THREADS), WIDE_X(4, 4, true, true))
+GATE_UP_EXTRAS_KERNEL(moe_gate_up_w4_g_extras, (GEMV_THREADS), WIDE_X(WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, true, true))
 DOWN_EXTRAS_KERNEL(moe_down_t1_r_extras, (GEMV_THREADS, 1), GEMV_X(1, 8, false, false))
 DOWN_EXTRAS_KERNEL(moe_down_t2_r_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, false, false))
 DOWN_EXTRAS_KERNEL(moe_down_t4_r_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, false, false))
@@ -402,9 +415,9 @@ DOWN_EXTRAS_KERNEL(moe_down_t2_g_extras, (GEMV_THREADS, 1), GEMV_X(2, 8, true, f
 DOWN_EXTRAS_KERNEL(moe_down_t4_g_extras, (GEMV_THREADS, 1), GEMV_X(4, 4, true, false))
 DOWN_EXTRAS_KERNEL(moe_down_t8_g_extras, (GEMV_THREADS, 1), GEMV_X(8, 4, true, false))
 DOWN_EXTRAS_KERNEL(moe_down_w2_r_extras, (GEMV_THREADS), WIDE_X(4, 2, false, false))
-DOWN_EXTRAS_KERNEL(moe_down_w4_r_extras, (GEMV_THREADS), WIDE_X(4, 4, false, false))
+DOWN_EXTRAS_KERNEL(moe_down_w4_r_extras, (GEMV_THREADS), WIDE_X(WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, false, false))
 DOWN_EXTRAS_KERNEL(moe_down_w2_g_extras, (GEMV_THREADS), WIDE_X(4, 2, true, false))
-DOWN_EXTRAS_KERNEL(moe_down_w4_g_extras, (GEMV_THREADS), WIDE_X(4, 4, true, false))
+DOWN_EXTRAS_KERNEL(moe_down_w4_g_extras, (GEMV_THREADS), WIDE_X(WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, true, false))
 
 // (y may alias residual.) alpha is the residual multiplier of the block output.
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const float* residual, float* y, int T,
