@@ -9,7 +9,8 @@ Two families, each with its plans in limits.py as -D constants:
   a step the kernel the engine picks (`ops.tokens_per_pass`) is swept;
 - int8: moe_gemv.cu's one-token w4 kernels on int8_row experts (GEMV_W4_PLAN), the engine's default at one token a
   pass (T = 1 only).
-Each candidate plan is compiled in (`gpu_kernels.rebuild_module`), run through the engine's own wrapper
+Each candidate plan is compiled in once, at every tokens a pass (`gpu_kernels.rebuild_module`: 16 builds a family),
+and run on every case through the engine's own wrapper
 (`ops.moe_gate_up_4bit_a8` / `moe_down_4bit_a8`, `ops.moe_gate_up` / `moe_down` with variant w4), its output
 compared with the default plan's bit for bit (a plan changes which warp computes a row and how many loads a lane
 issues before it uses them, not the order in which a row's chunks are summed), and timed as gemv4_tc.py times its
@@ -42,16 +43,16 @@ STAGE = {"gate_up": 0, "down": 1}
 MODULE = {"dp4a": "moe_gemv4_dp4a", "int8": "moe_gemv"}
 
 
-def defines(family: str, tokc: int, stage: str, plan: tuple[int, int] | None) -> dict[str, int]:
-    """The family's plan constants with `stage`'s plan at `tokc` tokens a pass replaced (None: the defaults)."""
+def defines(family: str, stage: str, plan: tuple[int, int] | None) -> dict[str, int]:
+    """The family's plan constants with `stage`'s plan replaced by `plan` at every tokens a pass (None: the
+    defaults), so one build serves every case of the sweep."""
     if family == "dp4a":
         plans = {t: list(v) for t, v in limits.A8_PLANS.items()}
-        if plan is not None:
-            plans[tokc][STAGE[stage]] = plan
+        for v in plans.values():
+            v[STAGE[stage]] = plan or v[STAGE[stage]]
         return limits.a8_plan_defines(plans)
     w4 = list(limits.GEMV_W4_PLAN)
-    if plan is not None:
-        w4[STAGE[stage]] = plan
+    w4[STAGE[stage]] = plan or w4[STAGE[stage]]
     return limits.w4_plan_defines(tuple(w4))
 
 
@@ -76,56 +77,67 @@ def int8_experts(cp, E: int, H: int, I: int, seed: int):
 
 def stage_runners(cp, family: str, table, k: int, x, act, w):
     """{stage: run(dispatch) -> output} through the engine's wrappers."""
+    out = {"gate_up": cp.empty(act.shape, cp.float32), "down": cp.empty((act.shape[0], x.shape[1]), cp.float32)}
     if family == "dp4a":
         (xq, xs), (aq, as_) = ops.quantize_activations_a8(x), ops.quantize_activations_a8(act)
-        out = {"gate_up": cp.empty(act.shape, cp.float32), "down": cp.empty((act.shape[0], x.shape[1]), cp.float32)}
         return {"gate_up": lambda d: ops.moe_gate_up_4bit_a8(xq, xs, table, d, k, out=out["gate_up"]),
                 "down": lambda d: ops.moe_down_4bit_a8(aq, as_, table, d, w, out=out["down"])}
-    out = {"gate_up": cp.empty(act.shape, cp.float32), "down": cp.empty((act.shape[0], x.shape[1]), cp.float32)}
     return {"gate_up": lambda d: ops.moe_gate_up(x, table, d, k, variant="w4", out=out["gate_up"]),
             "down": lambda d: ops.moe_down(act, table, d, w, variant="w4", out=out["down"])}
 
 
-def sweep_shape(cp, family: str, name: str, T: int, group: int, copy_gbps: float, wrong: list) -> list[dict]:
+def make_case(cp, family: str, name: str, T: int, group: int) -> dict:
+    """A sweep case: random experts, rotated dispatches, inputs, the engine's runners and the default plan's outputs
+    (the module must hold the default plans when this runs)."""
     H, I, E, k = SHAPES[name]
     buf, table, layout = (device_int4_experts(cp, E, H, I, group, seed=T) if family == "dp4a"
                           else int8_experts(cp, E, H, I, seed=T))
     rng = np.random.default_rng(T)
     ids_list = [cp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32))
                 for _ in range(ROUTINGS)]
-    disps = [ops.dispatch(ids, E) for ids in ids_list]
     x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
     act = cp.asarray(rng.standard_normal((T * k, I)).astype(np.float32))
     w = cp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
-    tokc = ops.tokens_per_pass(T, k, E)
-    runs = stage_runners(cp, family, table, k, x, act, w)
+    case = {"name": name, "T": T, "tokc": ops.tokens_per_pass(T, k, E), "buf": buf, "layout": layout,
+            "ids_list": ids_list, "disps": [ops.dispatch(ids, E) for ids in ids_list],
+            "runs": stage_runners(cp, family, table, k, x, act, w)}
+    case["default"] = {stage: run(case["disps"][0]).get() for stage, run in case["runs"].items()}
+    return case
+
+
+def sweep_family(cp, family: str, shapes: list[str], tokens: list[int], group: int, copy_gbps: float,
+                 wrong: list) -> list[dict]:
+    """Every candidate plan of `family`, one build each, over every (shape, tokens) case."""
     module = MODULE[family]
-    rebuild_module(module, **defines(family, tokc, "gate_up", None))
-    engine = {stage: run(disps[0]).get() for stage, run in runs.items()}
+    rebuild_module(module, **defines(family, "gate_up", None))
+    cases = [make_case(cp, family, name, T, group) for name in shapes for T in tokens]
     rows = []
     for stage, plans in CANDIDATES.items():
-        nbytes = expert_bytes(layout, ids_list, stage)
         for plan in plans:
             if stage == "gate_up" and plan[0] % 2:
                 continue
-            rebuild_module(module, **defines(family, tokc, stage, plan))
-            run = runs[stage]
-            same = bool(np.array_equal(run(disps[0]).get(), engine[stage]))
-            if not same:
-                wrong.append(f"{family} {name} T={T} {stage} plan {plan}: output differs from the default plan's")
-            us = time_graph(cp, [lambda d=d: run(d) for d in disps], per_graph=LAUNCHES)
-            fn = ops.kernel(module, kernel_name(family, stage, tokc))
-            row = {"family": family, "shape": name, "T": T, "tokens_a_pass": tokc, "stage": stage, "rows": plan[0],
-                   "chunks": plan[1], "default": defines(family, tokc, stage, plan) == defines(family, tokc, stage,
-                                                                                              None),
-                   "us": us, "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
-                   "same_output": same, "registers": int(fn.attributes["num_regs"]),
-                   "spill_bytes": int(fn.attributes["local_size_bytes"])}
-            rows.append(row)
-            log(f"  {family} {name} T={T} {stage:7s} R{plan[0]} C{plan[1]} {us:8.1f} µs {row['gbps']:6.0f} GB/s "
-                f"regs {row['registers']} spill {row['spill_bytes']}{'' if same else ' WRONG'}")
-    rebuild_module(module, **defines(family, tokc, "gate_up", None))
-    del buf
+            rebuild_module(module, **defines(family, stage, plan))
+            for c in cases:
+                run = c["runs"][stage]
+                same = bool(np.array_equal(run(c["disps"][0]).get(), c["default"][stage]))
+                if not same:
+                    wrong.append(f"{family} {c['name']} T={c['T']} {stage} plan {plan}: output differs from the "
+                                 "default plan's")
+                us = time_graph(cp, [lambda d=d: run(d) for d in c["disps"]], per_graph=LAUNCHES)
+                nbytes = expert_bytes(c["layout"], c["ids_list"], stage)
+                fn = ops.kernel(module, kernel_name(family, stage, c["tokc"]))
+                row = {"family": family, "shape": c["name"], "T": c["T"], "tokens_a_pass": c["tokc"], "stage": stage,
+                       "rows": plan[0], "chunks": plan[1],
+                       "default": defines(family, stage, plan) == defines(family, stage, None),
+                       "us": us, "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
+                       "same_output": same, "registers": int(fn.attributes["num_regs"]),
+                       "spill_bytes": int(fn.attributes["local_size_bytes"])}
+                rows.append(row)
+                log(f"  {family} {c['name']} T={c['T']} {stage:7s} R{plan[0]} C{plan[1]} {us:8.1f} µs "
+                    f"{row['gbps']:6.0f} GB/s regs {row['registers']} spill {row['spill_bytes']}"
+                    f"{'' if same else ' WRONG'}")
+    rebuild_module(module, **defines(family, "gate_up", None))
+    del cases
     cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -156,7 +168,7 @@ def main() -> int:
         for family in families:
             for stage, plans in CANDIDATES.items():
                 for plan in plans:
-                    print(family, stage, plan, defines(family, 1, stage, plan))
+                    print(family, stage, plan, defines(family, stage, plan))
         return 0
     cp = gpu_or_none()
     if cp is None:
@@ -166,9 +178,8 @@ def main() -> int:
     log(f"device copy {copy_gbps:.0f} GB/s")
     rows, wrong = [], []
     for family in families:
-        for name in args.shapes.split(","):
-            for T in tokens if family == "dp4a" else [1]:
-                rows += sweep_shape(cp, family, name, T, args.group, copy_gbps, wrong)
+        rows += sweep_family(cp, family, args.shapes.split(","), tokens if family == "dp4a" else [1], args.group,
+                             copy_gbps, wrong)
     md = table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
