@@ -54,19 +54,26 @@ def gpu_or_none():
         return None
 
 
-def device_int4_experts(cp, E: int, H: int, I: int, group: int, seed: int):
-    """(buffer, PackedExpertTable, layout): random int4 codes, float16 scales about a quantizer's for N(0, 1/H)."""
-    layout = S.blob_layout(H, I, S.ExpertFormat.INT4_GROUP, group)
+# scale dtype and size (times 1 / sqrt(H): about a quantizer's for N(0, 1/H) weights) of the random experts below
+RANDOM_SCALES = {S.ExpertFormat.INT4_GROUP: ("float16", 3.0 / 7.0), S.ExpertFormat.INT8_ROW: ("float32", 1.0 / 127)}
+
+
+def device_experts(cp, E: int, H: int, I: int, seed: int, expert_format=S.ExpertFormat.INT4_GROUP, group: int = 0):
+    """(buffer, table, layout): E random experts of `expert_format` (int4_group of `group`, or int8_row) on the
+    device: random codes, scales uniform in [0.5, 1.5] times RANDOM_SCALES' size."""
+    layout = S.blob_layout(H, I, expert_format, group)
+    dtype, size = RANDOM_SCALES[expert_format]
     cp.random.seed(seed)
     buf = cp.random.randint(0, 256, E * layout.size, dtype=cp.uint8)
     for e in range(E):
         for name in ("gate_up_scale", "down_scale"):
             a = layout.array(name)
             start = e * layout.size + a.offset
-            scales = cp.random.uniform(0.5, 1.5, a.nbytes // 2) * 3.0 / (7.0 * np.sqrt(H))
-            buf[start:start + a.nbytes] = scales.astype(cp.float16).view(cp.uint8)
+            scales = cp.random.uniform(0.5, 1.5, a.nbytes // np.dtype(dtype).itemsize) * size / np.sqrt(H)
+            buf[start:start + a.nbytes] = scales.astype(dtype).view(cp.uint8)
     ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(E)], np.uint64))
-    return buf, ops.PackedExpertTable.from_layout(ptrs, layout), layout
+    table = ops.PackedExpertTable if expert_format in S.PACKED_FORMATS else ops.ExpertTable
+    return buf, table.from_layout(ptrs, layout), layout
 
 
 def expert_bytes(layout, ids_list, stage: str) -> float:
@@ -81,7 +88,7 @@ def rel(a, b) -> float:
 
 def bench_shape(cp, name: str, T: int, group: int, copy_gbps: float, wrong: list) -> list[dict]:
     H, I, E, k = SHAPES[name]
-    buf, table, layout = device_int4_experts(cp, E, H, I, group, seed=T)
+    buf, table, layout = device_experts(cp, E, H, I, T, S.ExpertFormat.INT4_GROUP, group)
     rng = np.random.default_rng(T)
     ids_list = [cp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32))
                 for _ in range(ROUTINGS)]

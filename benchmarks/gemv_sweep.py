@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv4_tc import LAUNCHES, ROUTINGS, SHAPES, device_int4_experts, expert_bytes, gpu_or_none  # noqa: E402
+from gemv4_tc import LAUNCHES, ROUTINGS, SHAPES, device_experts, expert_bytes, gpu_or_none  # noqa: E402
 from gpu_kernels import copy_bandwidth, log, rebuild_module, time_graph  # noqa: E402
 
 from colibri_format import spec as S  # noqa: E402
@@ -60,21 +60,6 @@ def kernel_name(family: str, stage: str, tokc: int) -> str:
     return f"moe4a8_{stage}_int4_t{tokc}" if family == "dp4a" else f"moe_{stage}_w4_r"
 
 
-def int8_experts(cp, E: int, H: int, I: int, seed: int):
-    """(buffer, ExpertTable, layout): random int8_row experts (codes and per-row scales) on the device."""
-    layout = S.blob_layout(H, I, S.ExpertFormat.INT8_ROW)
-    cp.random.seed(seed)
-    buf = cp.random.randint(0, 256, E * layout.size, dtype=cp.uint8)
-    for e in range(E):
-        for name in ("gate_up_scale", "down_scale"):
-            a = layout.array(name)
-            start = e * layout.size + a.offset
-            scales = cp.random.uniform(0.5, 1.5, a.nbytes // 4).astype(cp.float32) / (127 * np.sqrt(H))
-            buf[start:start + a.nbytes] = scales.view(cp.uint8)
-    ptrs = cp.asarray(np.array([buf.data.ptr + e * layout.size for e in range(E)], np.uint64))
-    return buf, ops.ExpertTable.from_layout(ptrs, layout), layout
-
-
 def stage_runners(cp, family: str, table, k: int, x, act, w):
     """{stage: run(dispatch) -> output} through the engine's wrappers."""
     out = {"gate_up": cp.empty(act.shape, cp.float32), "down": cp.empty((act.shape[0], x.shape[1]), cp.float32)}
@@ -90,8 +75,8 @@ def make_case(cp, family: str, name: str, T: int, group: int) -> dict:
     """A sweep case: random experts, rotated dispatches, inputs, the engine's runners and the default plan's outputs
     (the module must hold the default plans when this runs)."""
     H, I, E, k = SHAPES[name]
-    buf, table, layout = (device_int4_experts(cp, E, H, I, group, seed=T) if family == "dp4a"
-                          else int8_experts(cp, E, H, I, seed=T))
+    fmt = S.ExpertFormat.INT4_GROUP if family == "dp4a" else S.ExpertFormat.INT8_ROW
+    buf, table, layout = device_experts(cp, E, H, I, T, fmt, group if family == "dp4a" else 0)
     rng = np.random.default_rng(T)
     ids_list = [cp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32))
                 for _ in range(ROUTINGS)]
