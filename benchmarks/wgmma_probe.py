@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_format.dtypes import float32_to_bf16_bits, to_float32
+
 WIDTHS = (64, 128)
 HYPOTHESES = {"lbo=K": (128, 256), "lbo=N": (256, 128)}   # (leading, stride) byte offsets of the descriptor
 
@@ -240,22 +242,12 @@ def build(workdir: Path) -> Path:
     return cubin
 
 
-def bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, round to nearest even (the operands below are exact in bf16 anyway)."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_value(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def run_case(cp, fn, A: np.ndarray, B: np.ndarray, lbo: int, sbo: int) -> float:
     """Largest |D - A @ B| of one launch (B [N, 16] as bf16 bits, row n holding column n of the math's B)."""
     N = B.shape[0]
     D = cp.full((64, N), np.nan, cp.float32)
     fn((1,), (128,), (cp.asarray(A), cp.asarray(B), D, np.int32(lbo), np.int32(sbo)))
-    want = A.astype(np.float64) @ bf16_value(B).astype(np.float64).T
+    want = A.astype(np.float64) @ to_float32(B).astype(np.float64).T
     got = D.get()
     return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max())
 
@@ -287,10 +279,10 @@ def check_gemm(cp, fn, lbo: int, sbo: int) -> float:
     E, M, NO, K = 2, 100, 128, 256
     W = rng.integers(-127, 128, (E, NO, K), dtype=np.int8)
     scale = rng.uniform(1e-3, 2e-3, (E, NO)).astype(np.float32)
-    X = bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
+    X = float32_to_bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
     Y = cp.full((E, M, NO), np.nan, cp.float32)
     launch_gemm(cp, fn, cp.asarray(pack_weights(W)), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo)
-    want = np.einsum("emk,eok->emo", bf16_value(X).astype(np.float64), W.astype(np.float64)) * scale[:, None, :]
+    want = np.einsum("emk,eok->emo", to_float32(X).astype(np.float64), W.astype(np.float64)) * scale[:, None, :]
     got = Y.get()
     return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -353,8 +345,8 @@ def main() -> int:
         rows, results = [], {}
         for N in WIDTHS:
             fn = mod.get_function(f"probe_n{N}")
-            B_rand = bf16_bits(rng.integers(-8, 9, (N, 16)).astype(np.float32) / 4)
-            B_eye = bf16_bits(np.eye(N, 16, dtype=np.float32))          # D[:, :16] = A
+            B_rand = float32_to_bf16_bits(rng.integers(-8, 9, (N, 16)).astype(np.float32) / 4)
+            B_eye = float32_to_bf16_bits(np.eye(N, 16, dtype=np.float32))          # D[:, :16] = A
             for name, (lbo, sbo) in HYPOTHESES.items():
                 err = {"random": run_case(cp, fn, A, B_rand, lbo, sbo), "identity": run_case(cp, fn, A, B_eye, lbo, sbo)}
                 results[f"N={N} {name}"] = err
