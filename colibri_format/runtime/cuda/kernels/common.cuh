@@ -211,8 +211,32 @@ __device__ __forceinline__ bool row_fits_registers(int D) {
 template <int NV>
 __device__ __forceinline__ int row_vec4(int u) { return 4 * (u * (int)blockDim.x + (int)threadIdx.x); }
 
+// v [NV][4] = the row elements thread t holds (zero past D), as floats
+template <typename T, int NV>
+__device__ __forceinline__ void load_row_registers(const typename T::storage* p, float (&v)[NV][4], int D) {
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        const int i = row_vec4<NV>(u);
+        if (i < D) {
+            load4_f32<T>(p + i, v[u]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[u][j] = 0.0f;
+        }
+    }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void store_row_registers(typename T::storage* p, const float (&v)[NV][4], int D) {
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        const int i = row_vec4<NV>(u);
+        if (i < D) store4_f32<T>(p + i, v[u]);
+    }
+}
+
 // v [NV][4]: the held elements (zero past D); w [NV][4]: the norm weight; out = v * rsqrt(mean(v^2) + eps) * (w +
-// w_offset), stored to o (TO) where in the row
+// w_offset), stored to o (TO) where in the row (v is overwritten with it)
 template <typename TO, int NV>
 __device__ __forceinline__ void norm_row_registers(float (&v)[NV][4], const float (&w)[NV][4],
                                                    typename TO::storage* o, int D, float eps, float w_offset,
@@ -224,15 +248,10 @@ __device__ __forceinline__ void norm_row_registers(float (&v)[NV][4], const floa
         for (int j = 0; j < 4; ++j) ss = fmaf(v[u][j], v[u][j], ss);
     const float inv = rsqrtf(block_sum(ss, s_red) / (float)D + eps);
 #pragma unroll
-    for (int u = 0; u < NV; ++u) {
-        const int i = row_vec4<NV>(u);
-        if (i < D) {
-            float r[4];
+    for (int u = 0; u < NV; ++u)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) r[j] = v[u][j] * inv * (w[u][j] + w_offset);
-            store4_f32<TO>(o + i, r);
-        }
-    }
+        for (int j = 0; j < 4; ++j) v[u][j] = v[u][j] * inv * (w[u][j] + w_offset);
+    store_row_registers<TO, NV>(o, v, D);
 }
 
 __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }

@@ -24,33 +24,6 @@ static_assert(FUSED_THREADS % 32 == 0 && FUSED_THREADS <= 1024 && QKV_THREADS % 
 // h [R, D] f32 is updated in place (h += alpha * b); x [R, D] f32 = h * rsqrt(mean(h^2) + eps) * w.
 // Each thread re-reads only the elements it wrote itself, so h may be read and written by the same launch.
 template <typename TW>
-__device__ __forceinline__ void add_rmsnorm_registers(float* hr, const float* br, const typename TW::storage* w,
-                                                      float* xr, int D, float alpha, float eps, float* s_red) {
-    float v[NORM_VECS][4], g[NORM_VECS][4];
-#pragma unroll
-    for (int u = 0; u < NORM_VECS; ++u) {     // every load before any store: h may alias b
-        const int i = row_vec4<NORM_VECS>(u);
-        float bv[4];
-        if (i < D) {
-            load4_f32<TF32>(hr + i, v[u]);
-            load4_f32<TF32>(br + i, bv);
-            load4_f32<TW>(w + i, g[u]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) v[u][j] = bv[j] = g[u][j] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[u][j] = fmaf(alpha, bv[j], v[u][j]);
-    }
-#pragma unroll
-    for (int u = 0; u < NORM_VECS; ++u) {
-        const int i = row_vec4<NORM_VECS>(u);
-        if (i < D) store4_f32<TF32>(hr + i, v[u]);
-    }
-    norm_row_registers<TF32, NORM_VECS>(v, g, xr, D, eps, 0.0f, s_red);
-}
-
-template <typename TW>
 __device__ __forceinline__ void add_rmsnorm_impl(float* h, const float* __restrict__ b,
                                                  const typename TW::storage* __restrict__ w, float* __restrict__ x,
                                                  int D, float alpha, float eps) {
@@ -60,7 +33,16 @@ __device__ __forceinline__ void add_rmsnorm_impl(float* h, const float* __restri
     float* xr = x + (size_t)blockIdx.x * D;
     if (row_fits_registers<NORM_VECS>(D) && vec4_aligned<TF32>(hr) && vec4_aligned<TF32>(br) &&
         vec4_aligned<TF32>(xr) && vec4_aligned<TW>(w)) {
-        add_rmsnorm_registers<TW>(hr, br, w, xr, D, alpha, eps, s_red);
+        float v[NORM_VECS][4], bv[NORM_VECS][4], g[NORM_VECS][4];
+        load_row_registers<TF32, NORM_VECS>(hr, v, D);      // every load before any store: h may alias b
+        load_row_registers<TF32, NORM_VECS>(br, bv, D);
+        load_row_registers<TW, NORM_VECS>(w, g, D);
+#pragma unroll
+        for (int u = 0; u < NORM_VECS; ++u)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[u][j] = fmaf(alpha, bv[u][j], v[u][j]);
+        store_row_registers<TF32, NORM_VECS>(hr, v, D);
+        norm_row_registers<TF32, NORM_VECS>(v, g, xr, D, eps, 0.0f, s_red);
         return;
     }
     float ss = 0.0f;

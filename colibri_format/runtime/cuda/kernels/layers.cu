@@ -12,32 +12,16 @@
 // Rows that fit NORM_VECS vectors a thread are held in registers (common.cuh: one round of loads, the latency a
 // decode step pays once per norm); others take the strided loop.
 template <typename TX, typename TO, typename TW>
-__device__ __forceinline__ void rmsnorm_registers(const typename TX::storage* xr, const typename TW::storage* w,
-                                                  typename TO::storage* orow, int D, float eps, float w_offset,
-                                                  float* s_red) {
-    float v[NORM_VECS][4], g[NORM_VECS][4];
-#pragma unroll
-    for (int u = 0; u < NORM_VECS; ++u) {
-        const int i = row_vec4<NORM_VECS>(u);
-        if (i < D) {
-            load4_f32<TX>(xr + i, v[u]);
-            load4_f32<TW>(w + i, g[u]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) v[u][j] = g[u][j] = 0.0f;
-        }
-    }
-    norm_row_registers<TO, NORM_VECS>(v, g, orow, D, eps, w_offset, s_red);
-}
-
-template <typename TX, typename TO, typename TW>
 __device__ __forceinline__ void rmsnorm_impl(const typename TX::storage* x, const typename TW::storage* w,
                                              typename TO::storage* out, int D, float eps, float w_offset) {
     __shared__ float s_red[32];
     const typename TX::storage* xr = x + (size_t)blockIdx.x * D;
     typename TO::storage* orow = out + (size_t)blockIdx.x * D;
     if (row_fits_registers<NORM_VECS>(D) && vec4_aligned<TX>(xr) && vec4_aligned<TO>(orow) && vec4_aligned<TW>(w)) {
-        rmsnorm_registers<TX, TO, TW>(xr, w, orow, D, eps, w_offset, s_red);
+        float v[NORM_VECS][4], g[NORM_VECS][4];
+        load_row_registers<TX, NORM_VECS>(xr, v, D);
+        load_row_registers<TW, NORM_VECS>(w, g, D);
+        norm_row_registers<TO, NORM_VECS>(v, g, orow, D, eps, w_offset, s_red);
         return;
     }
     float ss = 0.0f;
