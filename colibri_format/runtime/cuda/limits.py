@@ -40,7 +40,8 @@ GEMV_TOKC = (1, 2, 4, 8)                    # tokens per pass of the moe_{gate_u
 GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks of loads a lane issued at once
 # the w4 kernels' plan (the one-token default): (rows a warp item, 16-byte chunks of each row a lane loads at once)
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
-GEMV_W4_PLAN = ((4, 4), (4, 4))
+# (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
+GEMV_W4_PLAN = ((4, 1), (4, 1))
 # moe_small.cu: the routed experts of a decode step of at most MOE_SMALL_MAX_TOKENS tokens in two launches (gate/up
 # items indexed by (pair, rows) straight from the router's ids; down items by (token, rows) over the token's k
 # experts, the combine folded in). Plans, each compiled as kernel suffix _p<index> (moe_small.cu instantiates two
@@ -134,8 +135,9 @@ A8_THREADS = 128
 A8_QUANT_THREADS = 256
 # tokens a pass -> ((gate_up rows a warp item, 16-byte chunks of each row a lane loads at once), (down: the same));
 # gate_up items take half their rows from the gate and half from the up matrix (even). benchmarks/gemv_sweep.py
-# times other plans against these.
-A8_PLANS = {1: ((4, 2), (4, 2)), 2: ((4, 2), (4, 2)), 4: ((2, 2), (2, 2)), 8: ((2, 2), (2, 2))}
+# times other plans against these (H200, 2026-12-02, docs/benchmarks.md: one token a pass and four were swept; two
+# and eight were not).
+A8_PLANS = {1: ((4, 2), (8, 1)), 2: ((4, 2), (4, 2)), 4: ((8, 1), (4, 1)), 8: ((2, 2), (2, 2))}
 A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 
