@@ -7,10 +7,12 @@ weight groups 32/64/128, fill on read) against `numpy_backend`'s float64 product
 the prefill GEMM on rounded inputs) against `numpy_backend.moe` with `round_int8_groups` in float64.
 
 Rounding to int8 is discontinuous: a value within float32 rounding of a tie rounds one step apart in fp32 and in
-float64 (one step is max|v| / 127 of its group), so wherever the oracle rounds its own float64 values the bounds are
-wider (A8_KERNEL_TOL, A8_ENGINE_TOL: the float32 NumPy engine with the switch is itself up to ~2.4e-3 from the
-float64 one on such files), and each such comparison also checks that the result is nearer the rounded oracle than
-the unrounded one (what shows that the rounding happened, and where).
+float64 (one step is max|v| / 127 of its group), so wherever the oracle rounds its own float64 values the check
+allows it: per output row at the kernel level (`assert_rounded_like_the_oracle`: a 70-token prefill flipped a few
+activations in about a third of runs, which one overall bound of 1e-3 failed), a wider bound for the engine's logits
+(A8_ENGINE_TOL: the float32 NumPy engine with the switch is itself up to ~2.4e-3 from the float64 one on such files),
+and each such comparison also checks that the result is nearer the rounded oracle than the unrounded one (what shows
+that the rounding happened, and where).
 """
 
 from __future__ import annotations
@@ -26,10 +28,26 @@ from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.test_gpu_4bit import (CASES, F32_TOL, LONG, PROMPTS, _file, _rel_logits, f64, packed_blobs,
                                               rel, routes, upload)
 
-A8_KERNEL_TOL = 1e-3   # fp32-rounded inputs against float64-rounded ones (ties apart), relative norm
+A8_ROW_TOL = 1e-4      # a token's output row, fp32-rounded inputs against float64-rounded ones, relative norm
+A8_FLIP_TOL = 2e-2     # a row where an activation near a rounding boundary went the other way (~7e-3 seen)
 A8_ENGINE_TOL = 8e-3   # CUDA engine logits against the float64 NumPy engine, both with int8 activations
 ENGINE_TOL = 2e-3      # float activations (test_gpu_4bit.py)
 INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
+
+
+def assert_rounded_like_the_oracle(y, want, plain) -> None:
+    """y (a kernel's [T, H] output on inputs it rounded to int8) against `want` (float64, rounded the same way) and
+    `plain` (float64, unrounded). An fp32 activation within its rounding error of a boundary rounds the other way, in
+    up to a fifth of the rows at T = 70 (each such row up to ~7e-3 off), so the check is per row: most rows within
+    A8_ROW_TOL, none beyond A8_FLIP_TOL, the whole nearer the rounded oracle than the unrounded one. What this allows
+    a single row, the dp4a GEMV test above checks exactly on the kernels' own int8 inputs."""
+    y, want = np.asarray(y, np.float64), np.asarray(want, np.float64)
+    assert y.shape == want.shape and np.isfinite(y).all(), "unwritten or non-finite output"
+    row_rel = np.linalg.norm(y - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
+    flipped = int((row_rel > A8_ROW_TOL).sum())
+    assert flipped <= max(1, len(y) // 2), f"{flipped} of {len(y)} rows off by more than {A8_ROW_TOL}"
+    assert row_rel.max() < A8_FLIP_TOL, f"a row off by {row_rel.max():.3g}"
+    assert np.linalg.norm(y - want) < np.linalg.norm(y - plain)
 
 
 def dequantized(q_staged, s) -> np.ndarray:
@@ -109,7 +127,7 @@ def test_dp4a_gemvs_fill_admitted_slots_as_they_read(cp, rng, T):
     y = ops.moe_experts_4bit(cp.asarray(x), cp.asarray(ids), cp.asarray(w), filled, gemm=False,
                              int8_activations=True)
     want = nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros((T, H)), round_input=nb.round_int8_groups)
-    assert rel(y.get(), want) < A8_KERNEL_TOL
+    assert_rounded_like_the_oracle(y.get(), want, nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros((T, H))))
     got = slots.get()
     for e in range(E):
         for a in layout.arrays:
@@ -136,8 +154,7 @@ def test_moe_experts_4bit_with_int8_activations(cp, rng, name, gemm, T):
     want = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy(), alpha=0.5,
                   round_input=nb.round_int8_groups)
     plain = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy(), alpha=0.5)
-    assert rel(y, want) < A8_KERNEL_TOL
-    assert np.linalg.norm(y - want) < np.linalg.norm(y - plain)
+    assert_rounded_like_the_oracle(y, want, plain)
 
 
 def test_a8_wrappers_reject_bad_inputs(cp, rng):
