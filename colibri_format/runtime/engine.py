@@ -32,7 +32,7 @@ from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, 
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
-from colibri_format.runtime.runner import DecodeRunner, capacity_for
+from colibri_format.runtime.runner import CHAIN_STEPS, DecodeRunner, capacity_for
 from colibri_format.runtime.sampling import Sampler, StopStrings
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
@@ -429,17 +429,11 @@ class Engine:
         runner = self.decode_runner(len(chunks), need)
         outs = [[t] for t in self.argmax(self.prefill_into(runner, chunks))]
         pos = np.array([len(c) for c in chunks])
-        seqs = list(range(len(chunks)))
-        for _ in range(max_new_tokens - 1):
-            last = np.array([o[-1] for o in outs])
-            self._begin(seqs, [last[s:s + 1] for s in seqs], [int(p) for p in pos], rows=0)
-            try:
-                tokens = self.argmax(runner.step(last, pos))
-            finally:
-                self.decoder.route_hook = None
-            for o, t in zip(outs, tokens):
-                o.append(t)
-            pos = pos + 1
+        for start in range(0, max_new_tokens - 1, CHAIN_STEPS):
+            tokens = self._chain(runner, np.array([o[-1] for o in outs]), pos + start,
+                                 min(CHAIN_STEPS, max_new_tokens - 1 - start))
+            for o, column in zip(outs, tokens.T):
+                o.extend(int(t) for t in column)
         return outs
 
     # --- step-level access (generate_batch, benchmarks, colibri serve) -------------------------------------------
@@ -559,10 +553,8 @@ class Engine:
         t0 = time.perf_counter()
         row = self.be.to_host(self._prefill([prompt], runner.kv, [0], [0]))[0]
         t1 = time.perf_counter()
-        for step in range(budget):
-            if step:
-                row = self._decode_step(runner, out[-1], len(prompt) + step - 1)
-            out.append(pick(row))
+        for token in self._tokens(runner, row, len(prompt), budget, pick):
+            out.append(token)
             if out[-1] in stop or (stop_text is not None and stop_text.reached(out)):
                 stats.finish_reason = "stop"
                 break
@@ -572,6 +564,37 @@ class Engine:
         stats.prefill_seconds, stats.decode_seconds = t1 - t0, time.perf_counter() - t1
         stats.generated_tokens = len(out)
         return out
+
+    def _tokens(self, runner: DecodeRunner, row: np.ndarray, length: int, budget: int, pick: Sampler):
+        """The `budget` tokens of one sequence of `length` tokens in `runner`, picked one at a time from the prefill's
+        logits `row` on: greedy ones in chains of CHAIN_STEPS steps fed on the device (a stop found inside a
+        chain drops the rest of it), sampled ones a step at a time through the host."""
+        token = pick(row)
+        yield token
+        step = 1
+        while step < budget:
+            if pick.greedy:
+                n = min(CHAIN_STEPS, budget - step)
+                for t in self._chain(runner, np.array([token]), np.array([length + step - 1]), n)[:, 0]:
+                    token = pick.picked(t)
+                    yield token
+                step += n
+            else:
+                token = pick(self._decode_step(runner, token, length + step - 1))
+                yield token
+                step += 1
+
+    def _chain(self, runner: DecodeRunner, last: np.ndarray, pos: np.ndarray, steps: int) -> np.ndarray:
+        """`runner.chain` with the engine's bookkeeping before each step (traces, route hook)."""
+        seqs = list(range(runner.batch))
+        one = [np.zeros(1, np.int32)] * runner.batch
+
+        def begin(j: int) -> None:
+            self._begin(seqs, one, [int(p) + j for p in pos], rows=0)
+        try:
+            return runner.chain(last, pos, steps, before_step=begin)
+        finally:
+            self.decoder.route_hook = None
 
     def _decode_step(self, runner: DecodeRunner, token: int, pos: int) -> np.ndarray:
         self._begin([0], [np.array([token])], [pos], rows=0)

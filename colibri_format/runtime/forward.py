@@ -154,12 +154,18 @@ class StepInputs:
         return self.host[2 * r:2 * r + T], self.host[3 * r:3 * r + T]
 
     def fill(self, step: HostStep, stream) -> None:
-        r, half, h = self.rows, self.half, self.host
+        self.image(step, out=self.host)
+        self.be.set_from_host(self.dev, self.host, stream)
+
+    def image(self, step: HostStep, out: np.ndarray | None = None) -> np.ndarray:
+        """The device buffer's contents for `step`, on the host (int32; cos and sin as their float32 bits)."""
+        r, half = self.rows, self.half
+        h = np.zeros_like(self.host) if out is None else out
         for i, a in enumerate((step.ids, step.pos, step.seq, step.pos + 1, np.arange(r))):
             h[i * r:(i + 1) * r] = a
         h[5 * r:5 * r + r * half].view(np.float32)[:] = step.cos.reshape(-1)
         h[5 * r + r * half:].view(np.float32)[:] = step.sin.reshape(-1)
-        self.be.set_from_host(self.dev, h, stream)
+        return h
 
 
 RouteHook = Callable[[int, Any], None]     # (layer, expert ids [T, k] on the device)

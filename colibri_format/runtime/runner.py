@@ -4,11 +4,15 @@ as a CUDA graph and replayed with static buffers."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, make_kv, rope_rows
 
 MIN_CAPACITY = 64     # KV positions of the smallest runner
+CHAIN_STEPS = 16      # greedy decode steps the engine queues at once (`DecodeRunner.chain`): the device runs them
+                      # back to back; a stop token inside a chain wastes at most CHAIN_STEPS - 1 steps
 
 
 def capacity_for(length: int, max_seq_len: int) -> int:
@@ -42,23 +46,56 @@ class DecodeRunner:
 
     def step(self, ids: np.ndarray, pos: np.ndarray):
         """Logits [B, V] (a device buffer overwritten by the next step) after one token per sequence."""
+        with self.eng.stream:
+            self.inp.fill(self._host_step(ids, pos), self.eng.stream)
+            return self._pass()
+
+    def chain(self, ids: np.ndarray, pos: np.ndarray, steps: int,
+              before_step: Callable[[int], None] | None = None) -> np.ndarray:
+        """Greedy tokens [steps, B] (host int32) of `steps` decode steps from tokens `ids` at positions `pos`: each
+        step's token (the device's argmax of its logits) is the next step's input without a trip to the host. Every
+        step's other inputs are uploaded at once, so the host queues the steps without waiting for one and the
+        device runs them back to back; the tokens are read once, at the end. `before_step(j)` runs on the host
+        before step j is queued (the engine's per-pass bookkeeping). The caller keeps pos + steps - 1 within the
+        capacity."""
+        if steps < 1:
+            raise ValueError(f"a chain takes at least one step, not {steps}")
         eng, B = self.eng, self.batch
-        cos, sin = rope_rows(eng.args, [np.array([p]) for p in pos])
-        rows = np.arange(B, dtype=np.int32)
-        host = HostStep(np.asarray(ids, np.int32), np.asarray(pos, np.int32), rows, cos, sin, rows)
+        pos = np.asarray(pos, np.int32)
+        images = np.stack([self.inp.image(self._host_step(ids, pos + j)) for j in range(steps)])
         with eng.stream:
-            self.inp.fill(host, eng.stream)
-            eng.experts.begin_token(B)
-            if self.graph is not None and eng.decoder.route_hook is None:   # routes wanted: the eager pass
-                eng.be.launch(self.graph, eng.stream)
-                logits = self.ws.buf("logits", (B, eng.args.vocab_size))
-            else:
-                logits = self.run_eager()
-                self.eager_steps += 1
-                if self.reason is None and eng.decoder.route_hook is None:
-                    self._capture()
-            eng.experts.after_pass(B)      # the expert cache's turn, while the GPU runs the step
-            return logits
+            staged = eng.be.empty(images.shape, np.int32)
+            eng.be.set_from_host(staged, images, eng.stream)
+            tokens = eng.be.empty((steps, B), np.int32)
+            for j in range(steps):
+                if before_step is not None:
+                    before_step(j)
+                self.inp.dev[...] = staged[j]
+                if j:
+                    self.inp.ids[:B] = tokens[j - 1]
+                tokens[j] = eng.be.xp.argmax(self._pass(), axis=1)
+            return eng.be.to_host(tokens)
+
+    def _host_step(self, ids: np.ndarray, pos: np.ndarray) -> HostStep:
+        cos, sin = rope_rows(self.eng.args, [np.array([p]) for p in pos])
+        rows = np.arange(self.batch, dtype=np.int32)
+        return HostStep(np.asarray(ids, np.int32), np.asarray(pos, np.int32), rows, cos, sin, rows)
+
+    def _pass(self):
+        """The step's pass on the inputs already on the device: the graph when there is one and no route hook
+        (routes wanted: the eager pass), else eager (capturing the graph after the first eager step)."""
+        eng, B = self.eng, self.batch
+        eng.experts.begin_token(B)
+        if self.graph is not None and eng.decoder.route_hook is None:
+            eng.be.launch(self.graph, eng.stream)
+            logits = self.ws.buf("logits", (B, eng.args.vocab_size))
+        else:
+            logits = self.run_eager()
+            self.eager_steps += 1
+            if self.reason is None and eng.decoder.route_hook is None:
+                self._capture()
+        eng.experts.after_pass(B)      # the expert cache's turn, while the GPU runs the step
+        return logits
 
     def run_eager(self):
         """The step's pass without the graph (the inputs of the last `step`). Recurrent states (Gated DeltaNet) trust

@@ -135,6 +135,16 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self.seen = {int(t) for t in context}
 
+    @property
+    def greedy(self) -> bool:
+        """Whether every pick is the plain argmax of the logits (what the device can pick itself)."""
+        return self.temperature == 0.0 and self.repetition_penalty == 1.0
+
+    def picked(self, token: int) -> int:
+        """`token`, picked elsewhere by this sampler's greedy rule, added to the context."""
+        self.seen.add(int(token))
+        return int(token)
+
     def __call__(self, logits: np.ndarray) -> int:
         token = sample(logits, self.temperature, self.top_p, self.rng, top_k=self.top_k, min_p=self.min_p,
                        repetition_penalty=self.repetition_penalty, context=self.seen)

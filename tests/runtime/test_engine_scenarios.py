@@ -21,6 +21,7 @@ from colibri_format.convert.pipeline import convert
 from colibri_format.errors import CorruptExpert, InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
 from colibri_format.runtime.expert_pool import MEMORY_RESERVE
+from colibri_format.runtime.runner import CHAIN_STEPS
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe", "minimax_m2")
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head_dim 64
@@ -144,6 +145,48 @@ def test_batch_generation_matches_single_sequences(mixtral_file, device):
     with Engine(mixtral_file, EngineConfig(device=device)) as eng, reference(mixtral_file) as ref:
         for prompt, got in zip(PROMPTS, eng.generate_batch(PROMPTS, 6)):
             assert got == ref.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids
+
+
+def _stepwise(eng: Engine, prompts, new_tokens: int) -> list[list[int]]:
+    """Greedy tokens a step at a time through the host (`DecodeRunner.step`, the engine's path before chains)."""
+    runner = eng.decode_runner(len(prompts), max(map(len, prompts)) + new_tokens)
+    outs = [[t] for t in eng.argmax(eng.prefill_into(runner, [np.array(p) for p in prompts]))]
+    pos = np.array([len(p) for p in prompts])
+    for j in range(new_tokens - 1):
+        for o, t in zip(outs, eng.argmax(runner.step(np.array([o[-1] for o in outs]), pos + j))):
+            o.append(t)
+    return outs
+
+
+def test_chained_steps_equal_single_steps(mixtral_file, device):
+    """Tokens fed back on the device (generate, generate_batch: chains of CHAIN_STEPS) are the tokens of single
+    steps through the host, across chain boundaries, for one sequence and for a batch."""
+    n = CHAIN_STEPS + 5
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng, \
+            Engine(mixtral_file, EngineConfig(device=device)) as ref:
+        want = _stepwise(ref, PROMPTS, n)
+        assert eng.generate_batch(PROMPTS, n) == want
+        assert eng.generate(PROMPTS[0], max_new_tokens=n, stop_ids=[]).output_ids == want[0]
+        runner = eng.decode_runner(1, 64)
+        first = eng.argmax(eng.prefill_into(runner, [np.array(PROMPTS[1])]))
+        chained = runner.chain(np.array(first), np.array([len(PROMPTS[1])]), 6)
+        assert chained.shape == (6, 1) and [first[0], *chained[:5, 0]] == want[1][:6]
+        with pytest.raises(ValueError, match="at least one step"):
+            runner.chain(np.array(first), np.array([len(PROMPTS[1])]), 0)
+        if device == "cuda":
+            assert eng.stats()["graphs"]["1x64"] == "captured"
+
+
+def test_a_stop_inside_a_chain_ends_the_output_there(mixtral_file, device):
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng:
+        free = eng.generate(PROMPTS[0], max_new_tokens=CHAIN_STEPS + 8, stop_ids=[]).output_ids
+        k = next(i for i in range(3, len(free)) if free[i] not in free[:i])      # a token's first appearance
+        stopped = eng.generate(PROMPTS[0], max_new_tokens=CHAIN_STEPS + 8, stop_ids=[free[k]])
+        assert stopped.output_ids == free[:k + 1] and stopped.stats.finish_reason == "stop"
+        seen = []
+        cut = eng.generate(PROMPTS[0], max_new_tokens=CHAIN_STEPS + 8, stop_ids=[],
+                           callback=lambda t: seen.append(t) or len(seen) < 3)
+        assert cut.output_ids == free[:3] == seen and cut.stats.finish_reason == "callback"
 
 
 @pytest.mark.parametrize("policy,scope,capacity", [("lru", "global", 3), ("lrfu", "global", 5),

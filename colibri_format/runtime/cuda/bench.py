@@ -239,6 +239,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
     c0 = eng.experts.counters.as_dict()
     eng.experts.time_copies = True
     eng.experts.copy_bandwidth()
+    first = (np.array(tok), pos)
     host, t0 = 0.0, time.perf_counter()
     for _ in range(num_iters):
         h0 = time.perf_counter()
@@ -257,6 +258,11 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
            "graph": "captured" if runner.graph is not None else runner.reason}
     if not eng.experts.resident:
         res["paging"] = _paging_delta(c0, c1, num_iters * batch, copy_s, copies)
+    if before_step is None:     # the same steps again (same tokens, positions and KV rows) as one chain: tokens
+        t0 = time.perf_counter()  # fed back on the device, as generate decodes
+        runner.chain(*first, num_iters)
+        chained = time.perf_counter() - t0
+        res.update(chained_tokens_per_s=batch * num_iters / chained, chained_ms_per_step=1e3 * chained / num_iters)
     return res, runner
 
 
@@ -359,6 +365,9 @@ def render(result: dict) -> str:
     d = result["decode"]
     lines.append(f"decode batch {d['batch']}: {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step']:.3f} ms/step, "
                  f"host {d['host_ms_per_step']:.3f} ms/step, graph: {d['graph']}")
+    if "chained_tokens_per_s" in d:
+        lines.append(f"decode batch {d['batch']}, tokens fed back on the device: {d['chained_tokens_per_s']:.1f} "
+                     f"tokens/s, {d['chained_ms_per_step']:.3f} ms/step")
     if "roofline" in result:
         r = result["roofline"]
         share = r["share_of_roofline"]

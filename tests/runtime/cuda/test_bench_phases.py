@@ -27,6 +27,7 @@ def test_phases_on_the_cpu_engine(path, capacity):
     assert pre["tokens"] == 24 and pre["ms"] > 0 and pre["tokens_per_s"] > 0
     assert dec["batch"] == 2 and dec["steps"] == 5 and dec["tokens_per_s"] > 0
     assert dec["graph"] == "the numpy backend has no graphs" and runner.batch == 2
+    assert dec["chained_tokens_per_s"] > 0 and dec["chained_ms_per_step"] > 0     # the same steps as one chain
     assert ("paging" in dec) == (capacity is not None)
     if capacity is not None:
         p = dec["paging"]
@@ -39,6 +40,7 @@ def test_phases_on_the_cpu_engine(path, capacity):
     text = render({"file": str(path), "ceilings": {"d2d_copy_gbps": 1.0, "h2d_pinned_gbps": 1.0},
                    "prefill": pre, "decode": dec})
     assert "decode batch 2" in text and ("MB/token over PCIe" in text) == (capacity is not None)
+    assert "tokens fed back on the device" in text
 
 
 @pytest.mark.gpu
@@ -54,7 +56,8 @@ def test_run_bench_reports_every_section(path, capacity):
     assert r["kernels"]["dense_gemv"]["bytes"] > 0 and r["kernels"]["moe_experts"]["calls"] >= 3
     assert r["kernels"]["moe_experts"]["bytes"] > 0          # the roofline counts the experts read
     assert ("paging" in r["decode"]) == (capacity is not None)
-    assert "decode batch 2" in render(r)
+    assert r["decode"]["chained_tokens_per_s"] > 0
+    assert "decode batch 2" in render(r) and "tokens fed back on the device" in render(r)
 
 
 def test_timeline_totals_add_up_per_step():
