@@ -58,7 +58,7 @@ def paged(path: Path, args, ceilings: dict, experts: int) -> dict:
     row = one_run(path, batch=1, capacity=experts // 2, routing="trace", n=args.paged_iters, warmup=args.warmup,
                   ceilings=ceilings, scope="per_layer", device=args.device, int8_activations=True)
     keys = ("tokens_per_s", "hit_rate", "misses_per_token", "pcie_mb_per_token", "blob_bytes", "graph",
-            "stall_ms_per_token", "copy_gbps")
+            "stall_ms_per_token", "copy_gbps", "chained_tokens_per_s")
     return {k: row.get(k) for k in keys}
 
 
@@ -78,24 +78,28 @@ def resident(path: Path, args, int8_activations: bool) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["format"] == "int8"), None)
-    lines = [f"{'format':<16}{'act':>6}{'file GB':>8}{'tok/s':>9}{'x int8':>8}{'bound x':>8}{'weights MB':>11}"
-             f"{'share':>7}{'paged tok/s':>12}{'hit':>6}{'PCIe MB/tok':>12}{'x int8':>8}"]
+    lines = [f"{'format':<16}{'act':>6}{'file GB':>8}{'tok/s':>9}{'x int8':>8}{'chained':>9}{'x int8':>8}"
+             f"{'bound x':>8}{'weights MB':>11}{'share':>7}{'paged tok/s':>12}{'hit':>6}{'PCIe MB/tok':>12}"
+             f"{'x int8':>8}"]
     for r in rows:
         res = r["resident"]
         pg = r["paged"] or {"tokens_per_s": 0.0, "hit_rate": None, "pcie_mb_per_token": None}
         roof = HBM_COPY_BPS / res["weight_bytes_per_step"]
-        ratio = bound = pcie = "-"
+        ratio = chained_ratio = bound = pcie = "-"
         if base is not None:
             ratio = f"{res['tokens_per_s'] / base['resident']['tokens_per_s']:.2f}"
+            chained_ratio = f"{res['chained_tokens_per_s'] / base['resident']['chained_tokens_per_s']:.2f}"
             bound = f"{base['resident']['weight_bytes_per_step'] / res['weight_bytes_per_step']:.2f}"
             if base["paged"]["pcie_mb_per_token"] and pg["pcie_mb_per_token"]:
                 pcie = f"{pg['pcie_mb_per_token'] / base['paged']['pcie_mb_per_token']:.2f}"
         lines.append(f"{r['format']:<16}{r['activations']:>6}{r['file']['bytes'] / 1e9:>8.1f}"
-                     f"{res['tokens_per_s']:>9.1f}{ratio:>8}"
+                     f"{res['tokens_per_s']:>9.1f}{ratio:>8}{res['chained_tokens_per_s']:>9.1f}{chained_ratio:>8}"
                      f"{bound:>8}{res['weight_bytes_per_step'] / 1e6:>11.0f}{res['tokens_per_s'] / roof:>7.1%}"
                      f"{pg['tokens_per_s']:>12.2f}{pg['hit_rate'] or 0:>6.2f}{pg['pcie_mb_per_token'] or 0:>12.1f}"
                      f"{pcie:>8}")
-    lines.append(f"share: of the roofline at {HBM_COPY_BPS / 1e12:.1f} TB/s (weight bytes a step reads); bound x: "
+    lines.append(f"tok/s: a step at a time, the token read by the host each step; chained: the same steps as one "
+                 "chain, tokens fed back on the device (generate's way); "
+                 f"share: of the roofline at {HBM_COPY_BPS / 1e12:.1f} TB/s (weight bytes a step reads); bound x: "
                  "int8 weight bytes / this format's (the resident speed-up a bandwidth-bound engine reaches); paged: "
                  "cache at 50% (4 of 8 experts a layer, lrfu), routes replayed from one trace; act: the expert "
                  "activations (int8: moe_gemv4_dp4a.cu's dp4a GEMVs)")

@@ -146,8 +146,11 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
     name += "" if capacity is None else f" [{loading}]"
     row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": name, "loading": loading,
            "routing": routing, "open_s": opened, "host_source": source, "blob_bytes": blob,
-           **{k: res[k] for k in ("tokens_per_s", "ms_per_step", "host_ms_per_step", "graph")},
+           **{k: res[k] for k in ("tokens_per_s", "ms_per_step", "host_ms_per_step", "graph",
+                                  "chained_tokens_per_s", "chained_ms_per_step")},
            **res.get("paging", {})}
+    if "chained_paging" in res:
+        row.update({f"chained_{k}": res["chained_paging"][k] for k in ("hit_rate", "misses_per_token")})
     if "misses_per_token" in row:
         rate = ceilings["h2d_pinned_gbps"] * 1e9
         miss_bytes = row["misses_per_token"] * blob
@@ -156,6 +159,9 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         pcie = row["pcie_mb_per_token"] * 1e6
         row["all_pcie_bound_tokens_per_s"] = rate / pcie if pcie else None
         row["zero_copy_gbps"] = row["gb_zero_copy"] * 1e9 / (n * batch / row["tokens_per_s"]) / 1e9
+        chained_miss_bytes = row["chained_misses_per_token"] * blob
+        row["chained_share_of_bound"] = (row["chained_tokens_per_s"] * chained_miss_bytes / rate
+                                         if chained_miss_bytes else None)
     return row
 
 
@@ -191,14 +197,15 @@ def run_case(path: Path, case: dict, args, ceilings: dict, model: str, total: in
     log(f"{model} b{row['batch']} {row['routing']} cache {row['fraction']:.1%} {row['policy']}: "
         f"{row['tokens_per_s']:.1f} tok/s, hit {row.get('hit_rate', 1):.1%}, misses/tok "
         f"{row.get('misses_per_token', 0):.1f}, share of bound {row.get('share_of_bound') or 0:.2f}, "
-        f"graph {row['graph']}")
+        f"graph {row['graph']}; chained {row['chained_tokens_per_s']:.1f} tok/s, hit "
+        f"{row.get('chained_hit_rate', 1):.1%}, share of bound {row.get('chained_share_of_bound') or 0:.2f}")
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     print("| model | routing | batch | cache | tok/s | hit rate | misses/tok | loads/tok | PCIe MB/tok | "
-          "zero-copy GB/s | bound from misses | share | graph |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "zero-copy GB/s | bound from misses | share | chained tok/s | chained hit rate | chained share | graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cache = "100%" if r.get("capacity") is None else f"{r['fraction']:.1%} ({r['capacity']})"
 
@@ -208,7 +215,9 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['model']} | {r['routing']} | {r['batch']} | {cache} {r['policy']} | {r['tokens_per_s']:.1f} | "
               f"{f('hit_rate', '.3f')} | {f('misses_per_token', '.1f')} | {f('loads_per_token', '.2f')} | "
               f"{f('pcie_mb_per_token', '.0f')} | {f('zero_copy_gbps', '.1f')} | "
-              f"{f('pcie_bound_tokens_per_s', '.0f')} | {f('share_of_bound', '.2f')} | {r['graph']} |")
+              f"{f('pcie_bound_tokens_per_s', '.0f')} | {f('share_of_bound', '.2f')} | "
+              f"{f('chained_tokens_per_s', '.1f')} | {f('chained_hit_rate', '.3f')} | "
+              f"{f('chained_share_of_bound', '.2f')} | {r['graph']} |")
 
 
 def main() -> int:

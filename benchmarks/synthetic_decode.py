@@ -58,7 +58,7 @@ def cuda_decode(path: Path, batch: int, iters: int, log: Callable[[str], None], 
                   verify="never", **cache)
     log("\n" + render(r))
     return {"tokens_per_s": r["decode"]["tokens_per_s"], "ms_per_step": r["decode"]["ms_per_step"],
-            "graph": r["decode"]["graph"], "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
+            "chained_tokens_per_s": r["decode"]["chained_tokens_per_s"], "graph": r["decode"]["graph"], "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
             "share_at_measured_copy": r["roofline"]["share_of_roofline"],
             "measured_copy_gbps": r["ceilings"]["d2d_copy_gbps"], "capacity": r["engine"]["capacity"],
             "paging": r["decode"].get("paging"), "prefill": r.get("prefill"), "run_bench": r}
@@ -74,6 +74,7 @@ def cpu_decode(path: Path, batch: int, iters: int, **config) -> dict:
         m, blob = eng.reader.model, eng.reader.blob_layout.size
         biases = 4 * (2 * m["expert_intermediate_size"] + m["hidden_size"]) if m.get("expert_bias") else 0
         experts = len(m["moe_layers"]) * min(m["num_experts"], batch * m["top_k"]) * (blob + biases)
-        return {"tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"], "graph": d["graph"],
+        return {"tokens_per_s": d["tokens_per_s"], "ms_per_step": d["ms_per_step"],
+                "chained_tokens_per_s": d["chained_tokens_per_s"], "graph": d["graph"],
                 "weight_bytes_per_step": dense_weight_bytes(eng) + experts, "capacity": eng.experts.capacity,
                 "paging": d.get("paging")}

@@ -223,9 +223,11 @@ def prefill_bench(eng, seq_len: int, rng) -> dict:
 
 def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16,
                  before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
-    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences after `warmup`, with the paging
-    counters of the timed steps when experts are paged: any backend. `before_step` runs before every step (e.g.
-    a replayed trace filling the decoder's forced-route buffers)."""
+    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences after `warmup`, a step at a time (the
+    token read by the host each step), with the paging counters of the timed steps when experts are paged; then the
+    same steps again (same tokens, positions and KV rows) as one chain, tokens fed back on the device as `generate`
+    decodes (`chained_*`, `chained_paging`): any backend. `before_step` runs before every step (e.g. a replayed
+    trace filling the decoder's forced-route buffers on the compute stream)."""
     step = before_step or (lambda: None)
     chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
     runner = eng.decode_runner(batch, prompt_len + warmup + num_iters + 1)
@@ -235,35 +237,46 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
         step()
         tok = eng.argmax(runner.step(np.array(tok), pos))
         pos = pos + 1
+    first = (np.array(tok), pos)
+    host = 0.0
+
+    def single_steps() -> None:
+        nonlocal tok, pos, host
+        for _ in range(num_iters):
+            h0 = time.perf_counter()
+            step()
+            logits = runner.step(np.array(tok), pos)
+            host += time.perf_counter() - h0
+            tok = eng.argmax(logits)
+            pos = pos + 1
+
+    wall, paging = _timed_steps(eng, single_steps, num_iters * batch)
+    res = {"batch": batch, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
+           "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
+           "graph": "captured" if runner.graph is not None else runner.reason}
+    chained, chained_paging = _timed_steps(eng, lambda: runner.chain(*first, num_iters, lambda j: step()),
+                                           num_iters * batch)
+    res.update(chained_tokens_per_s=batch * num_iters / chained, chained_ms_per_step=1e3 * chained / num_iters)
+    if paging is not None:
+        res.update(paging=paging, chained_paging=chained_paging)
+    return res, runner
+
+
+def _timed_steps(eng, run: Callable[[], None], tokens: int) -> tuple[float, dict | None]:
+    """(wall seconds of run(), the paging counters of its `tokens` tokens when experts are paged)."""
     eng.experts.flush()                # the cache accounts one pass late: settle it outside the timed steps
     c0 = eng.experts.counters.as_dict()
     eng.experts.time_copies = True
     eng.experts.copy_bandwidth()
-    first = (np.array(tok), pos)
-    host, t0 = 0.0, time.perf_counter()
-    for _ in range(num_iters):
-        h0 = time.perf_counter()
-        step()
-        logits = runner.step(np.array(tok), pos)
-        host += time.perf_counter() - h0
-        tok = eng.argmax(logits)
-        pos = pos + 1
+    t0 = time.perf_counter()
+    run()
     wall = time.perf_counter() - t0
     eng.experts.time_copies = False
     copy_s, copies = eng.experts.copy_bandwidth()
     eng.experts.flush()
-    c1 = eng.experts.counters.as_dict()
-    res = {"batch": batch, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
-           "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
-           "graph": "captured" if runner.graph is not None else runner.reason}
-    if not eng.experts.resident:
-        res["paging"] = _paging_delta(c0, c1, num_iters * batch, copy_s, copies)
-    if before_step is None:     # the same steps again (same tokens, positions and KV rows) as one chain: tokens
-        t0 = time.perf_counter()  # fed back on the device, as generate decodes
-        runner.chain(*first, num_iters)
-        chained = time.perf_counter() - t0
-        res.update(chained_tokens_per_s=batch * num_iters / chained, chained_ms_per_step=1e3 * chained / num_iters)
-    return res, runner
+    if eng.experts.resident:
+        return wall, None
+    return wall, _paging_delta(c0, eng.experts.counters.as_dict(), tokens, copy_s, copies)
 
 
 def _paging_delta(c0: dict, c1: dict, tokens: int, copy_s: float, copies: int) -> dict:

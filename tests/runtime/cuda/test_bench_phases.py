@@ -28,7 +28,7 @@ def test_phases_on_the_cpu_engine(path, capacity):
     assert dec["batch"] == 2 and dec["steps"] == 5 and dec["tokens_per_s"] > 0
     assert dec["graph"] == "the numpy backend has no graphs" and runner.batch == 2
     assert dec["chained_tokens_per_s"] > 0 and dec["chained_ms_per_step"] > 0     # the same steps as one chain
-    assert ("paging" in dec) == (capacity is not None)
+    assert ("paging" in dec) == ("chained_paging" in dec) == (capacity is not None)
     if capacity is not None:
         p = dec["paging"]
         assert p["misses_per_token"] > 0 and 0.0 <= p["hit_rate"] <= 1.0
