@@ -58,7 +58,8 @@ def cuda_decode(path: Path, batch: int, iters: int, log: Callable[[str], None], 
                   verify="never", **cache)
     log("\n" + render(r))
     return {"tokens_per_s": r["decode"]["tokens_per_s"], "ms_per_step": r["decode"]["ms_per_step"],
-            "chained_tokens_per_s": r["decode"]["chained_tokens_per_s"], "graph": r["decode"]["graph"], "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
+            "chained_tokens_per_s": r["decode"]["chained_tokens_per_s"], "graph": r["decode"]["graph"],
+            "weight_bytes_per_step": r["roofline"]["weight_bytes_per_step"],
             "share_at_measured_copy": r["roofline"]["share_of_roofline"],
             "measured_copy_gbps": r["ceilings"]["d2d_copy_gbps"], "capacity": r["engine"]["capacity"],
             "paging": r["decode"].get("paging"), "prefill": r.get("prefill"), "run_bench": r}
