@@ -80,8 +80,9 @@ def write_model(path: Path, shape: dict, dry: bool) -> Path:
 
 class TraceRoutes:
     """Replayed routes for eng.decoder.forced_routes: one static device buffer [batch, k] per MoE layer, refilled
-    from the trace before each decode step (`advance`), so a captured step replays them; prefill rows cycle
-    through the trace (eager)."""
+    from the trace before each decode step (`advance`: a device-to-device copy on the compute stream from the whole
+    trace, uploaded once, so queuing a step never waits for the device), so a captured step replays them; prefill
+    rows cycle through the trace (eager)."""
 
     def __init__(self, eng, layers: list[int], experts: int, k: int, batch: int, steps: int, seed: int = 0) -> None:
         trace = zipf_trace(len(layers), experts, k, steps, seed=seed, batch=batch)
@@ -89,11 +90,14 @@ class TraceRoutes:
         for rec in trace.records:
             for li, (_, chosen) in enumerate(rec.experts):
                 self.choices[rec.t, li, rec.seq] = chosen
-        self.be, self.layers, self.batch, self.step = eng.be, list(layers), batch, 0
+        self.be, self.stream, self.layers, self.batch, self.step = eng.be, eng.stream, list(layers), batch, 0
         self.buffers = eng.be.zeros((len(layers), batch, k), np.int32)
+        self.on_device = eng.be.zeros(self.choices.shape, np.int32)
+        eng.be.set_from_host(self.on_device, self.choices, eng.stream)
 
     def advance(self) -> None:
-        self.be.set_from_host(self.buffers, self.choices[self.step % len(self.choices)], None)
+        with self.stream:
+            self.buffers[...] = self.on_device[self.step % len(self.choices)]
         self.step += 1
 
     def __call__(self, layer: int, rows: int):
