@@ -411,8 +411,12 @@ def _gemv_launch(name: str):
 
 
 def _check_moe_inputs(x_or_act, table: ExpertTable, disp: Dispatch, cols: int, rows: int):
-    table.check()
+    _check_table_dispatch(table, disp)
     _check("input", x_or_act, dtype=np.float32, shape=(rows, cols))
+
+
+def _check_table_dispatch(table: ExpertTable, disp: Dispatch) -> None:
+    table.check()
     if disp.num_experts != table.num_experts:
         raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
 
@@ -1340,30 +1344,38 @@ def _tokens4(tokc: int | None, T: int, k: int, num_experts: int) -> int:
     return tokc
 
 
-def _check_gate_up4(x, table: PackedExpertTable, disp: Dispatch, k: int, tokens_per_pass_: int | None, out):
-    """(tokens per pass, act) of a 4-bit gate_up launch, after checking its inputs."""
-    cp = _cupy()
-    H, I = table.hidden_size, table.intermediate_size
+def _gate_up4_passes(table: PackedExpertTable, disp: Dispatch, k: int, tokens_per_pass_: int | None):
+    """(T, tokens per pass) of a 4-bit gate_up launch over `disp`'s T * k pairs (table and dispatch checked)."""
+    _check_table_dispatch(table, disp)
     T = disp.num_pairs // k
     if T * k != disp.num_pairs:
         raise ValueError("dispatch pairs are not T * k")
-    _check_moe_inputs(x, table, disp, H, T)
-    tokc = _tokens4(tokens_per_pass_, T, k, table.num_experts)
-    return tokc, _out("out", out, (disp.num_pairs, I), cp.float32)
+    return T, _tokens4(tokens_per_pass_, T, k, table.num_experts)
 
 
-def _check_down4(act, table: PackedExpertTable, disp: Dispatch, weights, tokens_per_pass_: int | None, out):
-    """(tokens per pass, ypair) of a 4-bit down launch, after checking its inputs."""
-    cp = _cupy()
-    H, I = table.hidden_size, table.intermediate_size
+def _down4_passes(table: PackedExpertTable, disp: Dispatch, weights, tokens_per_pass_: int | None) -> int:
+    """Tokens per pass of a 4-bit down launch (table, dispatch and the routing weights, one a pair, checked)."""
+    _check_table_dispatch(table, disp)
     P = disp.num_pairs
-    _check_moe_inputs(act, table, disp, I, P)
     _check("weights", weights, dtype=np.float32)
     if weights.size != P:
         raise ValueError(f"weights has {weights.size} entries, expected {P}")
     k = weights.shape[-1] if weights.ndim == 2 else 1
-    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
-    return tokc, _out("out", out, (P, H), cp.float32)
+    return _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
+
+
+def _check_gate_up4(x, table: PackedExpertTable, disp: Dispatch, k: int, tokens_per_pass_: int | None, out):
+    """(tokens per pass, act) of a 4-bit gate_up launch on float inputs, after checking them."""
+    T, tokc = _gate_up4_passes(table, disp, k, tokens_per_pass_)
+    _check("input", x, dtype=np.float32, shape=(T, table.hidden_size))
+    return tokc, _out("out", out, (disp.num_pairs, table.intermediate_size), _cupy().float32)
+
+
+def _check_down4(act, table: PackedExpertTable, disp: Dispatch, weights, tokens_per_pass_: int | None, out):
+    """(tokens per pass, ypair) of a 4-bit down launch on float inputs, after checking them."""
+    tokc = _down4_passes(table, disp, weights, tokens_per_pass_)
+    _check("input", act, dtype=np.float32, shape=(disp.num_pairs, table.intermediate_size))
+    return tokc, _out("out", out, (disp.num_pairs, table.hidden_size), _cupy().float32)
 
 
 def moe_gate_up_4bit(x, table: PackedExpertTable, disp: Dispatch, k: int, *, tokens_per_pass_: int | None = None,
@@ -1549,18 +1561,11 @@ def moe_gate_up_4bit_a8(xq, xs, table: PackedExpertTable, disp: Dispatch, k: int
                         tokens_per_pass_: int | None = None, out=None):
     """`moe_gate_up_4bit` on int8 activations (int4_group): act [P, I] f32 in sorted order from x's
     `quantize_activations_a8` (xq int8 [T, H], xs f32 [T, H // A8_GROUP]); fills `table.fill_ptrs` as it reads."""
-    cp = _cupy()
-    table.check()
     _check_a8_table(table)
     H, I = table.hidden_size, table.intermediate_size
-    T = disp.num_pairs // k
-    if T * k != disp.num_pairs:
-        raise ValueError("dispatch pairs are not T * k")
-    if disp.num_experts != table.num_experts:
-        raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
+    T, tokc = _gate_up4_passes(table, disp, k, tokens_per_pass_)
     _check_a8_pair(xq, xs, T, H)
-    tokc = _tokens4(tokens_per_pass_, T, k, table.num_experts)
-    act = _out("out", out, (disp.num_pairs, I), cp.float32)
+    act = _out("out", out, (disp.num_pairs, I), _cupy().float32)
     fn, grid = _a8_launch(f"moe4a8_gate_up_{table.tag}_t{tokc}")
     fn(grid, (A8_THREADS,),
        (xq, xs, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up),
@@ -1573,20 +1578,12 @@ def moe_down_4bit_a8(aq, as_, table: PackedExpertTable, disp: Dispatch, weights,
                      tokens_per_pass_: int | None = None, out=None):
     """`moe_down_4bit` on int8 activations (int4_group): ypair [P, H] f32 (pair order) = routing weight *
     (down @ act) from act's `quantize_activations_a8` (aq int8 [P, I], as_ f32 [P, I // A8_GROUP])."""
-    cp = _cupy()
-    table.check()
     _check_a8_table(table)
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
-    if disp.num_experts != table.num_experts:
-        raise ValueError(f"dispatch is for {disp.num_experts} experts, the table has {table.num_experts}")
+    tokc = _down4_passes(table, disp, weights, tokens_per_pass_)
     _check_a8_pair(aq, as_, P, I)
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
-    k = weights.shape[-1] if weights.ndim == 2 else 1
-    tokc = _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
-    y = _out("out", out, (P, H), cp.float32)
+    y = _out("out", out, (P, H), _cupy().float32)
     fn, grid = _a8_launch(f"moe4a8_down_{table.tag}_t{tokc}")
     fn(grid, (A8_THREADS,),
        (aq, as_, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
