@@ -2,7 +2,8 @@
 # The CUDA engine's device run, in order, each step under its own time limit; logs and JSON go to $OUT.
 # Run from the repository root (it exports PYTHONPATH=. for the benchmarks, which import the library only):
 #   STEPS="tests sanitizer hf paging" bash benchmarks/gpu_suite.sh
-# Steps: tests (`pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included),
+# Steps: tests (`pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included; ~300 s warm,
+# ~400 s on a fresh machine whose kernels all compile first),
 # sanitizer (compute-sanitizer memcheck on benchmarks/sanitize_tiny.py), hf (benchmarks/gpu_vs_hf.py),
 # paging (benchmarks/paging.py). HF_SHAPES / PAGING_ARGS narrow the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
@@ -11,7 +12,7 @@ OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 STEPS=${STEPS:-"tests sanitizer hf paging"}
-T_TESTS=${T_TESTS:-150} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180}
+T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180}
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
     > "$OUT/machine.txt" 2>&1
@@ -21,9 +22,9 @@ for step in $STEPS; do
   t0=$SECONDS
   case $step in
     tests)
-      timeout "$T_TESTS" python3 -m pytest -m gpu tests -q -p no:cacheprovider --maxfail=6 -rs --tb=short \
+      timeout "$T_TESTS" python3 -m pytest -m gpu tests -v -p no:cacheprovider --maxfail=6 -rs --tb=short \
           > "$OUT/pytest_gpu.log" 2>&1
-      rc=$?; summary+=("tests rc=$rc $(tail -1 "$OUT/pytest_gpu.log") ($((SECONDS - t0)) s)") ;;
+      rc=$?; summary+=("tests rc=$rc $(grep -cE " PASSED" "$OUT/pytest_gpu.log") passed, $(grep -cE " FAILED| ERROR" "$OUT/pytest_gpu.log") failed; $(tail -1 "$OUT/pytest_gpu.log") ($((SECONDS - t0)) s)") ;;
     sanitizer)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_SAN" python3 benchmarks/sanitize_tiny.py --dry-run > "$OUT/sanitizer.log" 2>&1
@@ -44,7 +45,8 @@ for step in $STEPS; do
   esac
 done
 
-echo "==== pytest -m gpu (tail)"; tail -25 "$OUT/pytest_gpu.log" 2>/dev/null
+echo "==== pytest -m gpu (failures, then the tail)"; grep -E " FAILED| ERROR" "$OUT/pytest_gpu.log" 2>/dev/null | head -20
+tail -8 "$OUT/pytest_gpu.log" 2>/dev/null
 echo "==== sanitizer (tail)"; tail -6 "$OUT/sanitizer.log" 2>/dev/null
 echo "==== gpu_vs_hf"; grep -E "^\||FAILED|Error" "$OUT/gpu_vs_hf.log" 2>/dev/null | tail -12
 echo "==== paging"; grep -E "^\||FAILED|Error|Traceback" "$OUT/paging.log" 2>/dev/null | tail -40
