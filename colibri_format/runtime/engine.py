@@ -324,6 +324,9 @@ class Engine:
         self._runners: dict[tuple[int, int], DecodeRunner] = {}
         self._tokenizer: Any = None
         self._step = 0
+        # greedy decode steps queued at once (`DecodeRunner.chain`): 1 where the backend runs each op as it is
+        # called (a longer chain would only compute tokens past a stop)
+        self.chain_steps = CHAIN_STEPS if self.be.runs_ahead else 1
 
     def _cache_capacity(self) -> int | None:
         """max_cached_experts, or what the gpu_memory budget leaves for experts (None: all resident)."""
@@ -429,9 +432,9 @@ class Engine:
         runner = self.decode_runner(len(chunks), need)
         outs = [[t] for t in self.argmax(self.prefill_into(runner, chunks))]
         pos = np.array([len(c) for c in chunks])
-        for start in range(0, max_new_tokens - 1, CHAIN_STEPS):
+        for start in range(0, max_new_tokens - 1, self.chain_steps):
             tokens = self._chain(runner, np.array([o[-1] for o in outs]), pos + start,
-                                 min(CHAIN_STEPS, max_new_tokens - 1 - start))
+                                 min(self.chain_steps, max_new_tokens - 1 - start))
             for o, column in zip(outs, tokens.T):
                 o.extend(int(t) for t in column)
         return outs
@@ -567,14 +570,14 @@ class Engine:
 
     def _tokens(self, runner: DecodeRunner, row: np.ndarray, length: int, budget: int, pick: Sampler):
         """The `budget` tokens of one sequence of `length` tokens in `runner`, picked one at a time from the prefill's
-        logits `row` on: greedy ones in chains of CHAIN_STEPS steps fed on the device (a stop found inside a
+        logits `row` on: greedy ones in chains of `chain_steps` steps fed on the device (a stop found inside a
         chain drops the rest of it), sampled ones a step at a time through the host."""
         token = pick(row)
         yield token
         step = 1
         while step < budget:
             if pick.greedy:
-                n = min(CHAIN_STEPS, budget - step)
+                n = min(self.chain_steps, budget - step)
                 for t in self._chain(runner, np.array([token]), np.array([length + step - 1]), n)[:, 0]:
                     token = pick.picked(t)
                     yield token

@@ -552,6 +552,7 @@ class NumpyBackend:
     name = "numpy"
     graphs = False
     host_is_device = True
+    runs_ahead = False     # every op runs as it is called: queuing decode steps ahead of the host gains nothing
 
     def __init__(self, dtype=np.float32, int8_activations: bool = False) -> None:
         self.xp = np

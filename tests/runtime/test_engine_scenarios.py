@@ -164,6 +164,8 @@ def test_chained_steps_equal_single_steps(mixtral_file, device):
     n = CHAIN_STEPS + 5
     with Engine(mixtral_file, EngineConfig(device=device)) as eng, \
             Engine(mixtral_file, EngineConfig(device=device)) as ref:
+        assert eng.chain_steps == (CHAIN_STEPS if device == "cuda" else 1)
+        eng.chain_steps = CHAIN_STEPS          # the NumPy engine steps one at a time by default: chain it here too
         want = _stepwise(ref, PROMPTS, n)
         assert eng.generate_batch(PROMPTS, n) == want
         assert eng.generate(PROMPTS[0], max_new_tokens=n, stop_ids=[]).output_ids == want[0]
@@ -179,6 +181,7 @@ def test_chained_steps_equal_single_steps(mixtral_file, device):
 
 def test_a_stop_inside_a_chain_ends_the_output_there(mixtral_file, device):
     with Engine(mixtral_file, EngineConfig(device=device)) as eng:
+        eng.chain_steps = CHAIN_STEPS
         free = eng.generate(PROMPTS[0], max_new_tokens=CHAIN_STEPS + 8, stop_ids=[]).output_ids
         k = next(i for i in range(3, len(free)) if free[i] not in free[:i])      # a token's first appearance
         stopped = eng.generate(PROMPTS[0], max_new_tokens=CHAIN_STEPS + 8, stop_ids=[free[k]])

@@ -32,6 +32,7 @@ class CupyBackend:
     name = "cuda"
     graphs = True
     host_is_device = False
+    runs_ahead = True      # kernels run after their launch returns: the host can queue decode steps ahead
     dtype = np.dtype(np.float32)
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
