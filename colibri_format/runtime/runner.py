@@ -55,9 +55,10 @@ class DecodeRunner:
         """Greedy tokens [steps, B] (host int32) of `steps` decode steps from tokens `ids` at positions `pos`: each
         step's token (the device's argmax of its logits) is the next step's input without a trip to the host. Every
         step's other inputs are uploaded at once, so the host queues the steps without waiting for one and the
-        device runs them back to back; the tokens are read once, at the end. `before_step(j)` runs on the host
-        before step j is queued (the engine's per-pass bookkeeping). The caller keeps pos + steps - 1 within the
-        capacity."""
+        device runs them back to back; the tokens are read once, at the end. The host copy of the inputs
+        (`StepInputs.host_rows`: a wide pass plans its attention tiles from it) follows each step. `before_step(j)`
+        runs on the host before step j is queued (the engine's per-pass bookkeeping). The caller keeps
+        pos + steps - 1 within the capacity."""
         if steps < 1:
             raise ValueError(f"a chain takes at least one step, not {steps}")
         eng, B = self.eng, self.batch
@@ -71,6 +72,7 @@ class DecodeRunner:
                 if before_step is not None:
                     before_step(j)
                 self.inp.dev[...] = staged[j]
+                self.inp.host[...] = images[j]      # what the device holds (ids aside): the pass's host rows
                 if j:
                     self.inp.ids[:B] = tokens[j - 1]
                 tokens[j] = eng.be.xp.argmax(self._pass(), axis=1)

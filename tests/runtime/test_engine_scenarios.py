@@ -173,6 +173,8 @@ def test_chained_steps_equal_single_steps(mixtral_file, device):
         first = eng.argmax(eng.prefill_into(runner, [np.array(PROMPTS[1])]))
         chained = runner.chain(np.array(first), np.array([len(PROMPTS[1])]), 6)
         assert chained.shape == (6, 1) and [first[0], *chained[:5, 0]] == want[1][:6]
+        seq, qlen = runner.inp.host_rows(1)     # the host rows of the last step (wide passes plan attention on them)
+        assert seq.tolist() == [0] and qlen.tolist() == [len(PROMPTS[1]) + 6]
         with pytest.raises(ValueError, match="at least one step"):
             runner.chain(np.array(first), np.array([len(PROMPTS[1])]), 0)
         if device == "cuda":
