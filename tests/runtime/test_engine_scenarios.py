@@ -194,6 +194,20 @@ def test_a_stop_inside_a_chain_ends_the_output_there(mixtral_file, device):
         assert cut.output_ids == free[:3] == seen and cut.stats.finish_reason == "callback"
 
 
+def test_paged_chains_decide_as_single_steps(mixtral_file, device):
+    """Paged experts: a chain's passes run the cache's bookkeeping pass by pass as single steps do (same tokens,
+    hits, misses, bytes)."""
+    cfg = EngineConfig(device=device, max_cached_experts=3, cache_policy="lru", cache_scope="global")
+    runs = []
+    for steps in (1, CHAIN_STEPS):
+        with Engine(mixtral_file, cfg) as eng:
+            eng.chain_steps = steps
+            r = eng.generate([3, 4, 5], max_new_tokens=CHAIN_STEPS + 4, stop_ids=[])
+            runs.append((r.output_ids, r.stats.cache_hits, r.stats.cache_misses, r.stats.bytes_paged,
+                         r.stats.bytes_zero_copy))
+    assert runs[0] == runs[1] and runs[0][2] > 0
+
+
 @pytest.mark.parametrize("policy,scope,capacity", [("lru", "global", 3), ("lrfu", "global", 5),
                                                    ("lru", "per_layer", 2), ("lfu", "per_layer", 1)])
 def test_paging(mixtral_file, device, policy, scope, capacity):
