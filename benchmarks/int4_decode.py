@@ -98,7 +98,7 @@ def table(rows: list[dict]) -> str:
                      f"{pg['tokens_per_s']:>12.2f}{pg['hit_rate'] or 0:>6.2f}{pg['pcie_mb_per_token'] or 0:>12.1f}"
                      f"{pcie:>8}")
     lines.append(f"tok/s: a step at a time, the token read by the host each step; chained: the same steps as one "
-                 "chain, tokens fed back on the device (generate's way); "
+                 "chain, tokens fed back on the device (generate chains 16 at a time); "
                  f"share: of the roofline at {HBM_COPY_BPS / 1e12:.1f} TB/s (weight bytes a step reads); bound x: "
                  "int8 weight bytes / this format's (the resident speed-up a bandwidth-bound engine reaches); paged: "
                  "cache at 50% (4 of 8 experts a layer, lrfu), routes replayed from one trace; act: the expert "

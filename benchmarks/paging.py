@@ -157,15 +157,18 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         row.update({f"chained_{k}": res["chained_paging"][k] for k in ("hit_rate", "misses_per_token")})
     if "misses_per_token" in row:
         rate = ceilings["h2d_pinned_gbps"] * 1e9
+
+        def share_of_bound(tokens_per_s: float, misses_per_token: float) -> float | None:
+            """tokens/s over the PCIe bound (pinned copy rate / the bytes of a token's misses)."""
+            miss_bytes = misses_per_token * blob
+            return tokens_per_s * miss_bytes / rate if miss_bytes else None
         miss_bytes = row["misses_per_token"] * blob
         row["pcie_bound_tokens_per_s"] = rate / miss_bytes if miss_bytes else None
-        row["share_of_bound"] = row["tokens_per_s"] / row["pcie_bound_tokens_per_s"] if miss_bytes else None
+        row["share_of_bound"] = share_of_bound(row["tokens_per_s"], row["misses_per_token"])
         pcie = row["pcie_mb_per_token"] * 1e6
         row["all_pcie_bound_tokens_per_s"] = rate / pcie if pcie else None
         row["zero_copy_gbps"] = row["gb_zero_copy"] * 1e9 / (n * batch / row["tokens_per_s"]) / 1e9
-        chained_miss_bytes = row["chained_misses_per_token"] * blob
-        row["chained_share_of_bound"] = (row["chained_tokens_per_s"] * chained_miss_bytes / rate
-                                         if chained_miss_bytes else None)
+        row["chained_share_of_bound"] = share_of_bound(row["chained_tokens_per_s"], row["chained_misses_per_token"])
     return row
 
 
