@@ -2,11 +2,15 @@
 Mixtral-8x7B and OLMoE-1B-7B, with the split count a captured decode graph plans (from the cache capacity), at
 real lengths from short to the capacity: µs a call and GB/s of the K/V bytes the lengths need.
 
-    PYTHONPATH=. python benchmarks/attention_decode.py --out OUT_DIR [--caches f32,bf16] [--capacity 4096]
+    PYTHONPATH=. python benchmarks/attention_decode.py --out OUT_DIR [--caches f32,bf16] [--capacity 4096] \
+        [--define ATT_LANE_FLOATS=64 ...]
 
 Each case is a CUDA graph of 20 launches on one workspace (benchmarks/gpu_kernels.time_graph, median of 25
 replays), checked once against the NumPy float64 attention. The engine's KV cache is float32 (the default
 precision), so f32 is the engine's case; bf16 is there for comparison. Writes attention_decode.json and .md.
+`--define NAME=VALUE` (repeatable) overrides one of the attention kernels' compile-time constants
+(limits.KERNEL_DEFINES["layers"]) for this process, and ops.py's copy of it where the launch plan reads one
+(ATT_DECODE_MIN_KEYS): a candidate timed without editing limits.py.
 """
 
 from __future__ import annotations
@@ -53,6 +57,22 @@ def case(cp, ops, nb, rng, shape, cache: str, capacity: int, batch: int, length:
             "gbps": kv_bytes / us / 1e3, "rel_err": err}
 
 
+def override_defines(ops, pairs: list[str]) -> dict[str, int]:
+    """Apply --define NAME=VALUE pairs to the attention kernels' compile options (and ops.py's copy of the name)."""
+    from colibri_format.runtime.cuda import limits
+
+    defines = limits.KERNEL_DEFINES["layers"]
+    overrides = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in defines:
+            raise SystemExit(f"--define {pair}: {name} is not one of {sorted(defines)}")
+        overrides[name] = defines[name] = int(value)
+        if hasattr(ops, name):
+            setattr(ops, name, int(value))
+    return overrides
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -60,11 +80,15 @@ def main() -> int:
     ap.add_argument("--caches", default="f32,bf16")
     ap.add_argument("--capacity", type=int, default=4096, help="KV capacity the graph's split count follows")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="override an attention kernel constant for this run (repeatable)")
     args = ap.parse_args()
     import cupy as cp
 
     from colibri_format.runtime import numpy_backend as nb
     from colibri_format.runtime.cuda.kernels import ops
+
+    overrides = override_defines(ops, args.define)
 
     rng = np.random.default_rng(0)
     copy = copy_bandwidth(cp)
@@ -79,7 +103,8 @@ def main() -> int:
                           f"({r['splits']} splits, rel err {r['rel_err']:.1e})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "device_copy_gbps": copy, "capacity": args.capacity}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "device_copy_gbps": copy, "capacity": args.capacity,
+            "defines": overrides}
     (out / "attention_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["| shape | cache | batch | length | splits | µs | GB/s of K/V | share of copy rate |",
              "|---|---|---|---|---|---|---|---|"]
