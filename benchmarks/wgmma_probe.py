@@ -109,6 +109,25 @@ __device__ __forceinline__ void a_fragments(const uint4* w, unsigned (&a)[4][4])
     }
 }
 
+// The epilogue: this thread's accumulators (rows o and o + 8, tokens t0 + 8 j + c and + 1) times the rows' scales.
+__device__ __forceinline__ void store_tile(const float* d, const float* __restrict__ scale, float* __restrict__ Y,
+                                           int e, int M, int NO, int t0, int o, int c) {
+    const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
+    float* Ye = Y + (size_t)e * M * NO;
+#pragma unroll
+    for (int j = 0; j < GN / 8; ++j) {
+        const int t = t0 + 8 * j + c;
+        if (t < M) {
+            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
+            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
+        }
+        if (t + 1 < M) {
+            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
+            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     gemm_w8_bf16(const uint4* __restrict__ Wp, const float* __restrict__ scale, const u16* __restrict__ X,
                  float* __restrict__ Y, int M, int NO, int K, int lbo, int sbo) {
@@ -155,20 +174,7 @@ extern "C" __global__ void __launch_bounds__(128)
         w[1] = wn[1];
     }
     const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3), o = rb * 64 + r;
-    const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
-    float* Ye = Y + (size_t)e * M * NO;
-#pragma unroll
-    for (int j = 0; j < GN / 8; ++j) {
-        const int t = t0 + 8 * j + c;
-        if (t < M) {
-            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
-            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
-        }
-        if (t + 1 < M) {
-            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
-            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
-        }
-    }
+    store_tile(d, scale, Y, e, M, NO, t0, o, c);
 }
 // ---- stage 3: the same product pipelined (a candidate for the prefill GEMM) ------------------------------------
 // A block of two warpgroups computes 128 weight rows (warpgroup g: the 64-row tile 2 blockIdx.x + g, packed as
@@ -208,6 +214,28 @@ __device__ __forceinline__ void a_fragments_from(const uint4* w, unsigned (&a)[4
     }
 }
 
+// Ring stage step % STAGES <- one K step's X tile (stored as B's core matrices) and the block's two weight tiles, by
+// cp.async from all 256 threads; one commit group a call, empty past the last step (the group count stays uniform).
+template <int STAGES>
+__device__ __forceinline__ void load_step(unsigned char* smem, const u16* __restrict__ Xe, const uint4* __restrict__ Wb,
+                                          int t0, int M, int K, int steps, int step) {
+    if (step < steps) {
+        unsigned char* stage = smem + (step % STAGES) * P3_STAGE_BYTES;
+        u16* sx = reinterpret_cast<u16*>(stage);
+        for (int i = threadIdx.x; i < GN * (GK / 8); i += 256) {
+            const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
+            cp_async16(sx + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8,
+                       Xe + (size_t)tok * K + step * GK + q * 8);
+        }
+        uint4* sw = reinterpret_cast<uint4*>(stage + P3_X_BYTES);
+        for (int i = threadIdx.x; i < 512; i += 256) {      // 2 row tiles x 256 16-byte chunks
+            const int tile = i >> 8, c = i & 255;
+            cp_async16(sw + i, Wb + ((size_t)tile * steps + step) * 256 + c);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 template <bool FAST_CVT>
 __device__ __forceinline__ void gemm_w8_bf16_p(const uint4* __restrict__ Wp, const float* __restrict__ scale,
                                                const u16* __restrict__ X, float* __restrict__ Y, int M, int NO, int K,
@@ -220,23 +248,7 @@ __device__ __forceinline__ void gemm_w8_bf16_p(const uint4* __restrict__ Wp, con
     const uint4* Wb = Wp + ((size_t)e * (NO / 64) + 2 * blockIdx.x) * steps * 256;   // the block's first row tile
     auto stage_x = [&](int buf) { return reinterpret_cast<u16*>(smem + buf * P3_STAGE_BYTES); };
     auto stage_w = [&](int buf) { return reinterpret_cast<uint4*>(smem + buf * P3_STAGE_BYTES + P3_X_BYTES); };
-    auto load = [&](int step) {
-        if (step < steps) {
-            const int buf = step % P3_STAGES;
-            u16* sx = stage_x(buf);
-            for (int i = tid; i < GN * (GK / 8); i += 256) {
-                const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
-                cp_async16(sx + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8,
-                           Xe + (size_t)tok * K + step * GK + q * 8);
-            }
-            uint4* sw = stage_w(buf);
-            for (int i = tid; i < 512; i += 256) {      // 2 row tiles x 256 16-byte chunks
-                const int tile = i >> 8, c = i & 255;
-                cp_async16(sw + i, Wb + ((size_t)tile * steps + step) * 256 + c);
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");   // empty past the end: the group count stays uniform
-    };
+    auto load = [&](int step) { load_step<P3_STAGES>(smem, Xe, Wb, t0, M, K, steps, step); };
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
@@ -278,20 +290,7 @@ __device__ __forceinline__ void gemm_w8_bf16_p(const uint4* __restrict__ Wp, con
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     fence_acc();
     const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3), o = (2 * blockIdx.x + g) * 64 + r;
-    const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
-    float* Ye = Y + (size_t)e * M * NO;
-#pragma unroll
-    for (int j = 0; j < GN / 8; ++j) {
-        const int t = t0 + 8 * j + c;
-        if (t < M) {
-            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
-            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
-        }
-        if (t + 1 < M) {
-            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
-            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
-        }
-    }
+    store_tile(d, scale, Y, e, M, NO, t0, o, c);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -341,23 +340,7 @@ __device__ __forceinline__ void gemm_w8_bf16_ss(const uint4* __restrict__ Wp, co
     auto tile_a = [&](int b) {
         return reinterpret_cast<u16*>(smem + STAGES * P3_STAGE_BYTES + b * SS_A_BYTES) + g * 64 * GK;
     };
-    auto load = [&](int step) {
-        if (step < steps) {
-            const int buf = step % STAGES;
-            u16* sx = stage_x(buf);
-            for (int i = tid; i < GN * (GK / 8); i += 256) {
-                const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
-                cp_async16(sx + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8,
-                           Xe + (size_t)tok * K + step * GK + q * 8);
-            }
-            uint4* sw = stage_w(buf);
-            for (int i = tid; i < 512; i += 256) {
-                const int tile = i >> 8, c = i & 255;
-                cp_async16(sw + i, Wb + ((size_t)tile * steps + step) * 256 + c);
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
+    auto load = [&](int step) { load_step<STAGES>(smem, Xe, Wb, t0, M, K, steps, step); };
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
@@ -394,20 +377,7 @@ __device__ __forceinline__ void gemm_w8_bf16_ss(const uint4* __restrict__ Wp, co
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     const int o = (2 * blockIdx.x + g) * 64 + r;
-    const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
-    float* Ye = Y + (size_t)e * M * NO;
-#pragma unroll
-    for (int j = 0; j < GN / 8; ++j) {
-        const int t = t0 + 8 * j + c;
-        if (t < M) {
-            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
-            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
-        }
-        if (t + 1 < M) {
-            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
-            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
-        }
-    }
+    store_tile(d, scale, Y, e, M, NO, t0, o, c);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
