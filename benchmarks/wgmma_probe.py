@@ -32,6 +32,8 @@ double-buffered in registers); `fast` widens int8 by the fp32 magic number inste
 ptxas still serializes its wgmmas (warning C7513: register-sourced A fragments defined inside the pipeline).
 Stage 4, `gemm_w8_bf16_ss{3,4}`: the same with the widened weights stored to shared memory as core matrices and both
 operands read through descriptors (no C7513), rings of 3 or 4 stages.
+Stage 5, `gemm_w8_bf16_rm3`: stage 4 (3 stages) reading the weights row-major as a .colibri expert blob holds them,
+no packing: what an engine kernel could read in place.
 Every kernel is checked against float64 on a small case with a partial token tile and a wrapping stage ring, then
 timed on Mixtral-8x7B's expert products at a 512-token prefill (8 experts x 128 rows; issue 15's target is >= 400
 TFLOP/s). `--compile-only` also prints ptxas's register and spill lines. Writes wgmma_probe.json.
@@ -214,19 +216,23 @@ __device__ __forceinline__ void a_fragments_from(const uint4* w, unsigned (&a)[4
     }
 }
 
-// Ring stage step % STAGES <- one K step's X tile (stored as B's core matrices) and the block's two weight tiles, by
-// cp.async from all 256 threads; one commit group a call, empty past the last step (the group count stays uniform).
+// One K step's X tile into shared memory as B's core matrices (cp.async from all 256 threads of a block).
+__device__ __forceinline__ void load_x_tile(u16* sx, const u16* __restrict__ Xe, int t0, int M, int K, int step) {
+    for (int i = threadIdx.x; i < GN * (GK / 8); i += 256) {
+        const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
+        cp_async16(sx + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8,
+                   Xe + (size_t)tok * K + step * GK + q * 8);
+    }
+}
+
+// Ring stage step % STAGES <- one K step's X tile and the block's two packed weight tiles, by cp.async; one commit
+// group a call, empty past the last step (the group count stays uniform).
 template <int STAGES>
 __device__ __forceinline__ void load_step(unsigned char* smem, const u16* __restrict__ Xe, const uint4* __restrict__ Wb,
                                           int t0, int M, int K, int steps, int step) {
     if (step < steps) {
         unsigned char* stage = smem + (step % STAGES) * P3_STAGE_BYTES;
-        u16* sx = reinterpret_cast<u16*>(stage);
-        for (int i = threadIdx.x; i < GN * (GK / 8); i += 256) {
-            const int n = i >> 3, q = i & 7, tok = min(t0 + n, M - 1);
-            cp_async16(sx + (((q >> 1) * (GN / 8) + (n >> 3)) * 2 + (q & 1)) * 64 + (n & 7) * 8,
-                       Xe + (size_t)tok * K + step * GK + q * 8);
-        }
+        load_x_tile(reinterpret_cast<u16*>(stage), Xe, t0, M, K, step);
         uint4* sw = reinterpret_cast<uint4*>(stage + P3_X_BYTES);
         for (int i = threadIdx.x; i < 512; i += 256) {      // 2 row tiles x 256 16-byte chunks
             const int tile = i >> 8, c = i & 255;
@@ -390,6 +396,97 @@ extern "C" __global__ void __launch_bounds__(256)
                      int sbo) {
     gemm_w8_bf16_ss<4>(Wp, scale, X, Y, M, NO, K, lbo, sbo);
 }
+// ---- stage 5: stage 4 on the file's own weight layout ----------------------------------------------------------
+// The experts' int8 matrices as a .colibri blob holds them (row-major [NO, K], no packing): a step's 128 x 64 weight
+// tile is copied row-major into shared memory (rows RM_ROW_BYTES apart: 64 bytes plus 16 of padding, so the widening
+// reads of eight consecutive rows hit distinct banks), then each thread widens two 16-byte pieces (one row, one k16
+// block) into the bf16 core-matrix tile with two 16-byte stores, and the wgmmas run as in stage 4.
+#define RM_ROW_BYTES 80
+#define RM_X_BYTES (GN * GK * 2)
+#define RM_STAGE_BYTES (RM_X_BYTES + 128 * RM_ROW_BYTES)
+
+template <int STAGES>
+__device__ __forceinline__ void load_step_rm(unsigned char* smem, const u16* __restrict__ Xe,
+                                             const signed char* __restrict__ We, int row0, int t0, int M, int K,
+                                             int steps, int step) {
+    if (step < steps) {
+        unsigned char* stage = smem + (step % STAGES) * RM_STAGE_BYTES;
+        load_x_tile(reinterpret_cast<u16*>(stage), Xe, t0, M, K, step);
+        for (int i = threadIdx.x; i < 512; i += 256) {      // 128 rows x 4 16-byte pieces, 4 lanes a row's 64 bytes
+            const int row = i >> 2, kq = i & 3;
+            cp_async16(stage + RM_X_BYTES + row * RM_ROW_BYTES + kq * 16,
+                       We + (size_t)(row0 + row) * K + step * GK + kq * 16);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// 16 int8 -> 16 bf16 (exact), as two 16-byte halves: k 0..7 and k 8..15
+__device__ __forceinline__ void widen16(uint4 v, uint4& lo, uint4& hi) {
+    const unsigned w[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u};
+    lo = make_uint4(bf16x2_fast(w[0], 0), bf16x2_fast(w[0], 2), bf16x2_fast(w[1], 0), bf16x2_fast(w[1], 2));
+    hi = make_uint4(bf16x2_fast(w[2], 0), bf16x2_fast(w[2], 2), bf16x2_fast(w[3], 0), bf16x2_fast(w[3], 2));
+}
+
+template <int STAGES>
+__device__ __forceinline__ void gemm_w8_bf16_rm(const signed char* __restrict__ W, const float* __restrict__ scale,
+                                                const u16* __restrict__ X, float* __restrict__ Y, int M, int NO,
+                                                int K, int lbo, int sbo) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int e = blockIdx.z, t0 = blockIdx.y * GN, row0 = blockIdx.x * 128;
+    const int tid = threadIdx.x, g = tid >> 7, warp = (tid & 127) >> 5, lane = tid & 31;
+    const int steps = K / GK;
+    const u16* Xe = X + (size_t)e * M * K;
+    const signed char* We = W + (size_t)e * NO * K;
+    auto stage = [&](int buf) { return smem + buf * RM_STAGE_BYTES; };
+    auto tile_a = [&](int b) { return reinterpret_cast<u16*>(smem + STAGES * RM_STAGE_BYTES + b * SS_A_BYTES); };
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) load_step_rm<STAGES>(smem, Xe, We, row0, t0, M, K, steps, s);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");   // the zeros stay put (ptxas C7515)
+    for (int s = 0; s < steps; ++s) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 3) : "memory");
+        __syncthreads();            // step s landed everywhere; step s - 2's wgmmas retired in every warpgroup
+        load_step_rm<STAGES>(smem, Xe, We, row0, t0, M, K, steps, s + STAGES - 2);
+        const int buf = s % STAGES;
+        u16* ta = tile_a(s & 1);
+#pragma unroll
+        for (int rep = 0; rep < 2; ++rep) {          // piece i: row i % 128 of the block, k16 block i / 128
+            const int i = tid + 256 * rep, row = i & 127, j = i >> 7;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage(buf) + RM_X_BYTES + row * RM_ROW_BYTES + j * 16);
+            uint4 lo, hi;
+            widen16(v, lo, hi);
+            // warpgroup row / 64's tile, k16 block j, core matrices (row % 64 / 8, 0 | 1), row % 8
+            u16* core = ta + (row >> 6) * 64 * GK + j * 64 * 16 + ((row & 63) >> 3) * 2 * 64 + (row & 7) * 8;
+            *reinterpret_cast<uint4*>(core) = lo;
+            *reinterpret_cast<uint4*>(core + 64) = hi;
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> the wgmma's reads
+        __syncthreads();
+        const u16* mine = ta + g * 64 * GK;
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            wgmma_ss_n128(d, smem_desc(mine + j * 64 * 16, lbo, sbo),
+                          smem_desc(reinterpret_cast<const u16*>(stage(buf)) + j * (GN / 8) * 2 * 64, lbo, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
+    store_tile(d, scale, Y, e, M, NO, t0, row0 + g * 64 + r, c);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_w8_bf16_rm3(const signed char* W, const float* scale, const u16* X, float* Y, int M, int NO, int K, int lbo,
+                     int sbo) {
+    gemm_w8_bf16_rm<3>(W, scale, X, Y, M, NO, K, lbo, sbo);
+}
 """
 
 SOURCE = r"""
@@ -514,7 +611,9 @@ def pack_weights(W: np.ndarray) -> np.ndarray:
 GEMM_KERNELS = {"gemm_w8_bf16": (128, 64, 0), "gemm_w8_bf16_p_cvt": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32)),
                 "gemm_w8_bf16_p_fast": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32)),
                 "gemm_w8_bf16_ss3": (256, 128, 3 * (128 * 64 * 2 + 2 * 128 * 32) + 2 * 2 * 64 * 64 * 2),
-                "gemm_w8_bf16_ss4": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32) + 2 * 2 * 64 * 64 * 2)}
+                "gemm_w8_bf16_ss4": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32) + 2 * 2 * 64 * 64 * 2),
+                "gemm_w8_bf16_rm3": (256, 128, 3 * (128 * 64 * 2 + 128 * 80) + 2 * 2 * 64 * 64 * 2)}
+ROW_MAJOR = ("gemm_w8_bf16_rm3",)   # kernels that read the weights as the file holds them (no pack_weights)
 
 
 def launch_gemm(cp, fn, Wp, scale, X, Y, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16") -> None:
@@ -536,7 +635,8 @@ def check_gemm(cp, fn, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16") -> floa
     scale = rng.uniform(1e-3, 2e-3, (E, NO)).astype(np.float32)
     X = float32_to_bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
     Y = cp.full((E, M, NO), np.nan, cp.float32)
-    launch_gemm(cp, fn, cp.asarray(pack_weights(W)), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo, kernel)
+    weights = W if kernel in ROW_MAJOR else pack_weights(W)
+    launch_gemm(cp, fn, cp.asarray(weights), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo, kernel)
     want = np.einsum("emk,eok->emo", to_float32(X).astype(np.float64), W.astype(np.float64)) * scale[:, None, :]
     got = Y.get()
     return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max() / np.abs(want).max())
