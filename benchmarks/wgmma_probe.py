@@ -34,6 +34,9 @@ Stage 4, `gemm_w8_bf16_ss{3,4}`: the same with the widened weights stored to sha
 operands read through descriptors (no C7513), rings of 3 or 4 stages.
 Stage 5, `gemm_w8_bf16_rm3`: stage 4 (3 stages) reading the weights row-major as a .colibri expert blob holds them,
 no packing: what an engine kernel could read in place.
+Stage 6, `gemm_w8_a8_s{4,6}`: int8 activations with per-token scales (the engine's int8-activation option) on s8 x s8
+wgmma (twice the bf16 rate), both operands copied by cp.async straight into core matrices, no widening; rings of 4
+or 6 stages of 16 KB.
 Every kernel is checked against float64 on a small case with a partial token tile and a wrapping stage ring, then
 timed on Mixtral-8x7B's expert products at a 512-token prefill (8 experts x 128 rows; issue 15's target is >= 400
 TFLOP/s). `--compile-only` also prints ptxas's register and spill lines. Writes wgmma_probe.json.
@@ -113,19 +116,22 @@ __device__ __forceinline__ void a_fragments(const uint4* w, unsigned (&a)[4][4])
 
 // The epilogue: this thread's accumulators (rows o and o + 8, tokens t0 + 8 j + c and + 1) times the rows' scales.
 __device__ __forceinline__ void store_tile(const float* d, const float* __restrict__ scale, float* __restrict__ Y,
-                                           int e, int M, int NO, int t0, int o, int c) {
+                                           int e, int M, int NO, int t0, int o, int c,
+                                           const float* __restrict__ token_scale = nullptr) {
     const float s0 = scale[(size_t)e * NO + o], s8 = scale[(size_t)e * NO + o + 8];
     float* Ye = Y + (size_t)e * M * NO;
 #pragma unroll
     for (int j = 0; j < GN / 8; ++j) {
         const int t = t0 + 8 * j + c;
+        const float x0 = token_scale != nullptr && t < M ? token_scale[(size_t)e * M + t] : 1.0f;
+        const float x1 = token_scale != nullptr && t + 1 < M ? token_scale[(size_t)e * M + t + 1] : 1.0f;
         if (t < M) {
-            Ye[(size_t)t * NO + o] = d[4 * j] * s0;
-            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8;
+            Ye[(size_t)t * NO + o] = d[4 * j] * s0 * x0;
+            Ye[(size_t)t * NO + o + 8] = d[4 * j + 2] * s8 * x0;
         }
         if (t + 1 < M) {
-            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0;
-            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8;
+            Ye[(size_t)(t + 1) * NO + o] = d[4 * j + 1] * s0 * x1;
+            Ye[(size_t)(t + 1) * NO + o + 8] = d[4 * j + 3] * s8 * x1;
         }
     }
 }
@@ -487,6 +493,109 @@ extern "C" __global__ void __launch_bounds__(256)
                      int sbo) {
     gemm_w8_bf16_rm<3>(W, scale, X, Y, M, NO, K, lbo, sbo);
 }
+// ---- stage 6: int8 activations (per-token scales): s8 x s8 wgmma on the file's row-major weights --------------
+// No widening: each 16-byte piece of a weight row or an activation row is copied by cp.async straight to its place
+// in a core matrix (8 rows x 16 bytes; K neighbours 128 bytes apart, row neighbours 256, one block of rows x 32
+// bytes a k32 wgmma), and both operands are read through descriptors. A stage is 8 KB of activations + 8 KB of
+// weights; copies run STAGES - 2 steps ahead and one wgmma group stays in flight. Y = (W X) * row scale * token
+// scale; the int32 products are exact.
+#define A8_X_BYTES (GN * GK)
+#define A8_STAGE_BYTES (A8_X_BYTES + 128 * GK)
+#define WGMMA_N128_IARGS \
+    "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), \
+    "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), \
+    "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), \
+    "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), \
+    "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), \
+    "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), \
+    "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), \
+    "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+
+__device__ __forceinline__ void wgmma_s8_n128(int* d, unsigned long long desc_a, unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : WGMMA_N128_IARGS
+        : "l"(desc_a), "l"(desc_b));
+}
+
+// byte offset of the 16-byte piece (row, kq) of a 64-byte K step in a tile of `rows` rows laid out as core matrices
+__device__ __forceinline__ int a8_piece(int rows, int row, int kq) {
+    return (kq >> 1) * rows * 32 + ((row >> 3) * 2 + (kq & 1)) * 128 + (row & 7) * 16;
+}
+
+template <int STAGES>
+__device__ __forceinline__ void load_step_a8(unsigned char* smem, const signed char* __restrict__ Xe,
+                                             const signed char* __restrict__ We, int row0, int t0, int M, int K,
+                                             int steps, int step) {
+    if (step < steps) {
+        unsigned char* stage = smem + (step % STAGES) * A8_STAGE_BYTES;
+        for (int i = threadIdx.x; i < 512; i += 256) {      // 128 rows x 4 pieces, 4 lanes a row's 64 bytes
+            const int row = i >> 2, kq = i & 3, tok = min(t0 + row, M - 1);
+            cp_async16(stage + a8_piece(GN, row, kq), Xe + (size_t)tok * K + step * GK + kq * 16);
+            // weight rows: warpgroup row / 64's tile of 64 rows
+            cp_async16(stage + A8_X_BYTES + (row >> 6) * 64 * GK + a8_piece(64, row & 63, kq),
+                       We + (size_t)(row0 + row) * K + step * GK + kq * 16);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int STAGES>
+__device__ __forceinline__ void gemm_w8_a8(const signed char* __restrict__ W, const float* __restrict__ scale,
+                                           const signed char* __restrict__ X, float* __restrict__ Y, int M, int NO,
+                                           int K, int lbo, int sbo, const float* __restrict__ token_scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int e = blockIdx.z, t0 = blockIdx.y * GN, row0 = blockIdx.x * 128;
+    const int tid = threadIdx.x, g = tid >> 7, warp = (tid & 127) >> 5, lane = tid & 31;
+    const int steps = K / GK;
+    const signed char* Xe = X + (size_t)e * M * K;
+    const signed char* We = W + (size_t)e * NO * K;
+    int d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0;
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) load_step_a8<STAGES>(smem, Xe, We, row0, t0, M, K, steps, s);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(d[i])::"memory");   // the zeros stay put (ptxas C7515)
+    for (int s = 0; s < steps; ++s) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 3) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();            // step s landed everywhere; step s - 2's wgmmas retired in every warpgroup
+        load_step_a8<STAGES>(smem, Xe, We, row0, t0, M, K, steps, s + STAGES - 2);
+        const unsigned char* st = smem + (s % STAGES) * A8_STAGE_BYTES;
+        const unsigned char* mine = st + A8_X_BYTES + g * 64 * GK;
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            wgmma_s8_n128(d, smem_desc(mine + j * 64 * 32, lbo, sbo), smem_desc(st + j * GN * 32, lbo, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+r"(d[i])::"memory");
+    float df[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) df[i] = (float)d[i];
+    const int r = 16 * warp + (lane >> 2), c = 2 * (lane & 3);
+    store_tile(df, scale, Y, e, M, NO, t0, row0 + g * 64 + r, c, token_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_w8_a8_s4(const signed char* W, const float* scale, const signed char* X, float* Y, int M, int NO, int K,
+                  int lbo, int sbo, const float* token_scale) {
+    gemm_w8_a8<4>(W, scale, X, Y, M, NO, K, lbo, sbo, token_scale);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_w8_a8_s6(const signed char* W, const float* scale, const signed char* X, float* Y, int M, int NO, int K,
+                  int lbo, int sbo, const float* token_scale) {
+    gemm_w8_a8<6>(W, scale, X, Y, M, NO, K, lbo, sbo, token_scale);
+}
 """
 
 SOURCE = r"""
@@ -612,18 +721,23 @@ GEMM_KERNELS = {"gemm_w8_bf16": (128, 64, 0), "gemm_w8_bf16_p_cvt": (256, 128, 4
                 "gemm_w8_bf16_p_fast": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32)),
                 "gemm_w8_bf16_ss3": (256, 128, 3 * (128 * 64 * 2 + 2 * 128 * 32) + 2 * 2 * 64 * 64 * 2),
                 "gemm_w8_bf16_ss4": (256, 128, 4 * (128 * 64 * 2 + 2 * 128 * 32) + 2 * 2 * 64 * 64 * 2),
-                "gemm_w8_bf16_rm3": (256, 128, 3 * (128 * 64 * 2 + 128 * 80) + 2 * 2 * 64 * 64 * 2)}
-ROW_MAJOR = ("gemm_w8_bf16_rm3",)   # kernels that read the weights as the file holds them (no pack_weights)
+                "gemm_w8_bf16_rm3": (256, 128, 3 * (128 * 64 * 2 + 128 * 80) + 2 * 2 * 64 * 64 * 2),
+                "gemm_w8_a8_s4": (256, 128, 4 * (128 * 64 + 128 * 64)),
+                "gemm_w8_a8_s6": (256, 128, 6 * (128 * 64 + 128 * 64))}
+INT8_ACTIVATIONS = ("gemm_w8_a8_s4", "gemm_w8_a8_s6")   # int8 X with per-token scales (an extra last argument)
+ROW_MAJOR = ("gemm_w8_bf16_rm3",) + INT8_ACTIVATIONS   # weights as the file holds them (no pack_weights)
 
 
-def launch_gemm(cp, fn, Wp, scale, X, Y, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16") -> None:
+def launch_gemm(cp, fn, Wp, scale, X, Y, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16",
+                token_scale=None) -> None:
     E, M, K = X.shape
     NO = scale.shape[1]
     threads, rows, smem = GEMM_KERNELS[kernel]
     if smem and fn.max_dynamic_shared_size_bytes < smem:     # above 48 KB a kernel must opt in
         fn.max_dynamic_shared_size_bytes = smem
-    fn((NO // rows, -(-M // 128), E), (threads,), (Wp, scale, X, Y, np.int32(M), np.int32(NO), np.int32(K),
-                                                   np.int32(lbo), np.int32(sbo)), shared_mem=smem)
+    args = (Wp, scale, X, Y, np.int32(M), np.int32(NO), np.int32(K), np.int32(lbo), np.int32(sbo))
+    fn((NO // rows, -(-M // 128), E), (threads,), args + ((token_scale,) if kernel in INT8_ACTIVATIONS else ()),
+       shared_mem=smem)
 
 
 def check_gemm(cp, fn, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16") -> float:
@@ -633,11 +747,18 @@ def check_gemm(cp, fn, lbo: int, sbo: int, kernel: str = "gemm_w8_bf16") -> floa
     E, M, NO, K = 2, 100, 256, 640
     W = rng.integers(-128, 128, (E, NO, K), dtype=np.int8)
     scale = rng.uniform(1e-3, 2e-3, (E, NO)).astype(np.float32)
-    X = float32_to_bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
     Y = cp.full((E, M, NO), np.nan, cp.float32)
     weights = W if kernel in ROW_MAJOR else pack_weights(W)
-    launch_gemm(cp, fn, cp.asarray(weights), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo, kernel)
-    want = np.einsum("emk,eok->emo", to_float32(X).astype(np.float64), W.astype(np.float64)) * scale[:, None, :]
+    if kernel in INT8_ACTIVATIONS:
+        X = rng.integers(-127, 128, (E, M, K), dtype=np.int8)
+        xs = rng.uniform(0.5, 2.0, (E, M)).astype(np.float32)
+        launch_gemm(cp, fn, cp.asarray(weights), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo, kernel, cp.asarray(xs))
+        x64 = X.astype(np.float64) * xs[:, :, None]
+    else:
+        X = float32_to_bf16_bits(rng.standard_normal((E, M, K)).astype(np.float32))
+        launch_gemm(cp, fn, cp.asarray(weights), cp.asarray(scale), cp.asarray(X), Y, lbo, sbo, kernel)
+        x64 = to_float32(X).astype(np.float64)
+    want = np.einsum("emk,eok->emo", x64, W.astype(np.float64)) * scale[:, None, :]
     got = Y.get()
     return float("inf") if not np.isfinite(got).all() else float(np.abs(got - want).max() / np.abs(want).max())
 
@@ -647,15 +768,19 @@ def time_gemm(cp, fn, E: int, M: int, NO: int, K: int, lbo: int, sbo: int, kerne
     """Median µs of a GEMM kernel on random device operands (the weight bytes taken as already packed)."""
     Wp = cp.random.randint(-127, 128, (E, NO, K), dtype=cp.int8)
     scale = cp.full((E, NO), 1e-3, cp.float32)
-    X = cp.random.standard_normal((E, M, K), dtype=cp.float32).astype(cp.float16).view(cp.uint16)  # any 16-bit
+    if kernel in INT8_ACTIVATIONS:
+        X = cp.random.randint(-127, 128, (E, M, K), dtype=cp.int8)
+    else:
+        X = cp.random.standard_normal((E, M, K), dtype=cp.float32).astype(cp.float16).view(cp.uint16)  # any 16-bit
+    xs = cp.ones((E, M), cp.float32)
     Y = cp.empty((E, M, NO), cp.float32)
     for _ in range(3):
-        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo, kernel)
+        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo, kernel, xs)
     times = []
     for _ in range(reps):
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
-        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo, kernel)
+        launch_gemm(cp, fn, Wp, scale, X, Y, lbo, sbo, kernel, xs)
         stop.record()
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
