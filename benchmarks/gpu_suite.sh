@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA engine's device run, in order, each step under its own time limit; logs and JSON go to $OUT.
-# Run from the repository root (it exports PYTHONPATH=. for the benchmarks, which import the library only):
+# Run from the repository root (it exports PYTHONPATH=. for the benchmarks, which import the library only, and keeps
+# CuPy's kernel cache in build/cupy_cache: carry that path into later device calls):
 #   STEPS="tests sanitizer hf paging" bash benchmarks/gpu_suite.sh
 # Steps: tests (`pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included; ~300 s warm,
 # ~400 s on a fresh machine whose kernels all compile first),
@@ -11,6 +12,8 @@ set -o pipefail
 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# CuPy's compiled kernels under build/ (git-ignored): a device call that carries build/cupy_cache skips NVRTC
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180}
 summary=()
