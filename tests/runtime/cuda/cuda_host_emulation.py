@@ -1,6 +1,6 @@
 """CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
-(test_moe_gemm_fast_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu
+(test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu
 (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode (test_attention_decode_emulated.py) and the norms
 (layers.cu's rmsnorm, fused.cu's add_rmsnorm: test_norms_emulated.py).
 
@@ -15,6 +15,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -505,3 +506,106 @@ class NormEmulator:
         rows, D = h.shape
         getattr(self.fused, f"emu_add_rmsnorm_{_code(w)}")(
             rows, _ptr(h), _ptr(b), _ptr(w), _ptr(x), D, ctypes.c_float(alpha), ctypes.c_float(eps))
+
+
+# ---- moe_gemv.cu (int8 experts, float inputs: the decode GEMVs) ------------------------------------------------------
+GEMV_KINDS = ("t1", "t2", "t4", "t8", "w2", "w4")   # tokens a pass (t<n>) or the one-token "wide" plans (w2, w4)
+
+GEMV_DRIVER = r"""
+#define GEMV_TABLE(STAGE, SUFFIX) {STAGE##_t1_r##SUFFIX, STAGE##_t2_r##SUFFIX, STAGE##_t4_r##SUFFIX,                \
+    STAGE##_t8_r##SUFFIX, STAGE##_w2_r##SUFFIX, STAGE##_w4_r##SUFFIX, STAGE##_t1_g##SUFFIX, STAGE##_t2_g##SUFFIX, \
+    STAGE##_t4_g##SUFFIX, STAGE##_t8_g##SUFFIX, STAGE##_w2_g##SUFFIX, STAGE##_w4_g##SUFFIX}
+typedef void (*GateUpFn)(const float*, const unsigned long long*, const unsigned long long*, long long, long long,
+                         const int*, const int*, const int*, const int*, float*, int, int, int, int);
+typedef void (*DownFn)(const float*, const unsigned long long*, const unsigned long long*, long long, long long,
+                       const int*, const int*, const int*, const int*, const float*, float*, int, int, int);
+typedef void (*GateUpExtrasFn)(const float*, const unsigned long long*, const unsigned long long*, long long,
+                               long long, const int*, const int*, const int*, const int*, float*, int, int, int, int,
+                               const float*, float, float, float);
+typedef void (*DownExtrasFn)(const float*, const unsigned long long*, const unsigned long long*, long long, long long,
+                             const int*, const int*, const int*, const int*, const float*, float*, int, int, int,
+                             const float*);
+static const GateUpFn GATE_UP[] = GEMV_TABLE(moe_gate_up, );
+static const DownFn DOWN[] = GEMV_TABLE(moe_down, );
+static const GateUpExtrasFn GATE_UP_EXTRAS[] = GEMV_TABLE(moe_gate_up, _extras);
+static const DownExtrasFn DOWN_EXTRAS[] = GEMV_TABLE(moe_down, _extras);
+
+// kernel: index of GEMV_KINDS, + 6 for group scales; extras: gpt-oss's variant (bias may be null)
+extern "C" void emu_gate_up(int kernel, int extras, int blocks, const float* x, const unsigned long long* blobs,
+                            const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                            const int* offsets, const int* active, const int* meta, float* act, int H, int I, int k,
+                            int group, const float* bias, float alpha, float limit, float up_offset) {
+    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
+        if (extras)
+            GATE_UP_EXTRAS[kernel](x, blobs, fills, off_w, off_s, perm, offsets, active, meta, act, H, I, k, group,
+                                   bias, alpha, limit, up_offset);
+        else
+            GATE_UP[kernel](x, blobs, fills, off_w, off_s, perm, offsets, active, meta, act, H, I, k, group);
+    });
+}
+
+extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, const unsigned long long* blobs,
+                         const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
+                         const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
+                         int H, int I, int group, const float* bias) {
+    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
+        if (extras)
+            DOWN_EXTRAS[kernel](a, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, H, I, group,
+                                bias);
+        else
+            DOWN[kernel](a, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w, y, H, I, group);
+    });
+}
+"""
+
+
+def build_gemv(tmp_path: Path, plan: tuple | None = None) -> ctypes.CDLL:
+    """moe_gemv.cu for the CPU, with limits.py's constants (`plan`: another GEMV_W4_PLAN, as gemv_sweep.py builds
+    it)."""
+    defines = {**limits.KERNEL_DEFINES["moe_gemv"], **limits.w4_plan_defines(plan or limits.GEMV_W4_PLAN)}
+    return _compile(tmp_path, "moe_gemv", host_module_source("moe_gemv") + GEMV_DRIVER,
+                    [f"-D{k}={v}" for k, v in defines.items()])
+
+
+@dataclass(frozen=True)
+class GemvExtras:
+    """gpt-oss's expert extras as the *_extras kernels take them (bias arrays kept alive by the caller)."""
+    gate_up_bias: np.ndarray | None
+    down_bias: np.ndarray | None
+    alpha: float
+    limit: float
+    up_offset: float
+
+
+class GemvEmulator:
+    """moe_gemv.cu's int8 decode GEMVs over host arrays; `blocks` blocks a launch (the grid-stride loop over warp
+    items)."""
+
+    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
+        self.lib, self.blocks = lib, blocks
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+    @staticmethod
+    def _kernel(kind: str, layout) -> int:
+        return GEMV_KINDS.index(kind) + (len(GEMV_KINDS) if layout.group_size else 0)
+
+    def gate_up(self, kind: str, x, ptrs, fills, layout, disp: dict, k: int, act,
+                extras: GemvExtras | None = None) -> None:
+        ex = extras or GemvExtras(None, None, 1.0, float("inf"), 0.0)
+        self.lib.emu_gate_up(
+            self._kernel(kind, layout), int(extras is not None), self.blocks, _ptr(x), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            *_routing(disp), _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size,
+            _nullable(ex.gate_up_bias), ctypes.c_float(ex.alpha), ctypes.c_float(ex.limit),
+            ctypes.c_float(ex.up_offset))
+
+    def down(self, kind: str, a, ptrs, fills, layout, disp: dict, weights, y,
+             extras: GemvExtras | None = None) -> None:
+        self.lib.emu_down(
+            self._kernel(kind, layout), int(extras is not None), self.blocks, _ptr(a), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size,
+            _nullable(None if extras is None else extras.down_bias))
