@@ -1,7 +1,7 @@
 """CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
-(test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu
-(test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode (test_attention_decode_emulated.py) and the norms
+(test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu
+(test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode (test_attention_decode_emulated.py) and the norms
 (layers.cu's rmsnorm, fused.cu's add_rmsnorm: test_norms_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
