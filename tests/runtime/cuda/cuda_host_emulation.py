@@ -1,8 +1,9 @@
 """CUDA kernels built for the CPU and run on NumPy arrays: a check of their indexing, shared-memory layouts,
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
 (test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu
-(test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode (test_attention_decode_emulated.py) and the norms
-(layers.cu's rmsnorm, fused.cu's add_rmsnorm: test_norms_emulated.py).
+(test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode
+(test_attention_decode_emulated.py) and the norms (layers.cu's rmsnorm, fused.cu's add_rmsnorm:
+test_norms_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
