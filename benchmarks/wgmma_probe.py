@@ -793,13 +793,19 @@ def time_gemm(cp, fn, E: int, M: int, NO: int, K: int, lbo: int, sbo: int, kerne
 GEMM_CASES = {"mixtral gate_up": (8, 128, 28672, 4096), "mixtral down": (8, 128, 4096, 14336)}
 
 
-def gemm_stage(cp, mod, hypothesis: str) -> tuple[list[str], dict]:
+def gemm_stage(cp, mod, hypothesis: str, kernels: list[str]) -> dict:
+    """Check, then time, each of `kernels`; every row is printed as it comes (a kernel that faults ends the process
+    with the rows before it on record)."""
     lbo, sbo = HYPOTHESES[hypothesis]
-    rows, results = [], {}
-    for kernel in GEMM_KERNELS:
+    results = {}
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    for kernel in kernels:
         fn = mod.get_function(kernel)
         err = check_gemm(cp, fn, lbo, sbo, kernel)
-        rows.append(f"{kernel} ({hypothesis}) against float64: relative error {err:.3g}")
+        say(f"{kernel} ({hypothesis}) against float64: relative error {err:.3g}")
         results[kernel] = {"check": err}
         if err > 1e-5:
             continue
@@ -807,15 +813,19 @@ def gemm_stage(cp, mod, hypothesis: str) -> tuple[list[str], dict]:
             us = time_gemm(cp, fn, E, M, NO, K, lbo, sbo, kernel)
             tflops = 2 * E * M * NO * K / us / 1e6
             results[kernel][name] = {"us": us, "tflops": tflops}
-            rows.append(f"{kernel} {name}: E {E} x {M} rows, {NO} x {K}: {us:.1f} µs, {tflops:.1f} TFLOP/s")
-    return rows, results
+            say(f"{kernel} {name}: E {E} x {M} rows, {NO} x {K}: {us:.1f} µs, {tflops:.1f} TFLOP/s")
+    return results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--compile-only", action="store_true", help="build the cubin and stop (no GPU needed)")
+    ap.add_argument("--kernels", default=",".join(GEMM_KERNELS), help="GEMM kernels to check and time (comma list)")
     args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    if unknown := [k for k in kernels if k not in GEMM_KERNELS]:
+        raise SystemExit(f"--kernels: {unknown[0]} is not one of {', '.join(GEMM_KERNELS)}")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = build(Path(tmp))
         if args.compile_only:
@@ -838,9 +848,12 @@ def main() -> int:
                 rows.append(f"| {N} | {name} | {err['random']:.3g} | {err['identity']:.3g} | "
                             f"{'holds' if max(err.values()) == 0 else 'no'} |")
         held = [h for h in HYPOTHESES if all(max(results[f"N={N} {h}"].values()) == 0 for N in WIDTHS)]
-        gemm_rows, results["gemm"] = gemm_stage(cp, mod, held[0]) if held else (["no hypothesis held: no GEMM"], {})
-    print("| N | descriptor | max err, random | max err, B = I | |\n|---|---|---|---|---|\n" + "\n".join(rows))
-    print("\n".join(gemm_rows))
+        print("| N | descriptor | max err, random | max err, B = I | |\n|---|---|---|---|---|\n" + "\n".join(rows),
+              flush=True)
+        if held:
+            results["gemm"] = gemm_stage(cp, mod, held[0], kernels)
+        else:
+            print("no hypothesis held: no GEMM")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "wgmma_probe.json").write_text(json.dumps(results, indent=1))
