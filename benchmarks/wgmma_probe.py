@@ -798,14 +798,10 @@ def gemm_stage(cp, mod, hypothesis: str, kernels: list[str]) -> dict:
     with the rows before it on record)."""
     lbo, sbo = HYPOTHESES[hypothesis]
     results = {}
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-
     for kernel in kernels:
         fn = mod.get_function(kernel)
         err = check_gemm(cp, fn, lbo, sbo, kernel)
-        say(f"{kernel} ({hypothesis}) against float64: relative error {err:.3g}")
+        print(f"{kernel} ({hypothesis}) against float64: relative error {err:.3g}", flush=True)
         results[kernel] = {"check": err}
         if err > 1e-5:
             continue
@@ -813,7 +809,7 @@ def gemm_stage(cp, mod, hypothesis: str, kernels: list[str]) -> dict:
             us = time_gemm(cp, fn, E, M, NO, K, lbo, sbo, kernel)
             tflops = 2 * E * M * NO * K / us / 1e6
             results[kernel][name] = {"us": us, "tflops": tflops}
-            say(f"{kernel} {name}: E {E} x {M} rows, {NO} x {K}: {us:.1f} µs, {tflops:.1f} TFLOP/s")
+            print(f"{kernel} {name}: E {E} x {M} rows, {NO} x {K}: {us:.1f} µs, {tflops:.1f} TFLOP/s", flush=True)
     return results
 
 
