@@ -6,7 +6,9 @@
 # Steps: tests (`pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included; ~300 s warm,
 # ~400 s on a fresh machine whose kernels all compile first),
 # sanitizer (compute-sanitizer memcheck on benchmarks/sanitize_tiny.py), hf (benchmarks/gpu_vs_hf.py),
-# paging (benchmarks/paging.py). HF_SHAPES / PAGING_ARGS narrow the benchmarks.
+# paging (benchmarks/paging.py), gemm (benchmarks/wgmma_probe.py, then benchmarks/prefill_gemm.py on Mixtral's 512-token
+# expert products: the wgmma candidates beside the engine's prefill GEMMs in one call). HF_SHAPES / PAGING_ARGS narrow
+# the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -15,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # CuPy's compiled kernels under build/ (git-ignored): a device call that carries build/cupy_cache skips NVRTC
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
-T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180}
+T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
     > "$OUT/machine.txt" 2>&1
@@ -45,6 +47,16 @@ for step in $STEPS; do
       timeout "$T_PAGING" python3 benchmarks/paging.py --out "$OUT/paging.json" ${PAGING_ARGS:-} ${DRY:+--dry-run} \
           > "$OUT/paging.log" 2>&1
       rc=$?; summary+=("paging rc=$rc ($((SECONDS - t0)) s)") ;;
+    gemm)
+      if [ -n "${DRY:-}" ]; then
+        timeout "$T_GEMM" python3 benchmarks/wgmma_probe.py --compile-only > "$OUT/gemm.log" 2>&1
+      else
+        # both run whatever the other does (a probe kernel that faults must not hide the engine's figures)
+        timeout "$T_GEMM" bash -c "python3 benchmarks/wgmma_probe.py --out '$OUT/wgmma'; a=\$?; python3 \
+            benchmarks/prefill_gemm.py --out '$OUT/prefill_gemm' --cases mixtral-512; exit \$((a || \$?))" \
+            > "$OUT/gemm.log" 2>&1
+      fi
+      rc=$?; summary+=("gemm rc=$rc ($((SECONDS - t0)) s)") ;;
   esac
 done
 
@@ -53,4 +65,5 @@ tail -8 "$OUT/pytest_gpu.log" 2>/dev/null
 echo "==== sanitizer (tail)"; tail -6 "$OUT/sanitizer.log" 2>/dev/null
 echo "==== gpu_vs_hf"; grep -E "^\||FAILED|Error" "$OUT/gpu_vs_hf.log" 2>/dev/null | tail -12
 echo "==== paging"; grep -E "^\||FAILED|Error|Traceback" "$OUT/paging.log" 2>/dev/null | tail -40
+echo "==== gemm"; grep -E "TFLOP|error|Error|built|\|" "$OUT/gemm.log" 2>/dev/null | tail -40
 echo "==== summary"; printf '%s\n' "${summary[@]}"
