@@ -129,12 +129,33 @@ def _routing(disp: dict) -> list:
     return [_ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["active"]), _ptr(disp["meta"])]
 
 
-class Emulator:
+class LibraryEmulator:
+    """The kernels of one built library over host arrays (kept alive by the caller), and its error record."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.emu_first_error.restype = ctypes.c_char_p
+
+    def errors(self) -> tuple[int, str]:
+        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+
+
+class GridStrideEmulator(LibraryEmulator):
+    """A library whose kernels walk their items in a grid-stride loop: `blocks` blocks a launch, as few as 1."""
+
+    default_blocks = 2
+
+    def __init__(self, lib: ctypes.CDLL, blocks: int | None = None) -> None:
+        super().__init__(lib)
+        self.blocks = self.default_blocks if blocks is None else blocks
+
+
+class Emulator(LibraryEmulator):
     """The kernels of a built library, launched over host arrays (kept alive by the caller)."""
 
     def __init__(self, lib: ctypes.CDLL, stages: int = limits.FAST_STAGES) -> None:
-        self.lib, self.stages = lib, stages
-        lib.emu_first_error.restype = ctypes.c_char_p
+        super().__init__(lib)
+        self.stages = stages
 
     def shared_bytes(self, split: bool) -> int:
         return limits.fast_gemm_shared_bytes(split) // limits.FAST_STAGES * self.stages
@@ -150,9 +171,6 @@ class Emulator:
         pairs = np.zeros((words.size, 2), np.uint32)
         self.lib.emu_widen_bytes(_ptr(words), _ptr(pairs), words.size)
         return pairs
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
 
     def gate_up(self, split: bool, hi, lo, blobs, ptrs, layout, disp: dict, k: int, act) -> None:
         H, I = layout.hidden_size, layout.intermediate_size
@@ -212,16 +230,11 @@ def build_gemv4_tc(tmp_path: Path) -> ctypes.CDLL:
                     limits.define_options("moe_gemv4_tc"))
 
 
-class Gemv4TcEmulator:
+class Gemv4TcEmulator(GridStrideEmulator):
     """moe_gemv4_tc.cu's kernels over host arrays (kept alive by the caller); `blocks` blocks a launch, as few as 1
     (the grid-stride loop over block items)."""
 
-    def __init__(self, lib: ctypes.CDLL, blocks: int = 3) -> None:
-        self.lib, self.blocks = lib, blocks
-        lib.emu_first_error.restype = ctypes.c_char_p
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
+    default_blocks = 3
 
     def stage(self, a: np.ndarray) -> np.ndarray:
         """a [rows, ncols] f32 -> [rows, 2, ncols // 2] uint32 (the kernel's bf16 hi/lo pairs)."""
@@ -278,16 +291,9 @@ def build_gemv4(tmp_path: Path) -> ctypes.CDLL:
                     limits.define_options("moe_gemv4"))
 
 
-class Gemv4Emulator:
+class Gemv4Emulator(GridStrideEmulator):
     """moe_gemv4.cu's decode GEMVs (int4_group and mxfp4 blobs, float inputs) over host arrays; `blocks` blocks a
     launch (the grid-stride loop over warp items)."""
-
-    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
-        self.lib, self.blocks = lib, blocks
-        lib.emu_first_error.restype = ctypes.c_char_p
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
 
     @staticmethod
     def _mx(layout) -> int:
@@ -351,16 +357,9 @@ def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None) -> ctypes.CDLL:
                     [f"-D{k}={v}" for k, v in defines.items()])
 
 
-class Gemv4Dp4aEmulator:
+class Gemv4Dp4aEmulator(GridStrideEmulator):
     """moe_gemv4_dp4a.cu's kernels over host arrays (kept alive by the caller); `blocks` blocks a launch (the
     grid-stride loops over groups and warp items)."""
-
-    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
-        self.lib, self.blocks = lib, blocks
-        lib.emu_first_error.restype = ctypes.c_char_p
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
 
     def quantize(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """a [rows, ncols] f32 -> (q int8 [rows, ncols] staged, s f32 [rows, ncols // 32]) (moe4a8_quantize)."""
@@ -423,16 +422,9 @@ def build_layers(tmp_path: Path) -> ctypes.CDLL:
     return _compile(tmp_path, "layers", host_module_source("layers") + LAYERS_DRIVER, limits.define_options("layers"))
 
 
-class AttentionDecodeEmulator:
+class AttentionDecodeEmulator(LibraryEmulator):
     """layers.cu's attention_decode kernels over host arrays, launched as `ops.attention` launches them for up to
     ATT_DECODE_MAX_ROWS query rows; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
-        lib.emu_first_error.restype = ctypes.c_char_p
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
 
     @staticmethod
     def workspace(num_rows: int, heads: int, head_dim: int, nsplit: int) -> dict:
@@ -578,16 +570,9 @@ class GemvExtras:
     up_offset: float
 
 
-class GemvEmulator:
+class GemvEmulator(GridStrideEmulator):
     """moe_gemv.cu's int8 decode GEMVs over host arrays; `blocks` blocks a launch (the grid-stride loop over warp
     items)."""
-
-    def __init__(self, lib: ctypes.CDLL, blocks: int = 2) -> None:
-        self.lib, self.blocks = lib, blocks
-        lib.emu_first_error.restype = ctypes.c_char_p
-
-    def errors(self) -> tuple[int, str]:
-        return int(self.lib.emu_error_count()), self.lib.emu_first_error().decode()
 
     @staticmethod
     def _kernel(kind: str, layout) -> int:
