@@ -67,6 +67,8 @@ def override_defines(ops, pairs: list[str]) -> dict[str, int]:
         name, _, value = pair.partition("=")
         if name not in defines:
             raise SystemExit(f"--define {pair}: {name} is not one of {sorted(defines)}")
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--define {pair}: the value must be a whole number of at least 1")
         overrides[name] = defines[name] = int(value)
         if hasattr(ops, name):
             setattr(ops, name, int(value))
@@ -83,12 +85,11 @@ def main() -> int:
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="override an attention kernel constant for this run (repeatable)")
     args = ap.parse_args()
-    import cupy as cp
-
     from colibri_format.runtime import numpy_backend as nb
     from colibri_format.runtime.cuda.kernels import ops
 
-    overrides = override_defines(ops, args.define)
+    overrides = override_defines(ops, args.define)   # a wrong --define is refused before CuPy is needed
+    import cupy as cp
 
     rng = np.random.default_rng(0)
     copy = copy_bandwidth(cp)
