@@ -9,13 +9,15 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
    implementations), one forward pass over a --tokens prompt with `logits_to_keep=1` (the engine computes the last
    row's logits only too), median of 3 after a warm-up; the model is then freed.
 2. colibri: a synthetic file of the same shape (`synthetic.write_synthetic(reuse_expert=True)`, bf16 dense, int8
-   experts) in --dir, one Engine; per variant (VARIANTS: the backend's `fast_expert_gemm` / `flash_prefill`
-   switched on the open engine, which reads them per call; "tc + split-attn" is the engine before they became
-   the defaults) `bench.prefill_bench`: the median of 3 `infer` calls
+   experts) in --dir, one Engine; per variant (VARIANTS, or those --variants names: the backend's
+   `fast_expert_gemm` / `flash_prefill` / `cublas_expert_gemm` switched on the open engine, which reads them per
+   call; "tc + split-attn" is the engine before the first two became defaults; "defaults" picks the grouped GEMM's
+   route by ops.uses_cublas_gemm) `bench.prefill_bench`: the median of 3 `infer` calls
    of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
    With --timeline, the defaults' prefill of each length is also profiled once more (CUPTI through PyTorch's
    profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass.
-3. decode: `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with `small_moe` off, then on.
+3. decode (unless --no-decode): `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with
+   `small_moe` off, then on.
 The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
 """
 
@@ -35,9 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import SHAPES  # noqa: E402
 from synthetic_decode import shaped_model, write_timed  # noqa: E402
 
-VARIANTS = {  # (fast_expert_gemm, flash_prefill) switched on the open engine's backend; EngineConfig's defaults last
-    "tc + split-attn": (None, False), "fast-split": ("split", False), "fast-bf16": ("bf16", False),
-    "tc + flash": (None, True), "fast-bf16 + flash": ("bf16", True), "fast-split + flash (default)": ("split", True)}
+VARIANTS = {  # (fast_expert_gemm, flash_prefill, cublas_expert_gemm) switched on the open engine's backend;
+    # EngineConfig's defaults last
+    "tc + split-attn": (None, False, None), "fast-split": ("split", False, False), "fast-bf16": ("bf16", False, False),
+    "tc + flash": (None, True, None), "fast-bf16 + flash": ("bf16", True, False),
+    "fast-split + flash": ("split", True, False), "cublas-bf16 + flash": ("bf16", True, True),
+    "cublas-split + flash": ("split", True, True), "defaults": ("split", True, None)}
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)
@@ -111,15 +116,16 @@ def hf_prefill(name: str, model: dict, tokens: list[int], device: str) -> dict:
     return out
 
 
-def colibri_prefill(path: Path, tokens: list[int], device: str, timeline: bool) -> dict:
+def colibri_prefill(path: Path, tokens: list[int], device: str, timeline: bool, names: list[str]) -> dict:
     from colibri_format.runtime import Engine, EngineConfig
     from colibri_format.runtime.cuda.bench import prefill_bench
 
     out: dict = {}
-    variants = VARIANTS if device == "cuda" else {"numpy": (None, False)}
+    variants = {n: VARIANTS[n] for n in names} if device == "cuda" else {"numpy": (None, False, None)}
     with Engine(path, EngineConfig(device=device, max_seq_len=max(tokens) + 8, verify="never")) as eng:
-        for name, (gemm, flash) in variants.items():
-            eng.be.fast_expert_gemm, eng.be.flash_prefill = gemm, flash     # read by the backend per call
+        for name, (gemm, flash, cublas) in variants.items():
+            if device == "cuda":     # read by the backend per call
+                eng.be.fast_expert_gemm, eng.be.flash_prefill, eng.be.cublas_expert_gemm = gemm, flash, cublas
             out[name] = {}
             for n in tokens:
                 out[name][str(n)] = prefill_bench(eng, n, np.random.default_rng(n))["ms"]
@@ -186,7 +192,12 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--timeline", action="store_true", help="also a CUPTI timeline of the defaults' prefills")
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of the VARIANTS to time")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode runs")
     args = ap.parse_args()
+    names = args.variants.split(",")
+    if set(names) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(set(names) - set(VARIANTS))}; known: {list(VARIANTS)}")
     shapes = args.shapes.split(",")
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
@@ -208,8 +219,8 @@ def main() -> int:
         path = Path(args.dir) / f"prefill_{shape}.colibri"
         try:
             r["file"] = write_timed(path, model, log)
-            r["colibri"] = colibri_prefill(path, tokens, args.device, args.timeline)
-            r["decode"] = colibri_decode(path, args.device)
+            r["colibri"] = colibri_prefill(path, tokens, args.device, args.timeline, names)
+            r["decode"] = {} if args.no_decode else colibri_decode(path, args.device)
         finally:
             path.unlink(missing_ok=True)
         rows[shape] = r

@@ -7,7 +7,10 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
 - `fast-split` / `fast-bf16`: moe_gemm_fast.cu through ops.moe_gemm_{gate_up,down}_fast, timed with the bf16 split
   of their input (ops.split_bf16, also timed alone as `split_bf16`);
 - `cublas-dense-split`: for scale, one dense cuBLAS GEMM of the same FLOPs (all P rows against one [N, K] bf16
-  matrix, hi + lo: CupyBackend.gemm_bf16_split), i.e. what cuBLAS's tensor cores give on an ungrouped product.
+  matrix, hi + lo: CupyBackend.gemm_bf16_split), i.e. what cuBLAS's tensor cores give on an ungrouped product;
+- stage `block`: the whole routed-expert block (ops.moe_experts: dispatch, both products, combine) on the pipelined
+  kernel (`fast-*`) and on cuBLAS (`cublas-*`: ops.moe_experts_cublas, each routed expert widened to bf16, its
+  per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS.
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
@@ -35,7 +38,12 @@ CASES = {  # name: (H, I, E, k, T)
     "mixtral-512": (4096, 14336, 8, 2, 512),
     "mixtral-4096": (4096, 14336, 8, 2, 4096),
     "qwen3-30b-a3b-512": (2048, 768, 128, 8, 512),
+    "qwen3-30b-a3b-4096": (2048, 768, 128, 8, 4096),
+    "mixtral-128": (4096, 14336, 8, 2, 128),
+    "olmoe-512": (2048, 1024, 64, 8, 512),
+    "olmoe-4096": (2048, 1024, 64, 8, 4096),
 }
+DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
 SWEEP = ((2, 2), (4, 2), (3, 1), (4, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
@@ -92,7 +100,7 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
     act_ref = ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True)
     y_ref = ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True)
     act, y = cp.empty_like(act_ref), cp.empty_like(y_ref)
-    flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H}
+    flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H, "block": 6.0 * P * H * I}
     rows = []
 
     def add(variant, stage, us, agreement=None, product=True):
@@ -116,6 +124,12 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
         add(f"fast-{mode}{fast_only}", "down", timed(cp, down), rel(y, y_ref))
     if fast_only:
         return rows
+    y_block = ops.moe_experts(x, ids, w, table, gemm=True, tensor_cores=True)
+    for mode in ops.FAST_ACTIVATIONS:
+        for route, cublas in (("fast", False), ("cublas", True)):
+            out = ops.moe_experts(x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas)
+            add(f"{route}-{mode}", "block", timed_plain(cp, lambda: ops.moe_experts(
+                x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas, out=out)), rel(out, y_block))
     add("split_bf16", "gate_up", timed(cp, lambda: ops.split_bf16(x, hi=st.x_hi, lo=st.x_lo)), product=False)
     add("split_bf16", "down", timed(cp, lambda: ops.split_bf16(act_ref, hi=st.act_hi, lo=st.act_lo)),
         product=False)
@@ -147,7 +161,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
     ap.add_argument("--sweep", action="store_true", help="also other FAST_STAGES / FAST_MIN_BLOCKS at mixtral-512")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -161,7 +175,7 @@ def main(argv=None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
             "cupy": cp.__version__, "command": "PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out $OUT"
-            + ("" if args.cases == list(CASES) else " --cases " + " ".join(args.cases))
+            + ("" if args.cases == list(DEFAULT_CASES) else " --cases " + " ".join(args.cases))
             + (" --sweep" if args.sweep else ""), "fast_stages": limits.FAST_STAGES,
             "fast_min_blocks": limits.FAST_MIN_BLOCKS}
     log(f"modules compiled in {time.time() - t0:.1f} s")

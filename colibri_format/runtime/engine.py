@@ -57,6 +57,9 @@ class EngineConfig:
     fast_expert_gemm: str | None = "split"    # CUDA: the prefill grouped expert GEMM on the pipelined kernel
                                               # (moe_gemm_fast.cu) with activations 'split' (bf16 hi + lo, ~1e-5)
                                               # or 'bf16' (~1e-3, faster); None: moe_gemm.cu's 64x64 tc kernel
+    cublas_expert_gemm: bool | None = None    # CUDA: that GEMM as cuBLAS bf16 products of widened int8 experts
+                                              # (moe_gemm_cublas.cu, same activations); None: for experts
+                                              # of large mean work (limits.CUBLAS_MIN_EXPERT_MACS)
     flash_prefill: bool = True                # CUDA: prefill attention (beyond 32 rows) as flash attention on the
                                               # tensor cores, operands split into bf16 hi + lo (attention_prefill.cu);
                                               # off: attention_split (fp32 SIMT). docs/benchmarks.md has both timed
@@ -112,6 +115,9 @@ class EngineConfig:
         if self.fast_expert_gemm not in (None, "split", "bf16"):
             raise InvalidInput("fast_expert_gemm must be None, 'split' or 'bf16'", field="fast_expert_gemm",
                                value=self.fast_expert_gemm)
+        if self.cublas_expert_gemm not in (None, True, False):
+            raise InvalidInput("cublas_expert_gemm must be None, True or False", field="cublas_expert_gemm",
+                               value=self.cublas_expert_gemm)
         if self.precision not in ("float32", "float64") or (self.device == "cuda" and self.precision != "float32"):
             raise InvalidInput("precision must be 'float32', or 'float64' on device='cpu'", field="precision",
                                value=self.precision)
@@ -209,7 +215,8 @@ def make_backend(config: EngineConfig):
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
     return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
                              fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill,
-                             small_moe=config.small_moe, int8_activations=config.int8_activations)
+                             small_moe=config.small_moe, int8_activations=config.int8_activations,
+                             cublas_expert_gemm=config.cublas_expert_gemm)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

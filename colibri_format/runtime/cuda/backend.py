@@ -18,11 +18,6 @@ from colibri_format.spec.constants import PACKED_FORMATS
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
 MEMCPY_HOST_TO_DEVICE = 1       # cudaMemcpyHostToDevice
 MEMCPY_DEVICE_TO_HOST = 2       # cudaMemcpyDeviceToHost
-CUDA_R_32F, CUDA_R_16BF = 0, 14         # cudaDataType
-CUBLAS_COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation
-CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_POINTER_MODE_HOST = 0
 
 
 
@@ -37,7 +32,8 @@ class CupyBackend:
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False) -> None:
+                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False,
+                 cublas_expert_gemm: bool | None = None) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -53,6 +49,7 @@ class CupyBackend:
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         self.bf16_tensor_cores = bf16_tensor_cores
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
+        self.cublas_expert_gemm = cublas_expert_gemm   # EngineConfig.cublas_expert_gemm (ops.uses_cublas_gemm)
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
         self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
@@ -91,32 +88,15 @@ class CupyBackend:
         """out [T, N] f32 = x [T, K] f32 @ w.T for w [N, K] bf16 bits (uint16), on the tensor cores.
 
         x is split into bf16 hi + lo (`ops.split_bf16`) and the two products are accumulated in fp32 by cuBLAS
-        (GemmEx, CUBLAS_COMPUTE_32F): w is exact in bf16, x keeps ~16 mantissa bits, so the result matches the
-        fp32 product to ~1e-5 relative. Not capturable in a graph through CuPy (eager passes only).
+        (`ops.gemm_bf16`): w is exact in bf16, x keeps ~16 mantissa bits, so the result matches the fp32 product to
+        ~1e-5 relative. Not capturable in a graph through CuPy (eager passes only).
         """
-        try:
-            from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
-        except ImportError:  # older layouts
-            from cupy.cuda import cublas  # noqa: PLC0415
-
         T, K = x.shape
-        N = w.shape[0]
-        if w.dtype != np.uint16 or w.shape[1] != K or out.shape != (T, N) or out.dtype != np.float32:
+        if w.dtype != np.uint16 or w.ndim != 2 or w.shape[1] != K or out.shape != (T, w.shape[0]):
             raise ValueError(f"gemm_bf16_split: x {x.shape}, w {w.shape} {w.dtype}, out {out.shape} {out.dtype}")
         hi, lo = self.ops.split_bf16(x, hi=hi, lo=lo)
-        handle = getattr(self.device, "cublas_handle", None) or self.xp.cuda.device.get_cublas_handle()
-        mode = cublas.getPointerMode(handle)
-        cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-        try:
-            # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ x^T [K, T]
-            for part, beta in ((hi, zero), (lo, one)):
-                cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_16BF,
-                              K, part.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, CUDA_R_32F, N,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
-        finally:
-            cublas.setPointerMode(handle, mode)
-        return out
+        self.ops.gemm_bf16(hi, w, out)
+        return self.ops.gemm_bf16(lo, w, out, accumulate=True)
 
     # --- what the engine asks of a backend ---------------------------------------------------------------------
     def check_support(self, model: dict, blob_layout) -> None:
@@ -257,7 +237,7 @@ class CupyBackend:
                                out=residual, small=self.small_moe,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
-                               extras=extras, fast_gemm=self.fast_expert_gemm,
+                               extras=extras, fast_gemm=self.fast_expert_gemm, cublas=self.cublas_expert_gemm,
                                staging=self._fast_staging(T, P, table, extras, ws))
 
     def _tc4_staging(self, T: int, k: int, table, ws) -> tuple:
@@ -386,5 +366,7 @@ class _TimedOps:
 
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe, int8_activations)
+                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False,
+                 cublas_expert_gemm: bool | None = None) -> CupyBackend:
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe, int8_activations,
+                       cublas_expert_gemm)

@@ -70,6 +70,14 @@ FAST_BN = 256
 FAST_BK = 64
 FAST_STAGES = 3
 FAST_MIN_BLOCKS = 2
+# moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
+# of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
+# matrix, reaches this: each routed expert costs a widening and ~8 launches from the host (~0.2 ms), which only large
+# products repay. On the H200 (benchmarks/prefill_gemm.py, docs/benchmarks.md) cuBLAS ran Mixtral's block 1.9x
+# (split) to 2.2x (bf16) faster at 1024 pairs an expert, 1.1-1.2x slower at 128; the crossover of a straight line
+# through those is ~170-190 pairs (1.0-1.1e10); Qwen3 and OLMoE (<= 1.1e9 at 4096 tokens) ran 3.5-40x slower on it.
+CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
+GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
 # once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): one token
@@ -182,6 +190,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS},
+    "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS,

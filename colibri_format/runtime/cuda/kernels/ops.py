@@ -24,11 +24,12 @@ from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.limits import (
     A8_FORMATS, A8_GROUP, A8_QUANT_THREADS, A8_THREADS, EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS)
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
-    ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, ATTENTION_HEAD_DIMS, BLOB_ARRAY_ALIGNMENT,
-    DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS,
-    GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS,
-    QK_NORM_MODES, QKV_THREADS, ROUTER_EPB, ROUTER_MAX_E, ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS,
-    SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS, TC_THREADS, fast_gemm_shared_bytes, scale_groups)
+    ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
+    CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS,
+    FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
+    GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
+    ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS,
+    TC_THREADS, fast_gemm_shared_bytes, scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
 from colibri_format.spec.layout import blob_layout
 
@@ -83,7 +84,8 @@ def kernel(module_name: str, function: str):
     return _FUNCTIONS[key]
 
 
-EAGER_MODULES = ("attention_prefill",)   # used only by eager passes (prefill), compiled at their first call
+# used only by eager passes (prefill), compiled at their first call
+EAGER_MODULES = ("attention_prefill", "moe_gemm_cublas")
 
 
 def warm_up() -> None:
@@ -626,6 +628,173 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
     return y
 
 
+# ---- the grouped expert GEMM on cuBLAS (moe_gemm_cublas.cu around cublasGemmEx) ---------------------------------
+CUDA_R_32F, CUDA_R_16BF = 0, 14         # cudaDataType
+CUBLAS_COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_POINTER_MODE_HOST = 0
+
+
+def _cublas():
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
+    except ImportError:  # older layouts
+        from cupy.cuda import cublas  # noqa: PLC0415
+    return cublas
+
+
+def gemm_bf16(a, w, out, *, accumulate: bool = False):
+    """out [T, N] f32 (+)= a [T, K] @ w.T for a and w [N, K] bf16 bits (uint16), on cuBLAS's tensor cores with fp32
+    accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Not capturable through CuPy
+    (eager passes only)."""
+    cp, cublas = _cupy(), _cublas()
+    _check("a", a, dtype=np.uint16, ndim=2)
+    T, K = a.shape
+    _check("w", w, dtype=np.uint16, ndim=2)
+    N = w.shape[0]
+    _check("out", out, dtype=np.float32, shape=(T, N))
+    if w.shape[1] != K:
+        raise ValueError(f"w {tuple(w.shape)} does not match a {tuple(a.shape)}")
+    if T == 0:
+        return out
+    handle = cp.cuda.device.get_cublas_handle()
+    mode = cublas.getPointerMode(handle)
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    one, beta = np.array(1.0, np.float32), np.array(1.0 if accumulate else 0.0, np.float32)
+    try:
+        # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
+                      a.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+                      CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
+def _glue_launch(name: str, items: int, args: tuple) -> None:
+    if items:
+        kernel("moe_gemm_cublas", name)((_grid_stride_blocks(items, GLUE_THREADS),), (GLUE_THREADS,), args)
+
+
+def gather_split_bf16(x, perm, k: int, *, split: bool = True, hi=None, lo=None):
+    """(hi, lo) [P, H] bf16 bits: row pos = split_bf16(x[perm[pos] // k]) for x [T, H] f32 and perm [P] int32 (the
+    dispatch's sorted order); lo is None unless split."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    _check("perm", perm, dtype=np.int32, ndim=1)
+    (T, H), P = x.shape, perm.size
+    if H % 4 or P > T * k:
+        raise ValueError(f"x {tuple(x.shape)} with perm [{P}] and k={k}: H must be a multiple of 4, P <= T * k")
+    h = _out("hi", hi, (P, H), cp.uint16)
+    lw = _out("lo", lo, (P, H), cp.uint16) if split else None
+    _glue_launch("gather_split_bf16", P * H // 4, (x, perm, h, _ptr(lw), np.int32(P), np.int32(H), np.int32(k)))
+    return h, lw
+
+
+def widen_expert_bf16(table: ExpertTable, expert: int, matrix: str, *, out=None):
+    """Expert `expert`'s int8 `matrix` ('gate_up' [2I, H] or 'down' [H, I]) as bf16 bits (exact; scales not
+    applied), read through table.blob_ptrs on the device. Per-row-scale (int8) tables only."""
+    cp = _cupy()
+    table.check()
+    if table.groups()[2] != "r" or type(table) is not ExpertTable:
+        raise ValueError("widen_expert_bf16 reads int8 experts with per-row scales only")
+    if not 0 <= expert < table.num_experts:
+        raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1}")
+    H, I = table.hidden_size, table.intermediate_size
+    shape, off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
+    if off % 16:
+        raise ValueError(f"{matrix} offset {off} is not 16-byte aligned")
+    w = _out("out", out, shape, cp.uint16)
+    _glue_launch("widen_int8_bf16", w.size // 16, (table.blob_ptrs, np.int32(expert), np.int64(off),
+                                                   np.int64(w.size), w))
+    return w
+
+
+def gate_up_epilogue(gu, table: ExpertTable, expert: int, *, split: bool = True, hi=None, lo=None):
+    """(hi, lo) [n, I] bf16 bits of act[r, i] = silu(gu[r, i] s[i]) (gu[r, I + i] s[I + i]) for gu [n, 2I] f32 (the
+    unscaled products of expert `expert`'s gate_up rows) and s its row scales; lo is None unless split."""
+    cp = _cupy()
+    I = table.intermediate_size
+    _check("gu", gu, dtype=np.float32, ndim=2)
+    n = gu.shape[0]
+    if gu.shape[1] != 2 * I:
+        raise ValueError(f"gu {tuple(gu.shape)} must be [n, {2 * I}]")
+    h = _out("hi", hi, (n, I), cp.uint16)
+    lw = _out("lo", lo, (n, I), cp.uint16) if split else None
+    _glue_launch("gate_up_epilogue", n * I // 4, (gu, table.blob_ptrs, np.int32(expert),
+                                                  np.int64(table.off_gate_up_scale), h, _ptr(lw), np.int32(n),
+                                                  np.int32(I)))
+    return h, lw
+
+
+def down_epilogue(yd, table: ExpertTable, expert: int, perm, start: int, weights, ypair):
+    """ypair[perm[start + r]] = (weights[perm[start + r]] * yd[r]) * s for yd [n, H] f32 (the unscaled down
+    products of expert `expert`'s rows start..start+n of the sorted order), s its row scales; ypair [P, H] f32."""
+    H = table.hidden_size
+    _check("yd", yd, dtype=np.float32, ndim=2)
+    _check("perm", perm, dtype=np.int32, ndim=1)
+    _check("weights", weights, dtype=np.float32)
+    _check("ypair", ypair, dtype=np.float32, shape=(perm.size, H))
+    n = yd.shape[0]
+    if yd.shape[1] != H or not 0 <= start <= perm.size - n or weights.size != perm.size:
+        raise ValueError(f"yd {tuple(yd.shape)} rows from {start}: not within {perm.size} pairs of width {H}")
+    _glue_launch("down_epilogue", n * H // 4, (yd, table.blob_ptrs, np.int32(expert), np.int64(table.off_down_scale),
+                                               perm, np.int32(start), weights, ypair, np.int32(n), np.int32(H)))
+    return ypair
+
+
+def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> bool:
+    """Whether moe_experts' grouped GEMM runs on cuBLAS (`moe_experts_cublas`): int8 per-row experts without extras
+    whose mean work a matrix, (P / E) H I multiply-adds, reaches CUBLAS_MIN_EXPERT_MACS (below it the widening of
+    every routed expert and its launches cost more than the pipelined kernel saves: limits.py)."""
+    work = num_pairs * table.hidden_size * table.intermediate_size
+    return (extras is None and type(table) is ExpertTable and table.groups()[2] == "r"
+            and work >= CUBLAS_MIN_EXPERT_MACS * table.num_experts)
+
+
+def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, activations: str = "split",
+                       residual=None, alpha: float = 1.0, ypair=None, out=None):
+    """`moe_experts` with its grouped GEMM on cuBLAS: each routed expert's int8 matrices widened to bf16, its rows'
+    products by cublasGemmEx (fp32 accumulation; activations 'split' as hi + lo, two products, ~1e-5 relative, or
+    'bf16', one), scales, SiLU and routing weights in moe_gemm_cublas.cu's epilogues, then the combine. disp: the
+    dispatch of ids (tile size free). Reads the per-expert counts on the host: a synchronization, so eager passes
+    only (never inside a graph capture)."""
+    cp = _cupy()
+    T, k = ids.shape
+    H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
+    if activations not in FAST_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {FAST_ACTIVATIONS}, got {activations!r}")
+    if P != T * k:
+        raise ValueError(f"dispatch has {P} pairs, ids {tuple(ids.shape)}")
+    _check_moe_inputs(x, table, disp, H, T)
+    if cp.cuda.get_current_stream().is_capturing():
+        raise RuntimeError("moe_experts_cublas synchronizes with the host: it cannot run inside a graph capture")
+    split = activations == "split"
+    flat_w = weights.reshape(-1)
+    offsets = cp.asnumpy(disp.offsets).astype(np.int64)
+    counts = np.diff(offsets)
+    rows = int(counts.max()) if counts.size else 0
+    ypair = _out("ypair", ypair, (P, H), cp.float32)
+    xs_hi, xs_lo = gather_split_bf16(x, disp.perm, k, split=split)
+    w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
+    gu, yd = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32)
+    a_hi = cp.empty((rows, I), cp.uint16)
+    a_lo = cp.empty((rows, I), cp.uint16) if split else None
+    for e in np.flatnonzero(counts):
+        s, n = int(offsets[e]), int(counts[e])
+        widen_expert_bf16(table, int(e), "gate_up", out=w_gu)
+        for j, part in enumerate((xs_hi, xs_lo) if split else (xs_hi,)):
+            gemm_bf16(part[s:s + n], w_gu, gu[:n], accumulate=j > 0)
+        ah, al = gate_up_epilogue(gu[:n], table, int(e), split=split, hi=a_hi[:n], lo=a_lo[:n] if split else None)
+        widen_expert_bf16(table, int(e), "down", out=w_dn)
+        for j, part in enumerate((ah, al) if split else (ah,)):
+            gemm_bf16(part, w_dn, yd[:n], accumulate=j > 0)
+        down_epilogue(yd[:n], table, int(e), disp.perm, s, flat_w, ypair)
+    return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
+
+
 def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
     """y [T, H] = residual + alpha * sum_j ypair[t*k + j] (slots summed in order; out may be residual)."""
     cp = _cupy()
@@ -659,7 +828,7 @@ def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtr
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
-                staging: FastGemmStaging | None = None, small: bool = False, out=None):
+                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
@@ -668,13 +837,19 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
     `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
+    cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
+    so; an eager pass only).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if small and not use_gemm and small_path(T, table, extras):
         return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
-    if use_gemm and uses_fast_gemm(fast_gemm, table, extras):
+    fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
+    if fast and (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas):
+        return moe_experts_cublas(x, ids, weights, table, disp, activations=fast_gemm, residual=residual,
+                                  alpha=alpha, ypair=ypair, out=out)
+    if fast:
         st = staging or FastGemmStaging(None, None, None, None)
         act = moe_gemm_gate_up_fast(x, table, disp, k, activations=fast_gemm, hi=st.x_hi, lo=st.x_lo, out=act)
         ypair = moe_gemm_down_fast(act, table, disp, weights, activations=fast_gemm, hi=st.act_hi, lo=st.act_lo,

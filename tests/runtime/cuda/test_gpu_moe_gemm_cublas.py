@@ -1,0 +1,174 @@
+"""The grouped expert GEMM on cuBLAS (moe_gemm_cublas.cu around cublasGemmEx, `ops.moe_experts_cublas`) against
+`numpy_backend`'s expert math in float64 (kernel_expectations.py), GPU only.
+
+The element-wise kernels are checked exactly (the gather and the widening are bit copies and exact conversions) or
+to float32 rounding (the epilogues); the whole block on test_gpu_moe_gemm_fast.py's ragged routings (experts with
+1, 63, 64, 65, 300 and no rows), outputs poisoned with NaN first; then the engine's choice of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.dtypes import to_float32
+from colibri_format.runtime import EngineConfig
+from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda.kernels import ops
+from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.cuda.synthetic_experts import host_experts, upload
+from tests.runtime.cuda.test_gpu_moe_gemm_fast import CASES, TOL, _case, f64, nan_array, prefill_error, rel
+
+pytestmark = pytest.mark.gpu
+
+
+def int8_matrix(blobs, layout, e: int, name: str) -> np.ndarray:
+    """Expert e's raw int8 matrix `name` out of host blobs."""
+    a = layout.array(name)
+    off = e * layout.size + a.offset
+    return blobs[off:off + a.shape[0] * a.shape[1]].view(np.int8).reshape(a.shape)
+
+
+def scales(blobs, layout, e: int, name: str) -> np.ndarray:
+    a = layout.array(name)
+    off = e * layout.size + a.offset
+    return blobs[off:off + 4 * a.shape[0] * a.shape[1]].view(np.float32).reshape(-1)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gather_split_copies_each_pairs_row(cp, rng, split):
+    T, k, H = 37, 3, 96
+    x = rng.standard_normal((T, H)).astype(np.float32) * 10
+    perm = rng.permutation(T * k).astype(np.int32)
+    hi, lo = ops.gather_split_bf16(cp.asarray(x), cp.asarray(perm), k, split=split,
+                                   hi=cp.full((T * k, H), 0xFFFF, cp.uint16))
+    exp_hi, exp_lo = expect.split_bf16(x[perm // k])
+    assert np.array_equal(hi.get(), exp_hi)
+    assert (lo is None) if not split else np.array_equal(lo.get(), exp_lo)
+
+
+@pytest.mark.parametrize("matrix,name", [("gate_up", "gate_up"), ("down", "down")])
+def test_widening_is_exact(cp, rng, matrix, name):
+    layout, _, blobs = host_experts(rng, 3, 160, 48)
+    buf, table = upload(blobs, 3, layout)
+    for e in range(3):
+        w = ops.widen_expert_bf16(table, e, matrix, out=cp.full(layout.array(name).shape, 0xFFFF, cp.uint16))
+        assert np.array_equal(to_float32(w.get()), int8_matrix(blobs, layout, e, name).astype(np.float32))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gate_up_epilogue_scales_and_gates(cp, rng, split):
+    H, I, n, e = 64, 80, 21, 1
+    layout, _, blobs = host_experts(rng, 2, H, I)
+    buf, table = upload(blobs, 2, layout)
+    gu = rng.standard_normal((n, 2 * I)).astype(np.float32) * 300
+    hi, lo = ops.gate_up_epilogue(cp.asarray(gu), table, e, split=split)
+    s = f64(scales(blobs, layout, e, "gate_up_scale"))
+    want = nb.silu_mul(f64(gu) * s)
+    got = to_float32(hi.get()) + (to_float32(lo.get()) if split else 0)
+    assert rel(got, want) < (1e-5 if split else 4e-3)
+
+
+def test_down_epilogue_scatters_to_pair_order(cp, rng):
+    H, I, P, e, start, n = 96, 32, 50, 0, 7, 30
+    layout, _, blobs = host_experts(rng, 1, H, I)
+    buf, table = upload(blobs, 1, layout)
+    perm = rng.permutation(P).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, P).astype(np.float32)
+    yd = rng.standard_normal((n, H)).astype(np.float32)
+    ypair = ops.down_epilogue(cp.asarray(yd), table, e, cp.asarray(perm), start, cp.asarray(w),
+                              nan_array(cp, (P, H))).get()
+    rows = perm[start:start + n]
+    want = f64(w[rows])[:, None] * f64(yd) * f64(scales(blobs, layout, e, "down_scale"))
+    assert rel(ypair[rows], want) < 1e-6
+    others = np.setdiff1d(np.arange(P), rows)
+    assert np.isnan(ypair[others]).all()          # no other pair's row is touched
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+def test_moe_experts_cublas_matches_float64(cp, rng, name, activations):
+    buf, table, experts, x, ids, w = _case(cp, rng, name)
+    (T, k), H = ids.shape, table.hidden_size
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    disp = ops.dispatch(cp.asarray(ids), table.num_experts)
+    y = ops.moe_experts_cublas(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, disp, activations=activations,
+                               residual=cp.asarray(resid), ypair=nan_array(cp, (T * k, H)))
+    ref = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy())
+    assert rel(y.get(), ref) < TOL[activations]
+
+
+def test_split_is_more_accurate_than_bf16(cp, rng):
+    buf, table, experts, x, ids, w = _case(cp, rng, "many-k-steps")
+    disp = ops.dispatch(cp.asarray(ids), table.num_experts)
+    ref = nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros(x.shape))
+    errs = {a: rel(ops.moe_experts_cublas(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, disp,
+                                          activations=a).get(), ref) for a in ops.FAST_ACTIVATIONS}
+    assert errs["split"] < 1e-4 < errs["bf16"] < 1e-2, errs
+
+
+def test_moe_experts_takes_cublas_from_the_rule_or_on_request(cp, rng, monkeypatch):
+    buf, table, experts, x, ids, w = _case(cp, rng, "ragged")     # 6 experts, 621 pairs: 103 a expert
+    calls = []
+    real = ops.moe_experts_cublas
+    monkeypatch.setattr(ops, "moe_experts_cublas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    ref = nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros(x.shape))
+    assert rel(ops.moe_experts(*args, gemm=True, fast_gemm="split", cublas=True).get(), ref) < TOL["split"]
+    assert calls == [1]
+    ops.moe_experts(*args, gemm=True, fast_gemm="split", cublas=False)
+    ops.moe_experts(*args, gemm=True, fast_gemm=None, cublas=True)          # no activations named: today's kernel
+    assert calls == [1]
+    work = 621 * table.hidden_size * table.intermediate_size // 6             # the mean work of an expert
+    monkeypatch.setattr(ops, "CUBLAS_MIN_EXPERT_MACS", work)
+    ops.moe_experts(*args, gemm=True, fast_gemm="bf16")
+    monkeypatch.setattr(ops, "CUBLAS_MIN_EXPERT_MACS", work + 1)
+    ops.moe_experts(*args, gemm=True, fast_gemm="bf16")
+    assert calls == [1, 1]
+
+
+def test_wrappers_reject_bad_inputs(cp, rng):
+    buf, table, experts, x, ids, w = _case(cp, rng, "one-k-step")
+    disp = ops.dispatch(cp.asarray(ids), table.num_experts)
+    with pytest.raises(ValueError, match="activations"):
+        ops.moe_experts_cublas(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, disp, activations="fp8")
+    with pytest.raises(ValueError, match="expert"):
+        ops.widen_expert_bf16(table, table.num_experts, "down")
+    with pytest.raises(TypeError):
+        ops.gemm_bf16(cp.zeros((4, 16), cp.float32), cp.zeros((8, 16), cp.uint16), cp.zeros((4, 8), cp.float32))
+    with pytest.raises(ValueError, match="does not match"):
+        ops.gemm_bf16(cp.zeros((4, 16), cp.uint16), cp.zeros((8, 32), cp.uint16), cp.zeros((4, 8), cp.float32))
+    with pytest.raises(ValueError, match="gu"):
+        ops.gate_up_epilogue(cp.zeros((3, table.intermediate_size), cp.float32), table, 0)
+    with pytest.raises(ValueError, match="rows from"):
+        ops.down_epilogue(cp.zeros((5, table.hidden_size), cp.float32), table, 0, disp.perm, disp.num_pairs - 4,
+                          cp.asarray(w), cp.zeros((disp.num_pairs, table.hidden_size), cp.float32))
+    grouped_layout, _, grouped_blobs = host_experts(rng, 4, 64, 32, 16)
+    gbuf, grouped = upload(grouped_blobs, 4, grouped_layout)
+    with pytest.raises(ValueError, match="per-row"):
+        ops.widen_expert_bf16(grouped, 0, "gate_up")
+    assert not ops.uses_cublas_gemm(10 ** 6, grouped, None)
+
+
+def test_refused_inside_a_graph_capture(cp, rng):
+    buf, table, experts, x, ids, w = _case(cp, rng, "one-k-step")
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, ops.dispatch(cp.asarray(ids), table.num_experts))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="graph capture"):
+                ops.moe_experts_cublas(*args)
+        finally:
+            stream.end_capture()
+
+
+@pytest.mark.parametrize("activations,tol", [("split", 2e-3), ("bf16", 3e-2)])
+def test_engine_prefill_on_cublas(tmp_path, monkeypatch, activations, tol):
+    calls = []
+    real = ops.moe_experts_cublas
+    monkeypatch.setattr(ops, "moe_experts_cublas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = EngineConfig(device="cuda", max_seq_len=128, fast_expert_gemm=activations, cublas_expert_gemm=True)
+    err = prefill_error(tmp_path, cfg)
+    assert calls, "the engine did not run the cuBLAS path"
+    assert err < tol
