@@ -2,8 +2,8 @@
 pipelines, fragment layouts and cross-block protocols on machines without a GPU: moe_gemm_fast.cu
 (test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu
 (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode
-(test_attention_decode_emulated.py) and the norms (layers.cu's rmsnorm, fused.cu's add_rmsnorm:
-test_norms_emulated.py).
+(test_attention_decode_emulated.py), the norms (layers.cu's rmsnorm, fused.cu's add_rmsnorm:
+test_norms_emulated.py) and moe_gemm_cublas.cu's element-wise kernels around cuBLAS (test_moe_gemm_cublas_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -595,3 +595,55 @@ class GemvEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size,
             _nullable(None if extras is None else extras.down_bias))
+
+
+# ---- moe_gemm_cublas.cu ---------------------------------------------------------------------------------------------
+GLUE_DRIVER = r"""
+extern "C" void emu_gather(int blocks, const float* x, const int* perm, u16* hi, u16* lo, int P, int H, int k) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gather_split_bf16(x, perm, hi, lo, P, H, k); });
+}
+
+extern "C" void emu_widen(int blocks, const unsigned long long* blobs, int e, long long off, long long n, u16* w) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { widen_int8_bf16(blobs, e, off, n, w); });
+}
+
+extern "C" void emu_gate_up_epilogue(int blocks, const float* gu, const unsigned long long* blobs, int e,
+                                     long long off_s, u16* hi, u16* lo, int rows, int inter) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gate_up_epilogue(gu, blobs, e, off_s, hi, lo, rows, inter); });
+}
+
+extern "C" void emu_down_epilogue(int blocks, const float* yd, const unsigned long long* blobs, int e,
+                                  long long off_s, const int* perm, int start, const float* pair_w, float* ypair,
+                                  int rows, int hidden) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
+        down_epilogue(yd, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden);
+    });
+}
+"""
+
+
+def build_glue(tmp_path: Path) -> ctypes.CDLL:
+    """moe_gemm_cublas.cu (the element-wise kernels around cuBLAS) for the CPU, with limits.py's constants."""
+    return _compile(tmp_path, "moe_gemm_cublas", host_module_source("moe_gemm_cublas") + GLUE_DRIVER,
+                    limits.define_options("moe_gemm_cublas"))
+
+
+class GlueEmulator(GridStrideEmulator):
+    """moe_gemm_cublas.cu's kernels over host arrays (blobs: host blob bytes, ptrs: their addresses, uint64 [E]);
+    `blocks` blocks a launch (the grid-stride loops)."""
+
+    def gather(self, x, perm, k: int, hi, lo) -> None:
+        self.lib.emu_gather(self.blocks, _ptr(x), _ptr(perm), _ptr(hi), _nullable(lo), perm.size, x.shape[1], k)
+
+    def widen(self, ptrs, e: int, off: int, w) -> None:
+        self.lib.emu_widen(self.blocks, _ptr(ptrs), e, ctypes.c_longlong(off), ctypes.c_longlong(w.size), _ptr(w))
+
+    def gate_up_epilogue(self, gu, ptrs, e: int, off_s: int, hi, lo) -> None:
+        rows, inter = hi.shape
+        self.lib.emu_gate_up_epilogue(self.blocks, _ptr(gu), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(hi),
+                                      _nullable(lo), rows, inter)
+
+    def down_epilogue(self, yd, ptrs, e: int, off_s: int, perm, start: int, weights, ypair) -> None:
+        rows, hidden = yd.shape
+        self.lib.emu_down_epilogue(self.blocks, _ptr(yd), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(perm),
+                                   start, _ptr(weights), _ptr(ypair), rows, hidden)

@@ -1,0 +1,100 @@
+"""moe_gemm_cublas.cu on the CPU (cuda_host_emulation.py: its kernels built with g++, a thread per CUDA thread): the
+gather of the pairs' rows into bf16, the exact widening of int8 matrices, and the two epilogues around cuBLAS's
+products, against NumPy (kernel_expectations.split_bf16, numpy_backend.silu_mul) over one and several blocks (the
+grid-stride loops). The GPU tests, cuBLAS's products included, are in test_gpu_moe_gemm_cublas.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.dtypes import to_float32
+from colibri_format.runtime import numpy_backend as nb
+from tests.runtime.cuda import kernel_expectations as expect
+from tests.runtime.cuda.cuda_host_emulation import GXX, GlueEmulator, build_glue
+from tests.runtime.cuda.synthetic_experts import host_experts
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    return build_glue(tmp_path_factory.mktemp("moe_gemm_cublas_host"))
+
+
+@pytest.fixture(params=[1, 3], ids=["1-block", "3-blocks"])
+def emulator(library, request):
+    return GlueEmulator(library, blocks=request.param)
+
+
+def experts(rng, E: int, H: int, I: int):
+    """(layout, host blobs, their addresses uint64 [E])."""
+    layout, _, blobs = host_experts(rng, E, H, I)
+    return layout, blobs, np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
+
+
+def array_of(blobs, layout, e: int, name: str, dtype) -> np.ndarray:
+    a = layout.array(name)
+    start = e * layout.size + a.offset
+    return blobs[start:start + a.shape[0] * a.shape[1] * np.dtype(dtype).itemsize].view(dtype).reshape(a.shape)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gather_splits_each_pairs_row(emulator, split):
+    rng = np.random.default_rng(1)
+    T, k, H = 29, 3, 52
+    x = rng.standard_normal((T, H)).astype(np.float32) * 7
+    perm = rng.permutation(T * k).astype(np.int32)[:80]         # fewer pairs than T * k: a partial routing
+    hi = np.full((80, H), 0xFFFF, np.uint16)
+    lo = np.full((80, H), 0xFFFF, np.uint16) if split else None
+    emulator.gather(x, perm, k, hi, lo)
+    assert emulator.errors() == (0, "")
+    want_hi, want_lo = expect.split_bf16(x[perm // k])
+    assert np.array_equal(hi, want_hi)
+    assert lo is None or np.array_equal(lo, want_lo)
+
+
+@pytest.mark.parametrize("name", ["gate_up", "down"])
+def test_widening_is_exact(emulator, name):
+    rng = np.random.default_rng(2)
+    layout, blobs, ptrs = experts(rng, 3, 96, 48)
+    for e in range(3):
+        w = np.full(layout.array(name).shape, 0xFFFF, np.uint16)
+        emulator.widen(ptrs, e, layout.array(name).offset, w)
+        assert emulator.errors() == (0, "")
+        assert np.array_equal(to_float32(w), array_of(blobs, layout, e, name, np.int8).astype(np.float32))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gate_up_epilogue(emulator, split):
+    rng = np.random.default_rng(3)
+    H, I, n, e = 64, 40, 13, 1
+    layout, blobs, ptrs = experts(rng, 2, H, I)
+    gu = rng.standard_normal((n, 2 * I)).astype(np.float32) * 300
+    hi = np.full((n, I), 0xFFFF, np.uint16)
+    lo = np.full((n, I), 0xFFFF, np.uint16) if split else None
+    emulator.gate_up_epilogue(gu, ptrs, e, layout.array("gate_up_scale").offset, hi, lo)
+    assert emulator.errors() == (0, "")
+    s = array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
+    want = nb.silu_mul(gu.astype(np.float64) * s)
+    got = to_float32(hi).astype(np.float64) + (to_float32(lo) if split else 0)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < (1e-5 if split else 4e-3)
+    assert split or err > 1e-4         # bf16 alone really rounds (the split's lo is what keeps ~16 bits)
+
+
+def test_down_epilogue_writes_only_its_rows(emulator):
+    rng = np.random.default_rng(4)
+    H, I, P, start, n = 48, 16, 40, 9, 22
+    layout, blobs, ptrs = experts(rng, 2, H, I)
+    perm = rng.permutation(P).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, P).astype(np.float32)
+    yd = rng.standard_normal((n, H)).astype(np.float32)
+    ypair = np.full((P, H), np.nan, np.float32)
+    emulator.down_epilogue(yd, ptrs, 1, layout.array("down_scale").offset, perm, start, w, ypair)
+    assert emulator.errors() == (0, "")
+    rows = perm[start:start + n]
+    s = array_of(blobs, layout, 1, "down_scale", np.float32).reshape(-1)
+    assert np.array_equal(ypair[rows], (w[rows, None] * yd) * s)      # float32, the kernel's order
+    assert np.isnan(np.delete(ypair, rows, axis=0)).all()
