@@ -8,6 +8,8 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
   of their input (ops.split_bf16, also timed alone as `split_bf16`);
 - `cublas-dense-split`: for scale, one dense cuBLAS GEMM of the same FLOPs (all P rows against one [N, K] bf16
   matrix, hi + lo: CupyBackend.gemm_bf16_split), i.e. what cuBLAS's tensor cores give on an ungrouped product;
+- `cublas-dense-int8`: the same for W8A8 (int8 weights and activations, int32 accumulation, cublasGemmEx with
+  CUBLAS_COMPUTE_32I on the int8 tensor cores): the ceiling of a W8A8 route that reads the blobs' int8 in place;
 - stage `block`: the whole routed-expert block (ops.moe_experts: dispatch, both products, combine) on the pipelined
   kernel (`fast-*`) and on cuBLAS (`cublas-*`: ops.moe_experts_cublas, each routed expert widened to bf16, its
   per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS.
@@ -84,6 +86,26 @@ def timed_plain(cp, fn) -> float:
     return float(np.median(times))
 
 
+CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I = 3, 10, 72      # cudaDataType, cublasComputeType_t
+
+
+def gemm_int8(cp, a, w, out) -> None:
+    """out [T, N] int32 = a [T, K] int8 @ w [N, K] int8 .T on cuBLAS (the layout int8 GemmEx takes: TN)."""
+    cublas = ops._cublas()
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, ops.CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.array(1, np.int32), np.array(0, np.int32)
+    (T, K), N = a.shape, w.shape[0]
+    try:
+        cublas.gemmEx(handle, ops.CUBLAS_OP_T, ops.CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_8I, K,
+                      a.data.ptr, CUDA_R_8I, K, zero.ctypes.data, out.data.ptr, CUDA_R_32I, N, CUBLAS_COMPUTE_32I,
+                      ops.CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
 def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
     """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
     limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
@@ -139,7 +161,14 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
         wd = (wd >> 16).astype(cp.uint16)          # int8 values, exact in bf16 (their float32 high halves)
         out = cp.empty((P, n), cp.float32)
         add("cublas-dense-split", stage, timed_plain(cp, lambda: be.gemm_bf16_split(rows_in, wd, out)))
-        del wd, out
+        w8 = cp.random.RandomState(6).randint(-127, 128, (n, kk)).astype(cp.int8)
+        a8 = cp.random.RandomState(7).randint(-127, 128, (P, kk)).astype(cp.int8)
+        out8 = cp.empty((P, n), cp.int32)
+        gemm_int8(cp, a8[:4], w8, out8[:4])
+        exact = bool((out8[:4] == a8[:4].astype(cp.int32) @ w8.astype(cp.int32).T).all())
+        add("cublas-dense-int8" + ("" if exact else " (WRONG)"), stage,
+            timed_plain(cp, lambda: gemm_int8(cp, a8, w8, out8)))
+        del wd, out, w8, a8, out8
     del buf
     return rows
 

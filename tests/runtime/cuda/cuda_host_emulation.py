@@ -599,8 +599,9 @@ class GemvEmulator(GridStrideEmulator):
 
 # ---- moe_gemm_cublas.cu ---------------------------------------------------------------------------------------------
 GLUE_DRIVER = r"""
-extern "C" void emu_gather(int blocks, const float* x, const int* perm, u16* hi, u16* lo, int P, int H, int k) {
-    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gather_split_bf16(x, perm, hi, lo, P, H, k); });
+extern "C" void emu_gather(int blocks, const float* x, const int* perm, const int* offsets, int E, u16* out, int P,
+                           int H, int k, int split) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gather_bf16(x, perm, offsets, E, out, P, H, k, split); });
 }
 
 extern "C" void emu_widen(int blocks, const unsigned long long* blobs, int e, long long off, long long n, u16* w) {
@@ -608,15 +609,17 @@ extern "C" void emu_widen(int blocks, const unsigned long long* blobs, int e, lo
 }
 
 extern "C" void emu_gate_up_epilogue(int blocks, const float* gu, const unsigned long long* blobs, int e,
-                                     long long off_s, u16* hi, u16* lo, int rows, int inter) {
-    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gate_up_epilogue(gu, blobs, e, off_s, hi, lo, rows, inter); });
+                                     long long off_s, u16* out, int rows, int inter, int split) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
+        gate_up_epilogue(gu, blobs, e, off_s, out, rows, inter, split);
+    });
 }
 
 extern "C" void emu_down_epilogue(int blocks, const float* yd, const unsigned long long* blobs, int e,
                                   long long off_s, const int* perm, int start, const float* pair_w, float* ypair,
-                                  int rows, int hidden) {
+                                  int rows, int hidden, int split) {
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
-        down_epilogue(yd, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden);
+        down_epilogue(yd, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden, split);
     });
 }
 """
@@ -632,18 +635,21 @@ class GlueEmulator(GridStrideEmulator):
     """moe_gemm_cublas.cu's kernels over host arrays (blobs: host blob bytes, ptrs: their addresses, uint64 [E]);
     `blocks` blocks a launch (the grid-stride loops)."""
 
-    def gather(self, x, perm, k: int, hi, lo) -> None:
-        self.lib.emu_gather(self.blocks, _ptr(x), _ptr(perm), _ptr(hi), _nullable(lo), perm.size, x.shape[1], k)
+    def gather(self, x, perm, k: int, offsets, out) -> None:
+        """offsets None: bf16 rows; else split rows stacked per expert (ops.gather_bf16)."""
+        E = 0 if offsets is None else offsets.size - 1
+        self.lib.emu_gather(self.blocks, _ptr(x), _ptr(perm), _nullable(offsets), E, _ptr(out), perm.size,
+                            x.shape[1], k, int(offsets is not None))
 
     def widen(self, ptrs, e: int, off: int, w) -> None:
         self.lib.emu_widen(self.blocks, _ptr(ptrs), e, ctypes.c_longlong(off), ctypes.c_longlong(w.size), _ptr(w))
 
-    def gate_up_epilogue(self, gu, ptrs, e: int, off_s: int, hi, lo) -> None:
-        rows, inter = hi.shape
-        self.lib.emu_gate_up_epilogue(self.blocks, _ptr(gu), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(hi),
-                                      _nullable(lo), rows, inter)
+    def gate_up_epilogue(self, gu, ptrs, e: int, off_s: int, out, split: bool) -> None:
+        rows, inter = out.shape[0] // (2 if split else 1), out.shape[1]
+        self.lib.emu_gate_up_epilogue(self.blocks, _ptr(gu), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(out),
+                                      rows, inter, int(split))
 
-    def down_epilogue(self, yd, ptrs, e: int, off_s: int, perm, start: int, weights, ypair) -> None:
-        rows, hidden = yd.shape
+    def down_epilogue(self, yd, ptrs, e: int, off_s: int, perm, start: int, weights, ypair, split: bool) -> None:
+        rows, hidden = yd.shape[0] // (2 if split else 1), yd.shape[1]
         self.lib.emu_down_epilogue(self.blocks, _ptr(yd), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(perm),
-                                   start, _ptr(weights), _ptr(ypair), rows, hidden)
+                                   start, _ptr(weights), _ptr(ypair), rows, hidden, int(split))

@@ -72,3 +72,13 @@ def split_bf16(x) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, np.float32)
     hi = float32_to_bf16_bits(x)
     return hi, float32_to_bf16_bits(x - to_float32(hi))
+
+
+def stacked_split_bf16(rows, offsets) -> np.ndarray:
+    """[2P, H] bf16 bits of rows [P, H] in sorted order: each expert's rows (positions offsets[e]..offsets[e+1]) as
+    their hi then their lo (`split_bf16`), expert e's block from row 2 offsets[e] (moe_gemm_cublas.cu's stacking)."""
+    hi, lo = split_bf16(rows)
+    out = np.empty((2 * len(rows), rows.shape[1]), np.uint16)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        out[2 * a:a + b], out[a + b:2 * b] = hi[a:b], lo[a:b]
+    return out

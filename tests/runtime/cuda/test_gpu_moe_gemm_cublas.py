@@ -36,15 +36,18 @@ def scales(blobs, layout, e: int, name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("split", [True, False])
-def test_gather_split_copies_each_pairs_row(cp, rng, split):
-    T, k, H = 37, 3, 96
+def test_gather_rows(cp, rng, split):
+    T, k, H, E = 37, 3, 96, 5
     x = rng.standard_normal((T, H)).astype(np.float32) * 10
-    perm = rng.permutation(T * k).astype(np.int32)
-    hi, lo = ops.gather_split_bf16(cp.asarray(x), cp.asarray(perm), k, split=split,
-                                   hi=cp.full((T * k, H), 0xFFFF, cp.uint16))
-    exp_hi, exp_lo = expect.split_bf16(x[perm // k])
-    assert np.array_equal(hi.get(), exp_hi)
-    assert (lo is None) if not split else np.array_equal(lo.get(), exp_lo)
+    ids = rng.integers(0, E - 1, (T, k)).astype(np.int32)
+    ids[ids >= 2] += 1                                         # expert 2 gets no rows
+    d = ops.dispatch(cp.asarray(ids), E)
+    perm, offsets = d.perm.get(), d.offsets.get()
+    out = ops.gather_bf16(cp.asarray(x), d.perm, k, offsets=d.offsets if split else None,
+                          out=cp.full(((2 if split else 1) * T * k, H), 0xFFFF, cp.uint16))
+    rows = x[perm // k]
+    want = expect.stacked_split_bf16(rows, offsets) if split else expect.split_bf16(rows)[0]
+    assert np.array_equal(out.get(), want)
 
 
 @pytest.mark.parametrize("matrix,name", [("gate_up", "gate_up"), ("down", "down")])
@@ -61,28 +64,28 @@ def test_gate_up_epilogue_scales_and_gates(cp, rng, split):
     H, I, n, e = 64, 80, 21, 1
     layout, _, blobs = host_experts(rng, 2, H, I)
     buf, table = upload(blobs, 2, layout)
-    gu = rng.standard_normal((n, 2 * I)).astype(np.float32) * 300
-    hi, lo = ops.gate_up_epilogue(cp.asarray(gu), table, e, split=split)
+    gu = rng.standard_normal(((2 if split else 1) * n, 2 * I)).astype(np.float32) * 300
+    act = ops.gate_up_epilogue(cp.asarray(gu), table, e, split=split).get()
     s = f64(scales(blobs, layout, e, "gate_up_scale"))
-    want = nb.silu_mul(f64(gu) * s)
-    got = to_float32(hi.get()) + (to_float32(lo.get()) if split else 0)
+    want = nb.silu_mul(f64((gu[:n] + gu[n:]) if split else gu) * s)
+    got = to_float32(act[:n]) + (to_float32(act[n:]) if split else 0)
     assert rel(got, want) < (1e-5 if split else 4e-3)
 
 
-def test_down_epilogue_scatters_to_pair_order(cp, rng):
+@pytest.mark.parametrize("split", [True, False])
+def test_down_epilogue_scatters_to_pair_order(cp, rng, split):
     H, I, P, e, start, n = 96, 32, 50, 0, 7, 30
     layout, _, blobs = host_experts(rng, 1, H, I)
     buf, table = upload(blobs, 1, layout)
     perm = rng.permutation(P).astype(np.int32)
     w = rng.uniform(0.1, 1.0, P).astype(np.float32)
-    yd = rng.standard_normal((n, H)).astype(np.float32)
+    yd = rng.standard_normal(((2 if split else 1) * n, H)).astype(np.float32)
     ypair = ops.down_epilogue(cp.asarray(yd), table, e, cp.asarray(perm), start, cp.asarray(w),
-                              nan_array(cp, (P, H))).get()
+                              nan_array(cp, (P, H)), split=split).get()
     rows = perm[start:start + n]
-    want = f64(w[rows])[:, None] * f64(yd) * f64(scales(blobs, layout, e, "down_scale"))
-    assert rel(ypair[rows], want) < 1e-6
-    others = np.setdiff1d(np.arange(P), rows)
-    assert np.isnan(ypair[others]).all()          # no other pair's row is touched
+    products = (yd[:n] + yd[n:]) if split else yd
+    assert rel(ypair[rows], f64(w[rows])[:, None] * f64(products) * f64(scales(blobs, layout, e, "down_scale"))) < 1e-6
+    assert np.isnan(np.delete(ypair, rows, axis=0)).all()          # no other pair's row is touched
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -139,10 +142,12 @@ def test_wrappers_reject_bad_inputs(cp, rng):
     with pytest.raises(ValueError, match="does not match"):
         ops.gemm_bf16(cp.zeros((4, 16), cp.uint16), cp.zeros((8, 32), cp.uint16), cp.zeros((4, 8), cp.float32))
     with pytest.raises(ValueError, match="gu"):
-        ops.gate_up_epilogue(cp.zeros((3, table.intermediate_size), cp.float32), table, 0)
+        ops.gate_up_epilogue(cp.zeros((4, table.intermediate_size), cp.float32), table, 0)
+    with pytest.raises(ValueError, match="gu"):
+        ops.gate_up_epilogue(cp.zeros((3, 2 * table.intermediate_size), cp.float32), table, 0, split=True)
     with pytest.raises(ValueError, match="rows from"):
         ops.down_epilogue(cp.zeros((5, table.hidden_size), cp.float32), table, 0, disp.perm, disp.num_pairs - 4,
-                          cp.asarray(w), cp.zeros((disp.num_pairs, table.hidden_size), cp.float32))
+                          cp.asarray(w), cp.zeros((disp.num_pairs, table.hidden_size), cp.float32), split=False)
     grouped_layout, _, grouped_blobs = host_experts(rng, 4, 64, 32, 16)
     gbuf, grouped = upload(grouped_blobs, 4, grouped_layout)
     with pytest.raises(ValueError, match="per-row"):

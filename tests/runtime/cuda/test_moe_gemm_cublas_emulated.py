@@ -41,18 +41,19 @@ def array_of(blobs, layout, e: int, name: str, dtype) -> np.ndarray:
 
 
 @pytest.mark.parametrize("split", [True, False])
-def test_gather_splits_each_pairs_row(emulator, split):
+def test_gather_rows(emulator, split):
+    """bf16 rows in sorted order, or (split) each expert's hi rows then its lo rows, experts without rows included."""
     rng = np.random.default_rng(1)
     T, k, H = 29, 3, 52
     x = rng.standard_normal((T, H)).astype(np.float32) * 7
     perm = rng.permutation(T * k).astype(np.int32)[:80]         # fewer pairs than T * k: a partial routing
-    hi = np.full((80, H), 0xFFFF, np.uint16)
-    lo = np.full((80, H), 0xFFFF, np.uint16) if split else None
-    emulator.gather(x, perm, k, hi, lo)
+    offsets = np.array([0, 0, 17, 18, 18, 61, 80], np.int32)
+    out = np.full(((2 if split else 1) * 80, H), 0xFFFF, np.uint16)
+    emulator.gather(x, perm, k, offsets if split else None, out)
     assert emulator.errors() == (0, "")
-    want_hi, want_lo = expect.split_bf16(x[perm // k])
-    assert np.array_equal(hi, want_hi)
-    assert lo is None or np.array_equal(lo, want_lo)
+    rows = x[perm // k]
+    want = expect.stacked_split_bf16(rows, offsets) if split else expect.split_bf16(rows)[0]
+    assert np.array_equal(out, want)
 
 
 @pytest.mark.parametrize("name", ["gate_up", "down"])
@@ -71,30 +72,33 @@ def test_gate_up_epilogue(emulator, split):
     rng = np.random.default_rng(3)
     H, I, n, e = 64, 40, 13, 1
     layout, blobs, ptrs = experts(rng, 2, H, I)
-    gu = rng.standard_normal((n, 2 * I)).astype(np.float32) * 300
-    hi = np.full((n, I), 0xFFFF, np.uint16)
-    lo = np.full((n, I), 0xFFFF, np.uint16) if split else None
-    emulator.gate_up_epilogue(gu, ptrs, e, layout.array("gate_up_scale").offset, hi, lo)
+    stack = 2 if split else 1
+    gu = rng.standard_normal((stack * n, 2 * I)).astype(np.float32) * 300
+    out = np.full((stack * n, I), 0xFFFF, np.uint16)
+    emulator.gate_up_epilogue(gu, ptrs, e, layout.array("gate_up_scale").offset, out, split)
     assert emulator.errors() == (0, "")
     s = array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
-    want = nb.silu_mul(gu.astype(np.float64) * s)
-    got = to_float32(hi).astype(np.float64) + (to_float32(lo) if split else 0)
+    products = (gu[:n] + gu[n:]) if split else gu                   # a stacked product's hi and lo rows added
+    want = nb.silu_mul(products.astype(np.float64) * s)
+    got = to_float32(out[:n]).astype(np.float64) + (to_float32(out[n:]) if split else 0)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < (1e-5 if split else 4e-3)
     assert split or err > 1e-4         # bf16 alone really rounds (the split's lo is what keeps ~16 bits)
 
 
-def test_down_epilogue_writes_only_its_rows(emulator):
+@pytest.mark.parametrize("split", [True, False])
+def test_down_epilogue_writes_only_its_rows(emulator, split):
     rng = np.random.default_rng(4)
     H, I, P, start, n = 48, 16, 40, 9, 22
     layout, blobs, ptrs = experts(rng, 2, H, I)
     perm = rng.permutation(P).astype(np.int32)
     w = rng.uniform(0.1, 1.0, P).astype(np.float32)
-    yd = rng.standard_normal((n, H)).astype(np.float32)
+    yd = rng.standard_normal(((2 if split else 1) * n, H)).astype(np.float32)
     ypair = np.full((P, H), np.nan, np.float32)
-    emulator.down_epilogue(yd, ptrs, 1, layout.array("down_scale").offset, perm, start, w, ypair)
+    emulator.down_epilogue(yd, ptrs, 1, layout.array("down_scale").offset, perm, start, w, ypair, split)
     assert emulator.errors() == (0, "")
     rows = perm[start:start + n]
     s = array_of(blobs, layout, 1, "down_scale", np.float32).reshape(-1)
-    assert np.array_equal(ypair[rows], (w[rows, None] * yd) * s)      # float32, the kernel's order
+    products = (yd[:n] + yd[n:]) if split else yd
+    assert np.array_equal(ypair[rows], (w[rows, None] * products) * s)      # float32, the kernel's order
     assert np.isnan(np.delete(ypair, rows, axis=0)).all()

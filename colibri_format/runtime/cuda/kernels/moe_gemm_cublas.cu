@@ -1,14 +1,19 @@
 // Prefill grouped int8 expert products on cuBLAS (ops.moe_experts_cublas): the element-wise work around its bf16
 // GEMMs. cuBLAS multiplies bf16 (not int8 x bf16) matrices, so an expert's int8 matrix is widened to bf16 in a
-// workspace (exactly: |q| <= 127 needs 8 significant bits), the rows of its pairs are gathered in bf16 (hi, and for
-// "split" lo = bf16(x - hi): about 16 significant bits), and the row scales, SiLU, routing weights and the scatter
-// back to pair order run here, in moe_gemm_fast.cu's rounding order:
-//   gather_split_bf16:   hi/lo[pos, :] = split(x[perm[pos] / k, :])                         pos in [0, P)
-//   widen_int8_bf16:     w[i] = bf16(q[i]) for q the n int8 values at blobs[e] + off
-//   gate_up_epilogue:    hi/lo[r, i] = split(silu(gu[r, i] * s[i]) * (gu[r, I + i] * s[I + i]))    r in [0, n)
-//   down_epilogue:       ypair[perm[start + r], h] = (w[perm[start + r]] * yd[r, h]) * s[h]
-// with s the expert's f32 row scales at blobs[e] + off_s. Every kernel is grid-stride over groups of 4 (the
-// gather, epilogues) or 16 (the widening) elements; ops.py checks the shapes are whole groups and 16-byte aligned.
+// workspace (exactly: |q| <= 127 needs 8 significant bits), the rows of its pairs are gathered in bf16, and the row
+// scales, SiLU, routing weights and the scatter back to pair order run here, in moe_gemm_fast.cu's rounding order.
+// With "split" activations a row is hi = bf16(v) and lo = bf16(v - hi) (about 16 significant bits), and an expert's
+// n rows are stacked as its n hi rows then its n lo rows, so that ONE product of the 2n rows reads its weights once;
+// the epilogues add row r's and row n + r's products.
+//   gather_bf16:       rows of expert e (sorted positions offsets[e] .. offsets[e+1]) -> out rows, from x[perm / k]:
+//                      split: pos's hi at pos + offsets[e], its lo at pos + offsets[e+1]; else bf16(x) at pos
+//   widen_int8_bf16:   w[i] = bf16(q[i]) for q the n int8 values at blobs[e] + off
+//   gate_up_epilogue:  a = silu(g s[i]) (u s[I + i]), g / u the gate / up products of row r (split: plus row n + r's),
+//                      stored like the gather (split: hi at r, lo at n + r)
+//   down_epilogue:     ypair[perm[start + r], h] = (w[perm[start + r]] * y) * s[h], y row r's product (split: plus
+//                      row n + r's)
+// with s the expert's f32 row scales at blobs[e] + off_s. Every kernel is grid-stride over groups of 4 (the gather,
+// epilogues) or 16 (the widening) elements; ops.py checks that the shapes are whole groups.
 #include "common.cuh"
 
 #ifndef GLUE_THREADS
@@ -23,22 +28,32 @@ struct alignas(16) Bf16x8 {
     u16 v[8];
 };
 
-// hi (and lo unless it is null) of 4 floats, stored at element i of both
-__device__ __forceinline__ void store_split4(const float (&v)[4], u16* __restrict__ hi, u16* __restrict__ lo,
-                                             long long i) {
+// 4 floats as bf16 at element i of out, and, when split, their lo = bf16(v - hi) at element i + lo_step
+__device__ __forceinline__ void store_bf16x4(const float (&v)[4], u16* __restrict__ out, long long i, bool split,
+                                             long long lo_step) {
     Bf16x4 h, l;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         h.v[j] = TBF16::from_f32(v[j]);
         l.v[j] = TBF16::from_f32(v[j] - TBF16::to_f32(h.v[j]));
     }
-    *reinterpret_cast<Bf16x4*>(hi + i) = h;
-    if (lo) *reinterpret_cast<Bf16x4*>(lo + i) = l;
+    *reinterpret_cast<Bf16x4*>(out + i) = h;
+    if (split) *reinterpret_cast<Bf16x4*>(out + i + lo_step) = l;
+}
+
+// the expert whose sorted positions hold pos: the last e with offsets[e] <= pos (experts without rows share offsets)
+__device__ __forceinline__ int expert_of(const int* __restrict__ offsets, int num_experts, int pos) {
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= pos) lo = mid; else hi = mid - 1;
+    }
+    return lo;
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
-gather_split_bf16(const float* __restrict__ x, const int* __restrict__ perm, u16* __restrict__ hi, u16* __restrict__ lo,
-                  int num_pairs, int cols, int k) {
+gather_bf16(const float* __restrict__ x, const int* __restrict__ perm, const int* __restrict__ offsets,
+            int num_experts, u16* __restrict__ out, int num_pairs, int cols, int k, int split) {
     const int quads = cols / 4;
     const long long n = (long long)num_pairs * quads;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -46,7 +61,14 @@ gather_split_bf16(const float* __restrict__ x, const int* __restrict__ perm, u16
         const int pos = (int)(q / quads), c = (int)(q % quads) * 4;
         const float4 v = *reinterpret_cast<const float4*>(x + (size_t)(perm[pos] / k) * cols + c);
         const float vals[4] = {v.x, v.y, v.z, v.w};
-        store_split4(vals, hi, lo, (long long)pos * cols + c);
+        int row = pos;
+        long long lo_step = 0;
+        if (split) {
+            const int e = expert_of(offsets, num_experts, pos);
+            row = pos + offsets[e];
+            lo_step = (long long)(offsets[e + 1] - offsets[e]) * cols;
+        }
+        store_bf16x4(vals, out, (long long)row * cols + c, split, lo_step);
     }
 }
 
@@ -68,29 +90,40 @@ widen_int8_bf16(const unsigned long long* __restrict__ blobs, int e, long long o
     }
 }
 
+// row r's products, plus row rows + r's when split (the lo half of a stacked product)
+__device__ __forceinline__ float4 stacked_row4(const float* __restrict__ p, int r, int rows, int width, int c,
+                                               bool split) {
+    float4 v = *reinterpret_cast<const float4*>(p + (size_t)r * width + c);
+    if (split) {
+        const float4 w = *reinterpret_cast<const float4*>(p + (size_t)(rows + r) * width + c);
+        v = make_float4(v.x + w.x, v.y + w.y, v.z + w.z, v.w + w.w);
+    }
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gate_up_epilogue(const float* __restrict__ gu, const unsigned long long* __restrict__ blobs, int e, long long off_s,
-                 u16* __restrict__ hi, u16* __restrict__ lo, int rows, int inter) {
+                 u16* __restrict__ out, int rows, int inter, int split) {
     const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
     const int quads = inter / 4;
     const long long n = (long long)rows * quads;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
         const int r = (int)(q / quads), c = (int)(q % quads) * 4;
-        const float4 g = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * inter + c);
-        const float4 u = *reinterpret_cast<const float4*>(gu + (size_t)r * 2 * inter + inter + c);
+        const float4 g = stacked_row4(gu, r, rows, 2 * inter, c, split);
+        const float4 u = stacked_row4(gu + inter, r, rows, 2 * inter, c, split);
         const float4 sg = *reinterpret_cast<const float4*>(s + c);
         const float4 su = *reinterpret_cast<const float4*>(s + inter + c);
         const float vals[4] = {silu_f32(g.x * sg.x) * (u.x * su.x), silu_f32(g.y * sg.y) * (u.y * su.y),
                                silu_f32(g.z * sg.z) * (u.z * su.z), silu_f32(g.w * sg.w) * (u.w * su.w)};
-        store_split4(vals, hi, lo, (long long)r * inter + c);
+        store_bf16x4(vals, out, (long long)r * inter + c, split, (long long)rows * inter);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict__ blobs, int e, long long off_s,
               const int* __restrict__ perm, int start, const float* __restrict__ pair_w, float* __restrict__ ypair,
-              int rows, int hidden) {
+              int rows, int hidden, int split) {
     const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
     const int quads = hidden / 4;
     const long long n = (long long)rows * quads;
@@ -99,7 +132,7 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
         const int r = (int)(q / quads), c = (int)(q % quads) * 4;
         const int pair = perm[start + r];
         const float pw = pair_w[pair];
-        const float4 v = *reinterpret_cast<const float4*>(yd + (size_t)r * hidden + c);
+        const float4 v = stacked_row4(yd, r, rows, hidden, c, split);
         const float4 sc = *reinterpret_cast<const float4*>(s + c);
         *reinterpret_cast<float4*>(ypair + (size_t)pair * hidden + c) =
             make_float4(pw * v.x * sc.x, pw * v.y * sc.y, pw * v.z * sc.z, pw * v.w * sc.w);

@@ -678,19 +678,23 @@ def _glue_launch(name: str, items: int, args: tuple) -> None:
         kernel("moe_gemm_cublas", name)((_grid_stride_blocks(items, GLUE_THREADS),), (GLUE_THREADS,), args)
 
 
-def gather_split_bf16(x, perm, k: int, *, split: bool = True, hi=None, lo=None):
-    """(hi, lo) [P, H] bf16 bits: row pos = split_bf16(x[perm[pos] // k]) for x [T, H] f32 and perm [P] int32 (the
-    dispatch's sorted order); lo is None unless split."""
+def gather_bf16(x, perm, k: int, *, offsets=None, out=None):
+    """The pairs' rows of x [T, H] f32 in bf16 bits (uint16), in the dispatch's sorted order perm [P] int32: row pos =
+    bf16(x[perm[pos] // k]), [P, H]; or, given the dispatch's offsets [E + 1] ("split" activations), [2P, H] with
+    each expert's rows stacked as their hi then their lo = bf16(x - hi) (expert e's 2 n_e rows from 2 offsets[e])."""
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
     _check("perm", perm, dtype=np.int32, ndim=1)
     (T, H), P = x.shape, perm.size
     if H % 4 or P > T * k:
         raise ValueError(f"x {tuple(x.shape)} with perm [{P}] and k={k}: H must be a multiple of 4, P <= T * k")
-    h = _out("hi", hi, (P, H), cp.uint16)
-    lw = _out("lo", lo, (P, H), cp.uint16) if split else None
-    _glue_launch("gather_split_bf16", P * H // 4, (x, perm, h, _ptr(lw), np.int32(P), np.int32(H), np.int32(k)))
-    return h, lw
+    split = offsets is not None
+    if split:
+        _check("offsets", offsets, dtype=np.int32, ndim=1)
+    rows = _out("out", out, ((2 if split else 1) * P, H), cp.uint16)
+    _glue_launch("gather_bf16", P * H // 4, (x, perm, _ptr(offsets), np.int32(offsets.size - 1 if split else 0),
+                                             rows, np.int32(P), np.int32(H), np.int32(k), np.int32(split)))
+    return rows
 
 
 def widen_expert_bf16(table: ExpertTable, expert: int, matrix: str, *, out=None):
@@ -712,36 +716,42 @@ def widen_expert_bf16(table: ExpertTable, expert: int, matrix: str, *, out=None)
     return w
 
 
-def gate_up_epilogue(gu, table: ExpertTable, expert: int, *, split: bool = True, hi=None, lo=None):
-    """(hi, lo) [n, I] bf16 bits of act[r, i] = silu(gu[r, i] s[i]) (gu[r, I + i] s[I + i]) for gu [n, 2I] f32 (the
-    unscaled products of expert `expert`'s gate_up rows) and s its row scales; lo is None unless split."""
+def _stacked_rows(name: str, a, width: int, split: bool) -> int:
+    """n of a product [n, width] f32, or [2n, width] (hi rows then lo rows) when split."""
+    _check(name, a, dtype=np.float32, ndim=2)
+    if a.shape[1] != width or (split and a.shape[0] % 2):
+        raise ValueError(f"{name} {tuple(a.shape)} must be [{'2n' if split else 'n'}, {width}]")
+    return a.shape[0] // (2 if split else 1)
+
+
+def gate_up_epilogue(gu, table: ExpertTable, expert: int, *, split: bool = True, out=None):
+    """act [n, I] in bf16 bits, act[r, i] = silu(g s[i]) (u s[I + i]) for g, u the unscaled products of expert
+    `expert`'s gate and up rows in gu [n, 2I] f32 (split: [2n, 2I], rows r and n + r added) and s its row scales;
+    split: [2n, I], act's hi rows then its lo rows (what the down product takes stacked)."""
     cp = _cupy()
     I = table.intermediate_size
-    _check("gu", gu, dtype=np.float32, ndim=2)
-    n = gu.shape[0]
-    if gu.shape[1] != 2 * I:
-        raise ValueError(f"gu {tuple(gu.shape)} must be [n, {2 * I}]")
-    h = _out("hi", hi, (n, I), cp.uint16)
-    lw = _out("lo", lo, (n, I), cp.uint16) if split else None
+    n = _stacked_rows("gu", gu, 2 * I, split)
+    act = _out("out", out, gu.shape[:1] + (I,), cp.uint16)
     _glue_launch("gate_up_epilogue", n * I // 4, (gu, table.blob_ptrs, np.int32(expert),
-                                                  np.int64(table.off_gate_up_scale), h, _ptr(lw), np.int32(n),
-                                                  np.int32(I)))
-    return h, lw
+                                                  np.int64(table.off_gate_up_scale), act, np.int32(n), np.int32(I),
+                                                  np.int32(split)))
+    return act
 
 
-def down_epilogue(yd, table: ExpertTable, expert: int, perm, start: int, weights, ypair):
-    """ypair[perm[start + r]] = (weights[perm[start + r]] * yd[r]) * s for yd [n, H] f32 (the unscaled down
-    products of expert `expert`'s rows start..start+n of the sorted order), s its row scales; ypair [P, H] f32."""
+def down_epilogue(yd, table: ExpertTable, expert: int, perm, start: int, weights, ypair, *, split: bool = True):
+    """ypair[perm[start + r]] = (weights[perm[start + r]] * y_r) * s for y_r row r of yd [n, H] f32, the unscaled
+    down products of expert `expert`'s rows start..start+n of the sorted order (split: yd [2n, H], rows r and n + r
+    added), s its row scales; ypair [P, H] f32."""
     H = table.hidden_size
-    _check("yd", yd, dtype=np.float32, ndim=2)
+    n = _stacked_rows("yd", yd, H, split)
     _check("perm", perm, dtype=np.int32, ndim=1)
     _check("weights", weights, dtype=np.float32)
     _check("ypair", ypair, dtype=np.float32, shape=(perm.size, H))
-    n = yd.shape[0]
-    if yd.shape[1] != H or not 0 <= start <= perm.size - n or weights.size != perm.size:
+    if not 0 <= start <= perm.size - n or weights.size != perm.size:
         raise ValueError(f"yd {tuple(yd.shape)} rows from {start}: not within {perm.size} pairs of width {H}")
     _glue_launch("down_epilogue", n * H // 4, (yd, table.blob_ptrs, np.int32(expert), np.int64(table.off_down_scale),
-                                               perm, np.int32(start), weights, ypair, np.int32(n), np.int32(H)))
+                                               perm, np.int32(start), weights, ypair, np.int32(n), np.int32(H),
+                                               np.int32(split)))
     return ypair
 
 
@@ -757,10 +767,10 @@ def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | 
 def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, activations: str = "split",
                        residual=None, alpha: float = 1.0, ypair=None, out=None):
     """`moe_experts` with its grouped GEMM on cuBLAS: each routed expert's int8 matrices widened to bf16, its rows'
-    products by cublasGemmEx (fp32 accumulation; activations 'split' as hi + lo, two products, ~1e-5 relative, or
-    'bf16', one), scales, SiLU and routing weights in moe_gemm_cublas.cu's epilogues, then the combine. disp: the
-    dispatch of ids (tile size free). Reads the per-expert counts on the host: a synchronization, so eager passes
-    only (never inside a graph capture)."""
+    products by cublasGemmEx (fp32 accumulation; activations 'split': each row as hi and lo rows of one product,
+    ~1e-5 relative, or 'bf16': hi only), scales, SiLU and routing weights in moe_gemm_cublas.cu's epilogues, then
+    the combine. disp: the dispatch of ids (tile size free). Reads the per-expert counts on the host: a
+    synchronization, so eager passes only (never inside a graph capture)."""
     cp = _cupy()
     T, k = ids.shape
     H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
@@ -772,94 +782,22 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
     if cp.cuda.get_current_stream().is_capturing():
         raise RuntimeError("moe_experts_cublas synchronizes with the host: it cannot run inside a graph capture")
     split = activations == "split"
-    flat_w = weights.reshape(-1)
+    stack = 2 if split else 1                  # split: an expert's hi rows then its lo rows, one product
     offsets = cp.asnumpy(disp.offsets).astype(np.int64)
     counts = np.diff(offsets)
-    rows = int(counts.max()) if counts.size else 0
+    rows = stack * int(counts.max(initial=0))
     ypair = _out("ypair", ypair, (P, H), cp.float32)
-    xs_hi, xs_lo = gather_split_bf16(x, disp.perm, k, split=split)
+    xs = gather_bf16(x, disp.perm, k, offsets=disp.offsets if split else None)
     w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
-    gu, yd = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32)
-    a_hi = cp.empty((rows, I), cp.uint16)
-    a_lo = cp.empty((rows, I), cp.uint16) if split else None
+    gu, yd, act = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32), cp.empty((rows, I), cp.uint16)
     for e in np.flatnonzero(counts):
         s, n = int(offsets[e]), int(counts[e])
         widen_expert_bf16(table, int(e), "gate_up", out=w_gu)
-        for j, part in enumerate((xs_hi, xs_lo) if split else (xs_hi,)):
-            gemm_bf16(part[s:s + n], w_gu, gu[:n], accumulate=j > 0)
-        ah, al = gate_up_epilogue(gu[:n], table, int(e), split=split, hi=a_hi[:n], lo=a_lo[:n] if split else None)
+        gemm_bf16(xs[stack * s:stack * (s + n)], w_gu, gu[:stack * n])
+        gate_up_epilogue(gu[:stack * n], table, int(e), split=split, out=act[:stack * n])
         widen_expert_bf16(table, int(e), "down", out=w_dn)
-        for j, part in enumerate((ah, al) if split else (ah,)):
-            gemm_bf16(part, w_dn, yd[:n], accumulate=j > 0)
-        down_epilogue(yd[:n], table, int(e), disp.perm, s, flat_w, ypair)
-    return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
-
-
-def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
-    """y [T, H] = residual + alpha * sum_j ypair[t*k + j] (slots summed in order; out may be residual)."""
-    cp = _cupy()
-    _check("ypair", ypair, dtype=np.float32, ndim=2)
-    P, H = ypair.shape
-    if P % k or H % 4:
-        raise ValueError(f"ypair {tuple(ypair.shape)} must be [T*{k}, H] with H % 4 == 0")
-    T = P // k
-    if residual is not None:
-        _check("residual", residual, dtype=np.float32, shape=(T, H))
-    y = _out("out", out, (T, H), cp.float32)
-    kernel("moe_gemv", "moe_combine")(
-        (_grid_stride_blocks(T * H // 4),), (256,),
-        (ypair, _ptr(residual), y, np.int32(T), np.int32(H), np.int32(k), np.float32(alpha)))
-    return y
-
-
-def gemm_path(T: int, k: int, num_experts: int) -> bool:
-    """Whether moe_experts runs T tokens on the grouped GEMM (which does not fill slots) rather than the GEMVs."""
-    return T > 32 or T * k >= 8 * num_experts
-
-
-def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtras | None) -> bool:
-    """Whether moe_experts' grouped GEMM runs the pipelined kernel: asked for, and a model it computes (per-row
-    scales, no gpt-oss extras); otherwise today's kernels run."""
-    if fast_gemm is not None and fast_gemm not in FAST_ACTIVATIONS:
-        raise ValueError(f"fast_gemm must be None or one of {FAST_ACTIVATIONS}, got {fast_gemm!r}")
-    return fast_gemm is not None and extras is None and table.groups()[2] == "r"
-
-
-def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
-                gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
-                act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
-                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None, out=None):
-    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
-    gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
-
-    disp, act [P, I], ypair [P, H], staging and out [T, H] may be passed in (preallocated for graph capture; out may
-    be residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
-    (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
-    GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
-    `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
-    cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
-    so; an eager pass only).
-    """
-    T, k = ids.shape
-    use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
-    if small and not use_gemm and small_path(T, table, extras):
-        return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
-    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
-    fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
-    if fast and (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas):
-        return moe_experts_cublas(x, ids, weights, table, disp, activations=fast_gemm, residual=residual,
-                                  alpha=alpha, ypair=ypair, out=out)
-    if fast:
-        st = staging or FastGemmStaging(None, None, None, None)
-        act = moe_gemm_gate_up_fast(x, table, disp, k, activations=fast_gemm, hi=st.x_hi, lo=st.x_lo, out=act)
-        ypair = moe_gemm_down_fast(act, table, disp, weights, activations=fast_gemm, hi=st.act_hi, lo=st.act_lo,
-                                   out=ypair)
-    elif use_gemm:
-        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, extras=extras, out=act)
-        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, extras=extras, out=ypair)
-    else:
-        act = moe_gate_up(x, table, disp, k, extras=extras, out=act)
-        ypair = moe_down(act, table, disp, weights, extras=extras, out=ypair)
+        gemm_bf16(act[:stack * n], w_dn, yd[:stack * n])
+        down_epilogue(yd[:stack * n], table, int(e), disp.perm, s, weights.reshape(-1), ypair, split=split)
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
