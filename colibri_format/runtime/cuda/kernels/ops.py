@@ -801,6 +801,74 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
+def moe_combine(ypair, k: int, *, residual=None, alpha: float = 1.0, out=None):
+    """y [T, H] = residual + alpha * sum_j ypair[t*k + j] (slots summed in order; out may be residual)."""
+    cp = _cupy()
+    _check("ypair", ypair, dtype=np.float32, ndim=2)
+    P, H = ypair.shape
+    if P % k or H % 4:
+        raise ValueError(f"ypair {tuple(ypair.shape)} must be [T*{k}, H] with H % 4 == 0")
+    T = P // k
+    if residual is not None:
+        _check("residual", residual, dtype=np.float32, shape=(T, H))
+    y = _out("out", out, (T, H), cp.float32)
+    kernel("moe_gemv", "moe_combine")(
+        (_grid_stride_blocks(T * H // 4),), (256,),
+        (ypair, _ptr(residual), y, np.int32(T), np.int32(H), np.int32(k), np.float32(alpha)))
+    return y
+
+
+def gemm_path(T: int, k: int, num_experts: int) -> bool:
+    """Whether moe_experts runs T tokens on the grouped GEMM (which does not fill slots) rather than the GEMVs."""
+    return T > 32 or T * k >= 8 * num_experts
+
+
+def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtras | None) -> bool:
+    """Whether moe_experts' grouped GEMM runs the pipelined kernel: asked for, and a model it computes (per-row
+    scales, no gpt-oss extras); otherwise today's kernels run."""
+    if fast_gemm is not None and fast_gemm not in FAST_ACTIVATIONS:
+        raise ValueError(f"fast_gemm must be None or one of {FAST_ACTIVATIONS}, got {fast_gemm!r}")
+    return fast_gemm is not None and extras is None and table.groups()[2] == "r"
+
+
+def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
+                gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
+                act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
+                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None, out=None):
+    """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
+    gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
+
+    disp, act [P, I], ypair [P, H], staging and out [T, H] may be passed in (preallocated for graph capture; out may
+    be residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
+    (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
+    GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
+    `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
+    cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
+    so; an eager pass only).
+    """
+    T, k = ids.shape
+    use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
+    if small and not use_gemm and small_path(T, table, extras):
+        return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
+    disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
+    fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
+    if fast and (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas):
+        return moe_experts_cublas(x, ids, weights, table, disp, activations=fast_gemm, residual=residual,
+                                  alpha=alpha, ypair=ypair, out=out)
+    if fast:
+        st = staging or FastGemmStaging(None, None, None, None)
+        act = moe_gemm_gate_up_fast(x, table, disp, k, activations=fast_gemm, hi=st.x_hi, lo=st.x_lo, out=act)
+        ypair = moe_gemm_down_fast(act, table, disp, weights, activations=fast_gemm, hi=st.act_hi, lo=st.act_lo,
+                                   out=ypair)
+    elif use_gemm:
+        act = moe_gemm_gate_up(x, table, disp, k, tensor_cores=tensor_cores, extras=extras, out=act)
+        ypair = moe_gemm_down(act, table, disp, weights, tensor_cores=tensor_cores, extras=extras, out=ypair)
+    else:
+        act = moe_gate_up(x, table, disp, k, extras=extras, out=act)
+        ypair = moe_down(act, table, disp, weights, extras=extras, out=ypair)
+    return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
+
+
 # ---- small decode steps (moe_small.cu) ------------------------------------------------------------------------
 def small_path(num_tokens: int, table: ExpertTable, extras: ExpertExtras | None = None) -> bool:
     """Whether `moe_experts_small` runs this pass: at most MOE_SMALL_MAX_TOKENS tokens over int8 experts without
