@@ -72,10 +72,10 @@ FAST_STAGES = 3
 FAST_MIN_BLOCKS = 2
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
-# matrix, reaches this: each routed expert costs a widening and ~8 launches from the host (~0.2 ms), which only large
-# products repay. On the H200 (benchmarks/prefill_gemm.py, docs/benchmarks.md) cuBLAS ran Mixtral's block 1.9x
-# (split) to 2.2x (bf16) faster at 1024 pairs an expert, 1.1-1.2x slower at 128; the crossover of a straight line
-# through those is ~170-190 pairs (1.0-1.1e10); Qwen3 and OLMoE (<= 1.1e9 at 4096 tokens) ran 3.5-40x slower on it.
+# matrix, reaches this: each routed expert costs a widening and ~6 launches from the host, which only large products
+# repay. On the H200 (benchmarks/prefill_gemm.py, docs/benchmarks.md, session 12) cuBLAS ran Mixtral's block 1.04x
+# (split) / 0.82x (bf16) as fast at 128 pairs an expert, 1.37x / 1.20x at 256, 1.90x / 2.15x at 1024 (crossovers:
+# split below 128, bf16 ~185 pairs); Qwen3 and OLMoE (<= 1.1e9 at 4096 tokens) ran 3.5-40x slower on it.
 CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
