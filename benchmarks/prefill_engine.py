@@ -42,7 +42,8 @@ VARIANTS = {  # (fast_expert_gemm, flash_prefill, cublas_expert_gemm) switched o
     "tc + split-attn": (None, False, None), "fast-split": ("split", False, False), "fast-bf16": ("bf16", False, False),
     "tc + flash": (None, True, None), "fast-bf16 + flash": ("bf16", True, False),
     "fast-split + flash": ("split", True, False), "cublas-bf16 + flash": ("bf16", True, True),
-    "cublas-split + flash": ("split", True, True), "defaults": ("split", True, None)}
+    "cublas-split + flash": ("split", True, True), "cublas-int8 + flash": ("int8", True, True),
+    "defaults": ("split", True, None)}
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)

@@ -12,7 +12,8 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
   CUBLAS_COMPUTE_32I on the int8 tensor cores): the ceiling of a W8A8 route that reads the blobs' int8 in place;
 - stage `block`: the whole routed-expert block (ops.moe_experts: dispatch, both products, combine) on the pipelined
   kernel (`fast-*`) and on cuBLAS (`cublas-*`: ops.moe_experts_cublas, each routed expert widened to bf16, its
-  per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS.
+  per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS; `cublas-int8`: the W8A8 route
+  (activations rounded to int8 a row, the blobs' int8 multiplied in place);
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
@@ -148,8 +149,9 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
     if fast_only:
         return rows
     y_block = ops.moe_experts(x, ids, w, table, gemm=True, tensor_cores=True)
-    for mode in ops.FAST_ACTIVATIONS:
-        for route, cublas in (("fast", False), ("cublas", True)):
+    for mode in ops.CUBLAS_ACTIVATIONS:
+        routes = (("fast", False), ("cublas", True)) if mode in ops.FAST_ACTIVATIONS else (("cublas", True),)
+        for route, cublas in routes:
             out = ops.moe_experts(x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas)
             add(f"{route}-{mode}", "block", timed_plain(cp, lambda: ops.moe_experts(
                 x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas, out=out)), rel(out, y_block))

@@ -10,8 +10,9 @@ expert), deepseek_v3 (multi-head latent attention, grouped top-k, a leading dens
 mla_decode.py, int4_decode.py), so the sanitizer sees what those benchmarks measure. Each runs a ragged prefill,
 greedy generation (graph capture and replay), batched decode, the paged path with prefetch in each
 `expert_loading` mode, and a 40-row prefill with greedy steps under each opt-in path of `OPT_INS` (off by default
-until measured on an H200, or, like cuBLAS's grouped expert GEMM, chosen by size: forced on here); int4_group also with the tensor-core decode GEMVs on every pass (their crossover,
-limits.TC4_MIN_*, lowered: a tiny model is far below it).
+until measured on an H200, or, like cuBLAS's grouped expert GEMM, chosen by size: forced on here); int4_group also
+with the tensor-core decode GEMVs on every pass (their crossover, limits.TC4_MIN_*, lowered: a tiny model is far
+below it).
 
 Run from the repository root:
 
@@ -36,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 OPT_INS = ({"fast_expert_gemm": "split"}, {"fast_expert_gemm": "bf16"}, {"flash_prefill": True}, {"small_moe": True},
-           {"cublas_expert_gemm": True}, {"fast_expert_gemm": "bf16", "cublas_expert_gemm": True})
+           {"cublas_expert_gemm": True}, {"fast_expert_gemm": "bf16", "cublas_expert_gemm": True},
+           {"fast_expert_gemm": "int8"})
 
 
 def workloads() -> dict[str, tuple[dict, S.ExpertFormat, int]]:

@@ -260,8 +260,8 @@ class CupyBackend:
 
     def _fast_staging(self, T: int, P: int, table, extras, ws):
         """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it runs."""
-        if not self.ops.uses_fast_gemm(self.fast_expert_gemm, table, extras):
-            return None
+        if self.fast_expert_gemm == "int8" or not self.ops.uses_fast_gemm(self.fast_expert_gemm, table, extras):
+            return None     # int8 (W8A8) runs on cuBLAS, which stages its own inputs
         H, I = table.hidden_size, table.intermediate_size
         key = ("fast_staging", T, P, H, I)
         if key not in ws.extra:

@@ -622,6 +622,30 @@ extern "C" void emu_down_epilogue(int blocks, const float* yd, const unsigned lo
         down_epilogue(yd, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden, split);
     });
 }
+
+extern "C" void emu_quantize_rows(int blocks, const float* x, signed char* q, float* s, int rows, int cols) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { quantize_rows_int8(x, q, s, rows, cols); });
+}
+
+extern "C" void emu_gather_int8(int blocks, const signed char* q, const float* s, const int* perm, signed char* out,
+                                float* out_s, int P, int H, int k) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gather_rows_int8(q, s, perm, out, out_s, P, H, k); });
+}
+
+extern "C" void emu_gate_up_epilogue_int8(int blocks, const int* gu, const float* rs, const unsigned long long* blobs,
+                                          int e, long long off_s, float* act, int rows, int inter) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
+        gate_up_epilogue_int8(gu, rs, blobs, e, off_s, act, rows, inter);
+    });
+}
+
+extern "C" void emu_down_epilogue_int8(int blocks, const int* yd, const float* rs, const unsigned long long* blobs,
+                                       int e, long long off_s, const int* perm, int start, const float* pair_w,
+                                       float* ypair, int rows, int hidden) {
+    emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
+        down_epilogue_int8(yd, rs, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden);
+    });
+}
 """
 
 
@@ -653,3 +677,21 @@ class GlueEmulator(GridStrideEmulator):
         rows, hidden = yd.shape[0] // (2 if split else 1), yd.shape[1]
         self.lib.emu_down_epilogue(self.blocks, _ptr(yd), _ptr(ptrs), e, ctypes.c_longlong(off_s), _ptr(perm),
                                    start, _ptr(weights), _ptr(ypair), rows, hidden, int(split))
+
+    def quantize_rows(self, x, q, scales) -> None:
+        self.lib.emu_quantize_rows(self.blocks, _ptr(x), _ptr(q), _ptr(scales), x.shape[0], x.shape[1])
+
+    def gather_int8(self, q, scales, perm, k: int, out, out_scales) -> None:
+        self.lib.emu_gather_int8(self.blocks, _ptr(q), _ptr(scales), _ptr(perm), _ptr(out), _ptr(out_scales),
+                                 perm.size, q.shape[1], k)
+
+    def gate_up_epilogue_int8(self, gu, row_scales, ptrs, e: int, off_s: int, act) -> None:
+        rows, inter = act.shape
+        self.lib.emu_gate_up_epilogue_int8(self.blocks, _ptr(gu), _ptr(row_scales), _ptr(ptrs), e,
+                                           ctypes.c_longlong(off_s), _ptr(act), rows, inter)
+
+    def down_epilogue_int8(self, yd, row_scales, ptrs, e: int, off_s: int, perm, start: int, weights, ypair) -> None:
+        rows, hidden = yd.shape
+        self.lib.emu_down_epilogue_int8(self.blocks, _ptr(yd), _ptr(row_scales), _ptr(ptrs), e,
+                                        ctypes.c_longlong(off_s), _ptr(perm), start, _ptr(weights), _ptr(ypair),
+                                        rows, hidden)

@@ -82,3 +82,18 @@ def stacked_split_bf16(rows, offsets) -> np.ndarray:
     for a, b in zip(offsets[:-1], offsets[1:]):
         out[2 * a:a + b], out[a + b:2 * b] = hi[a:b], lo[a:b]
     return out
+
+
+def round_rows_int8(a) -> np.ndarray:
+    """a [rows, cols] with each row rounded to int8 with one scale (moe_gemm_cublas.cu's quantize_rows_int8, on
+    float32: `numpy_backend.quantize_int8_groups` with the row as its group), as float64 q * s."""
+    a32 = np.asarray(a, np.float32)
+    q, s = nb.quantize_int8_groups(a32, a32.shape[1])
+    return q.astype(np.float64) * s.astype(np.float64)
+
+
+def w8a8_block(x, ids, weights, experts, residual) -> np.ndarray:
+    """The routed-expert block with W8A8 products (`ops.moe_experts_cublas(activations="int8")`): x rounded to int8 a
+    token, each pair's act a row, the rest in float64."""
+    act = pair_act(round_rows_int8(x), ids, experts)
+    return combine(pair_down(round_rows_int8(act), ids, weights, experts), ids.shape[1], residual)

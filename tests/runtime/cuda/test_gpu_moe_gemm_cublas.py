@@ -177,3 +177,49 @@ def test_engine_prefill_on_cublas(tmp_path, monkeypatch, activations, tol):
     err = prefill_error(tmp_path, cfg)
     assert calls, "the engine did not run the cuBLAS path"
     assert err < tol
+
+
+# ---- W8A8 ("int8" activations) ------------------------------------------------------------------------------
+def test_quantize_rows_matches_numpy_bit_for_bit(cp, rng):
+    x = (rng.standard_normal((7, 1040)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
+    x[3] = 0
+    q, s = ops.quantize_rows_int8(cp.asarray(x))
+    want_q, want_s = nb.quantize_int8_groups(x, x.shape[1])
+    assert np.array_equal(q.get(), want_q) and np.array_equal(s.get(), want_s.reshape(-1))
+
+
+def test_int8_product_is_exact_and_reads_blobs_in_place(cp, rng):
+    layout, _, blobs = host_experts(rng, 3, 160, 48)
+    buf, table = upload(blobs, 3, layout)
+    addresses = table.blob_ptrs.get()
+    a = rng.integers(-127, 128, (9, 160), dtype=np.int8)
+    for e in range(3):
+        w = ops.blob_matrix(table, addresses, e, "gate_up")
+        assert np.array_equal(w.get(), int8_matrix(blobs, layout, e, "gate_up"))
+        out = ops.gemm_int8(cp.asarray(a), w, cp.full((9, 96), -1, cp.int32))
+        want = a.astype(np.int64) @ int8_matrix(blobs, layout, e, "gate_up").T.astype(np.int64)
+        assert np.array_equal(out.get(), want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.gemm_int8(cp.zeros((2, 40), cp.int8), cp.zeros((8, 40), cp.int8), cp.zeros((2, 8), cp.int32))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_w8a8_block_matches_float64_of_rounded_inputs(cp, rng, name):
+    buf, table, experts, x, ids, w = _case(cp, rng, name)
+    (T, k), H = ids.shape, table.hidden_size
+    resid = rng.standard_normal((T, H)).astype(np.float32)
+    disp = ops.dispatch(cp.asarray(ids), table.num_experts)
+    y = ops.moe_experts_cublas(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, disp, activations="int8",
+                               residual=cp.asarray(resid), ypair=nan_array(cp, (T * k, H))).get()
+    assert rel(y - resid, expect.w8a8_block(x, ids, w, experts, np.zeros((T, H)))) < 1e-3
+    float_ref = nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros((T, H)))
+    assert rel(y - resid, float_ref) > 1e-4          # the inputs really are rounded to int8
+
+
+def test_engine_prefill_on_w8a8(tmp_path, monkeypatch):
+    calls = []
+    real = ops._experts_int8
+    monkeypatch.setattr(ops, "_experts_int8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    err = prefill_error(tmp_path, EngineConfig(device="cuda", max_seq_len=128, fast_expert_gemm="int8"))
+    assert calls, "the engine did not run the W8A8 route"
+    assert err < 5e-2

@@ -1,7 +1,8 @@
 """moe_gemm_cublas.cu on the CPU (cuda_host_emulation.py: its kernels built with g++, a thread per CUDA thread): the
-gather of the pairs' rows into bf16, the exact widening of int8 matrices, and the two epilogues around cuBLAS's
-products, against NumPy (kernel_expectations.split_bf16, numpy_backend.silu_mul) over one and several blocks (the
-grid-stride loops). The GPU tests, cuBLAS's products included, are in test_gpu_moe_gemm_cublas.py.
+gather of the pairs' rows into bf16, the exact widening of int8 matrices, the two epilogues around cuBLAS's
+products, and the W8A8 route's row quantizer, int8 gather and epilogues, against NumPy (kernel_expectations,
+numpy_backend) over one and several blocks (the grid-stride loops). The GPU tests, cuBLAS's products included, are
+in test_gpu_moe_gemm_cublas.py.
 """
 
 from __future__ import annotations
@@ -101,4 +102,54 @@ def test_down_epilogue_writes_only_its_rows(emulator, split):
     s = array_of(blobs, layout, 1, "down_scale", np.float32).reshape(-1)
     products = (yd[:n] + yd[n:]) if split else yd
     assert np.array_equal(ypair[rows], (w[rows, None] * products) * s)      # float32, the kernel's order
+    assert np.isnan(np.delete(ypair, rows, axis=0)).all()
+
+
+# ---- W8A8 ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cols", [16, 300, 4096])
+def test_quantize_rows_matches_numpy_bit_for_bit(emulator, cols):
+    rng = np.random.default_rng(cols)
+    x = (rng.standard_normal((5, cols)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    x[2] = 0                                              # a row of zeros: scale 0, q 0
+    q, s = np.full(x.shape, 99, np.int8), np.full(5, np.nan, np.float32)
+    emulator.quantize_rows(x, q, s)
+    assert emulator.errors() == (0, "")
+    want_q, want_s = nb.quantize_int8_groups(x, cols)
+    assert np.array_equal(q, want_q) and np.array_equal(s, want_s.reshape(-1))
+
+
+def test_gather_int8_copies_rows_and_scales(emulator):
+    rng = np.random.default_rng(5)
+    T, k, H = 21, 2, 48
+    q = rng.integers(-127, 128, (T, H), dtype=np.int8)
+    s = rng.uniform(0.1, 1.0, T).astype(np.float32)
+    perm = rng.permutation(T * k).astype(np.int32)[:37]
+    out, out_s = np.zeros((37, H), np.int8), np.full(37, np.nan, np.float32)
+    emulator.gather_int8(q, s, perm, k, out, out_s)
+    assert emulator.errors() == (0, "")
+    assert np.array_equal(out, q[perm // k]) and np.array_equal(out_s, s[perm // k])
+
+
+def test_int8_epilogues(emulator):
+    rng = np.random.default_rng(6)
+    H, I, P, start, n, e = 48, 24, 30, 4, 17, 1
+    layout, blobs, ptrs = experts(rng, 2, H, I)
+    rs = rng.uniform(0.001, 0.01, n).astype(np.float32)
+    gu = rng.integers(-300000, 300000, (n, 2 * I)).astype(np.int32)
+    act = np.full((n, I), np.nan, np.float32)
+    emulator.gate_up_epilogue_int8(gu, rs, ptrs, e, layout.array("gate_up_scale").offset, act)
+    assert emulator.errors() == (0, "")
+    sg = array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
+    want = nb.silu_mul(gu.astype(np.float64) * rs[:, None].astype(np.float64) * sg)
+    assert np.abs(act - want).max() <= 1e-5 * np.abs(want).max()
+    perm = rng.permutation(P).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, P).astype(np.float32)
+    yd = rng.integers(-300000, 300000, (n, H)).astype(np.int32)
+    ypair = np.full((P, H), np.nan, np.float32)
+    emulator.down_epilogue_int8(yd, rs, ptrs, e, layout.array("down_scale").offset, perm, start, w, ypair)
+    assert emulator.errors() == (0, "")
+    rows = perm[start:start + n]
+    sd = array_of(blobs, layout, e, "down_scale", np.float32).reshape(-1)
+    want = (w[rows, None] * (yd.astype(np.float32) * rs[:, None])) * sd      # float32, the kernel's order
+    assert np.array_equal(ypair[rows], want)
     assert np.isnan(np.delete(ypair, rows, axis=0)).all()

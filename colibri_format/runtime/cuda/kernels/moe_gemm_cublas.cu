@@ -138,3 +138,88 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
             make_float4(pw * v.x * sc.x, pw * v.y * sc.y, pw * v.z * sc.z, pw * v.w * sc.w);
     }
 }
+
+// ---- W8A8 ("int8" activations): cuBLAS's int8 products on the blobs' int8 matrices, read in place ----------------
+// Each product's input rows are rounded to int8 with one scale a row (a token's x, a pair's act): q = rint(v / s),
+// s = max|v| / 127 of the row (a row of zeros: s = 0, q = 0), IEEE division and rintf as NumPy's float32
+// np.rint(v / s) (the twin: numpy_backend.quantize_int8_groups with the whole row as its group). cuBLAS returns
+// exact int32 sums; the epilogues scale them by the row's s and the weight row's scale, in that order.
+//   quantize_rows_int8:     q, s of x [rows, cols], one block a row (grid-stride over rows)
+//   gather_rows_int8:       out[pos] = q[perm[pos] / k], out_s[pos] = s[perm[pos] / k]         16-byte chunks
+//   gate_up_epilogue_int8:  act[r, i] = silu((g * rs[r]) * s[i]) * ((u * rs[r]) * s[I + i]), g, u row r's int32 sums
+//   down_epilogue_int8:     ypair[perm[start + r], h] = (w[perm[start + r]] * (y * rs[r])) * s[h]
+extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
+quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, float* __restrict__ s, int rows,
+                   int cols) {
+    __shared__ float s_red[32];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = x + (size_t)r * cols;
+        float m = 0.0f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(row[c]));
+        m = warp_max(m);
+        __syncthreads();                     // s_red may still be read for the previous row
+        if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+        __syncthreads();
+        const int lane = threadIdx.x & 31;
+        m = warp_max(lane < (int)(blockDim.x >> 5) ? s_red[lane] : 0.0f);   // every warp reduces the same partials
+        const float sc = m / 127.0f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            q[(size_t)r * cols + c] = (signed char)(int)(sc > 0.0f ? rintf(row[c] / sc) : 0.0f);
+        if (threadIdx.x == 0) s[r] = sc;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
+gather_rows_int8(const signed char* __restrict__ q, const float* __restrict__ s, const int* __restrict__ perm,
+                 signed char* __restrict__ out, float* __restrict__ out_s, int num_pairs, int cols, int k) {
+    const int chunks = cols / 16;
+    const long long n = (long long)num_pairs * chunks;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        const int pos = (int)(i / chunks), c = (int)(i % chunks) * 16;
+        const int tok = perm[pos] / k;
+        *reinterpret_cast<int4*>(out + (size_t)pos * cols + c) =
+            *reinterpret_cast<const int4*>(q + (size_t)tok * cols + c);
+        if (c == 0) out_s[pos] = s[tok];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
+gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs,
+                      const unsigned long long* __restrict__ blobs, int e, long long off_s, float* __restrict__ act,
+                      int rows, int inter) {
+    const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
+    const int quads = inter / 4;
+    const long long n = (long long)rows * quads;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
+        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+        const int4 g = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + c);
+        const int4 u = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + inter + c);
+        const float4 sg = *reinterpret_cast<const float4*>(s + c);
+        const float4 su = *reinterpret_cast<const float4*>(s + inter + c);
+        const float x = rs[r];
+        *reinterpret_cast<float4*>(act + (size_t)r * inter + c) = make_float4(
+            silu_f32((g.x * x) * sg.x) * ((u.x * x) * su.x), silu_f32((g.y * x) * sg.y) * ((u.y * x) * su.y),
+            silu_f32((g.z * x) * sg.z) * ((u.z * x) * su.z), silu_f32((g.w * x) * sg.w) * ((u.w * x) * su.w));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
+down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs,
+                   const unsigned long long* __restrict__ blobs, int e, long long off_s, const int* __restrict__ perm,
+                   int start, const float* __restrict__ pair_w, float* __restrict__ ypair, int rows, int hidden) {
+    const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
+    const int quads = hidden / 4;
+    const long long n = (long long)rows * quads;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
+        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+        const int pair = perm[start + r];
+        const float pw = pair_w[pair], a = rs[r];
+        const int4 v = *reinterpret_cast<const int4*>(yd + (size_t)r * hidden + c);
+        const float4 sc = *reinterpret_cast<const float4*>(s + c);
+        *reinterpret_cast<float4*>(ypair + (size_t)pair * hidden + c) =
+            make_float4(pw * (v.x * a) * sc.x, pw * (v.y * a) * sc.y, pw * (v.z * a) * sc.z, pw * (v.w * a) * sc.w);
+    }
+}

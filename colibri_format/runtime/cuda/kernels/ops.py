@@ -629,8 +629,10 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
 
 
 # ---- the grouped expert GEMM on cuBLAS (moe_gemm_cublas.cu around cublasGemmEx) ---------------------------------
-CUDA_R_32F, CUDA_R_16BF = 0, 14         # cudaDataType
-CUBLAS_COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8I, CUDA_R_32I = 0, 14, 3, 10        # cudaDataType
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32I = 68, 72     # cublasComputeType_t: fp32 / int32 accumulation
+CUBLAS_ACTIVATIONS = FAST_ACTIVATIONS + ("int8",)   # int8: W8A8, each product's input rows rounded to int8 (a scale
+                                                    # a row) and multiplied on cuBLAS's int8 tensor cores
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_POINTER_MODE_HOST = 0
@@ -644,32 +646,50 @@ def _cublas():
     return cublas
 
 
-def gemm_bf16(a, w, out, *, accumulate: bool = False):
-    """out [T, N] f32 (+)= a [T, K] @ w.T for a and w [N, K] bf16 bits (uint16), on cuBLAS's tensor cores with fp32
-    accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Not capturable through CuPy
-    (eager passes only)."""
+def _gemm_ex(a, w, out, a_type: int, out_type: int, compute: int, alpha, beta) -> None:
+    """cublasGemmEx out [T, N] = alpha a [T, K] @ w [N, K].T + beta out (row-major), on the current stream."""
     cp, cublas = _cupy(), _cublas()
-    _check("a", a, dtype=np.uint16, ndim=2)
-    T, K = a.shape
-    _check("w", w, dtype=np.uint16, ndim=2)
-    N = w.shape[0]
-    _check("out", out, dtype=np.float32, shape=(T, N))
-    if w.shape[1] != K:
-        raise ValueError(f"w {tuple(w.shape)} does not match a {tuple(a.shape)}")
-    if T == 0:
-        return out
+    (T, K), N = a.shape, w.shape[0]
     handle = cp.cuda.device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    one, beta = np.array(1.0, np.float32), np.array(1.0 if accumulate else 0.0, np.float32)
     try:
         # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
-        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
-                      a.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, alpha.ctypes.data, w.data.ptr, a_type, K,
+                      a.data.ptr, a_type, K, beta.ctypes.data, out.data.ptr, out_type, N, compute,
                       CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
+
+
+def _check_product(a, w, out, in_dtype, out_dtype) -> int:
+    """T of a [T, K] @ w [N, K].T -> out [T, N], checked."""
+    _check("a", a, dtype=in_dtype, ndim=2)
+    _check("w", w, dtype=in_dtype, ndim=2)
+    _check("out", out, dtype=out_dtype, shape=(a.shape[0], w.shape[0]))
+    if w.shape[1] != a.shape[1]:
+        raise ValueError(f"w {tuple(w.shape)} does not match a {tuple(a.shape)}")
+    return a.shape[0]
+
+
+def gemm_bf16(a, w, out, *, accumulate: bool = False):
+    """out [T, N] f32 (+)= a [T, K] @ w.T for a and w [N, K] bf16 bits (uint16), on cuBLAS's tensor cores with fp32
+    accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Not capturable through CuPy
+    (eager passes only)."""
+    if _check_product(a, w, out, np.uint16, np.float32):
+        _gemm_ex(a, w, out, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F, np.array(1.0, np.float32),
+                 np.array(1.0 if accumulate else 0.0, np.float32))
+    return out
+
+
+def gemm_int8(a, w, out):
+    """out [T, N] int32 = a [T, K] @ w.T for a and w [N, K] int8 (exact int32 sums), on cuBLAS's int8 tensor cores,
+    on the current stream (K a multiple of 16, as DIM_MULTIPLE makes every expert width). Eager passes only."""
+    if a.ndim == 2 and a.shape[1] % 16:
+        raise ValueError(f"K = {a.shape[1]} must be a multiple of 16 for the int8 product")
+    if _check_product(a, w, out, np.int8, np.int32):
+        _gemm_ex(a, w, out, CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I, np.array(1, np.int32), np.array(0, np.int32))
     return out
 
 
@@ -755,6 +775,104 @@ def down_epilogue(yd, table: ExpertTable, expert: int, perm, start: int, weights
     return ypair
 
 
+def quantize_rows_int8(x, *, q=None, scales=None):
+    """(q [rows, cols] int8, s [rows] f32) of x [rows, cols] f32: q = rint(x / s), s = max|row| / 127 (a row of zeros:
+    0, 0); twin: numpy_backend.quantize_int8_groups(x, cols)."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    rows, cols = x.shape
+    qo = _out("q", q, (rows, cols), cp.int8)
+    so = _out("scales", scales, (rows,), cp.float32)
+    if rows:
+        kernel("moe_gemm_cublas", "quantize_rows_int8")((min(rows, _sm_count() * 8),), (GLUE_THREADS,),
+                                                        (x, qo, so, np.int32(rows), np.int32(cols)))
+    return qo, so
+
+
+def gather_rows_int8(q, scales, perm, k: int, *, out=None, out_scales=None):
+    """(out [P, H] int8, out_scales [P] f32): row pos = q[perm[pos] // k] of q [T, H] int8 and its scale."""
+    cp = _cupy()
+    _check("q", q, dtype=np.int8, ndim=2)
+    (T, H), P = q.shape, perm.size
+    _check("scales", scales, dtype=np.float32, shape=(T,))
+    _check("perm", perm, dtype=np.int32, ndim=1)
+    if H % 16 or P > T * k:
+        raise ValueError(f"q {tuple(q.shape)} with perm [{P}] and k={k}: H must be a multiple of 16, P <= T * k")
+    o = _out("out", out, (P, H), cp.int8)
+    os_ = _out("out_scales", out_scales, (P,), cp.float32)
+    _glue_launch("gather_rows_int8", P * H // 16, (q, scales, perm, o, os_, np.int32(P), np.int32(H), np.int32(k)))
+    return o, os_
+
+
+def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
+    """Expert `expert`'s int8 `matrix` ('gate_up' [2I, H] or 'down' [H, I]) as a CuPy view of its blob, in place,
+    from the host copy of table.blob_ptrs (blob_addresses); the view does not own the blob."""
+    cp = _cupy()
+    if table.groups()[2] != "r" or type(table) is not ExpertTable:
+        raise ValueError("blob_matrix reads int8 experts with per-row scales only")
+    if not 0 <= expert < table.num_experts or len(blob_addresses) != table.num_experts:
+        raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1} of {len(blob_addresses)} addresses")
+    H, I = table.hidden_size, table.intermediate_size
+    shape, off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
+    memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs)
+    return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
+
+
+def gate_up_epilogue_int8(gu, row_scales, table: ExpertTable, expert: int, *, out=None):
+    """act [n, I] f32 = silu((g rs) s[i]) ((u rs) s[I + i]) for g, u the int32 sums of expert `expert`'s gate and up
+    rows in gu [n, 2I], rs = row_scales [n] (the rows' int8 scales) and s its row scales."""
+    cp = _cupy()
+    I = table.intermediate_size
+    _check("gu", gu, dtype=np.int32, ndim=2)
+    n = gu.shape[0]
+    if gu.shape[1] != 2 * I:
+        raise ValueError(f"gu {tuple(gu.shape)} must be [n, {2 * I}]")
+    _check("row_scales", row_scales, dtype=np.float32, shape=(n,))
+    act = _out("out", out, (n, I), cp.float32)
+    _glue_launch("gate_up_epilogue_int8", n * I // 4, (gu, row_scales, table.blob_ptrs, np.int32(expert),
+                                                       np.int64(table.off_gate_up_scale), act, np.int32(n),
+                                                       np.int32(I)))
+    return act
+
+
+def down_epilogue_int8(yd, row_scales, table: ExpertTable, expert: int, perm, start: int, weights, ypair):
+    """ypair[perm[start + r]] = (weights[perm[start + r]] * (y_r rs[r])) * s for y_r row r of yd [n, H] int32, the
+    down sums of expert `expert`'s rows start..start+n of the sorted order, rs = row_scales [n], s its row scales."""
+    H = table.hidden_size
+    _check("yd", yd, dtype=np.int32, ndim=2)
+    n = yd.shape[0]
+    _check("row_scales", row_scales, dtype=np.float32, shape=(n,))
+    _check("perm", perm, dtype=np.int32, ndim=1)
+    _check("weights", weights, dtype=np.float32)
+    _check("ypair", ypair, dtype=np.float32, shape=(perm.size, H))
+    if yd.shape[1] != H or not 0 <= start <= perm.size - n or weights.size != perm.size:
+        raise ValueError(f"yd {tuple(yd.shape)} rows from {start}: not within {perm.size} pairs of width {H}")
+    _glue_launch("down_epilogue_int8", n * H // 4, (yd, row_scales, table.blob_ptrs, np.int32(expert),
+                                                    np.int64(table.off_down_scale), perm, np.int32(start), weights,
+                                                    ypair, np.int32(n), np.int32(H)))
+    return ypair
+
+
+def _experts_int8(x, weights, table: ExpertTable, disp: Dispatch, k: int, offsets, ypair) -> None:
+    """moe_experts_cublas's W8A8 products into ypair: x's rows and each expert's act rounded to int8 a row, the
+    blobs' int8 matrices multiplied in place (no widening)."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    counts = np.diff(offsets)
+    rows = int(counts.max(initial=0))
+    addresses = cp.asnumpy(table.blob_ptrs)
+    xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
+    gu, yd = cp.empty((rows, 2 * I), cp.int32), cp.empty((rows, H), cp.int32)
+    act, aq, as_ = cp.empty((rows, I), cp.float32), cp.empty((rows, I), cp.int8), cp.empty(rows, cp.float32)
+    for e in np.flatnonzero(counts):
+        s, n = int(offsets[e]), int(counts[e])
+        gemm_int8(xq[s:s + n], blob_matrix(table, addresses, int(e), "gate_up"), gu[:n])
+        gate_up_epilogue_int8(gu[:n], xs[s:s + n], table, int(e), out=act[:n])
+        quantize_rows_int8(act[:n], q=aq[:n], scales=as_[:n])
+        gemm_int8(aq[:n], blob_matrix(table, addresses, int(e), "down"), yd[:n])
+        down_epilogue_int8(yd[:n], as_[:n], table, int(e), disp.perm, s, weights.reshape(-1), ypair)
+
+
 def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> bool:
     """Whether moe_experts' grouped GEMM runs on cuBLAS (`moe_experts_cublas`): int8 per-row experts without extras
     whose mean work a matrix, (P / E) H I multiply-adds, reaches CUBLAS_MIN_EXPERT_MACS (below it the widening of
@@ -768,25 +886,28 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
                        residual=None, alpha: float = 1.0, ypair=None, out=None):
     """`moe_experts` with its grouped GEMM on cuBLAS: each routed expert's int8 matrices widened to bf16, its rows'
     products by cublasGemmEx (fp32 accumulation; activations 'split': each row as hi and lo rows of one product,
-    ~1e-5 relative, or 'bf16': hi only), scales, SiLU and routing weights in moe_gemm_cublas.cu's epilogues, then
-    the combine. disp: the dispatch of ids (tile size free). Reads the per-expert counts on the host: a
-    synchronization, so eager passes only (never inside a graph capture)."""
+    ~1e-5 relative, or 'bf16': hi only; 'int8': W8A8, `_experts_int8`), scales, SiLU and routing weights in
+    moe_gemm_cublas.cu's epilogues, then the combine. disp: the dispatch of ids (tile size free). Reads the
+    per-expert counts on the host: a synchronization, so eager passes only (never inside a graph capture)."""
     cp = _cupy()
     T, k = ids.shape
     H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
-    if activations not in FAST_ACTIVATIONS:
-        raise ValueError(f"activations must be one of {FAST_ACTIVATIONS}, got {activations!r}")
+    if activations not in CUBLAS_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {CUBLAS_ACTIVATIONS}, got {activations!r}")
     if P != T * k:
         raise ValueError(f"dispatch has {P} pairs, ids {tuple(ids.shape)}")
     _check_moe_inputs(x, table, disp, H, T)
     if cp.cuda.get_current_stream().is_capturing():
         raise RuntimeError("moe_experts_cublas synchronizes with the host: it cannot run inside a graph capture")
+    offsets = cp.asnumpy(disp.offsets).astype(np.int64)
+    ypair = _out("ypair", ypair, (P, H), cp.float32)
+    if activations == "int8":
+        _experts_int8(x, weights, table, disp, k, offsets, ypair)
+        return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     split = activations == "split"
     stack = 2 if split else 1                  # split: an expert's hi rows then its lo rows, one product
-    offsets = cp.asnumpy(disp.offsets).astype(np.int64)
     counts = np.diff(offsets)
     rows = stack * int(counts.max(initial=0))
-    ypair = _out("ypair", ypair, (P, H), cp.float32)
     xs = gather_bf16(x, disp.perm, k, offsets=disp.offsets if split else None)
     w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
     gu, yd, act = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32), cp.empty((rows, I), cp.uint16)
@@ -824,10 +945,11 @@ def gemm_path(T: int, k: int, num_experts: int) -> bool:
 
 
 def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtras | None) -> bool:
-    """Whether moe_experts' grouped GEMM runs the pipelined kernel: asked for, and a model it computes (per-row
-    scales, no gpt-oss extras); otherwise today's kernels run."""
-    if fast_gemm is not None and fast_gemm not in FAST_ACTIVATIONS:
-        raise ValueError(f"fast_gemm must be None or one of {FAST_ACTIVATIONS}, got {fast_gemm!r}")
+    """Whether moe_experts' grouped GEMM runs fast_gemm's activations (on the pipelined kernel, or on cuBLAS for
+    'int8' and where `uses_cublas_gemm` says so): asked for, and a model they compute (per-row scales, no gpt-oss
+    extras); otherwise today's kernels run."""
+    if fast_gemm is not None and fast_gemm not in CUBLAS_ACTIVATIONS:
+        raise ValueError(f"fast_gemm must be None or one of {CUBLAS_ACTIVATIONS}, got {fast_gemm!r}")
     return fast_gemm is not None and extras is None and table.groups()[2] == "r"
 
 
@@ -844,7 +966,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
     `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
     cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
-    so; an eager pass only).
+    so; an eager pass only); fast_gemm 'int8' (W8A8) runs there whatever cublas says.
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
@@ -852,7 +974,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
         return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
-    if fast and (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas):
+    if fast and (fast_gemm == "int8" or (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas)):
         return moe_experts_cublas(x, ids, weights, table, disp, activations=fast_gemm, residual=residual,
                                   alpha=alpha, ypair=ypair, out=out)
     if fast:
