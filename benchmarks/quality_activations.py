@@ -1,9 +1,10 @@
 """Held-out quality of the bundled demo model when the expert products round their inputs: to bf16 (the prefill
 GEMM's `EngineConfig(fast_expert_gemm="bf16")` instead of bf16 hi + lo, "split", the default), or to int8 with one
 scale per group of 32 inputs (what a dp4a / int8 tensor-core expert kernel, W8A8 or W4A8, computes: for int4_group
-experts moe_gemv4_dp4a.cu does, `EngineConfig.int8_activations`).
+experts moe_gemv4_dp4a.cu does, `EngineConfig.int8_activations`), or to int8 with one scale per token (row), what a
+W8A8 s8 x s8 tensor-core / cuBLAS int8 GEMM with per-token activation scales computes.
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32] \
+    OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32,int8_token] \
         [--experts int8_row,int4_g32] --out q.json
 
 The CUDA kernels cannot run here, so their arithmetic is emulated on the NumPy engine (float32) in every pass: "bf16"
@@ -11,7 +12,9 @@ rounds each expert product's input to bf16 (round to nearest even, as `ops.split
 gate_up, and silu(gate) * up before down - and multiplies in float32, which is what the kernel's bf16 tensor-core
 products with fp32 accumulation compute up to summation order; "int8_g32" replaces each group of 32 inputs by
 rint(v / s) * s with s = max|v| / 127 of the group (symmetric, as llama.cpp's q8_1 activations), which an integer
-kernel's int32 group sums times s and the weight scales compute exactly. "split" keeps about 16 bits of each
+kernel's int32 group sums times s and the weight scales compute exactly; "int8_token" does the same with one scale
+per row (per token: s = max|v| / 127 of the whole row), the activations of a W8A8 GEMM with per-token scales (s8 x
+s8 tensor cores or cuBLAS int8, as benchmarks/prefill_gemm.py times). "split" keeps about 16 bits of each
 input, within ~1e-5 of the float32 engine, so the unmodified NumPy engine stands for it. Every row scores the
 default conversion (float16 dense, int8 row experts) over the windows of `benchmarks/quality.py` (every predicted
 token of eval.txt unless --tokens), against transformers bf16 and fp32 as references, with quality.py's columns.
@@ -52,19 +55,26 @@ def round_to_bf16(x: np.ndarray) -> np.ndarray:
     return bits.view(np.float32).astype(x.dtype, copy=False)
 
 
-def round_to_int8_groups(x: np.ndarray) -> np.ndarray:
-    """Each row's groups of INT8_GROUP values replaced by rint(v / s) * s, s = max|v| / 127 of the group (a group of
+def round_to_int8_groups(x: np.ndarray, group: int = INT8_GROUP) -> np.ndarray:
+    """Each row's groups of `group` values replaced by rint(v / s) * s, s = max|v| / 127 of the group (a group of
     zeros stays zero), kept in x's dtype."""
     rows, cols = x.shape
-    if cols % INT8_GROUP:
-        raise ValueError(f"{cols} inputs are not whole groups of {INT8_GROUP}")
-    g = x.reshape(rows, cols // INT8_GROUP, INT8_GROUP)
+    if cols % group:
+        raise ValueError(f"{cols} inputs are not whole groups of {group}")
+    g = x.reshape(rows, cols // group, group)
     scale = np.abs(g).max(axis=2, keepdims=True) / 127
     q = np.rint(np.divide(g, scale, out=np.zeros_like(g), where=scale > 0))
     return (q * scale).reshape(rows, cols).astype(x.dtype, copy=False)
 
 
-FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups}
+def round_to_int8_rows(x: np.ndarray) -> np.ndarray:
+    """Each row (a token's inputs) replaced by rint(v / s) * s with one scale for the whole row, s = max|v| / 127 (a
+    row of zeros stays zero), kept in x's dtype: round_to_int8_groups with one group per row, the activations of a
+    W8A8 GEMM with per-token scales (s8 x s8 tensor cores or cuBLAS, int32 sums times s and the weight scales)."""
+    return round_to_int8_groups(x, group=x.shape[1])
+
+
+FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups, "int8_token": round_to_int8_rows}
 # --experts: row label, convert() options
 EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bits=4, group_size=32))}
 
