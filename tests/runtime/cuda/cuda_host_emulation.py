@@ -632,18 +632,19 @@ extern "C" void emu_gather_int8(int blocks, const signed char* q, const float* s
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] { gather_rows_int8(q, s, perm, out, out_s, P, H, k); });
 }
 
-extern "C" void emu_gate_up_epilogue_int8(int blocks, const int* gu, const float* rs, const unsigned long long* blobs,
-                                          int e, long long off_s, float* act, int rows, int inter) {
+extern "C" void emu_gate_up_epilogue_int8(int blocks, const int* gu, const float* rs, const int* offsets, int E,
+                                          const unsigned long long* blobs, long long off_s, float* act, int P,
+                                          int inter) {
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
-        gate_up_epilogue_int8(gu, rs, blobs, e, off_s, act, rows, inter);
+        gate_up_epilogue_int8(gu, rs, offsets, E, blobs, off_s, act, P, inter);
     });
 }
 
-extern "C" void emu_down_epilogue_int8(int blocks, const int* yd, const float* rs, const unsigned long long* blobs,
-                                       int e, long long off_s, const int* perm, int start, const float* pair_w,
-                                       float* ypair, int rows, int hidden) {
+extern "C" void emu_down_epilogue_int8(int blocks, const int* yd, const float* rs, const int* offsets, int E,
+                                       const unsigned long long* blobs, long long off_s, const int* perm,
+                                       const float* pair_w, float* ypair, int P, int hidden) {
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
-        down_epilogue_int8(yd, rs, blobs, e, off_s, perm, start, pair_w, ypair, rows, hidden);
+        down_epilogue_int8(yd, rs, offsets, E, blobs, off_s, perm, pair_w, ypair, P, hidden);
     });
 }
 """
@@ -685,13 +686,13 @@ class GlueEmulator(GridStrideEmulator):
         self.lib.emu_gather_int8(self.blocks, _ptr(q), _ptr(scales), _ptr(perm), _ptr(out), _ptr(out_scales),
                                  perm.size, q.shape[1], k)
 
-    def gate_up_epilogue_int8(self, gu, row_scales, ptrs, e: int, off_s: int, act) -> None:
-        rows, inter = act.shape
-        self.lib.emu_gate_up_epilogue_int8(self.blocks, _ptr(gu), _ptr(row_scales), _ptr(ptrs), e,
-                                           ctypes.c_longlong(off_s), _ptr(act), rows, inter)
+    def gate_up_epilogue_int8(self, gu, row_scales, offsets, ptrs, off_s: int, act) -> None:
+        P, inter = act.shape
+        self.lib.emu_gate_up_epilogue_int8(self.blocks, _ptr(gu), _ptr(row_scales), _ptr(offsets), offsets.size - 1,
+                                           _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(act), P, inter)
 
-    def down_epilogue_int8(self, yd, row_scales, ptrs, e: int, off_s: int, perm, start: int, weights, ypair) -> None:
-        rows, hidden = yd.shape
-        self.lib.emu_down_epilogue_int8(self.blocks, _ptr(yd), _ptr(row_scales), _ptr(ptrs), e,
-                                        ctypes.c_longlong(off_s), _ptr(perm), start, _ptr(weights), _ptr(ypair),
-                                        rows, hidden)
+    def down_epilogue_int8(self, yd, row_scales, offsets, ptrs, off_s: int, perm, weights, ypair) -> None:
+        P, hidden = yd.shape
+        self.lib.emu_down_epilogue_int8(self.blocks, _ptr(yd), _ptr(row_scales), _ptr(offsets), offsets.size - 1,
+                                        _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(perm), _ptr(weights),
+                                        _ptr(ypair), P, hidden)

@@ -130,26 +130,27 @@ def test_gather_int8_copies_rows_and_scales(emulator):
     assert np.array_equal(out, q[perm // k]) and np.array_equal(out_s, s[perm // k])
 
 
-def test_int8_epilogues(emulator):
+def test_int8_epilogues_take_each_rows_expert_from_the_offsets(emulator):
     rng = np.random.default_rng(6)
-    H, I, P, start, n, e = 48, 24, 30, 4, 17, 1
-    layout, blobs, ptrs = experts(rng, 2, H, I)
-    rs = rng.uniform(0.001, 0.01, n).astype(np.float32)
-    gu = rng.integers(-300000, 300000, (n, 2 * I)).astype(np.int32)
-    act = np.full((n, I), np.nan, np.float32)
-    emulator.gate_up_epilogue_int8(gu, rs, ptrs, e, layout.array("gate_up_scale").offset, act)
+    H, I, E = 48, 24, 4
+    offsets = np.array([0, 7, 7, 19, 30], np.int32)               # expert 1 has no rows
+    P = int(offsets[-1])
+    layout, blobs, ptrs = experts(rng, E, H, I)
+    expert = np.repeat(np.arange(E), np.diff(offsets))
+    rs = rng.uniform(0.001, 0.01, P).astype(np.float32)
+    gu = rng.integers(-300000, 300000, (P, 2 * I)).astype(np.int32)
+    act = np.full((P, I), np.nan, np.float32)
+    emulator.gate_up_epilogue_int8(gu, rs, offsets, ptrs, layout.array("gate_up_scale").offset, act)
     assert emulator.errors() == (0, "")
-    sg = array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
-    want = nb.silu_mul(gu.astype(np.float64) * rs[:, None].astype(np.float64) * sg)
+    sg = np.stack([array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1) for e in expert])
+    want = nb.silu_mul(gu.astype(np.float64) * rs[:, None].astype(np.float64) * sg.astype(np.float64))
     assert np.abs(act - want).max() <= 1e-5 * np.abs(want).max()
     perm = rng.permutation(P).astype(np.int32)
     w = rng.uniform(0.1, 1.0, P).astype(np.float32)
-    yd = rng.integers(-300000, 300000, (n, H)).astype(np.int32)
+    yd = rng.integers(-300000, 300000, (P, H)).astype(np.int32)
     ypair = np.full((P, H), np.nan, np.float32)
-    emulator.down_epilogue_int8(yd, rs, ptrs, e, layout.array("down_scale").offset, perm, start, w, ypair)
+    emulator.down_epilogue_int8(yd, rs, offsets, ptrs, layout.array("down_scale").offset, perm, w, ypair)
     assert emulator.errors() == (0, "")
-    rows = perm[start:start + n]
-    sd = array_of(blobs, layout, e, "down_scale", np.float32).reshape(-1)
-    want = (w[rows, None] * (yd.astype(np.float32) * rs[:, None])) * sd      # float32, the kernel's order
-    assert np.array_equal(ypair[rows], want)
-    assert np.isnan(np.delete(ypair, rows, axis=0)).all()
+    sd = np.stack([array_of(blobs, layout, e, "down_scale", np.float32).reshape(-1) for e in expert])
+    want = (w[perm, None] * (yd.astype(np.float32) * rs[:, None])) * sd       # float32, the kernel's order
+    assert np.array_equal(ypair[perm], want)

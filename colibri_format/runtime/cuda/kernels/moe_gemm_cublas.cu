@@ -146,8 +146,11 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
 // exact int32 sums; the epilogues scale them by the row's s and the weight row's scale, in that order.
 //   quantize_rows_int8:     q, s of x [rows, cols], one block a row (grid-stride over rows)
 //   gather_rows_int8:       out[pos] = q[perm[pos] / k], out_s[pos] = s[perm[pos] / k]         16-byte chunks
-//   gate_up_epilogue_int8:  act[r, i] = silu((g * rs[r]) * s[i]) * ((u * rs[r]) * s[I + i]), g, u row r's int32 sums
-//   down_epilogue_int8:     ypair[perm[start + r], h] = (w[perm[start + r]] * (y * rs[r])) * s[h]
+//   gate_up_epilogue_int8:  act[pos, i] = silu((g * rs[pos]) * s[i]) * ((u * rs[pos]) * s[I + i]), g, u the int32
+//                           sums of sorted row pos, s the row scales of its expert (found from the dispatch offsets)
+//   down_epilogue_int8:     ypair[perm[pos], h] = (w[perm[pos]] * (y * rs[pos])) * s[h]
+// The epilogues take every pair's row in one launch (each expert's products written at its rows of one array), so
+// that a layer costs the host two cuBLAS calls an expert and five launches.
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, float* __restrict__ s, int rows,
                    int cols) {
@@ -185,15 +188,15 @@ gather_rows_int8(const signed char* __restrict__ q, const float* __restrict__ s,
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
-gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs,
-                      const unsigned long long* __restrict__ blobs, int e, long long off_s, float* __restrict__ act,
-                      int rows, int inter) {
-    const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
+gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs, const int* __restrict__ offsets,
+                      int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
+                      float* __restrict__ act, int num_pairs, int inter) {
     const int quads = inter / 4;
-    const long long n = (long long)rows * quads;
+    const long long n = (long long)num_pairs * quads;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
         const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+        const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
         const int4 g = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + c);
         const int4 u = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + inter + c);
         const float4 sg = *reinterpret_cast<const float4*>(s + c);
@@ -206,16 +209,17 @@ gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs,
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
-down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs,
-                   const unsigned long long* __restrict__ blobs, int e, long long off_s, const int* __restrict__ perm,
-                   int start, const float* __restrict__ pair_w, float* __restrict__ ypair, int rows, int hidden) {
-    const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
+down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs, const int* __restrict__ offsets,
+                   int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
+                   const int* __restrict__ perm, const float* __restrict__ pair_w, float* __restrict__ ypair,
+                   int num_pairs, int hidden) {
     const int quads = hidden / 4;
-    const long long n = (long long)rows * quads;
+    const long long n = (long long)num_pairs * quads;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
         const int r = (int)(q / quads), c = (int)(q % quads) * 4;
-        const int pair = perm[start + r];
+        const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
+        const int pair = perm[r];
         const float pw = pair_w[pair], a = rs[r];
         const int4 v = *reinterpret_cast<const int4*>(yd + (size_t)r * hidden + c);
         const float4 sc = *reinterpret_cast<const float4*>(s + c);

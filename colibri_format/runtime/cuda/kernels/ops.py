@@ -818,59 +818,65 @@ def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
     return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
 
 
-def gate_up_epilogue_int8(gu, row_scales, table: ExpertTable, expert: int, *, out=None):
-    """act [n, I] f32 = silu((g rs) s[i]) ((u rs) s[I + i]) for g, u the int32 sums of expert `expert`'s gate and up
-    rows in gu [n, 2I], rs = row_scales [n] (the rows' int8 scales) and s its row scales."""
+def _check_sorted_rows(name: str, a, dtype, shape, row_scales, offsets) -> None:
+    _check(name, a, dtype=dtype, shape=shape)
+    _check("row_scales", row_scales, dtype=np.float32, shape=shape[:1])
+    _check("offsets", offsets, dtype=np.int32, ndim=1)
+
+
+def gate_up_epilogue_int8(gu, row_scales, table: ExpertTable, offsets, *, out=None):
+    """act [P, I] f32, act[pos, i] = silu((g rs) s[i]) ((u rs) s[I + i]) for g, u the int32 sums of sorted row pos in
+    gu [P, 2I], rs = row_scales[pos] (the row's int8 scale) and s the row scales of its expert, found from the
+    dispatch's offsets [E + 1]."""
     cp = _cupy()
-    I = table.intermediate_size
-    _check("gu", gu, dtype=np.int32, ndim=2)
-    n = gu.shape[0]
-    if gu.shape[1] != 2 * I:
-        raise ValueError(f"gu {tuple(gu.shape)} must be [n, {2 * I}]")
-    _check("row_scales", row_scales, dtype=np.float32, shape=(n,))
-    act = _out("out", out, (n, I), cp.float32)
-    _glue_launch("gate_up_epilogue_int8", n * I // 4, (gu, row_scales, table.blob_ptrs, np.int32(expert),
-                                                       np.int64(table.off_gate_up_scale), act, np.int32(n),
-                                                       np.int32(I)))
+    P, I = gu.shape[0], table.intermediate_size
+    _check_sorted_rows("gu", gu, np.int32, (P, 2 * I), row_scales, offsets)
+    act = _out("out", out, (P, I), cp.float32)
+    _glue_launch("gate_up_epilogue_int8", P * I // 4, (gu, row_scales, offsets, np.int32(offsets.size - 1),
+                                                       table.blob_ptrs, np.int64(table.off_gate_up_scale), act,
+                                                       np.int32(P), np.int32(I)))
     return act
 
 
-def down_epilogue_int8(yd, row_scales, table: ExpertTable, expert: int, perm, start: int, weights, ypair):
-    """ypair[perm[start + r]] = (weights[perm[start + r]] * (y_r rs[r])) * s for y_r row r of yd [n, H] int32, the
-    down sums of expert `expert`'s rows start..start+n of the sorted order, rs = row_scales [n], s its row scales."""
-    H = table.hidden_size
-    _check("yd", yd, dtype=np.int32, ndim=2)
-    n = yd.shape[0]
-    _check("row_scales", row_scales, dtype=np.float32, shape=(n,))
-    _check("perm", perm, dtype=np.int32, ndim=1)
+def down_epilogue_int8(yd, row_scales, table: ExpertTable, offsets, perm, weights, ypair):
+    """ypair[perm[pos]] = (weights[perm[pos]] * (y rs)) * s for y row pos of yd [P, H] int32 (sorted order), rs =
+    row_scales[pos] and s the row scales of its expert (from the dispatch's offsets [E + 1])."""
+    P, H = yd.shape[0], table.hidden_size
+    _check_sorted_rows("yd", yd, np.int32, (P, H), row_scales, offsets)
+    _check("perm", perm, dtype=np.int32, shape=(P,))
     _check("weights", weights, dtype=np.float32)
-    _check("ypair", ypair, dtype=np.float32, shape=(perm.size, H))
-    if yd.shape[1] != H or not 0 <= start <= perm.size - n or weights.size != perm.size:
-        raise ValueError(f"yd {tuple(yd.shape)} rows from {start}: not within {perm.size} pairs of width {H}")
-    _glue_launch("down_epilogue_int8", n * H // 4, (yd, row_scales, table.blob_ptrs, np.int32(expert),
-                                                    np.int64(table.off_down_scale), perm, np.int32(start), weights,
-                                                    ypair, np.int32(n), np.int32(H)))
+    _check("ypair", ypair, dtype=np.float32, shape=(P, H))
+    if weights.size != P:
+        raise ValueError(f"weights has {weights.size} entries for {P} pairs")
+    _glue_launch("down_epilogue_int8", P * H // 4, (yd, row_scales, offsets, np.int32(offsets.size - 1),
+                                                    table.blob_ptrs, np.int64(table.off_down_scale), perm, weights,
+                                                    ypair, np.int32(P), np.int32(H)))
     return ypair
 
 
 def _experts_int8(x, weights, table: ExpertTable, disp: Dispatch, k: int, offsets, ypair) -> None:
-    """moe_experts_cublas's W8A8 products into ypair: x's rows and each expert's act rounded to int8 a row, the
-    blobs' int8 matrices multiplied in place (no widening)."""
+    """moe_experts_cublas's W8A8 products into ypair: x's rows and each pair's act rounded to int8 a row, the blobs'
+    int8 matrices multiplied in place (no widening), every expert's products into one array so that the epilogues
+    and the act quantization are one launch each (the host makes two cuBLAS calls an expert besides)."""
     cp = _cupy()
-    H, I = table.hidden_size, table.intermediate_size
-    counts = np.diff(offsets)
-    rows = int(counts.max(initial=0))
+    H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
     addresses = cp.asnumpy(table.blob_ptrs)
     xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
-    gu, yd = cp.empty((rows, 2 * I), cp.int32), cp.empty((rows, H), cp.int32)
-    act, aq, as_ = cp.empty((rows, I), cp.float32), cp.empty((rows, I), cp.int8), cp.empty(rows, cp.float32)
-    for e in np.flatnonzero(counts):
-        s, n = int(offsets[e]), int(counts[e])
-        gemm_int8(xq[s:s + n], blob_matrix(table, addresses, int(e), "gate_up"), gu[:n])
-        gate_up_epilogue_int8(gu[:n], xs[s:s + n], table, int(e), out=act[:n])
-        quantize_rows_int8(act[:n], q=aq[:n], scales=as_[:n])
-        gemm_int8(aq[:n], blob_matrix(table, addresses, int(e), "down"), yd[:n])
-        down_epilogue_int8(yd[:n], as_[:n], table, int(e), disp.perm, s, weights.reshape(-1), ypair)
+    gu = cp.empty((P, 2 * I), cp.int32)
+    for e, s, n in _routed(offsets):
+        gemm_int8(xq[s:s + n], blob_matrix(table, addresses, e, "gate_up"), gu[s:s + n])
+    aq, as_ = quantize_rows_int8(gate_up_epilogue_int8(gu, xs, table, disp.offsets))
+    del gu
+    yd = cp.empty((P, H), cp.int32)
+    for e, s, n in _routed(offsets):
+        gemm_int8(aq[s:s + n], blob_matrix(table, addresses, e, "down"), yd[s:s + n])
+    down_epilogue_int8(yd, as_, table, disp.offsets, disp.perm, weights.reshape(-1), ypair)
+
+
+def _routed(offsets) -> list[tuple[int, int, int]]:
+    """(expert, first sorted row, rows) of each expert with rows, from host offsets [E + 1]."""
+    counts = np.diff(offsets)
+    return [(int(e), int(offsets[e]), int(counts[e])) for e in np.flatnonzero(counts)]
 
 
 def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> bool:
@@ -906,19 +912,17 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     split = activations == "split"
     stack = 2 if split else 1                  # split: an expert's hi rows then its lo rows, one product
-    counts = np.diff(offsets)
-    rows = stack * int(counts.max(initial=0))
+    rows = stack * int(np.diff(offsets).max(initial=0))
     xs = gather_bf16(x, disp.perm, k, offsets=disp.offsets if split else None)
     w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
     gu, yd, act = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32), cp.empty((rows, I), cp.uint16)
-    for e in np.flatnonzero(counts):
-        s, n = int(offsets[e]), int(counts[e])
-        widen_expert_bf16(table, int(e), "gate_up", out=w_gu)
+    for e, s, n in _routed(offsets):
+        widen_expert_bf16(table, e, "gate_up", out=w_gu)
         gemm_bf16(xs[stack * s:stack * (s + n)], w_gu, gu[:stack * n])
-        gate_up_epilogue(gu[:stack * n], table, int(e), split=split, out=act[:stack * n])
-        widen_expert_bf16(table, int(e), "down", out=w_dn)
+        gate_up_epilogue(gu[:stack * n], table, e, split=split, out=act[:stack * n])
+        widen_expert_bf16(table, e, "down", out=w_dn)
         gemm_bf16(act[:stack * n], w_dn, yd[:stack * n])
-        down_epilogue(yd[:stack * n], table, int(e), disp.perm, s, weights.reshape(-1), ypair, split=split)
+        down_epilogue(yd[:stack * n], table, e, disp.perm, s, weights.reshape(-1), ypair, split=split)
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
