@@ -57,7 +57,8 @@ class EngineConfig:
     fast_expert_gemm: str | None = "split"    # CUDA: the prefill grouped expert GEMM on the pipelined kernel
                                               # (moe_gemm_fast.cu) with activations 'split' (bf16 hi + lo, ~1e-5)
                                               # or 'bf16' (~1e-3, faster); 'int8': W8A8 on cuBLAS's int8
-                                              # tensor cores, inputs rounded to int8 a row (docs/quality.md);
+                                              # tensor cores, inputs rounded to int8 a row (docs/quality.md),
+                                              # for passes of more than 32 rows ('split' below);
                                               # None: moe_gemm.cu's 64x64 tc kernel
     cublas_expert_gemm: bool | None = None    # CUDA: that GEMM as cuBLAS bf16 products of widened int8 experts
                                               # (moe_gemm_cublas.cu, same activations); None: for experts

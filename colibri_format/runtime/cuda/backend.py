@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import ATTENTION_HEAD_DIMS, check_cuda_support
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, ATTENTION_HEAD_DIMS, check_cuda_support
 from colibri_format.spec.constants import PACKED_FORMATS
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
@@ -233,12 +233,21 @@ class CupyBackend:
                                         int8_activations=a8, a8_buffers=self._a8_buffers(T, k, table, ws) if a8
                                         else None)
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
+        fast_gemm, cublas = self._expert_gemm(T)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual, small=self.small_moe,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
-                               extras=extras, fast_gemm=self.fast_expert_gemm, cublas=self.cublas_expert_gemm,
-                               staging=self._fast_staging(T, P, table, extras, ws))
+                               extras=extras, fast_gemm=fast_gemm, cublas=cublas,
+                               staging=self._fast_staging(T, P, table, extras, ws, fast_gemm))
+
+    def _expert_gemm(self, rows: int) -> tuple:
+        """(fast_gemm, cublas) for moe_experts on a pass of `rows` rows. The cuBLAS routes synchronize with the host,
+        so only passes of more than ATT_DECODE_MAX_ROWS rows take them: smaller ones may be captured in a decode
+        graph (graph_blocker), where 'int8' falls back to the pipelined kernel's 'split' and cuBLAS is not asked."""
+        if rows > ATT_DECODE_MAX_ROWS:
+            return self.fast_expert_gemm, self.cublas_expert_gemm
+        return ("split" if self.fast_expert_gemm == "int8" else self.fast_expert_gemm), False
 
     def _tc4_staging(self, T: int, k: int, table, ws) -> tuple:
         """The tensor-core 4-bit GEMVs' staged (x, act) buffers (workspace), for the decode passes they run."""
@@ -258,9 +267,9 @@ class CupyBackend:
         return {"xq": ws.buf("moe4a8_xq", (T, H), np.int8), "xs": ws.buf("moe4a8_xs", (T, H // g)),
                 "aq": ws.buf("moe4a8_aq", (P, I), np.int8), "as": ws.buf("moe4a8_as", (P, I // g))}
 
-    def _fast_staging(self, T: int, P: int, table, extras, ws):
-        """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it runs."""
-        if self.fast_expert_gemm == "int8" or not self.ops.uses_fast_gemm(self.fast_expert_gemm, table, extras):
+    def _fast_staging(self, T: int, P: int, table, extras, ws, fast_gemm):
+        """The pipelined expert GEMM's bf16 input copies (workspace buffers), when it may run."""
+        if fast_gemm == "int8" or not self.ops.uses_fast_gemm(fast_gemm, table, extras):
             return None     # int8 (W8A8) runs on cuBLAS, which stages its own inputs
         H, I = table.hidden_size, table.intermediate_size
         key = ("fast_staging", T, P, H, I)
