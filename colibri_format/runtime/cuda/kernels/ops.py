@@ -814,7 +814,9 @@ def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
         raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1} of {len(blob_addresses)} addresses")
     H, I = table.hidden_size, table.intermediate_size
     shape, off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
-    memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs)
+    # the device named: a blob in the registered file mapping (paged) is host memory, and no pointer query a call
+    memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs,
+                                   cp.cuda.Device().id)
     return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
 
 
