@@ -13,7 +13,7 @@
 //   down_epilogue:     ypair[perm[start + r], h] = (w[perm[start + r]] * y) * s[h], y row r's product (split: plus
 //                      row n + r's)
 // with s the expert's f32 row scales at blobs[e] + off_s. Every kernel is grid-stride over groups of 4 (the gather,
-// epilogues) or 16 (the widening) elements; ops.py checks that the shapes are whole groups.
+// epilogues: for_each_group) or 16 (the widening) elements; ops.py checks that the shapes are whole groups.
 #include "common.cuh"
 
 #ifndef GLUE_THREADS
@@ -41,6 +41,16 @@ __device__ __forceinline__ void store_bf16x4(const float (&v)[4], u16* __restric
     if (split) *reinterpret_cast<Bf16x4*>(out + i + lo_step) = l;
 }
 
+// f(r, c) for every row r < rows and every W-th column c < cols (cols a multiple of W), spread over the grid
+template <int W, typename F>
+__device__ __forceinline__ void for_each_group(int rows, int cols, F f) {
+    const int groups = cols / W;
+    const long long n = (long long)rows * groups;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride)
+        f((int)(q / groups), (int)(q % groups) * W);
+}
+
 // the expert whose sorted positions hold pos: the last e with offsets[e] <= pos (experts without rows share offsets)
 __device__ __forceinline__ int expert_of(const int* __restrict__ offsets, int num_experts, int pos) {
     int lo = 0, hi = num_experts - 1;
@@ -54,11 +64,7 @@ __device__ __forceinline__ int expert_of(const int* __restrict__ offsets, int nu
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gather_bf16(const float* __restrict__ x, const int* __restrict__ perm, const int* __restrict__ offsets,
             int num_experts, u16* __restrict__ out, int num_pairs, int cols, int k, int split) {
-    const int quads = cols / 4;
-    const long long n = (long long)num_pairs * quads;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
-        const int pos = (int)(q / quads), c = (int)(q % quads) * 4;
+    for_each_group<4>(num_pairs, cols, [&](int pos, int c) {
         const float4 v = *reinterpret_cast<const float4*>(x + (size_t)(perm[pos] / k) * cols + c);
         const float vals[4] = {v.x, v.y, v.z, v.w};
         int row = pos;
@@ -69,7 +75,7 @@ gather_bf16(const float* __restrict__ x, const int* __restrict__ perm, const int
             lo_step = (long long)(offsets[e + 1] - offsets[e]) * cols;
         }
         store_bf16x4(vals, out, (long long)row * cols + c, split, lo_step);
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
@@ -105,11 +111,7 @@ extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gate_up_epilogue(const float* __restrict__ gu, const unsigned long long* __restrict__ blobs, int e, long long off_s,
                  u16* __restrict__ out, int rows, int inter, int split) {
     const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
-    const int quads = inter / 4;
-    const long long n = (long long)rows * quads;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
-        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+    for_each_group<4>(rows, inter, [&](int r, int c) {
         const float4 g = stacked_row4(gu, r, rows, 2 * inter, c, split);
         const float4 u = stacked_row4(gu + inter, r, rows, 2 * inter, c, split);
         const float4 sg = *reinterpret_cast<const float4*>(s + c);
@@ -117,7 +119,7 @@ gate_up_epilogue(const float* __restrict__ gu, const unsigned long long* __restr
         const float vals[4] = {silu_f32(g.x * sg.x) * (u.x * su.x), silu_f32(g.y * sg.y) * (u.y * su.y),
                                silu_f32(g.z * sg.z) * (u.z * su.z), silu_f32(g.w * sg.w) * (u.w * su.w)};
         store_bf16x4(vals, out, (long long)r * inter + c, split, (long long)rows * inter);
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
@@ -125,18 +127,14 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
               const int* __restrict__ perm, int start, const float* __restrict__ pair_w, float* __restrict__ ypair,
               int rows, int hidden, int split) {
     const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
-    const int quads = hidden / 4;
-    const long long n = (long long)rows * quads;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
-        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+    for_each_group<4>(rows, hidden, [&](int r, int c) {
         const int pair = perm[start + r];
         const float pw = pair_w[pair];
         const float4 v = stacked_row4(yd, r, rows, hidden, c, split);
         const float4 sc = *reinterpret_cast<const float4*>(s + c);
         *reinterpret_cast<float4*>(ypair + (size_t)pair * hidden + c) =
             make_float4(pw * v.x * sc.x, pw * v.y * sc.y, pw * v.z * sc.z, pw * v.w * sc.w);
-    }
+    });
 }
 
 // ---- W8A8 ("int8" activations): cuBLAS's int8 products on the blobs' int8 matrices, read in place ----------------
@@ -175,27 +173,19 @@ quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, flo
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gather_rows_int8(const signed char* __restrict__ q, const float* __restrict__ s, const int* __restrict__ perm,
                  signed char* __restrict__ out, float* __restrict__ out_s, int num_pairs, int cols, int k) {
-    const int chunks = cols / 16;
-    const long long n = (long long)num_pairs * chunks;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
-        const int pos = (int)(i / chunks), c = (int)(i % chunks) * 16;
+    for_each_group<16>(num_pairs, cols, [&](int pos, int c) {
         const int tok = perm[pos] / k;
         *reinterpret_cast<int4*>(out + (size_t)pos * cols + c) =
             *reinterpret_cast<const int4*>(q + (size_t)tok * cols + c);
         if (c == 0) out_s[pos] = s[tok];
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs, const int* __restrict__ offsets,
                       int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
                       float* __restrict__ act, int num_pairs, int inter) {
-    const int quads = inter / 4;
-    const long long n = (long long)num_pairs * quads;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
-        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+    for_each_group<4>(num_pairs, inter, [&](int r, int c) {
         const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
         const int4 g = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + c);
         const int4 u = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + inter + c);
@@ -205,7 +195,7 @@ gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs, 
         *reinterpret_cast<float4*>(act + (size_t)r * inter + c) = make_float4(
             silu_f32((g.x * x) * sg.x) * ((u.x * x) * su.x), silu_f32((g.y * x) * sg.y) * ((u.y * x) * su.y),
             silu_f32((g.z * x) * sg.z) * ((u.z * x) * su.z), silu_f32((g.w * x) * sg.w) * ((u.w * x) * su.w));
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
@@ -213,11 +203,7 @@ down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs, con
                    int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
                    const int* __restrict__ perm, const float* __restrict__ pair_w, float* __restrict__ ypair,
                    int num_pairs, int hidden) {
-    const int quads = hidden / 4;
-    const long long n = (long long)num_pairs * quads;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < n; q += stride) {
-        const int r = (int)(q / quads), c = (int)(q % quads) * 4;
+    for_each_group<4>(num_pairs, hidden, [&](int r, int c) {
         const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
         const int pair = perm[r];
         const float pw = pair_w[pair], a = rs[r];
@@ -225,5 +211,5 @@ down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs, con
         const float4 sc = *reinterpret_cast<const float4*>(s + c);
         *reinterpret_cast<float4*>(ypair + (size_t)pair * hidden + c) =
             make_float4(pw * (v.x * a) * sc.x, pw * (v.y * a) * sc.y, pw * (v.z * a) * sc.z, pw * (v.w * a) * sc.w);
-    }
+    });
 }
