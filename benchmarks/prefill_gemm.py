@@ -97,8 +97,7 @@ def batched_int8_products(cp, table, offsets, a, matrix: str, out) -> None:
     expert's own are the next expert's (or the pad's) and their products are thrown away."""
     cublas = ops._cublas()
     rows = out.shape[1]
-    H, I = table.hidden_size, table.intermediate_size
-    (N, K), off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
+    (N, K), off = ops.expert_matrix(table, matrix, "batched_int8_products")
     blobs = table.blob_ptrs.get()
     experts = np.arange(len(offsets) - 1)
     w_ptrs = cp.asarray((blobs + np.uint64(off)).astype(np.uint64))

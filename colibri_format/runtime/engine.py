@@ -118,7 +118,7 @@ class EngineConfig:
         if self.fast_expert_gemm not in (None, "split", "bf16", "int8"):
             raise InvalidInput("fast_expert_gemm must be None, 'split', 'bf16' or 'int8'", field="fast_expert_gemm",
                                value=self.fast_expert_gemm)
-        if self.cublas_expert_gemm not in (None, True, False):
+        if not (self.cublas_expert_gemm is None or isinstance(self.cublas_expert_gemm, bool)):   # 1, 0 refused
             raise InvalidInput("cublas_expert_gemm must be None, True or False", field="cublas_expert_gemm",
                                value=self.cublas_expert_gemm)
         if self.precision not in ("float32", "float64") or (self.device == "cuda" and self.precision != "float32"):

@@ -65,7 +65,7 @@ def test_bad_generation_arguments(engine):
 
 @pytest.mark.parametrize("field, value", [("max_batch_size", 0), ("max_seq_len", -1), ("device", "tpu"),
                                           ("fast_expert_gemm", "fp8"),
-                                          ("cublas_expert_gemm", "yes")])
+                                          ("cublas_expert_gemm", "yes"), ("cublas_expert_gemm", 1)])
 def test_bad_config_is_refused(field, value):
     with pytest.raises(InvalidInput, match=field):
         EngineConfig(**{field: value})

@@ -717,17 +717,27 @@ def gather_bf16(x, perm, k: int, *, offsets=None, out=None):
     return rows
 
 
+def expert_matrix(table: ExpertTable, matrix: str, what: str) -> tuple[tuple[int, int], int]:
+    """(shape, offset in the blob) of an int8 expert matrix, 'gate_up' [2I, H] or 'down' [H, I], of a per-row-scale
+    table; `what` names the caller in the refusal of any other table or matrix."""
+    if table.groups()[2] != "r" or type(table) is not ExpertTable:
+        raise ValueError(f"{what} reads int8 experts with per-row scales only")
+    H, I = table.hidden_size, table.intermediate_size
+    if matrix == "gate_up":
+        return (2 * I, H), table.off_gate_up
+    if matrix == "down":
+        return (H, I), table.off_down
+    raise ValueError(f"matrix must be 'gate_up' or 'down', got {matrix!r}")
+
+
 def widen_expert_bf16(table: ExpertTable, expert: int, matrix: str, *, out=None):
     """Expert `expert`'s int8 `matrix` ('gate_up' [2I, H] or 'down' [H, I]) as bf16 bits (exact; scales not
     applied), read through table.blob_ptrs on the device. Per-row-scale (int8) tables only."""
     cp = _cupy()
     table.check()
-    if table.groups()[2] != "r" or type(table) is not ExpertTable:
-        raise ValueError("widen_expert_bf16 reads int8 experts with per-row scales only")
+    shape, off = expert_matrix(table, matrix, "widen_expert_bf16")
     if not 0 <= expert < table.num_experts:
         raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1}")
-    H, I = table.hidden_size, table.intermediate_size
-    shape, off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
     if off % 16:
         raise ValueError(f"{matrix} offset {off} is not 16-byte aligned")
     w = _out("out", out, shape, cp.uint16)
@@ -808,12 +818,9 @@ def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
     """Expert `expert`'s int8 `matrix` ('gate_up' [2I, H] or 'down' [H, I]) as a CuPy view of its blob, in place,
     from the host copy of table.blob_ptrs (blob_addresses); the view does not own the blob."""
     cp = _cupy()
-    if table.groups()[2] != "r" or type(table) is not ExpertTable:
-        raise ValueError("blob_matrix reads int8 experts with per-row scales only")
+    shape, off = expert_matrix(table, matrix, "blob_matrix")
     if not 0 <= expert < table.num_experts or len(blob_addresses) != table.num_experts:
         raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1} of {len(blob_addresses)} addresses")
-    H, I = table.hidden_size, table.intermediate_size
-    shape, off = {"gate_up": ((2 * I, H), table.off_gate_up), "down": ((H, I), table.off_down)}[matrix]
     # the device named: a blob in the registered file mapping (paged) is host memory, and no pointer query a call
     memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs,
                                    cp.cuda.Device().id)
@@ -918,13 +925,14 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
     xs = gather_bf16(x, disp.perm, k, offsets=disp.offsets if split else None)
     w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
     gu, yd, act = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32), cp.empty((rows, I), cp.uint16)
+    pair_weights = weights.reshape(-1)
     for e, s, n in _routed(offsets):
         widen_expert_bf16(table, e, "gate_up", out=w_gu)
         gemm_bf16(xs[stack * s:stack * (s + n)], w_gu, gu[:stack * n])
         gate_up_epilogue(gu[:stack * n], table, e, split=split, out=act[:stack * n])
         widen_expert_bf16(table, e, "down", out=w_dn)
         gemm_bf16(act[:stack * n], w_dn, yd[:stack * n])
-        down_epilogue(yd[:stack * n], table, e, disp.perm, s, weights.reshape(-1), ypair, split=split)
+        down_epilogue(yd[:stack * n], table, e, disp.perm, s, pair_weights, ypair, split=split)
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
 
 
