@@ -34,6 +34,13 @@ def host_experts(rng: np.random.Generator, num_experts: int, hidden: int, inter:
     return layout, numpy_experts(blobs, layout), blobs
 
 
+def blob_array(blobs: np.ndarray, layout, e: int, name: str, dtype) -> np.ndarray:
+    """Expert e's raw array `name` (e.g. 'gate_up' int8, 'down_scale' float32) out of host blobs, its layout shape."""
+    a = layout.array(name)
+    start = e * layout.size + a.offset
+    return blobs[start:start + a.shape[0] * a.shape[1] * np.dtype(dtype).itemsize].view(dtype).reshape(a.shape)
+
+
 def packed_experts(rng: np.random.Generator, fmt, group: int, num_experts: int, hidden: int, inter: int):
     """4-bit blobs (int4_group, mxfp4): (layout, experts(e) -> float64 (gate_up, down), host blobs uint8 [E * size]);
     random codes, scales about what a quantizer gives for N(0, 1/H) weights."""

@@ -16,23 +16,10 @@ from colibri_format.runtime import EngineConfig
 from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
-from tests.runtime.cuda.synthetic_experts import host_experts, upload
+from tests.runtime.cuda.synthetic_experts import blob_array, host_experts, upload
 from tests.runtime.cuda.test_gpu_moe_gemm_fast import CASES, TOL, _case, f64, nan_array, prefill_error, rel
 
 pytestmark = pytest.mark.gpu
-
-
-def int8_matrix(blobs, layout, e: int, name: str) -> np.ndarray:
-    """Expert e's raw int8 matrix `name` out of host blobs."""
-    a = layout.array(name)
-    off = e * layout.size + a.offset
-    return blobs[off:off + a.shape[0] * a.shape[1]].view(np.int8).reshape(a.shape)
-
-
-def scales(blobs, layout, e: int, name: str) -> np.ndarray:
-    a = layout.array(name)
-    off = e * layout.size + a.offset
-    return blobs[off:off + 4 * a.shape[0] * a.shape[1]].view(np.float32).reshape(-1)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -56,7 +43,7 @@ def test_widening_is_exact(cp, rng, matrix, name):
     buf, table = upload(blobs, 3, layout)
     for e in range(3):
         w = ops.widen_expert_bf16(table, e, matrix, out=cp.full(layout.array(name).shape, 0xFFFF, cp.uint16))
-        assert np.array_equal(to_float32(w.get()), int8_matrix(blobs, layout, e, name).astype(np.float32))
+        assert np.array_equal(to_float32(w.get()), blob_array(blobs, layout, e, name, np.int8).astype(np.float32))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -66,7 +53,7 @@ def test_gate_up_epilogue_scales_and_gates(cp, rng, split):
     buf, table = upload(blobs, 2, layout)
     gu = rng.standard_normal(((2 if split else 1) * n, 2 * I)).astype(np.float32) * 300
     act = ops.gate_up_epilogue(cp.asarray(gu), table, e, split=split).get()
-    s = f64(scales(blobs, layout, e, "gate_up_scale"))
+    s = f64(blob_array(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1))
     want = nb.silu_mul(f64((gu[:n] + gu[n:]) if split else gu) * s)
     got = to_float32(act[:n]) + (to_float32(act[n:]) if split else 0)
     assert rel(got, want) < (1e-5 if split else 4e-3)
@@ -84,7 +71,8 @@ def test_down_epilogue_scatters_to_pair_order(cp, rng, split):
                               nan_array(cp, (P, H)), split=split).get()
     rows = perm[start:start + n]
     products = (yd[:n] + yd[n:]) if split else yd
-    assert rel(ypair[rows], f64(w[rows])[:, None] * f64(products) * f64(scales(blobs, layout, e, "down_scale"))) < 1e-6
+    sd = f64(blob_array(blobs, layout, e, "down_scale", np.float32).reshape(-1))
+    assert rel(ypair[rows], f64(w[rows])[:, None] * f64(products) * sd) < 1e-6
     assert np.isnan(np.delete(ypair, rows, axis=0)).all()          # no other pair's row is touched
 
 
@@ -195,9 +183,9 @@ def test_int8_product_is_exact_and_reads_blobs_in_place(cp, rng):
     a = rng.integers(-127, 128, (9, 160), dtype=np.int8)
     for e in range(3):
         w = ops.blob_matrix(table, addresses, e, "gate_up")
-        assert np.array_equal(w.get(), int8_matrix(blobs, layout, e, "gate_up"))
+        assert np.array_equal(w.get(), blob_array(blobs, layout, e, "gate_up", np.int8))
         out = ops.gemm_int8(cp.asarray(a), w, cp.full((9, 96), -1, cp.int32))
-        want = a.astype(np.int64) @ int8_matrix(blobs, layout, e, "gate_up").T.astype(np.int64)
+        want = a.astype(np.int64) @ blob_array(blobs, layout, e, "gate_up", np.int8).T.astype(np.int64)
         assert np.array_equal(out.get(), want)
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.gemm_int8(cp.zeros((2, 40), cp.int8), cp.zeros((8, 40), cp.int8), cp.zeros((2, 8), cp.int32))

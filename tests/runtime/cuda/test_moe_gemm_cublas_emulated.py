@@ -14,7 +14,7 @@ from colibri_format.dtypes import to_float32
 from colibri_format.runtime import numpy_backend as nb
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, GlueEmulator, build_glue
-from tests.runtime.cuda.synthetic_experts import host_experts
+from tests.runtime.cuda.synthetic_experts import blob_array, host_experts
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -33,12 +33,6 @@ def experts(rng, E: int, H: int, I: int):
     """(layout, host blobs, their addresses uint64 [E])."""
     layout, _, blobs = host_experts(rng, E, H, I)
     return layout, blobs, np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-
-
-def array_of(blobs, layout, e: int, name: str, dtype) -> np.ndarray:
-    a = layout.array(name)
-    start = e * layout.size + a.offset
-    return blobs[start:start + a.shape[0] * a.shape[1] * np.dtype(dtype).itemsize].view(dtype).reshape(a.shape)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -65,7 +59,7 @@ def test_widening_is_exact(emulator, name):
         w = np.full(layout.array(name).shape, 0xFFFF, np.uint16)
         emulator.widen(ptrs, e, layout.array(name).offset, w)
         assert emulator.errors() == (0, "")
-        assert np.array_equal(to_float32(w), array_of(blobs, layout, e, name, np.int8).astype(np.float32))
+        assert np.array_equal(to_float32(w), blob_array(blobs, layout, e, name, np.int8).astype(np.float32))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -78,7 +72,7 @@ def test_gate_up_epilogue(emulator, split):
     out = np.full((stack * n, I), 0xFFFF, np.uint16)
     emulator.gate_up_epilogue(gu, ptrs, e, layout.array("gate_up_scale").offset, out, split)
     assert emulator.errors() == (0, "")
-    s = array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
+    s = blob_array(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1).astype(np.float64)
     products = (gu[:n] + gu[n:]) if split else gu                   # a stacked product's hi and lo rows added
     want = nb.silu_mul(products.astype(np.float64) * s)
     got = to_float32(out[:n]).astype(np.float64) + (to_float32(out[n:]) if split else 0)
@@ -99,7 +93,7 @@ def test_down_epilogue_writes_only_its_rows(emulator, split):
     emulator.down_epilogue(yd, ptrs, 1, layout.array("down_scale").offset, perm, start, w, ypair, split)
     assert emulator.errors() == (0, "")
     rows = perm[start:start + n]
-    s = array_of(blobs, layout, 1, "down_scale", np.float32).reshape(-1)
+    s = blob_array(blobs, layout, 1, "down_scale", np.float32).reshape(-1)
     products = (yd[:n] + yd[n:]) if split else yd
     assert np.array_equal(ypair[rows], (w[rows, None] * products) * s)      # float32, the kernel's order
     assert np.isnan(np.delete(ypair, rows, axis=0)).all()
@@ -142,7 +136,7 @@ def test_int8_epilogues_take_each_rows_expert_from_the_offsets(emulator):
     act = np.full((P, I), np.nan, np.float32)
     emulator.gate_up_epilogue_int8(gu, rs, offsets, ptrs, layout.array("gate_up_scale").offset, act)
     assert emulator.errors() == (0, "")
-    sg = np.stack([array_of(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1) for e in expert])
+    sg = np.stack([blob_array(blobs, layout, e, "gate_up_scale", np.float32).reshape(-1) for e in expert])
     want = nb.silu_mul(gu.astype(np.float64) * rs[:, None].astype(np.float64) * sg.astype(np.float64))
     assert np.abs(act - want).max() <= 1e-5 * np.abs(want).max()
     perm = rng.permutation(P).astype(np.int32)
@@ -151,6 +145,6 @@ def test_int8_epilogues_take_each_rows_expert_from_the_offsets(emulator):
     ypair = np.full((P, H), np.nan, np.float32)
     emulator.down_epilogue_int8(yd, rs, offsets, ptrs, layout.array("down_scale").offset, perm, w, ypair)
     assert emulator.errors() == (0, "")
-    sd = np.stack([array_of(blobs, layout, e, "down_scale", np.float32).reshape(-1) for e in expert])
+    sd = np.stack([blob_array(blobs, layout, e, "down_scale", np.float32).reshape(-1) for e in expert])
     want = (w[perm, None] * (yd.astype(np.float32) * rs[:, None])) * sd       # float32, the kernel's order
     assert np.array_equal(ypair[perm], want)
