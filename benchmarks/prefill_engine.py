@@ -12,7 +12,7 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
    experts) in --dir, one Engine; per variant (VARIANTS, or those --variants names: the backend's
    `fast_expert_gemm` / `flash_prefill` / `cublas_expert_gemm` switched on the open engine, which reads them per
    call; "tc + split-attn" is the engine before the first two became defaults; "defaults" picks the grouped GEMM's
-   route by ops.uses_cublas_gemm) `bench.prefill_bench`: the median of 3 `infer` calls
+   route by ops.auto_activations and ops.uses_cublas_gemm) `bench.prefill_bench`: the median of 3 `infer` calls
    of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
    With --timeline, the defaults' prefill of each length is also profiled once more (CUPTI through PyTorch's
    profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass.
@@ -43,7 +43,7 @@ VARIANTS = {  # (fast_expert_gemm, flash_prefill, cublas_expert_gemm) switched o
     "tc + flash": (None, True, None), "fast-bf16 + flash": ("bf16", True, False),
     "fast-split + flash": ("split", True, False), "cublas-bf16 + flash": ("bf16", True, True),
     "cublas-split + flash": ("split", True, True), "cublas-int8 + flash": ("int8", True, True),
-    "defaults": ("split", True, None)}
+    "defaults": ("auto", True, None)}
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)

@@ -54,12 +54,14 @@ class EngineConfig:
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
-    fast_expert_gemm: str | None = "split"    # CUDA: the prefill grouped expert GEMM on the pipelined kernel
+    fast_expert_gemm: str | None = "auto"     # CUDA: the prefill grouped expert GEMM on the pipelined kernel
                                               # (moe_gemm_fast.cu) with activations 'split' (bf16 hi + lo, ~1e-5)
                                               # or 'bf16' (~1e-3, faster); 'int8': W8A8 on cuBLAS's int8
                                               # tensor cores, inputs rounded to int8 a row (docs/quality.md),
-                                              # for passes of more than 32 rows ('split' below);
-                                              # None: moe_gemm.cu's 64x64 tc kernel
+                                              # for passes of more than 32 rows ('split' below); 'auto': 'int8'
+                                              # where an expert's mean work reaches limits.
+                                              # CUBLAS_INT8_MIN_EXPERT_MACS (Mixtral from ~256 tokens), else
+                                              # 'split'; None: moe_gemm.cu's 64x64 tc kernel
     cublas_expert_gemm: bool | None = None    # CUDA: that GEMM as cuBLAS bf16 products of widened int8 experts
                                               # (moe_gemm_cublas.cu, same activations); None: for experts
                                               # of large mean work (limits.CUBLAS_MIN_EXPERT_MACS)
@@ -115,9 +117,9 @@ class EngineConfig:
                 raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
                                    value=self.gpu_memory)
             object.__setattr__(self, "gpu_memory", parse_memory(self.gpu_memory))
-        if self.fast_expert_gemm not in (None, "split", "bf16", "int8"):
-            raise InvalidInput("fast_expert_gemm must be None, 'split', 'bf16' or 'int8'", field="fast_expert_gemm",
-                               value=self.fast_expert_gemm)
+        if self.fast_expert_gemm not in (None, "auto", "split", "bf16", "int8"):
+            raise InvalidInput("fast_expert_gemm must be None, 'auto', 'split', 'bf16' or 'int8'",
+                               field="fast_expert_gemm", value=self.fast_expert_gemm)
         if not (self.cublas_expert_gemm is None or isinstance(self.cublas_expert_gemm, bool)):   # 1, 0 refused
             raise InvalidInput("cublas_expert_gemm must be None, True or False", field="cublas_expert_gemm",
                                value=self.cublas_expert_gemm)

@@ -48,7 +48,7 @@ class CupyBackend:
         self.device.use()
         self.host_stream = None    # the engine's compute stream: device-to-host reads are ordered after it
         self.bf16_tensor_cores = bf16_tensor_cores
-        self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: None, 'split' or 'bf16'
+        self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm (None, auto, split, bf16, int8)
         self.cublas_expert_gemm = cublas_expert_gemm   # EngineConfig.cublas_expert_gemm (ops.uses_cublas_gemm)
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
@@ -233,7 +233,7 @@ class CupyBackend:
                                         int8_activations=a8, a8_buffers=self._a8_buffers(T, k, table, ws) if a8
                                         else None)
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
-        fast_gemm, cublas = self._expert_gemm(T)
+        fast_gemm, cublas = self._expert_gemm(T, P, table, extras)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
                                out=residual, small=self.small_moe,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
@@ -241,13 +241,17 @@ class CupyBackend:
                                extras=extras, fast_gemm=fast_gemm, cublas=cublas,
                                staging=self._fast_staging(T, P, table, extras, ws, fast_gemm))
 
-    def _expert_gemm(self, rows: int) -> tuple:
-        """(fast_gemm, cublas) for moe_experts on a pass of `rows` rows. The cuBLAS routes synchronize with the host,
-        so only passes of more than ATT_DECODE_MAX_ROWS rows take them: smaller ones may be captured in a decode
-        graph (graph_blocker), where 'int8' falls back to the pipelined kernel's 'split' and cuBLAS is not asked."""
-        if rows > ATT_DECODE_MAX_ROWS:
-            return self.fast_expert_gemm, self.cublas_expert_gemm
-        return ("split" if self.fast_expert_gemm == "int8" else self.fast_expert_gemm), False
+    def _expert_gemm(self, rows: int, pairs: int, table, extras) -> tuple:
+        """(fast_gemm, cublas) for moe_experts on a pass of `rows` rows and `pairs` routed pairs; 'auto' becomes
+        `ops.auto_activations`' choice. The cuBLAS routes synchronize with the host, so only passes of more than
+        ATT_DECODE_MAX_ROWS rows take them: smaller ones may be captured in a decode graph (graph_blocker), where
+        'int8' and 'auto' run the pipelined kernel's 'split' and cuBLAS is not asked."""
+        fast_gemm = self.fast_expert_gemm
+        if rows <= ATT_DECODE_MAX_ROWS:
+            return ("split" if fast_gemm in ("int8", "auto") else fast_gemm), False
+        if fast_gemm == "auto":
+            fast_gemm = self.ops.auto_activations(pairs, table, extras)
+        return fast_gemm, self.cublas_expert_gemm
 
     def _tc4_staging(self, T: int, k: int, table, ws) -> tuple:
         """The tensor-core 4-bit GEMVs' staged (x, act) buffers (workspace), for the decode passes they run."""

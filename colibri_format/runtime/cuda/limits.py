@@ -77,6 +77,12 @@ FAST_MIN_BLOCKS = 2
 # (split) / 0.82x (bf16) as fast at 128 pairs an expert, 1.37x / 1.20x at 256, 1.90x / 2.15x at 1024 (crossovers:
 # split below 128, bf16 ~185 pairs); Qwen3 and OLMoE (<= 1.1e9 at 4096 tokens) ran 3.5-40x slower on it.
 CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
+# The W8A8 route (EngineConfig.fast_expert_gemm 'auto' / 'int8': int8 products on cuBLAS, two calls an expert) from
+# this mean work: full-depth Mixtral-8x7B prefill on the H200 (benchmarks/prefill_engine.py, docs/benchmarks.md,
+# session 13) took 66.0 / 44.9 / 67.5 / 53.7 / 264.5 ms at 128 / 256 / 1024 / 512 / 4096 tokens on it against the
+# 'split' defaults' 49.6 / 74.4 / 155.5 / 120.1 / 490.4: the crossover lies between 32 and 64 pairs an expert, and
+# 64 x 4096 x 14336 = 3.76e9. Qwen3-30B-A3B's 128 small experts never reach it (512 tokens took 503 ms on it).
+CUBLAS_INT8_MIN_EXPERT_MACS = 3_700_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at

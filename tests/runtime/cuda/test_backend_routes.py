@@ -1,18 +1,31 @@
 """Which expert-GEMM route the CUDA backend asks of ops.moe_experts for a pass (CPU-only: the choice is plain Python
-on the backend's options, `CupyBackend._expert_gemm`; the routes themselves are tested on the GPU)."""
+on the backend's options and the table's shape, `CupyBackend._expert_gemm`; the routes themselves are tested on the
+GPU)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from colibri_format.runtime.cuda.backend import CupyBackend
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS
+from colibri_format.runtime.cuda.kernels import ops
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, CUBLAS_INT8_MIN_EXPERT_MACS
+
+MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_experts=8)
+QWEN3 = dict(hidden_size=2048, intermediate_size=768, num_experts=128)
 
 
-def route(fast_gemm, cublas, rows):
-    return CupyBackend._expert_gemm(SimpleNamespace(fast_expert_gemm=fast_gemm, cublas_expert_gemm=cublas), rows)
+def table(hidden_size, intermediate_size, num_experts, group_size=0):
+    """An ExpertTable of that shape (host addresses: only its shape is read here)."""
+    return ops.ExpertTable(np.zeros(num_experts, np.uint64), hidden_size, intermediate_size, 0, 0, 0, 0, group_size)
+
+
+def route(fast_gemm, cublas, rows, pairs=None, experts=None, extras=None):
+    backend = SimpleNamespace(fast_expert_gemm=fast_gemm, cublas_expert_gemm=cublas, ops=ops)
+    return CupyBackend._expert_gemm(backend, rows, 2 * rows if pairs is None else pairs,
+                                    experts or table(**MIXTRAL), extras)
 
 
 @pytest.mark.parametrize("fast_gemm", [None, "split", "bf16", "int8"])
@@ -27,5 +40,33 @@ def test_capturable_passes_never_ask_for_cublas(rows):
     pipelined kernel's split activations and cuBLAS is refused."""
     assert route("int8", True, rows) == ("split", False)
     assert route("int8", None, rows) == ("split", False)
+    assert route("auto", None, rows, pairs=10 ** 9) == ("split", False)
     assert route("bf16", True, rows) == ("bf16", False)
     assert route(None, None, rows) == (None, False)
+
+
+def pairs_at_threshold(shape) -> int:
+    """The fewest routed pairs whose mean work a matrix reaches CUBLAS_INT8_MIN_EXPERT_MACS."""
+    per_pair = shape["hidden_size"] * shape["intermediate_size"]
+    return -(-CUBLAS_INT8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair)
+
+
+def test_auto_takes_w8a8_from_the_measured_mean_work():
+    """Mixtral's crossover lies between 32 and 64 pairs an expert (limits.py): 256 tokens x top-2 over 8 experts
+    take W8A8, 128 do not; the cuBLAS option is passed on unchanged."""
+    threshold = pairs_at_threshold(MIXTRAL)
+    assert 32 * 8 < threshold <= 64 * 8
+    assert route("auto", None, 256, pairs=512) == ("int8", None)
+    assert route("auto", None, 128, pairs=256) == ("split", None)
+    assert route("auto", True, 64, pairs=threshold) == ("int8", True)
+    assert route("auto", False, 64, pairs=threshold - 1) == ("split", False)
+
+
+def test_auto_keeps_small_experts_grouped_scales_and_extras_on_the_pipelined_kernel():
+    """Qwen3's 128 small experts would need ~300k pairs (cuBLAS's per-expert calls cost more than they save there);
+    grouped scales and gpt-oss's extras have no W8A8 route."""
+    assert route("auto", None, 4096, pairs=4096 * 8, experts=table(**QWEN3)) == ("split", None)
+    assert pairs_at_threshold(QWEN3) > 200_000
+    grouped = table(**MIXTRAL, group_size=128)
+    assert route("auto", None, 4096, pairs=8192, experts=grouped) == ("split", None)
+    assert route("auto", None, 4096, pairs=8192, extras=object()) == ("split", None)

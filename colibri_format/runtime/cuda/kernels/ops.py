@@ -25,8 +25,8 @@ from colibri_format.runtime.cuda.limits import (
     A8_FORMATS, A8_GROUP, A8_QUANT_THREADS, A8_THREADS, EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS)
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
-    CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E, DISPATCH_THREADS,
-    FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
+    CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E,
+    DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
     GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
     ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS,
     TC_THREADS, fast_gemm_shared_bytes, scale_groups)
@@ -888,13 +888,21 @@ def _routed(offsets) -> list[tuple[int, int, int]]:
     return [(int(e), int(offsets[e]), int(counts[e])) for e in np.flatnonzero(counts)]
 
 
-def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> bool:
+def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None,
+                     min_macs: int | None = None) -> bool:
     """Whether moe_experts' grouped GEMM runs on cuBLAS (`moe_experts_cublas`): int8 per-row experts without extras
-    whose mean work a matrix, (P / E) H I multiply-adds, reaches CUBLAS_MIN_EXPERT_MACS (below it the widening of
-    every routed expert and its launches cost more than the pipelined kernel saves: limits.py)."""
+    whose mean work a matrix, (P / E) H I multiply-adds, reaches min_macs (CUBLAS_MIN_EXPERT_MACS for the bf16
+    products, CUBLAS_INT8_MIN_EXPERT_MACS for W8A8: below them the per-expert host calls cost more than the
+    pipelined kernel saves: limits.py)."""
     work = num_pairs * table.hidden_size * table.intermediate_size
     return (extras is None and type(table) is ExpertTable and table.groups()[2] == "r"
-            and work >= CUBLAS_MIN_EXPERT_MACS * table.num_experts)
+            and work >= (CUBLAS_MIN_EXPERT_MACS if min_macs is None else min_macs) * table.num_experts)
+
+
+def auto_activations(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> str:
+    """fast_gemm 'auto' resolved for a pass: W8A8 ('int8') where an expert's mean work reaches
+    CUBLAS_INT8_MIN_EXPERT_MACS (large experts, long prompts), else 'split'."""
+    return "int8" if uses_cublas_gemm(num_pairs, table, extras, CUBLAS_INT8_MIN_EXPERT_MACS) else "split"
 
 
 def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, activations: str = "split",
