@@ -634,17 +634,17 @@ extern "C" void emu_gather_int8(int blocks, const signed char* q, const float* s
 
 extern "C" void emu_gate_up_epilogue_int8(int blocks, const int* gu, const float* rs, const int* offsets, int E,
                                           const unsigned long long* blobs, long long off_s, float* act, int P,
-                                          int inter, int pad_rows) {
+                                          int inter) {
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
-        gate_up_epilogue_int8(gu, rs, offsets, E, blobs, off_s, act, P, inter, pad_rows);
+        gate_up_epilogue_int8(gu, rs, offsets, E, blobs, off_s, act, P, inter);
     });
 }
 
 extern "C" void emu_down_epilogue_int8(int blocks, const int* yd, const float* rs, const int* offsets, int E,
                                        const unsigned long long* blobs, long long off_s, const int* perm,
-                                       const float* pair_w, float* ypair, int P, int hidden, int pad_rows) {
+                                       const float* pair_w, float* ypair, int P, int hidden) {
     emu_launch({blocks, 1, 1}, GLUE_THREADS, 0, [&] {
-        down_epilogue_int8(yd, rs, offsets, E, blobs, off_s, perm, pair_w, ypair, P, hidden, pad_rows);
+        down_epilogue_int8(yd, rs, offsets, E, blobs, off_s, perm, pair_w, ypair, P, hidden);
     });
 }
 """
@@ -687,15 +687,12 @@ class GlueEmulator(GridStrideEmulator):
                                  perm.size, q.shape[1], k)
 
     def gate_up_epilogue_int8(self, gu, row_scales, offsets, ptrs, off_s: int, act) -> None:
-        """gu [P, 2I], or [E, pad_rows, 2I]: each expert's products in its block (product_row)."""
         P, inter = act.shape
         self.lib.emu_gate_up_epilogue_int8(self.blocks, _ptr(gu), _ptr(row_scales), _ptr(offsets), offsets.size - 1,
-                                           _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(act), P, inter,
-                                           gu.shape[1] if gu.ndim == 3 else 0)
+                                           _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(act), P, inter)
 
     def down_epilogue_int8(self, yd, row_scales, offsets, ptrs, off_s: int, perm, weights, ypair) -> None:
-        """yd [P, H], or [E, pad_rows, H] (as gate_up_epilogue_int8's gu)."""
-        P, hidden = ypair.shape
+        P, hidden = yd.shape
         self.lib.emu_down_epilogue_int8(self.blocks, _ptr(yd), _ptr(row_scales), _ptr(offsets), offsets.size - 1,
                                         _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(perm), _ptr(weights),
-                                        _ptr(ypair), P, hidden, yd.shape[1] if yd.ndim == 3 else 0)
+                                        _ptr(ypair), P, hidden)

@@ -191,31 +191,6 @@ def test_int8_product_is_exact_and_reads_blobs_in_place(cp, rng):
         ops.gemm_int8(cp.zeros((2, 40), cp.int8), cp.zeros((8, 40), cp.int8), cp.zeros((2, 8), cp.int32))
 
 
-def test_batched_int8_products_are_exact_per_expert_block(cp, rng):
-    """Each routed expert's rows times its blob's matrix land exactly in its block; an expert without rows keeps its
-    block (no product) and the rows past an expert's own are not asked for."""
-    E, H, I = 4, 160, 48
-    layout, _, blobs = host_experts(rng, E, H, I)
-    buf, table = upload(blobs, E, layout)
-    addresses = table.blob_ptrs.get()
-    offsets = np.array([0, 5, 5, 16, 19])                       # expert 1 has no rows; the most an expert: 11
-    P, rows = int(offsets[-1]), 11
-    for matrix, (N, K) in {"gate_up": (2 * I, H), "down": (H, I)}.items():
-        a = rng.integers(-127, 128, (P + rows, K), dtype=np.int8)
-        out = ops.expert_products_int8(cp.asarray(a), table, addresses, offsets, matrix,
-                                       cp.full((E, rows, N), -7, cp.int32)).get()
-        for e in range(E):
-            s, n = offsets[e], offsets[e + 1] - offsets[e]
-            want = a[s:s + n].astype(np.int64) @ blob_array(blobs, layout, e, matrix, np.int8).T.astype(np.int64)
-            assert np.array_equal(out[e, :n], want), (matrix, e)
-        assert (out[1] == -7).all()
-    a = cp.zeros((P + rows, H), cp.int8)
-    with pytest.raises(ValueError, match="at most 10 rows"):
-        ops.expert_products_int8(a[:P + 10], table, addresses, offsets, "gate_up", cp.zeros((E, 10, 2 * I), cp.int32))
-    with pytest.raises(ValueError, match="a must have shape"):
-        ops.expert_products_int8(a[:P], table, addresses, offsets, "gate_up", cp.zeros((E, rows, 2 * I), cp.int32))
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_w8a8_block_matches_float64_of_rounded_inputs(cp, rng, name):
     buf, table, experts, x, ids, w = _case(cp, rng, name)

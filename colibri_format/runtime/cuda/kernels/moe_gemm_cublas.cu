@@ -61,12 +61,6 @@ __device__ __forceinline__ int expert_of(const int* __restrict__ offsets, int nu
     return lo;
 }
 
-// where sorted row pos (of expert e) has its products: row pos of one [P, N] array (pad_rows 0), or row pos -
-// offsets[e] of expert e's block of pad_rows rows in [E, pad_rows, N] (one batched product over the routed experts)
-__device__ __forceinline__ size_t product_row(const int* __restrict__ offsets, int e, int pos, int pad_rows) {
-    return pad_rows ? (size_t)e * pad_rows + (pos - offsets[e]) : (size_t)pos;
-}
-
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gather_bf16(const float* __restrict__ x, const int* __restrict__ perm, const int* __restrict__ offsets,
             int num_experts, u16* __restrict__ out, int num_pairs, int cols, int k, int split) {
@@ -153,9 +147,8 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
 //   gate_up_epilogue_int8:  act[pos, i] = silu((g * rs[pos]) * s[i]) * ((u * rs[pos]) * s[I + i]), g, u the int32
 //                           sums of sorted row pos, s the row scales of its expert (found from the dispatch offsets)
 //   down_epilogue_int8:     ypair[perm[pos], h] = (w[perm[pos]] * (y * rs[pos])) * s[h]
-// The epilogues take every pair's row in one launch; the products are each expert's blocks of pad_rows rows
-// (product_row: one cublasGemmBatchedEx a matrix over the routed experts, each padded to the most rows of one),
-// so that a layer costs the host two cuBLAS calls and five launches.
+// The epilogues take every pair's row in one launch (each expert's products written at its rows of one array), so
+// that a layer costs the host two cuBLAS calls an expert and five launches.
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, float* __restrict__ s, int rows,
                    int cols) {
@@ -191,13 +184,11 @@ gather_rows_int8(const signed char* __restrict__ q, const float* __restrict__ s,
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 gate_up_epilogue_int8(const int* __restrict__ gu, const float* __restrict__ rs, const int* __restrict__ offsets,
                       int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
-                      float* __restrict__ act, int num_pairs, int inter, int pad_rows) {
+                      float* __restrict__ act, int num_pairs, int inter) {
     for_each_group<4>(num_pairs, inter, [&](int r, int c) {
-        const int e = expert_of(offsets, num_experts, r);
-        const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
-        const int* row = gu + product_row(offsets, e, r, pad_rows) * 2 * inter;
-        const int4 g = *reinterpret_cast<const int4*>(row + c);
-        const int4 u = *reinterpret_cast<const int4*>(row + inter + c);
+        const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
+        const int4 g = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + c);
+        const int4 u = *reinterpret_cast<const int4*>(gu + (size_t)r * 2 * inter + inter + c);
         const float4 sg = *reinterpret_cast<const float4*>(s + c);
         const float4 su = *reinterpret_cast<const float4*>(s + inter + c);
         const float x = rs[r];
@@ -211,13 +202,12 @@ extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 down_epilogue_int8(const int* __restrict__ yd, const float* __restrict__ rs, const int* __restrict__ offsets,
                    int num_experts, const unsigned long long* __restrict__ blobs, long long off_s,
                    const int* __restrict__ perm, const float* __restrict__ pair_w, float* __restrict__ ypair,
-                   int num_pairs, int hidden, int pad_rows) {
+                   int num_pairs, int hidden) {
     for_each_group<4>(num_pairs, hidden, [&](int r, int c) {
-        const int e = expert_of(offsets, num_experts, r);
-        const float* s = reinterpret_cast<const float*>(blobs[e] + off_s);
+        const float* s = reinterpret_cast<const float*>(blobs[expert_of(offsets, num_experts, r)] + off_s);
         const int pair = perm[r];
         const float pw = pair_w[pair], a = rs[r];
-        const int4 v = *reinterpret_cast<const int4*>(yd + product_row(offsets, e, r, pad_rows) * hidden + c);
+        const int4 v = *reinterpret_cast<const int4*>(yd + (size_t)r * hidden + c);
         const float4 sc = *reinterpret_cast<const float4*>(s + c);
         *reinterpret_cast<float4*>(ypair + (size_t)pair * hidden + c) =
             make_float4(pw * (v.x * a) * sc.x, pw * (v.y * a) * sc.y, pw * (v.z * a) * sc.z, pw * (v.w * a) * sc.w);

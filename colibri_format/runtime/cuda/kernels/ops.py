@@ -13,10 +13,7 @@ float32 are themselves. Every output can be passed in through `out=` (preallocat
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,8 +26,8 @@ from colibri_format.runtime.cuda.limits import (
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
     CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E,
-    DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC,
-    GEMV_WIDE, GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
+    DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
+    GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
     ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS,
     TC_THREADS, fast_gemm_shared_bytes, scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
@@ -649,46 +646,21 @@ def _cublas():
     return cublas
 
 
-@contextmanager
-def _cublas_on_stream():
-    """CuPy's cuBLAS handle of this device on the current stream, scalars read from the host (restored after)."""
+def _gemm_ex(a, w, out, a_type: int, out_type: int, compute: int, alpha, beta) -> None:
+    """cublasGemmEx out [T, N] = alpha a [T, K] @ w [N, K].T + beta out (row-major), on the current stream."""
     cp, cublas = _cupy(), _cublas()
+    (T, K), N = a.shape, w.shape[0]
     handle = cp.cuda.device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
     try:
-        yield handle
+        # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, alpha.ctypes.data, w.data.ptr, a_type, K,
+                      a.data.ptr, a_type, K, beta.ctypes.data, out.data.ptr, out_type, N, compute,
+                      CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
-
-
-@functools.cache
-def _gemm_batched_ex():
-    """cublasGemmBatchedEx, which CuPy does not bind, from the libcublas CuPy loaded (found in this process's
-    mappings: opened again by its path it is the same library, so CuPy's handles are valid in it)."""
-    _cupy().cuda.device.get_cublas_handle()            # CuPy loads libcublas with its first handle
-    with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
-    if not paths:
-        raise RuntimeError("libcublas is not loaded in this process")
-    fn = ctypes.CDLL(paths[0]).cublasGemmBatchedEx
-    i, p = ctypes.c_int, ctypes.c_void_p
-    # handle, transa, transb, m, n, k, alpha, A[], Atype, lda, B[], Btype, ldb, beta, C[], Ctype, ldc, batch,
-    # compute type, algo
-    fn.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i, i]
-    fn.restype = i
-    return fn
-
-
-def _gemm_ex(a, w, out, a_type: int, out_type: int, compute: int, alpha, beta) -> None:
-    """cublasGemmEx out [T, N] = alpha a [T, K] @ w [N, K].T + beta out (row-major), on the current stream."""
-    (T, K), N = a.shape, w.shape[0]
-    with _cublas_on_stream() as handle:
-        # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
-        _cublas().gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, alpha.ctypes.data, w.data.ptr, a_type, K,
-                         a.data.ptr, a_type, K, beta.ctypes.data, out.data.ptr, out_type, N, compute,
-                         CUBLAS_GEMM_DEFAULT)
 
 
 def _check_product(a, w, out, in_dtype, out_dtype) -> int:
@@ -718,45 +690,6 @@ def gemm_int8(a, w, out):
         raise ValueError(f"K = {a.shape[1]} must be a multiple of 16 for the int8 product")
     if _check_product(a, w, out, np.int8, np.int32):
         _gemm_ex(a, w, out, CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I, np.array(1, np.int32), np.array(0, np.int32))
-    return out
-
-
-def expert_products_int8(a, table: ExpertTable, blob_addresses, offsets, matrix: str, out):
-    """out [E, rows, N] int32, expert e's block out[e, :n_e] = a[o_e:o_e + n_e] @ W_e.T for every expert with rows
-    (o = offsets, host int [E + 1], n_e = o_{e+1} - o_e), W_e [N, K] its blob's int8 `matrix` read in place (from
-    blob_addresses, the host copy of table.blob_ptrs); exact int32 sums. One cublasGemmBatchedEx over the routed
-    experts, each padded to rows = out.shape[1] >= max n_e: a [P + rows, K] int8 in the dispatch's sorted order, its
-    last rows padding (rows past an expert's own are the next expert's, their products out[e, n_e:] undefined and
-    never read: the epilogues' product_row). Experts without rows: no product, their blocks untouched and their
-    blobs (maybe paged) not read. On the current stream; eager passes only."""
-    cp = _cupy()
-    (N, K), off = expert_matrix(table, matrix, "expert_products_int8")
-    E, offsets = table.num_experts, np.asarray(offsets, np.int64)
-    counts = np.diff(offsets)
-    _check("out", out, dtype=np.int32, ndim=3)
-    rows = out.shape[1]
-    if offsets.shape != (E + 1,) or counts.min(initial=0) < 0 or counts.max(initial=0) > rows or offsets[0]:
-        raise ValueError(f"offsets must be [{E + 1}] ascending from 0 with at most {rows} rows an expert")
-    _check("out", out, dtype=np.int32, shape=(E, rows, N))
-    _check("a", a, dtype=np.int8, shape=(int(offsets[-1]) + rows, K))
-    if K % 16 or len(blob_addresses) != E:
-        raise ValueError(f"K = {K} must be a multiple of 16 and {len(blob_addresses)} addresses given for {E}")
-    routed = np.flatnonzero(counts).astype(np.uint64)
-    if not routed.size:
-        return out
-    pointers = cp.asarray(np.stack([                                    # one upload: W, A and C of each product
-        np.asarray(blob_addresses, np.uint64)[routed] + np.uint64(off),
-        np.uint64(a.data.ptr) + offsets[:-1].astype(np.uint64)[routed] * np.uint64(K),
-        np.uint64(out.data.ptr) + routed * np.uint64(rows * N * 4)]))
-    one, zero = np.array(1, np.int32), np.array(0, np.int32)
-    with _cublas_on_stream() as handle:
-        status = _gemm_batched_ex()(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, rows, K, one.ctypes.data,
-                                    pointers[0].data.ptr, CUDA_R_8I, K, pointers[1].data.ptr, CUDA_R_8I, K,
-                                    zero.ctypes.data, pointers[2].data.ptr, CUDA_R_32I, N, routed.size,
-                                    CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT)
-    if status:
-        raise RuntimeError(f"cublasGemmBatchedEx failed with status {status} ({routed.size} products of "
-                           f"{rows} x {N} x {K})")
     return out
 
 
@@ -894,37 +827,31 @@ def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
     return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
 
 
-def _sorted_products(name: str, a, cols: int, row_scales, offsets, num_experts: int) -> tuple[int, int]:
-    """(P, pad_rows) of int32 products a: [P, cols] in sorted order (pad_rows 0), or [E, pad_rows, cols], each
-    expert's rows in its block (expert_products_int8; pad_rows at least the most rows of an expert: the counts are
-    on the device, so the caller vouches for that)."""
-    _check("row_scales", row_scales, dtype=np.float32, ndim=1)
-    _check("offsets", offsets, dtype=np.int32, shape=(num_experts + 1,))
-    P, pad_rows = row_scales.size, (a.shape[1] if a.ndim == 3 else 0)
-    _check(name, a, dtype=np.int32, shape=(num_experts, pad_rows, cols) if a.ndim == 3 else (P, cols))
-    return P, pad_rows
+def _check_sorted_rows(name: str, a, dtype, shape, row_scales, offsets) -> None:
+    _check(name, a, dtype=dtype, shape=shape)
+    _check("row_scales", row_scales, dtype=np.float32, shape=shape[:1])
+    _check("offsets", offsets, dtype=np.int32, ndim=1)
 
 
 def gate_up_epilogue_int8(gu, row_scales, table: ExpertTable, offsets, *, out=None):
     """act [P, I] f32, act[pos, i] = silu((g rs) s[i]) ((u rs) s[I + i]) for g, u the int32 sums of sorted row pos in
-    gu ([P, 2I], or [E, pad_rows, 2I]: `_sorted_products`), rs = row_scales[pos] (the row's int8 scale) and s the
-    row scales of its expert, found from the dispatch's offsets [E + 1]."""
+    gu [P, 2I], rs = row_scales[pos] (the row's int8 scale) and s the row scales of its expert, found from the
+    dispatch's offsets [E + 1]."""
     cp = _cupy()
-    I = table.intermediate_size
-    P, pad_rows = _sorted_products("gu", gu, 2 * I, row_scales, offsets, table.num_experts)
+    P, I = gu.shape[0], table.intermediate_size
+    _check_sorted_rows("gu", gu, np.int32, (P, 2 * I), row_scales, offsets)
     act = _out("out", out, (P, I), cp.float32)
     _glue_launch("gate_up_epilogue_int8", P * I // 4, (gu, row_scales, offsets, np.int32(offsets.size - 1),
                                                        table.blob_ptrs, np.int64(table.off_gate_up_scale), act,
-                                                       np.int32(P), np.int32(I), np.int32(pad_rows)))
+                                                       np.int32(P), np.int32(I)))
     return act
 
 
 def down_epilogue_int8(yd, row_scales, table: ExpertTable, offsets, perm, weights, ypair):
-    """ypair[perm[pos]] = (weights[perm[pos]] * (y rs)) * s for y the int32 sums of sorted row pos in yd ([P, H], or
-    [E, pad_rows, H]: `_sorted_products`), rs = row_scales[pos] and s the row scales of its expert (from the
-    dispatch's offsets [E + 1])."""
-    H = table.hidden_size
-    P, pad_rows = _sorted_products("yd", yd, H, row_scales, offsets, table.num_experts)
+    """ypair[perm[pos]] = (weights[perm[pos]] * (y rs)) * s for y row pos of yd [P, H] int32 (sorted order), rs =
+    row_scales[pos] and s the row scales of its expert (from the dispatch's offsets [E + 1])."""
+    P, H = yd.shape[0], table.hidden_size
+    _check_sorted_rows("yd", yd, np.int32, (P, H), row_scales, offsets)
     _check("perm", perm, dtype=np.int32, shape=(P,))
     _check("weights", weights, dtype=np.float32)
     _check("ypair", ypair, dtype=np.float32, shape=(P, H))
@@ -932,37 +859,27 @@ def down_epilogue_int8(yd, row_scales, table: ExpertTable, offsets, perm, weight
         raise ValueError(f"weights has {weights.size} entries for {P} pairs")
     _glue_launch("down_epilogue_int8", P * H // 4, (yd, row_scales, offsets, np.int32(offsets.size - 1),
                                                     table.blob_ptrs, np.int64(table.off_down_scale), perm, weights,
-                                                    ypair, np.int32(P), np.int32(H), np.int32(pad_rows)))
+                                                    ypair, np.int32(P), np.int32(H)))
     return ypair
 
 
 def _experts_int8(x, weights, table: ExpertTable, disp: Dispatch, k: int, offsets, ypair) -> None:
     """moe_experts_cublas's W8A8 products into ypair: x's rows and each pair's act rounded to int8 a row, the blobs'
-    int8 matrices multiplied in place (no widening) by one batched product a matrix over the routed experts
-    (`expert_products_int8`, each padded to the most rows of an expert), the epilogues and the act quantization one
-    launch each over all pairs: two cuBLAS calls a layer."""
+    int8 matrices multiplied in place (no widening), every expert's products into one array so that the epilogues
+    and the act quantization are one launch each (the host makes two cuBLAS calls an expert besides)."""
     cp = _cupy()
-    H, I, P, E = table.hidden_size, table.intermediate_size, disp.num_pairs, table.num_experts
-    rows = int(np.diff(offsets).max(initial=0))
+    H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
     addresses = cp.asnumpy(table.blob_ptrs)
-    xq = _padded_int8(P, rows, H)
-    _, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k, out=xq[:P])
-    gu = expert_products_int8(xq, table, addresses, offsets, "gate_up", cp.empty((E, rows, 2 * I), cp.int32))
-    del xq
-    act = gate_up_epilogue_int8(gu, xs, table, disp.offsets)
+    xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
+    gu = cp.empty((P, 2 * I), cp.int32)
+    for e, s, n in _routed(offsets):
+        gemm_int8(xq[s:s + n], blob_matrix(table, addresses, e, "gate_up"), gu[s:s + n])
+    aq, as_ = quantize_rows_int8(gate_up_epilogue_int8(gu, xs, table, disp.offsets))
     del gu
-    aq = _padded_int8(P, rows, I)
-    _, as_ = quantize_rows_int8(act, q=aq[:P])
-    del act
-    yd = expert_products_int8(aq, table, addresses, offsets, "down", cp.empty((E, rows, H), cp.int32))
+    yd = cp.empty((P, H), cp.int32)
+    for e, s, n in _routed(offsets):
+        gemm_int8(aq[s:s + n], blob_matrix(table, addresses, e, "down"), yd[s:s + n])
     down_epilogue_int8(yd, as_, table, disp.offsets, disp.perm, weights.reshape(-1), ypair)
-
-
-def _padded_int8(P: int, rows: int, cols: int):
-    """[P + rows, cols] int8 whose last `rows` rows (what the batched products read past the last expert) are 0."""
-    a = _cupy().empty((P + rows, cols), np.int8)
-    a[P:] = 0
-    return a
 
 
 def _routed(offsets) -> list[tuple[int, int, int]]:
