@@ -10,9 +10,6 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
   matrix, hi + lo: CupyBackend.gemm_bf16_split), i.e. what cuBLAS's tensor cores give on an ungrouped product;
 - `cublas-dense-int8`: the same for W8A8 (int8 weights and activations, int32 accumulation, cublasGemmEx with
   CUBLAS_COMPUTE_32I on the int8 tensor cores): the ceiling of a W8A8 route that reads the blobs' int8 in place;
-- `cublas-int8-batched`: the W8A8 products of every routed expert in one cublasGemmBatchedEx a product, each
-  expert's rows padded to the most any expert has (for the many small experts of Qwen3 and OLMoE, where one call an
-  expert is host-bound); products only, checked exact against ops.gemm_int8;
 - stage `block`: the whole routed-expert block (ops.moe_experts: dispatch, both products, combine) on the pipelined
   kernel (`fast-*`) and on cuBLAS (`cublas-*`: ops.moe_experts_cublas, each routed expert widened to bf16, its
   per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS; `cublas-int8`: the W8A8 route
@@ -91,31 +88,6 @@ def timed_plain(cp, fn) -> float:
     return float(np.median(times))
 
 
-def batched_int8_products(cp, table, offsets, a, matrix: str, out) -> None:
-    """One cublasGemmBatchedEx for every routed expert's int8 product (`matrix` of its blob) on its rows of a [P + pad,
-    K] int8 (sorted order), each padded to the most rows of an expert: out [E, rows, N] int32. The rows past an
-    expert's own are the next expert's (or the pad's) and their products are thrown away."""
-    cublas = ops._cublas()
-    rows = out.shape[1]
-    (N, K), off = ops.expert_matrix(table, matrix, "batched_int8_products")
-    blobs = table.blob_ptrs.get()
-    experts = np.arange(len(offsets) - 1)
-    w_ptrs = cp.asarray((blobs + np.uint64(off)).astype(np.uint64))
-    a_ptrs = cp.asarray((a.data.ptr + offsets[:-1].astype(np.uint64) * np.uint64(K)).astype(np.uint64))
-    c_ptrs = cp.asarray((out.data.ptr + experts.astype(np.uint64) * np.uint64(rows * N * 4)).astype(np.uint64))
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, ops.CUBLAS_POINTER_MODE_HOST)
-    one, zero = np.array(1, np.int32), np.array(0, np.int32)
-    try:
-        cublas.gemmBatchedEx(handle, ops.CUBLAS_OP_T, ops.CUBLAS_OP_N, N, rows, K, one.ctypes.data, w_ptrs.data.ptr,
-                             ops.CUDA_R_8I, K, a_ptrs.data.ptr, ops.CUDA_R_8I, K, zero.ctypes.data, c_ptrs.data.ptr,
-                             ops.CUDA_R_32I, N, len(experts), ops.CUBLAS_COMPUTE_32I, ops.CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, mode)
-
-
 def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
     """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
     limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
@@ -180,29 +152,8 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
         add("cublas-dense-int8" + ("" if exact else " (WRONG)"), stage,
             timed_plain(cp, lambda: ops.gemm_int8(a8, w8, out8)))
         del wd, out, w8, a8, out8
-    add_batched_int8(cp, table, d, add)
     del buf
     return rows
-
-
-def add_batched_int8(cp, table, d, add) -> None:
-    """`cublas-int8-batched`: both W8A8 products of every routed expert as one padded cublasGemmBatchedEx each (no
-    per-expert host calls), checked exact against ops.gemm_int8 on one expert's rows."""
-    offsets = d.offsets.get().astype(np.int64)
-    rows = int(np.diff(offsets).max())
-    H, I, P = table.hidden_size, table.intermediate_size, d.num_pairs
-    blobs = table.blob_ptrs.get()
-    for stage, (n, kk) in {"gate_up": (2 * I, H), "down": (H, I)}.items():
-        a = cp.random.RandomState(8).randint(-127, 128, (P + rows, kk)).astype(cp.int8)
-        out = cp.empty((len(offsets) - 1, rows, n), cp.int32)
-        batched_int8_products(cp, table, offsets, a, stage, out)
-        e = int(np.argmax(np.diff(offsets)))
-        want = ops.gemm_int8(a[offsets[e]:offsets[e + 1]], ops.blob_matrix(table, blobs, e, stage),
-                             cp.empty((int(offsets[e + 1] - offsets[e]), n), cp.int32))
-        exact = bool((out[e, :want.shape[0]] == want).all())
-        add("cublas-int8-batched" + ("" if exact else " (WRONG)"), stage,
-            timed_plain(cp, lambda: batched_int8_products(cp, table, offsets, a, stage, out)))
-        del a, out
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
