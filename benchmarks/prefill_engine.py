@@ -43,6 +43,7 @@ VARIANTS = {  # (fast_expert_gemm, flash_prefill, cublas_expert_gemm) switched o
     "tc + flash": (None, True, None), "fast-bf16 + flash": ("bf16", True, False),
     "fast-split + flash": ("split", True, False), "cublas-bf16 + flash": ("bf16", True, True),
     "cublas-split + flash": ("split", True, True), "cublas-int8 + flash": ("int8", True, True),
+    "fast-int8 + flash": ("int8", True, None),
     "defaults": ("auto", True, None)}
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}

@@ -248,10 +248,13 @@ ROUTER_ORDER = {"softmax_topk": 0, "topk_softmax": 1}
 QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}   # codes passed to fused.cu
 
 
-def fast_gemm_shared_bytes(split: bool) -> int:
-    """Dynamic shared memory of a moe_gemm_fast.cu launch: its stages of activation (hi, and lo when split) and
-    int8 weight tiles."""
-    return FAST_STAGES * ((2 if split else 1) * FAST_BM * FAST_BK * 2 + FAST_BN * FAST_BK)
+FAST_ACTIVATION_BYTES = {"bf16": 2, "split": 4, "int8": 1}   # moe_gemm_fast.cu: bytes an activation takes a stage
+
+
+def fast_gemm_shared_bytes(activations: str) -> int:
+    """Dynamic shared memory of a moe_gemm_fast.cu launch: its stages of activation (bf16 hi; hi and lo when
+    'split'; int8) and int8 weight tiles."""
+    return FAST_STAGES * (FAST_ACTIVATION_BYTES[activations] * FAST_BM * FAST_BK + FAST_BN * FAST_BK)
 
 
 def scale_groups(hidden: int, inter: int, group: int) -> tuple[int, int, str] | None:

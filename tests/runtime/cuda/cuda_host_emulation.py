@@ -27,8 +27,8 @@ from colibri_format.runtime.cuda.kernels import ops
 
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
-PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "bf16x2_sub",
-               "load16_stream")
+PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "mma_16832_s8",
+               "bf16x2_sub", "load16_stream")
 PTX_STRUCTS = ("TF16", "TBF16")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
@@ -54,6 +54,24 @@ extern "C" void emu_down(int split, int grid_x, int grid_y, size_t smem, const u
     emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
         (split ? moe_gemm_fast_down_split : moe_gemm_fast_down_bf16)(
             a_hi, a_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I);
+    });
+}
+
+extern "C" void emu_gate_up_int8(int grid_x, int grid_y, size_t smem, const signed char* xq, const float* xs,
+                                 const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
+                                 const int* offsets, const int* tile_expert, const int* tile_start, float* act,
+                                 int H, int I, int k) {
+    emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
+        moe_gemm_fast_gate_up_int8(xq, xs, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k);
+    });
+}
+
+extern "C" void emu_down_int8(int grid_x, int grid_y, size_t smem, const signed char* aq, const float* as,
+                              const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
+                              const int* offsets, const int* tile_expert, const int* tile_start, const float* pair_w,
+                              float* y, int H, int I) {
+    emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
+        moe_gemm_fast_down_int8(aq, as, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I);
     });
 }
 """
@@ -157,8 +175,8 @@ class Emulator(LibraryEmulator):
         super().__init__(lib)
         self.stages = stages
 
-    def shared_bytes(self, split: bool) -> int:
-        return limits.fast_gemm_shared_bytes(split) // limits.FAST_STAGES * self.stages
+    def shared_bytes(self, activations: str) -> int:
+        return limits.fast_gemm_shared_bytes(activations) // limits.FAST_STAGES * self.stages
 
     def _sources(self, *arrays: np.ndarray) -> None:
         self.lib.emu_clear_sources()
@@ -177,8 +195,8 @@ class Emulator(LibraryEmulator):
         self._sources(hi, lo, blobs)
         grid = (-(-I // (limits.FAST_BN // 2)), disp["tile_expert"].size)
         self.lib.emu_gate_up(
-            int(split), *grid, ctypes.c_size_t(self.shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
-            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            int(split), *grid, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
+            _ptr(ptrs), ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
             _ptr(act), H, I, k)
 
@@ -187,7 +205,30 @@ class Emulator(LibraryEmulator):
         self._sources(hi, lo, blobs)
         grid = (-(-H // limits.FAST_BN), disp["tile_expert"].size)
         self.lib.emu_down(
-            int(split), *grid, ctypes.c_size_t(self.shared_bytes(split)), _ptr(hi), _ptr(lo), _ptr(ptrs),
+            int(split), *grid, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
+            _ptr(ptrs), ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
+            _ptr(weights), _ptr(y), H, I)
+
+
+    def gate_up_int8(self, xq, xs, blobs, ptrs, layout, disp: dict, k: int, act) -> None:
+        """W8A8 gate_up: xq [T, H] int8 with a scale a token xs [T]."""
+        H, I = layout.hidden_size, layout.intermediate_size
+        self._sources(xq, xs, blobs)
+        grid = (-(-I // (limits.FAST_BN // 2)), disp["tile_expert"].size)
+        self.lib.emu_gate_up_int8(
+            *grid, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(xq), _ptr(xs), _ptr(ptrs),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
+            _ptr(act), H, I, k)
+
+    def down_int8(self, aq, a_scale, blobs, ptrs, layout, disp: dict, weights, y) -> None:
+        """W8A8 down: aq [P, I] int8 (sorted order) with a scale a row a_scale [P]."""
+        H, I = layout.hidden_size, layout.intermediate_size
+        self._sources(aq, a_scale, blobs)
+        grid = (-(-H // limits.FAST_BN), disp["tile_expert"].size)
+        self.lib.emu_down_int8(
+            *grid, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(aq), _ptr(a_scale), _ptr(ptrs),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
             _ptr(weights), _ptr(y), H, I)

@@ -10,8 +10,8 @@
 //   - atomicAdd and __threadfence are the host's (blocks do not overlap: what the fences order is not exercised);
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
-//   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) is warp-collective: each lane posts its fragments, the warp
-//     meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
+//   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) and m16n8k32 (int8 in, int32) are warp-collective: each lane
+//     posts its fragments, the warp meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
 //   - cp.async copies are only queued; a copy lands when the wait_group that retires its group runs (as late as
 //     the hardware may land it), and each is checked: 16-byte aligned, inside the dynamic shared memory, and (when
 //     not zero-filling) inside an input array registered with emu_allow_source.
@@ -220,6 +220,30 @@ inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a
             const float b = emu_bf16(w.b[4 * n + (k % 8) / 2][k >= 8], k % 2);
             sum += a * b;
         }
+        c[i] += sum;
+    }
+    w.meet->arrive_and_wait();
+}
+
+// ---- mma.sync.m16n8k32.row.col.s32.s8.s8.s32 ------------------------------------------------------------------------
+inline int emu_s8(unsigned int reg, int byte) { return (int)(signed char)((reg >> (8 * byte)) & 0xffu); }
+
+inline void mma_16832_s8(int* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
+                         unsigned int b1) {
+    const int lane = threadIdx.x & 31;
+    EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
+    w.a[lane][0] = a0; w.a[lane][1] = a1; w.a[lane][2] = a2; w.a[lane][3] = a3;
+    w.b[lane][0] = b0; w.b[lane][1] = b1;
+    w.meet->arrive_and_wait();
+    // A (16 x 32): element (r, k) is in lane 4 (r % 8) + (k % 16) / 4, register (r >= 8) + 2 (k >= 16), byte k % 4;
+    // B (32 x 8): element (k, n) is in lane 4 n + (k % 16) / 4, register (k >= 16), byte k % 4; C as mma_16816's.
+    const int g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+        int sum = 0;
+        for (int k = 0; k < 32; ++k)
+            sum += emu_s8(w.a[4 * (r % 8) + (k % 16) / 4][(r >= 8) + 2 * (k >= 16)], k % 4) *
+                   emu_s8(w.b[4 * n + (k % 16) / 4][k >= 16], k % 4);
         c[i] += sum;
     }
     w.meet->arrive_and_wait();

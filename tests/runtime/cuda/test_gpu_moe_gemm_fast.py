@@ -22,6 +22,14 @@ from tests.runtime.hf_tiny import build_hf
 pytestmark = pytest.mark.gpu
 
 TOL = {"split": 1e-4, "bf16": 1e-2}   # hi + lo keeps ~16 bits of each activation; bf16 rounds it to 8
+# int8 (W8A8) is checked against float64 of its int8-rounded inputs (kernel_expectations.round_rows_int8): its sums
+# are exact, so only the fp32 epilogue differs
+TOL["int8"] = 1e-5
+
+
+def reference_input(a, activations: str) -> np.ndarray:
+    """What the kernel's products should equal in float64: a itself, or (int8) a rounded to int8 a row."""
+    return expect.round_rows_int8(a) if activations == "int8" else f64(a)
 
 
 def rel(out, expected) -> float:
@@ -83,13 +91,14 @@ def test_gate_up_and_down_match_float64(cp, rng, name, activations):
     act = ops.moe_gemm_gate_up_fast(cp.asarray(x), table, d, k, activations=activations,
                                     out=nan_array(cp, (T * k, I)))
     act_pairs = act.get()[d.inv.get()]   # sorted order -> pair order
-    assert rel(act_pairs, expect.pair_act(f64(x), ids, experts)) < TOL[activations]
+    assert rel(act_pairs, expect.pair_act(reference_input(x, activations), ids, experts)) < TOL[activations]
     ypair = ops.moe_gemm_down_fast(act, table, d, cp.asarray(w), activations=activations,
                                    out=nan_array(cp, (T * k, H)))
-    assert rel(ypair.get(), expect.pair_down(f64(act_pairs), ids, f64(w), experts)) < TOL[activations]
+    act_in = reference_input(act.get(), activations)[d.inv.get()]        # rounded in sorted order, as the kernel
+    assert rel(ypair.get(), expect.pair_down(act_in, ids, f64(w), experts)) < TOL[activations]
 
 
-@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+@pytest.mark.parametrize("activations", ["split", "bf16"])
 def test_split_activations_are_more_accurate_than_bf16(cp, rng, activations):
     """The two modes really differ: 'split' lands well under bf16's error, 'bf16' well over split's."""
     buf, table, experts, x, ids, w = _case(cp, rng, "many-k-steps")
@@ -112,10 +121,24 @@ def test_moe_experts_runs_the_fast_kernel_on_request(cp, rng, monkeypatch, activ
     y = ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, residual=cp.asarray(resid),
                         gemm=True, fast_gemm=activations, staging=staging)
     assert calls == [1]
-    ref = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy())
-    assert rel(y.get(), ref) < TOL[activations]
+    if activations == "int8":
+        ref = expect.w8a8_block(x, ids, f64(w), experts, f64(resid))
+    else:
+        ref = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy())
+    assert rel(y.get(), ref) < max(TOL[activations], 1e-6)
     ops.moe_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(w), table, gemm=True)   # default: today's kernel
     assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["ragged", "qwen-like"])
+def test_int8_kernels_compute_what_the_cublas_w8a8_route_computes(cp, rng, name):
+    """Same int8 inputs, exact int32 sums and the same epilogue order: the pipelined W8A8 block equals the cuBLAS
+    one bit for bit."""
+    buf, table, experts, x, ids, w = _case(cp, rng, name)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    pipelined = ops.moe_experts(*args, gemm=True, fast_gemm="int8", cublas=False).get()
+    on_cublas = ops.moe_experts(*args, gemm=True, fast_gemm="int8", cublas=True).get()
+    assert np.array_equal(pipelined, on_cublas)
 
 
 def test_grouped_scales_keep_todays_kernel(cp, rng):
@@ -166,7 +189,7 @@ def prefill_error(tmp_path, config: EngineConfig) -> float:
         return rel(gpu.logits([LONG])[0], ref.logits([LONG])[0])
 
 
-@pytest.mark.parametrize("activations,tol", [("split", 2e-3), ("bf16", 3e-2)])
+@pytest.mark.parametrize("activations,tol", [("split", 2e-3), ("bf16", 3e-2), ("int8", 5e-2)])
 def test_engine_prefill_on_the_fast_kernel(tmp_path, monkeypatch, activations, tol):
     calls = []
     real = ops.moe_gemm_down_fast

@@ -198,13 +198,13 @@ HOPPER_BLOCK_SHARED = 227 * 1024   # the most dynamic shared memory a block can 
 HOPPER_SM_SHARED = 228 * 1024      # a multiprocessor's shared memory, 1 KB of it reserved per resident block
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_fast_gemm_stages_fit_the_blocks_asked_for(split):
+@pytest.mark.parametrize("activations,a_bytes", [("bf16", 2), ("split", 4), ("int8", 1)])
+def test_fast_gemm_stages_fit_the_blocks_asked_for(activations, a_bytes):
     """moe_gemm_fast.cu's stages fit a block, and FAST_MIN_BLOCKS blocks (the register bound it compiles for) fit
     a multiprocessor; its tiles are the dispatch's rows."""
-    nbytes = L.fast_gemm_shared_bytes(split)
-    assert nbytes == L.FAST_STAGES * ((2 if split else 1) * 2 * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
-    static = 4 * (L.FAST_BM + L.FAST_BN)
+    nbytes = L.fast_gemm_shared_bytes(activations)
+    assert nbytes == L.FAST_STAGES * (a_bytes * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
+    static = 4 * (2 * L.FAST_BM + L.FAST_BN)        # s_row, s_rs, s_wrow
     assert nbytes + static <= HOPPER_BLOCK_SHARED
     assert L.FAST_MIN_BLOCKS * (nbytes + static + 1024) <= HOPPER_SM_SHARED
     assert L.FAST_BM == L.GEMM_BM

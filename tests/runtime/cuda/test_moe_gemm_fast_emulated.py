@@ -1,6 +1,7 @@
 """moe_gemm_fast.cu on the CPU (cuda_host_emulation.py: its kernels built with g++, a thread per CUDA thread,
 mma.sync and cp.async emulated) against `numpy_backend`'s expert math in float64: the kernel's tiling, shared-memory
-swizzles, k permutation, pipeline and epilogues, checked where no GPU is. The GPU tests are in
+swizzles, k permutation, pipeline and epilogues, checked where no GPU is; the W8A8 (_int8) kernels against float64
+of the int8-rounded inputs. The GPU tests are in
 test_gpu_moe_gemm_fast.py.
 """
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from colibri_format.dtypes import to_float32
+from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda import limits
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, Emulator, build
@@ -92,3 +94,29 @@ def check_against_float64(emulator: Emulator, case, split: bool) -> None:
     if not split:   # bf16 activations: exactly the float64 product of the rounded inputs, up to fp32 sums
         rounded = to_float32(a_hi)[d["inv"]].astype(np.float64)
         assert rel(y, expect.pair_down(rounded, ids, w.astype(np.float64), experts)) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_int8_kernels_match_float64_of_the_rounded_inputs(emulator, case):
+    """W8A8: x rounded to int8 a token and act a pair (numpy_backend.quantize_int8_groups, a row its group), then
+    exact int32 sums: the float64 products of the rounded inputs up to the fp32 epilogue."""
+    rng = np.random.default_rng(16)
+    E, k, H, I, counts = case
+    layout, experts, blobs = host_experts(rng, E, H, I)
+    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
+    P = r.ids.size
+    d = host_dispatch(r.ids, E)
+
+    xq, xs = nb.quantize_int8_groups(r.x, H)
+    act = np.full((P, I), np.nan, np.float32)
+    emulator.gate_up_int8(xq, np.ascontiguousarray(xs.reshape(-1)), blobs, r.ptrs, layout, d, k, act)
+    assert emulator.errors() == (0, "")
+    act_pairs = act[d["inv"]]
+    assert rel(act_pairs, expect.pair_act(expect.round_rows_int8(r.x), r.ids, experts)) < 1e-5
+
+    aq, a_scale = nb.quantize_int8_groups(act, I)
+    y = np.full((P, H), np.nan, np.float32)
+    emulator.down_int8(aq, np.ascontiguousarray(a_scale.reshape(-1)), blobs, r.ptrs, layout, d, r.w, y)
+    assert emulator.errors() == (0, "")
+    rounded_pairs = expect.round_rows_int8(act)[d["inv"]]
+    assert rel(y, expect.pair_down(rounded_pairs, r.ids, r.w.astype(np.float64), experts)) < 1e-5

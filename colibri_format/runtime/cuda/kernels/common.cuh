@@ -145,6 +145,18 @@ __device__ __forceinline__ void mma_16816(float* c, unsigned int a0, unsigned in
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// c += A B over one m16n8k32 tile, int8 in, exact int32 accumulate; lane 4g + t holds the 4 bytes of A rows g (a0,
+// a2) and g + 8 (a1, a3) at k 4t..4t+3 (a0, a1) and 16 + 4t.. (a2, a3), of B column g at k 4t.. (b0) and 16 + 4t..
+// (b1), byte i at k + i; C as mma_16816's.
+__device__ __forceinline__ void mma_16832_s8(int* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                             unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- warp reductions ------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -4,7 +4,11 @@
 //   moe_gemm_fast_down_*:    y[perm[pos], h] = w[perm[pos]] * (act[pos] . down[h])
 // The activations arrive already in bf16 (ops.split_bf16 on the host side of the launch), so that the copies into
 // shared memory are plain asynchronous 16-byte copies: suffix _bf16 reads hi = bf16(x) only (one MMA a weight),
-// _split reads hi and lo = bf16(x - hi) too (two MMAs a weight, ~16 significant bits, like moe_gemm_tc).
+// _split reads hi and lo = bf16(x - hi) too (two MMAs a weight, ~16 significant bits, like moe_gemm_tc). Suffix
+// _int8 (W8A8) reads int8 rows with one scale a row (ops.quantize_rows_int8: x a token, act a pair) and multiplies
+// bytes by bytes (mma.sync m16n8k32 s8, exact int32 sums; a quarter of _split's MMAs and no widening); its
+// epilogues scale each sum by the row's scale, then the weight row's, in moe_gemm_cublas.cu's W8A8 order, so that
+// it computes what the W8A8 cuBLAS route computes.
 //
 // Block: FAST_THREADS = 8 warps side by side along the weight rows; the block tile is FAST_BM rows x FAST_BN weight
 // rows (down: FAST_BN outputs; gate_up: FAST_BN / 2 outputs, their gate rows then their up rows), each warp owning
@@ -15,7 +19,8 @@
 // that cheap, the k order inside each 32-column slice is permuted, identically for A and B (a dot product does not
 // depend on the order of its terms): lane (g, t) holds columns 8t..8t+7 of the slice, so one 8-byte shared load
 // gives it the B fragments of both k16 MMAs of the slice (4 weights each) and one 16-byte load per row its A
-// fragments (the same shared-load count as ldmatrix.x4, which cannot produce this order).
+// fragments (the same shared-load count as ldmatrix.x4, which cannot produce this order). With int8 activations
+// the same order serves m16n8k32: one 8-byte load a row gives a lane its A bytes of both halves of the slice.
 #include "common.cuh"
 
 #ifndef FAST_THREADS
@@ -51,6 +56,10 @@ static_assert((FAST_BM * FAST_BK / 8) % FAST_THREADS == 0 && (FAST_BN * FAST_BK 
 #define FAST_B_CHUNKS (FAST_BK / 16)            // 16-byte chunks of an int8 B row in a stage: 4
 #define FAST_A_BYTES (FAST_BM * FAST_BK * 2)
 #define FAST_B_BYTES (FAST_BN * FAST_BK)
+static_assert((FAST_BM * FAST_B_CHUNKS) % FAST_THREADS == 0, "int8 activations: whole 16-byte copies a thread");
+
+// What a kernel's activations are: bf16 (hi), bf16 hi + lo, or int8 with a scale a row
+enum FastInput { FAST_IN_BF16, FAST_IN_SPLIT, FAST_IN_INT8 };
 
 // ---- asynchronous copies (sm_80+) ----------------------------------------------------------------------------
 __device__ __forceinline__ unsigned int shared_address(const void* p) {
@@ -81,31 +90,56 @@ __device__ __forceinline__ void wait_copies() {
 __device__ __forceinline__ int a_slot(int row, int chunk) { return chunk ^ ((row & 1) << 2); }
 __device__ __forceinline__ int b_slot(int row, int chunk) { return chunk ^ (((row >> 1) & 1) << 1); }
 
-template <bool SPLIT>
+template <int IN>
 struct FastStage {
-    static constexpr int A_PARTS = SPLIT ? 2 : 1;   // hi, then lo
-    static constexpr int BYTES = A_PARTS * FAST_A_BYTES + FAST_B_BYTES;
+    static constexpr int A_PARTS = IN == FAST_IN_SPLIT ? 2 : 1;   // hi, then lo
+    static constexpr int A_BYTES = IN == FAST_IN_INT8 ? FAST_BM * FAST_BK : FAST_A_BYTES;
+    static constexpr int BYTES = A_PARTS * A_BYTES + FAST_B_BYTES;
+};
+
+template <int IN>
+struct FastAcc {            // the accumulators: fp32, or exact int32 sums of int8 products
+    typedef float T;
+};
+template <>
+struct FastAcc<FAST_IN_INT8> {
+    typedef int T;
 };
 
 // One K step of the block tile into a stage: FAST_BM gathered activation rows (rows < 0: zeros) and FAST_BN weight
-// rows (rows < 0: zeros), columns k0 .. k0 + FAST_BK (zeros past ncols, which is a multiple of 16).
-template <bool SPLIT>
-__device__ __forceinline__ void load_stage(unsigned char* stage, const u16* __restrict__ in_hi,
+// rows (rows < 0: zeros), columns k0 .. k0 + FAST_BK (zeros past ncols, which is a multiple of 16). int8 activation
+// rows are laid out as the weight rows are (4 chunks, b_slot).
+template <int IN>
+__device__ __forceinline__ void load_stage(unsigned char* stage, const void* __restrict__ in_hi,
                                            const u16* __restrict__ in_lo, const signed char* __restrict__ w,
                                            const int* s_row, const int* s_wrow, int ncols, int k0) {
     const int tid = threadIdx.x;
+    if (IN == FAST_IN_INT8) {
+        const signed char* in = static_cast<const signed char*>(in_hi);
 #pragma unroll
-    for (int it = 0; it < FAST_BM * FAST_A_CHUNKS / FAST_THREADS; ++it) {
-        const int i = tid + it * FAST_THREADS;
-        const int r = i / FAST_A_CHUNKS, c = i % FAST_A_CHUNKS;
-        const int src = s_row[r], col = k0 + c * 8;
-        const bool ok = src >= 0 && col < ncols;
-        const size_t off = ok ? (size_t)src * ncols + col : 0;
-        unsigned char* dst = stage + (r * FAST_A_CHUNKS + a_slot(r, c)) * 16;
-        copy16_async(dst, in_hi + off, ok);
-        if (SPLIT) copy16_async(dst + FAST_A_BYTES, in_lo + off, ok);
+        for (int it = 0; it < FAST_BM * FAST_B_CHUNKS / FAST_THREADS; ++it) {
+            const int i = tid + it * FAST_THREADS;
+            const int r = i / FAST_B_CHUNKS, c = i % FAST_B_CHUNKS;
+            const int src = s_row[r], col = k0 + c * 16;
+            const bool ok = src >= 0 && col < ncols;
+            copy16_async(stage + (r * FAST_B_CHUNKS + b_slot(r, c)) * 16, in + (ok ? (size_t)src * ncols + col : 0),
+                         ok);
+        }
+    } else {
+        const u16* hi = static_cast<const u16*>(in_hi);
+#pragma unroll
+        for (int it = 0; it < FAST_BM * FAST_A_CHUNKS / FAST_THREADS; ++it) {
+            const int i = tid + it * FAST_THREADS;
+            const int r = i / FAST_A_CHUNKS, c = i % FAST_A_CHUNKS;
+            const int src = s_row[r], col = k0 + c * 8;
+            const bool ok = src >= 0 && col < ncols;
+            const size_t off = ok ? (size_t)src * ncols + col : 0;
+            unsigned char* dst = stage + (r * FAST_A_CHUNKS + a_slot(r, c)) * 16;
+            copy16_async(dst, hi + off, ok);
+            if (IN == FAST_IN_SPLIT) copy16_async(dst + FAST_A_BYTES, in_lo + off, ok);
+        }
     }
-    unsigned char* bstage = stage + FastStage<SPLIT>::A_PARTS * FAST_A_BYTES;
+    unsigned char* bstage = stage + FastStage<IN>::A_PARTS * FastStage<IN>::A_BYTES;
 #pragma unroll
     for (int it = 0; it < FAST_BN * FAST_B_CHUNKS / FAST_THREADS; ++it) {
         const int i = tid + it * FAST_THREADS;
@@ -143,11 +177,11 @@ __device__ __forceinline__ int warp_b_row(int warp, int nt) {
 // The MMAs of one stage: for each 32-column slice s, lane (g, t) takes columns 32s + 8t .. + 7 (see the header):
 // B: weight row g of each n8 tile, 8 bytes -> fragments of MMA 0 (columns +0..+3) and MMA 1 (+4..+7);
 // A: rows g and g + 8 of each m16 tile, 16 bytes each -> a0..a3 of MMA 0 (.x, .y) and MMA 1 (.z, .w).
-template <bool GATEUP, bool SPLIT>
+template <bool GATEUP, int IN>
 __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&acc)[FAST_MT][FAST_NT][4], int warp,
                                           int lane) {
     const int g = lane >> 2, t = lane & 3;
-    const unsigned char* bstage = stage + FastStage<SPLIT>::A_PARTS * FAST_A_BYTES;
+    const unsigned char* bstage = stage + FastStage<IN>::A_PARTS * FAST_A_BYTES;
     // not unrolled: with both slices' fragments in flight the kernel spills under the 128-register bound
 #pragma unroll 1
     for (int s = 0; s < FAST_BK / 32; ++s) {
@@ -165,7 +199,7 @@ __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&ac
         for (int mi = 0; mi < FAST_MT; ++mi) {
             const int r0 = mi * 16 + g, r1 = r0 + 8, c = 4 * s + t;
 #pragma unroll
-            for (int part = 0; part < FastStage<SPLIT>::A_PARTS; ++part) {
+            for (int part = 0; part < FastStage<IN>::A_PARTS; ++part) {
                 const unsigned char* a = stage + part * FAST_A_BYTES;
                 const uint4 row_g = *reinterpret_cast<const uint4*>(a + (r0 * FAST_A_CHUNKS + a_slot(r0, c)) * 16);
                 const uint4 row_g8 = *reinterpret_cast<const uint4*>(a + (r1 * FAST_A_CHUNKS + a_slot(r1, c)) * 16);
@@ -179,10 +213,43 @@ __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&ac
     }
 }
 
+// The int8 MMAs of one stage, in the same k order: for each 32-column slice s, lane (g, t) loads 8 bytes at
+// columns 32s + 8t of each B row g and each A row g, g + 8: bytes 0-3 are k 4t..4t+3 of m16n8k32 (a0, a1, b0), bytes
+// 4-7 its k 16 + 4t.. (a2, a3, b1). A rows sit in shared memory as the B rows do (b_slot).
+template <bool GATEUP>
+__device__ __forceinline__ void mma_stage_int8(const unsigned char* stage, int (&acc)[FAST_MT][FAST_NT][4], int warp,
+                                               int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const unsigned char* bstage = stage + FastStage<FAST_IN_INT8>::A_BYTES;
+#pragma unroll
+    for (int s = 0; s < FAST_BK / 32; ++s) {
+        const int c = 2 * s + (t >> 1), half = 8 * (t & 1);
+        uint2 b[FAST_NT];
+#pragma unroll
+        for (int nt = 0; nt < FAST_NT; ++nt) {
+            const int j = warp_b_row<GATEUP>(warp, nt) + g;
+            b[nt] = *reinterpret_cast<const uint2*>(bstage + (j * FAST_B_CHUNKS + b_slot(j, c)) * 16 + half);
+        }
+#pragma unroll
+        for (int mi = 0; mi < FAST_MT; ++mi) {
+            const int r0 = mi * 16 + g, r1 = r0 + 8;
+            const uint2 a0 = *reinterpret_cast<const uint2*>(stage + (r0 * FAST_B_CHUNKS + b_slot(r0, c)) * 16 + half);
+            const uint2 a1 = *reinterpret_cast<const uint2*>(stage + (r1 * FAST_B_CHUNKS + b_slot(r1, c)) * 16 + half);
+#pragma unroll
+            for (int nt = 0; nt < FAST_NT; ++nt) mma_16832_s8(acc[mi][nt], a0.x, a1.x, a0.y, a1.y, b[nt].x, b[nt].y);
+        }
+    }
+}
+
 // ---- epilogues: accumulator r of tile (mi, nt) is row mi*16 + g (+8 for r >= 2), column nt*8 + 2t + (r & 1) ------
-__device__ __forceinline__ void store_gate_up(const float (&acc)[FAST_MT][FAST_NT][4], const float* __restrict__ scale,
-                                              float* __restrict__ out, int start, int cnt, int n0, int nout,
-                                              int warp, int lane) {
+// An accumulator before the weight row's scale: itself, or (int8 activations) its int32 sum times the row's scale.
+__device__ __forceinline__ float row_scaled(float v, float) { return v; }
+__device__ __forceinline__ float row_scaled(int v, float row_scale) { return (float)v * row_scale; }
+
+template <typename Acc>
+__device__ __forceinline__ void store_gate_up(const Acc (&acc)[FAST_MT][FAST_NT][4], const float* __restrict__ scale,
+                                              const float* s_rs, float* __restrict__ out, int start, int cnt, int n0,
+                                              int nout, int warp, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < FAST_MT; ++mi)
@@ -191,24 +258,28 @@ __device__ __forceinline__ void store_gate_up(const float (&acc)[FAST_MT][FAST_N
             const int m = mi * 16 + g + 8 * half;
             if (m >= cnt) continue;
             float* row = out + (size_t)(start + m) * nout;
+            const float rs = s_rs[m];
 #pragma unroll
             for (int nt = 0; nt < FAST_NT / 2; ++nt) {
                 const int o = n0 + warp * (FAST_WARP_N / 2) + nt * 8 + 2 * t;
                 if (o >= nout) continue;   // nout is even: o + 1 < nout too
-                const float* gate = acc[mi][nt] + 2 * half;
-                const float* up = acc[mi][nt + FAST_NT / 2] + 2 * half;
+                const Acc* gate = acc[mi][nt] + 2 * half;
+                const Acc* up = acc[mi][nt + FAST_NT / 2] + 2 * half;
                 float2 v;
-                v.x = silu_f32(gate[0] * __ldg(scale + o)) * (up[0] * __ldg(scale + nout + o));
-                v.y = silu_f32(gate[1] * __ldg(scale + o + 1)) * (up[1] * __ldg(scale + nout + o + 1));
+                v.x = silu_f32(row_scaled(gate[0], rs) * __ldg(scale + o)) *
+                      (row_scaled(up[0], rs) * __ldg(scale + nout + o));
+                v.y = silu_f32(row_scaled(gate[1], rs) * __ldg(scale + o + 1)) *
+                      (row_scaled(up[1], rs) * __ldg(scale + nout + o + 1));
                 *reinterpret_cast<float2*>(row + o) = v;
             }
         }
 }
 
-__device__ __forceinline__ void store_down(const float (&acc)[FAST_MT][FAST_NT][4], const float* __restrict__ scale,
-                                           const int* __restrict__ perm, const float* __restrict__ pair_w,
-                                           float* __restrict__ out, int start, int cnt, int n0, int nout, int warp,
-                                           int lane) {
+template <typename Acc>
+__device__ __forceinline__ void store_down(const Acc (&acc)[FAST_MT][FAST_NT][4], const float* __restrict__ scale,
+                                           const float* s_rs, const int* __restrict__ perm,
+                                           const float* __restrict__ pair_w, float* __restrict__ out, int start,
+                                           int cnt, int n0, int nout, int warp, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < FAST_MT; ++mi)
@@ -217,24 +288,37 @@ __device__ __forceinline__ void store_down(const float (&acc)[FAST_MT][FAST_NT][
             const int m = mi * 16 + g + 8 * half;
             if (m >= cnt) continue;
             const int pair = perm[start + m];
-            const float pw = __ldg(pair_w + pair);
+            const float pw = __ldg(pair_w + pair), rs = s_rs[m];
             float* row = out + (size_t)pair * nout;
 #pragma unroll
             for (int nt = 0; nt < FAST_NT; ++nt) {
                 const int o = n0 + warp * FAST_WARP_N + nt * 8 + 2 * t;
                 if (o >= nout) continue;   // nout is even: o + 1 < nout too
-                const float* c = acc[mi][nt] + 2 * half;
+                const Acc* c = acc[mi][nt] + 2 * half;
                 float2 v;
-                v.x = pw * c[0] * __ldg(scale + o);   // moe_gemm_tc's rounding order
-                v.y = pw * c[1] * __ldg(scale + o + 1);
+                v.x = pw * row_scaled(c[0], rs) * __ldg(scale + o);   // moe_gemm_tc's rounding order
+                v.y = pw * row_scaled(c[1], rs) * __ldg(scale + o + 1);
                 *reinterpret_cast<float2*>(row + o) = v;
             }
         }
 }
 
+// A stage's MMAs for the kernel's activations (the accumulator type picks the int8 ones)
+template <bool GATEUP, int IN>
+__device__ __forceinline__ void mma_step(const unsigned char* stage, float (&acc)[FAST_MT][FAST_NT][4], int warp,
+                                         int lane) {
+    mma_stage<GATEUP, IN>(stage, acc, warp, lane);
+}
+template <bool GATEUP, int IN>
+__device__ __forceinline__ void mma_step(const unsigned char* stage, int (&acc)[FAST_MT][FAST_NT][4], int warp,
+                                         int lane) {
+    mma_stage_int8<GATEUP>(stage, acc, warp, lane);
+}
+
 // ---- the kernel body --------------------------------------------------------------------------------------------
-template <bool GATEUP, bool SPLIT>
-__device__ __forceinline__ void moe_gemm_fast(const u16* __restrict__ in_hi, const u16* __restrict__ in_lo,
+template <bool GATEUP, int IN>
+__device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, const u16* __restrict__ in_lo,
+                                              const float* __restrict__ in_scale,
                                               const unsigned long long* __restrict__ blobs, long long off_w,
                                               long long off_s, const int* __restrict__ perm,
                                               const int* __restrict__ offsets, const int* __restrict__ tile_expert,
@@ -243,6 +327,7 @@ __device__ __forceinline__ void moe_gemm_fast(const u16* __restrict__ in_hi, con
     extern __shared__ __align__(128) unsigned char fast_smem[];
     __shared__ int s_row[FAST_BM];    // activation row of each tile row (-1: past the expert's rows)
     __shared__ int s_wrow[FAST_BN];   // weight row of each B row (-1: past nout)
+    __shared__ float s_rs[FAST_BM];   // int8 activations: each tile row's scale (else unread)
     constexpr int OUT_PER_BLOCK = GATEUP ? FAST_BN / 2 : FAST_BN;
 
     const int e = tile_expert[blockIdx.y];
@@ -255,29 +340,31 @@ __device__ __forceinline__ void moe_gemm_fast(const u16* __restrict__ in_hi, con
     const signed char* w = reinterpret_cast<const signed char*>(blob + off_w);
     const float* scale = reinterpret_cast<const float*>(blob + off_s);
 
-    for (int r = tid; r < FAST_BM; r += FAST_THREADS)
+    for (int r = tid; r < FAST_BM; r += FAST_THREADS) {
         s_row[r] = r < cnt ? (GATEUP ? perm[start + r] / k : start + r) : -1;
+        s_rs[r] = IN == FAST_IN_INT8 && r < cnt ? in_scale[s_row[r]] : 0.0f;
+    }
     for (int j = tid; j < FAST_BN; j += FAST_THREADS) {
         const int o = n0 + j % OUT_PER_BLOCK;
         s_wrow[j] = o < nout ? (GATEUP && j >= OUT_PER_BLOCK ? nout + o : o) : -1;
     }
     __syncthreads();
 
-    float acc[FAST_MT][FAST_NT][4];
+    typename FastAcc<IN>::T acc[FAST_MT][FAST_NT][4];
 #pragma unroll
     for (int mi = 0; mi < FAST_MT; ++mi)
 #pragma unroll
         for (int nt = 0; nt < FAST_NT; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) acc[mi][nt][r] = 0.0f;
+            for (int r = 0; r < 4; ++r) acc[mi][nt][r] = 0;
 
-    constexpr int STAGE_BYTES = FastStage<SPLIT>::BYTES;
+    constexpr int STAGE_BYTES = FastStage<IN>::BYTES;
     const int steps = (ncols + FAST_BK - 1) / FAST_BK;
     // prologue: the first FAST_STAGES - 1 steps in flight; one commit group per step (empty past the end), so
     // that "all but FAST_STAGES - 2 groups done" always means "step kt has landed"
 #pragma unroll
     for (int s = 0; s < FAST_STAGES - 1; ++s) {
-        if (s < steps) load_stage<SPLIT>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols, s * FAST_BK);
+        if (s < steps) load_stage<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols, s * FAST_BK);
         commit_copies();
     }
     for (int kt = 0; kt < steps; ++kt) {
@@ -286,38 +373,55 @@ __device__ __forceinline__ void moe_gemm_fast(const u16* __restrict__ in_hi, con
         __syncthreads();
         const int next = kt + FAST_STAGES - 1;
         if (next < steps)
-            load_stage<SPLIT>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
-                              next * FAST_BK);
+            load_stage<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
+                           next * FAST_BK);
         commit_copies();
-        mma_stage<GATEUP, SPLIT>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES, acc, warp, lane);
+        mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES, acc, warp, lane);
     }
     wait_copies<0>();   // only empty groups remain; leave none outstanding at exit
 
     if (GATEUP)
-        store_gate_up(acc, scale, out, start, cnt, n0, nout, warp, lane);
+        store_gate_up(acc, scale, s_rs, out, start, cnt, n0, nout, warp, lane);
     else
-        store_down(acc, scale, perm, pair_w, out, start, cnt, n0, nout, warp, lane);
+        store_down(acc, scale, s_rs, perm, pair_w, out, start, cnt, n0, nout, warp, lane);
 }
 
 // in_lo is read only by the _split kernels (the _bf16 ones take any pointer there, e.g. in_hi).
-#define FAST_GATE_UP_KERNEL(NAME, SPLIT)                                                                        \
+#define FAST_GATE_UP_KERNEL(NAME, IN)                                                                           \
     extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)                                \
         NAME(const u16* x_hi, const u16* x_lo, const unsigned long long* blobs, long long off_w, long long off_s, \
              const int* perm, const int* offsets, const int* tile_expert, const int* tile_start, float* act,     \
              int H, int I, int k) {                                                                            \
-        moe_gemm_fast<true, SPLIT>(x_hi, x_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start,    \
-                                   nullptr, act, H, I, k);                                                     \
+        moe_gemm_fast<true, IN>(x_hi, x_lo, nullptr, blobs, off_w, off_s, perm, offsets, tile_expert,          \
+                                tile_start, nullptr, act, H, I, k);                                            \
     }
-#define FAST_DOWN_KERNEL(NAME, SPLIT)                                                                           \
+#define FAST_DOWN_KERNEL(NAME, IN)                                                                              \
     extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)                                \
         NAME(const u16* act_hi, const u16* act_lo, const unsigned long long* blobs, long long off_w,             \
              long long off_s, const int* perm, const int* offsets, const int* tile_expert, const int* tile_start, \
              const float* pair_w, float* y, int H, int I) {                                                    \
-        moe_gemm_fast<false, SPLIT>(act_hi, act_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, \
-                                    pair_w, y, I, H, 1);                                                       \
+        moe_gemm_fast<false, IN>(act_hi, act_lo, nullptr, blobs, off_w, off_s, perm, offsets, tile_expert,     \
+                                 tile_start, pair_w, y, I, H, 1);                                              \
     }
 
-FAST_GATE_UP_KERNEL(moe_gemm_fast_gate_up_bf16, false)
-FAST_GATE_UP_KERNEL(moe_gemm_fast_gate_up_split, true)
-FAST_DOWN_KERNEL(moe_gemm_fast_down_bf16, false)
-FAST_DOWN_KERNEL(moe_gemm_fast_down_split, true)
+FAST_GATE_UP_KERNEL(moe_gemm_fast_gate_up_bf16, FAST_IN_BF16)
+FAST_GATE_UP_KERNEL(moe_gemm_fast_gate_up_split, FAST_IN_SPLIT)
+FAST_DOWN_KERNEL(moe_gemm_fast_down_bf16, FAST_IN_BF16)
+FAST_DOWN_KERNEL(moe_gemm_fast_down_split, FAST_IN_SPLIT)
+
+// W8A8: xq [T, H] int8 with x_scale [T] (a token's), aq [P, I] int8 (sorted order) with a_scale [P] (a pair's)
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)
+moe_gemm_fast_gate_up_int8(const signed char* xq, const float* x_scale, const unsigned long long* blobs,
+                           long long off_w, long long off_s, const int* perm, const int* offsets,
+                           const int* tile_expert, const int* tile_start, float* act, int H, int I, int k) {
+    moe_gemm_fast<true, FAST_IN_INT8>(xq, nullptr, x_scale, blobs, off_w, off_s, perm, offsets, tile_expert,
+                                      tile_start, nullptr, act, H, I, k);
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)
+moe_gemm_fast_down_int8(const signed char* aq, const float* a_scale, const unsigned long long* blobs,
+                        long long off_w, long long off_s, const int* perm, const int* offsets,
+                        const int* tile_expert, const int* tile_start, const float* pair_w, float* y, int H, int I) {
+    moe_gemm_fast<false, FAST_IN_INT8>(aq, nullptr, a_scale, blobs, off_w, off_s, perm, offsets, tile_expert,
+                                       tile_start, pair_w, y, I, H, 1);
+}

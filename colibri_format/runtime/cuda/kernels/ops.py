@@ -550,7 +550,8 @@ def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_co
     return y
 
 
-FAST_ACTIVATIONS = ("split", "bf16")   # moe_gemm_fast.cu: hi + lo bf16 (two MMAs a weight, ~1e-5) or bf16 (one)
+FAST_ACTIVATIONS = ("split", "bf16", "int8")   # moe_gemm_fast.cu: hi + lo bf16 (two MMAs a weight, ~1e-5), bf16
+                                                 # (one), or int8 a row (W8A8: one s8 MMA per 32 weights)
 
 
 class FastGemmStaging(NamedTuple):
@@ -581,7 +582,7 @@ def _check_fast(activations: str, table: ExpertTable, disp: Dispatch) -> None:
 def _fast_launch(stage: str, activations: str, disp: Dispatch, grid_x: int, args: tuple) -> None:
     """Launches a moe_gemm_fast.cu kernel with its dynamic shared memory (opted in beyond 48 KB)."""
     fn = kernel("moe_gemm_fast", f"moe_gemm_fast_{stage}_{activations}")
-    smem = fast_gemm_shared_bytes(activations == "split")
+    smem = fast_gemm_shared_bytes(activations)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     fn((grid_x, int(disp.tile_expert.size)), (FAST_THREADS,), args, shared_mem=smem)
@@ -591,7 +592,9 @@ def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, acti
                           hi=None, lo=None, out=None):
     """`moe_gemm_gate_up` (act [P, I] f32, sorted order, from x [T, H] f32) on the pipelined tensor-core kernel
     (moe_gemm_fast.cu), per-row scales only. activations: 'split' (x as bf16 hi + lo, about 1e-5 relative, like the
-    tensor-core kernel) or 'bf16' (x rounded to bf16 once, about 1e-3). hi, lo: [T, H] uint16 staging (optional)."""
+    tensor-core kernel), 'bf16' (x rounded to bf16 once, about 1e-3) or 'int8' (W8A8: x rounded to int8 a token,
+    `quantize_rows_int8`, exact int32 sums: what the W8A8 cuBLAS route computes). hi, lo: [T, H] uint16 staging
+    (optional; not used by 'int8')."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     T = disp.num_pairs // k
@@ -600,7 +603,7 @@ def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, acti
     _check_moe_inputs(x, table, disp, H, T)
     _check_fast(activations, table, disp)
     act = _out("out", out, (disp.num_pairs, I), cp.float32)
-    x_hi, x_lo = split_bf16(x, hi=hi, lo=lo)
+    x_hi, x_lo = quantize_rows_int8(x) if activations == "int8" else split_bf16(x, hi=hi, lo=lo)
     _fast_launch("gate_up", activations, disp, -(-I // (FAST_BN // 2)),
                  (x_hi, x_lo, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
                   disp.perm, disp.offsets, disp.tile_expert, disp.tile_start, act, np.int32(H), np.int32(I),
@@ -611,7 +614,7 @@ def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, acti
 def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, activations: str = "split", hi=None,
                        lo=None, out=None):
     """`moe_gemm_down` (ypair [P, H] f32, pair order = routing weight * down @ act) on the pipelined tensor-core
-    kernel; activations, hi and lo ([P, I] uint16) as in `moe_gemm_gate_up_fast`."""
+    kernel; activations, hi and lo ([P, I] uint16) as in `moe_gemm_gate_up_fast` ('int8': act rounded a pair)."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
@@ -621,7 +624,7 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
         raise ValueError(f"weights has {weights.size} entries, expected {P}")
     _check_fast(activations, table, disp)
     y = _out("out", out, (P, H), cp.float32)
-    a_hi, a_lo = split_bf16(act, hi=hi, lo=lo)
+    a_hi, a_lo = quantize_rows_int8(act) if activations == "int8" else split_bf16(act, hi=hi, lo=lo)
     _fast_launch("down", activations, disp, -(-H // FAST_BN),
                  (a_hi, a_lo, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm,
                   disp.offsets, disp.tile_expert, disp.tile_start, weights, y, np.int32(H), np.int32(I)))
@@ -631,8 +634,8 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
 # ---- the grouped expert GEMM on cuBLAS (moe_gemm_cublas.cu around cublasGemmEx) ---------------------------------
 CUDA_R_32F, CUDA_R_16BF, CUDA_R_8I, CUDA_R_32I = 0, 14, 3, 10        # cudaDataType
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32I = 68, 72     # cublasComputeType_t: fp32 / int32 accumulation
-CUBLAS_ACTIVATIONS = FAST_ACTIVATIONS + ("int8",)   # int8: W8A8, each product's input rows rounded to int8 (a scale
-                                                    # a row) and multiplied on cuBLAS's int8 tensor cores
+CUBLAS_ACTIVATIONS = FAST_ACTIVATIONS   # int8: W8A8, each product's input rows rounded to int8 (a scale a row) and
+                                        # multiplied on cuBLAS's int8 tensor cores
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_POINTER_MODE_HOST = 0
@@ -967,9 +970,9 @@ def gemm_path(T: int, k: int, num_experts: int) -> bool:
 
 
 def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtras | None) -> bool:
-    """Whether moe_experts' grouped GEMM runs fast_gemm's activations (on the pipelined kernel, or on cuBLAS for
-    'int8' and where `uses_cublas_gemm` says so): asked for, and a model they compute (per-row scales, no gpt-oss
-    extras); otherwise today's kernels run."""
+    """Whether moe_experts' grouped GEMM runs fast_gemm's activations (on the pipelined kernel, or on cuBLAS where
+    `uses_cublas_gemm` says so): asked for, and a model they compute (per-row scales, no gpt-oss extras); otherwise
+    today's kernels run."""
     if fast_gemm is not None and fast_gemm not in CUBLAS_ACTIVATIONS:
         raise ValueError(f"fast_gemm must be None or one of {CUBLAS_ACTIVATIONS}, got {fast_gemm!r}")
     return fast_gemm is not None and extras is None and table.groups()[2] == "r"
@@ -988,7 +991,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
     `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
     cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
-    so; an eager pass only); fast_gemm 'int8' (W8A8) runs there whatever cublas says.
+    so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
@@ -996,7 +999,8 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
         return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
-    if fast and (fast_gemm == "int8" or (uses_cublas_gemm(T * k, table, extras) if cublas is None else cublas)):
+    least = CUBLAS_INT8_MIN_EXPERT_MACS if fast_gemm == "int8" else None
+    if fast and (uses_cublas_gemm(T * k, table, extras, least) if cublas is None else cublas):
         return moe_experts_cublas(x, ids, weights, table, disp, activations=fast_gemm, residual=residual,
                                   alpha=alpha, ypair=ypair, out=out)
     if fast:
