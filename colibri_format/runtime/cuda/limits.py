@@ -81,7 +81,8 @@ CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
 # this mean work: full-depth Mixtral-8x7B prefill on the H200 (benchmarks/prefill_engine.py, docs/benchmarks.md,
 # session 13) took 66.0 / 44.9 / 67.5 / 53.7 / 264.5 ms at 128 / 256 / 1024 / 512 / 4096 tokens on it against the
 # 'split' defaults' 49.6 / 74.4 / 155.5 / 120.1 / 490.4: the crossover lies between 32 and 64 pairs an expert, and
-# 64 x 4096 x 14336 = 3.76e9. Qwen3-30B-A3B's 128 small experts never reach it (512 tokens took 503 ms on it).
+# 64 x 4096 x 14336 = 3.76e9. Qwen3-30B-A3B's 128 small experts never reach it (512 tokens took 503 ms on it); an
+# 'int8' pass below it runs moe_gemm_fast.cu's s8 MMAs (Qwen3 512 tokens: 31.9 ms; not yet placed against them).
 CUBLAS_INT8_MIN_EXPERT_MACS = 3_700_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
