@@ -214,7 +214,8 @@ def make_backend(config: EngineConfig):
     if config.device == "cpu":
         from colibri_format.runtime.numpy_backend import NumpyBackend
 
-        return NumpyBackend(np.dtype(config.precision), int8_activations=config.int8_activations)
+        return NumpyBackend(np.dtype(config.precision), int8_activations=config.int8_activations,
+                            fast_expert_gemm=config.fast_expert_gemm)
     try:
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:

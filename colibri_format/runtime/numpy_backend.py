@@ -22,7 +22,7 @@ import numpy as np
 from colibri_format.dequant import dequantize_matrix
 from colibri_format.dtypes import NUMPY_STORAGE
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations
+from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations, rounds_rows_int8
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -437,6 +437,12 @@ def round_int8_groups(x, group: int = A8_GROUP) -> np.ndarray:
     return (q.astype(x.dtype).reshape(rows, cols // group, group) * s[:, :, None]).reshape(rows, cols)
 
 
+def round_int8_rows(x) -> np.ndarray:
+    """x with each row rounded to int8 with one scale (`round_int8_groups`, the row its group): the W8A8 prefill
+    products' inputs (limits.rounds_rows_int8), the twin of the CUDA routes' quantize_rows_int8."""
+    return round_int8_groups(x, x.shape[1])
+
+
 def expert_ffn(x, gate_up, down, *, act: dict | None = None, gate_up_bias=None, down_bias=None, round_input=None):
     """down(silu(gate x) * up x) with gate_up [2I, H]: rows [:I] gate, [I:] up; with `act` (model.expert_act)
     the clamped SwiGLU instead of silu(gate) * up, and the biases (model.expert_bias) after each product.
@@ -554,11 +560,13 @@ class NumpyBackend:
     host_is_device = True
     runs_ahead = False     # every op runs as it is called: queuing decode steps ahead of the host gains nothing
 
-    def __init__(self, dtype=np.float32, int8_activations: bool = False) -> None:
+    def __init__(self, dtype=np.float32, int8_activations: bool = False, fast_expert_gemm: str | None = None) -> None:
         self.xp = np
         self.dtype = np.dtype(dtype)
         self.int8_activations = int8_activations   # EngineConfig.int8_activations: limits.rounds_activations
                                                    # experts' products round their inputs (`round_int8_groups`)
+        self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: where limits.rounds_rows_int8
+                                                   # says so, passes round their inputs a row (`round_int8_rows`)
 
     # --- what the engine asks of a backend ------------------------------------------------------------------
     def check_support(self, model: dict, blob_layout) -> None:
@@ -600,8 +608,11 @@ class NumpyBackend:
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)
+        extras = any(v is not None for v in expert.values())
         if rounds_activations(self.int8_activations, table.layout.expert_format):
             expert = {**expert, "round_input": round_int8_groups}
+        elif rounds_rows_int8(self.fast_expert_gemm, x.shape[0], ids.size, table.blob_ptrs.size, table.layout, extras):
+            expert = {**expert, "round_input": round_int8_rows}
         out = moe(x, ids, weights, table.experts(x.dtype), residual=residual, alpha=alpha, **expert)
         if table.fill_ptrs is not None:
             table.fill(ids)

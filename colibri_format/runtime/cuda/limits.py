@@ -158,6 +158,23 @@ A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 
 
+def rounds_rows_int8(fast_expert_gemm: str | None, rows: int, pairs: int, num_experts: int, layout,
+                     extras: bool) -> bool:
+    """Whether a pass's routed-expert products round their inputs to int8 a row (W8A8: x a token, the activation a
+    pair): EngineConfig.fast_expert_gemm 'int8', or 'auto' where an expert's mean work, pairs H I / E multiply-adds a
+    matrix, reaches CUBLAS_INT8_MIN_EXPERT_MACS; on passes of more than ATT_DECODE_MAX_ROWS rows (decode passes
+    keep float inputs) over int8 experts with one scale a row and no gpt-oss extras (the kernels' "r" form). The one
+    rule of both engines (the CUDA routes: CupyBackend._expert_gemm and ops.moe_experts; tests/runtime/cuda/
+    test_backend_routes.py checks they agree)."""
+    H, I, E = layout.hidden_size, layout.intermediate_size, num_experts     # layout: the experts' BlobLayout
+    int8_rows = (layout.expert_format in (ExpertFormat.INT8_ROW, ExpertFormat.INT8_GROUP)
+                 and (scale_groups(H, I, int(layout.group_size or 0)) or "  ")[2] == "r")
+    if rows <= ATT_DECODE_MAX_ROWS or extras or not int8_rows:
+        return False
+    return fast_expert_gemm == "int8" or (fast_expert_gemm == "auto"
+                                          and pairs * H * I >= CUBLAS_INT8_MIN_EXPERT_MACS * E)
+
+
 def rounds_activations(int8_activations: bool, expert_format) -> bool:
     """Whether experts of `expert_format` round their products' inputs to int8 (EngineConfig.int8_activations on
     and the format in A8_FORMATS): the one rule every engine and benchmark follows."""

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from colibri_format import spec as S
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.backend import CupyBackend
 from colibri_format.runtime.cuda.kernels import ops
 from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, CUBLAS_INT8_MIN_EXPERT_MACS
@@ -70,3 +72,23 @@ def test_auto_keeps_small_experts_grouped_scales_and_extras_on_the_pipelined_ker
     grouped = table(**MIXTRAL, group_size=128)
     assert route("auto", None, 4096, pairs=8192, experts=grouped) == ("split", None)
     assert route("auto", None, 4096, pairs=8192, extras=object()) == ("split", None)
+
+
+@pytest.mark.parametrize("mode", [None, "split", "bf16", "int8", "auto"])
+@pytest.mark.parametrize("shape", [MIXTRAL, QWEN3], ids=["mixtral", "qwen3"])
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("extras", [None, object()], ids=["plain", "extras"])
+def test_the_cuda_routes_round_where_the_numpy_twin_does(mode, shape, group, extras):
+    """limits.rounds_rows_int8 (the NumPy engine's rule) says W8A8 exactly where the CUDA backend's route runs int8
+    products: its option resolved per pass, then ops.moe_experts' own conditions (grouped GEMM, a per-row model)."""
+    experts = table(**shape, group_size=group)
+    fmt = S.ExpertFormat.INT8_GROUP if group else S.ExpertFormat.INT8_ROW
+    layout = S.blob_layout(shape["hidden_size"], shape["intermediate_size"], fmt, group)
+    per_pair = shape["hidden_size"] * shape["intermediate_size"]
+    for rows in (8, ATT_DECODE_MAX_ROWS, ATT_DECODE_MAX_ROWS + 1, 512):
+        for pairs in (2 * rows, -(-CUBLAS_INT8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair)):
+            fast, _ = route(mode, None, rows, pairs=pairs, experts=experts, extras=extras)
+            cuda = (fast == "int8" and ops.gemm_path(rows, 2, shape["num_experts"])
+                    and ops.uses_fast_gemm(fast, experts, extras))
+            numpy_twin = limits.rounds_rows_int8(mode, rows, pairs, shape["num_experts"], layout, extras is not None)
+            assert cuda == numpy_twin, (rows, pairs)
