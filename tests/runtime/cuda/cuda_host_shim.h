@@ -201,13 +201,22 @@ inline float __shfl_sync(unsigned int, float v, int lane) { return emu_shuffle(v
 // ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
 
-inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
-                      unsigned int b1) {
+// Posts this lane's A and B fragments and meets the warp: every lane's are then readable in the returned record
+// (the caller meets again once it has read them).
+inline EmuBlock::Warp& emu_post_fragments(unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                                          unsigned int b0, unsigned int b1) {
     const int lane = threadIdx.x & 31;
     EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
     w.a[lane][0] = a0; w.a[lane][1] = a1; w.a[lane][2] = a2; w.a[lane][3] = a3;
     w.b[lane][0] = b0; w.b[lane][1] = b1;
     w.meet->arrive_and_wait();
+    return w;
+}
+
+inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
+                      unsigned int b1) {
+    EmuBlock::Warp& w = emu_post_fragments(a0, a1, a2, a3, b0, b1);
+    const int lane = threadIdx.x & 31;
     // A (16 x 16): element (r, k) is in lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
     // B (16 x 8): element (k, n) is in lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2;
     // C (16 x 8): c[i] is (row g + 8 (i >= 2), column 2t + i % 2) for lane 4g + t.
@@ -230,11 +239,8 @@ inline int emu_s8(unsigned int reg, int byte) { return (int)(signed char)((reg >
 
 inline void mma_16832_s8(int* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
                          unsigned int b1) {
+    EmuBlock::Warp& w = emu_post_fragments(a0, a1, a2, a3, b0, b1);
     const int lane = threadIdx.x & 31;
-    EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
-    w.a[lane][0] = a0; w.a[lane][1] = a1; w.a[lane][2] = a2; w.a[lane][3] = a3;
-    w.b[lane][0] = b0; w.b[lane][1] = b1;
-    w.meet->arrive_and_wait();
     // A (16 x 32): element (r, k) is in lane 4 (r % 8) + (k % 16) / 4, register (r >= 8) + 2 (k >= 16), byte k % 4;
     // B (32 x 8): element (k, n) is in lane 4 n + (k % 16) / 4, register (k >= 16), byte k % 4; C as mma_16816's.
     const int g = lane >> 2, t = lane & 3;
