@@ -1,8 +1,11 @@
 // Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu, moe_gemv4_dp4a.cu and layers.cu use,
 // so that their kernels run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and
 // these stand in), on a CPU:
-//   - one std::thread per CUDA thread; __syncthreads is a std::barrier of the block; blocks run one at a time, in
-//     grid order or a shuffled one (so a kernel whose last block to take a ticket merges runs with various ones last);
+//   - one fiber (ucontext) per CUDA thread, all of a block's fibers on the calling OS thread, resumed in turn: a
+//     fiber runs until it waits at a barrier (or ends), so a block costs user-space switches, not OS threads and
+//     futex wake-ups; __syncthreads is a barrier of the block; blocks run one at a time, in grid order or a shuffled
+//     one (so a kernel whose last block to take a ticket merges runs with various ones last); a round in which no
+//     fiber moves (threads waiting at a barrier others never reach) is reported and the block abandoned;
 //   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
 //     previous block's values (not poisoned: GCC drops a section attribute on a template's static locals);
 //   - __shfl_xor_sync and __shfl_sync are warp-collective like mma.sync (below): post, meet, read the partner's,
@@ -11,7 +14,8 @@
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
 //   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) and m16n8k32 (int8 in, int32) are warp-collective: each lane
-//     posts its fragments, the warp meets, each lane computes its 4 accumulators from the PTX ISA's fragment layouts, the warp meets again;
+//     posts its fragments, the warp meets, each lane computes its 4 accumulators from the PTX ISA's fragment
+//     layouts, the warp meets again;
 //   - cp.async copies are only queued; a copy lands when the wait_group that retires its group runs (as late as
 //     the hardware may land it), and each is checked: 16-byte aligned, inside the dynamic shared memory, and (when
 //     not zero-filling) inside an input array registered with emu_allow_source.
@@ -20,7 +24,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -31,7 +34,7 @@
 #include <mutex>
 #include <random>
 #include <string>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 using std::max;
@@ -96,16 +99,41 @@ static void emu_error(const std::string& what) {
 extern "C" int emu_error_count() { return emu_errors.load(); }
 extern "C" const char* emu_first_error() { return emu_error_text.c_str(); }
 
+// ---- fibers ---------------------------------------------------------------------------------------------------------
+// The running fiber hands control back to the block's scheduler (emu_launch), which resumes the next one.
+thread_local ucontext_t emu_scheduler;
+thread_local ucontext_t* emu_running = nullptr;
+thread_local long long emu_moves = 0;   // barrier arrivals and fiber ends: a round without any is a deadlock
+
+inline void emu_yield() { swapcontext(emu_running, &emu_scheduler); }
+
+// A barrier of `count` fibers: the last to arrive opens it and goes on; the others yield until it has opened.
+struct EmuBarrier {
+    explicit EmuBarrier(int count) : count(count) {}
+    void arrive_and_wait() {
+        ++emu_moves;
+        const unsigned int generation = opened;
+        if (++arrived == count) {
+            arrived = 0;
+            ++opened;
+            return;
+        }
+        while (opened == generation) emu_yield();
+    }
+    int count, arrived = 0;
+    unsigned int opened = 0;
+};
+
 // ---- the running block --------------------------------------------------------------------------------------------
 struct EmuBlock {
     explicit EmuBlock(int threads, size_t shared_bytes)
         : block(threads), shared(shared_bytes, 0x7f), warps(threads / 32) {   // 0x7f7f: a huge bf16, visible
-        for (auto& w : warps) w.meet = std::make_unique<std::barrier<>>(32);
+        for (auto& w : warps) w.meet = std::make_unique<EmuBarrier>(32);
     }
-    std::barrier<> block;
+    EmuBarrier block;
     std::vector<unsigned char> shared;
     struct Warp {
-        std::unique_ptr<std::barrier<>> meet;
+        std::unique_ptr<EmuBarrier> meet;
         unsigned int a[32][4], b[32][2];
         float shuffled[32];
     };
@@ -256,6 +284,26 @@ inline void mma_16832_s8(int* c, unsigned int a0, unsigned int a1, unsigned int 
 }
 
 // ---- launches -------------------------------------------------------------------------------------------------------
+struct EmuFiber {
+    ucontext_t context;
+    bool done = false;
+    std::vector<EmuCopy> open_group;              // its cp.async state, swapped into the globals while it runs
+    std::deque<std::vector<EmuCopy>> groups;
+};
+constexpr size_t EMU_STACK_BYTES = 256 * 1024;
+thread_local void (*emu_fiber_body)(void*) = nullptr;
+thread_local void* emu_fiber_arg = nullptr;
+thread_local EmuFiber* emu_fiber = nullptr;
+
+inline void emu_fiber_main() {
+    emu_fiber_body(emu_fiber_arg);
+    if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");
+    emu_open_group.clear();
+    emu_groups.clear();
+    emu_fiber->done = true;
+    ++emu_moves;
+}   // returns to emu_scheduler (uc_link)
+
 // Runs body() as every thread of every block of the grid, one block at a time: in x, y, z order, or (order_seed
 // != 0) in an order shuffled with that seed.
 template <typename Body>
@@ -265,21 +313,42 @@ void emu_launch(EmuDim grid, int threads, size_t shared_bytes, Body body, unsign
         for (int by = 0; by < grid.y; ++by)
             for (int bx = 0; bx < grid.x; ++bx) blocks.push_back({bx, by, bz});
     if (order_seed != 0) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(order_seed));
+    std::vector<char> stacks((size_t)threads * EMU_STACK_BYTES);
+    emu_fiber_body = [](void* b) { (*static_cast<Body*>(b))(); };
+    emu_fiber_arg = &body;
     for (const EmuDim& b : blocks) {
         EmuBlock blk(threads, shared_bytes);
-        std::vector<std::thread> pool;
-        for (int tx = 0; tx < threads; ++tx)
-            pool.emplace_back([&, tx] {
+        std::vector<EmuFiber> fibers(threads);
+        for (int tx = 0; tx < threads; ++tx) {
+            getcontext(&fibers[tx].context);
+            fibers[tx].context.uc_stack.ss_sp = stacks.data() + (size_t)tx * EMU_STACK_BYTES;
+            fibers[tx].context.uc_stack.ss_size = EMU_STACK_BYTES;
+            fibers[tx].context.uc_link = &emu_scheduler;
+            makecontext(&fibers[tx].context, emu_fiber_main, 0);
+        }
+        blockIdx = b;
+        blockDim.x = threads;
+        gridDim = grid;
+        emu_block = &blk;
+        for (int left = threads; left > 0;) {
+            const long long moves = emu_moves;
+            for (int tx = 0; tx < threads; ++tx) {
+                EmuFiber& f = fibers[tx];
+                if (f.done) continue;
                 threadIdx.x = tx;
-                blockIdx = b;
-                blockDim.x = threads;
-                gridDim = grid;
-                emu_block = &blk;
-                body();
-                if (!emu_open_group.empty() || !emu_groups.empty()) emu_error("cp.async copies left at exit");
-                emu_open_group.clear();
-                emu_groups.clear();
-            });
-        for (auto& th : pool) th.join();
+                emu_fiber = &f;
+                emu_running = &f.context;
+                std::swap(emu_open_group, f.open_group);
+                std::swap(emu_groups, f.groups);
+                swapcontext(&emu_scheduler, &f.context);
+                std::swap(emu_open_group, f.open_group);
+                std::swap(emu_groups, f.groups);
+                left -= f.done;
+            }
+            if (left > 0 && emu_moves == moves) {
+                emu_error("deadlock: threads wait at a barrier the others never reach");
+                return;     // the fibers are abandoned with their stacks
+            }
+        }
     }
 }
