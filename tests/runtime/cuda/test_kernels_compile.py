@@ -59,12 +59,11 @@ def test_a_missing_define_stops_the_compile(name, tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("define,value", [("ROUTER_MAX_K", 64), ("ROUTER_MAX_E", 1024)])
 def test_router_capabilities_match_its_instantiations(define, value, tmp_path):
-    """limits.py cannot declare more experts or a larger top_k than router.cu is built for."""
+    """limits.py cannot declare more experts or a larger top_k than router.cu is built for (with limits.py's own
+    values it compiles: test_every_kernel_module_compiles)."""
     options = tuple(o for o in ops.compile_options("router") if not o.startswith(f"-D{define}="))
     bad = _nvcc("router", tmp_path, ["-cuda", "-o", os.devnull], options + (f"-D{define}={value}",))
     assert bad.returncode != 0 and "static assertion failed" in bad.stderr, bad.stderr[-2000:]
-    good = _nvcc("router", tmp_path, ["-cuda", "-o", os.devnull], ops.compile_options("router"))
-    assert good.returncode == 0, good.stderr[-2000:]
 
 
 def test_sources_have_no_includes_left():
