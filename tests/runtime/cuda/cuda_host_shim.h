@@ -264,7 +264,7 @@ inline float emu_shuffle(float v, int from) {
 inline float __shfl_xor_sync(unsigned int, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
 inline float __shfl_sync(unsigned int, float v, int lane) { return emu_shuffle(v, lane); }
 
-// ---- mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 --------------------------------------------------------------------
+// ---- mma.sync ------------------------------------------------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
 
 // Posts this lane's A and B fragments and meets the warp: every lane's are then readable in the returned record
@@ -279,46 +279,38 @@ inline EmuBlock::Warp& emu_post_fragments(unsigned int a0, unsigned int a1, unsi
     return w;
 }
 
-inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
-                      unsigned int b1) {
+// c += A B over one m16n8 tile of depth K, PER elements a 32-bit register, as the PTX ISA lays the fragments out:
+// element (r, k) of A is in lane 4 (r % 8) + (k % (K / 2)) / PER, register (r >= 8) + 2 (k >= K / 2); element
+// (k, n) of B in lane 4 n + (k % (K / 2)) / PER, register (k >= K / 2); element(reg, i) unpacks the i-th of a
+// register; C: c[i] is (row g + 8 (i >= 2), column 2t + i % 2) for lane 4g + t.
+template <int K, int PER, typename Acc, typename Element>
+inline void emu_mma(Acc* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
+                    unsigned int b1, Element element) {
     EmuBlock::Warp& w = emu_post_fragments(a0, a1, a2, a3, b0, b1);
-    const int lane = threadIdx.x & 31;
-    // A (16 x 16): element (r, k) is in lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
-    // B (16 x 8): element (k, n) is in lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2;
-    // C (16 x 8): c[i] is (row g + 8 (i >= 2), column 2t + i % 2) for lane 4g + t.
-    const int g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, half = K / 2;
     for (int i = 0; i < 4; ++i) {
         const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
-        float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) {
-            const float a = emu_bf16(w.a[4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
-            const float b = emu_bf16(w.b[4 * n + (k % 8) / 2][k >= 8], k % 2);
-            sum += a * b;
-        }
+        Acc sum = 0;
+        for (int k = 0; k < K; ++k)
+            sum += element(w.a[4 * (r % 8) + (k % half) / PER][(r >= 8) + 2 * (k >= half)], k % PER) *
+                   element(w.b[4 * n + (k % half) / PER][k >= half], k % PER);
         c[i] += sum;
     }
     w.meet->arrive_and_wait();
 }
 
-// ---- mma.sync.m16n8k32.row.col.s32.s8.s8.s32 ------------------------------------------------------------------------
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32: two bf16 a register, fp32 sums
+inline void mma_16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
+                      unsigned int b1) {
+    emu_mma<16, 2>(c, a0, a1, a2, a3, b0, b1, emu_bf16);
+}
+
+// mma.sync.m16n8k32.row.col.s32.s8.s8.s32: four int8 a register, exact int32 sums
 inline int emu_s8(unsigned int reg, int byte) { return (int)(signed char)((reg >> (8 * byte)) & 0xffu); }
 
 inline void mma_16832_s8(int* c, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, unsigned int b0,
                          unsigned int b1) {
-    EmuBlock::Warp& w = emu_post_fragments(a0, a1, a2, a3, b0, b1);
-    const int lane = threadIdx.x & 31;
-    // A (16 x 32): element (r, k) is in lane 4 (r % 8) + (k % 16) / 4, register (r >= 8) + 2 (k >= 16), byte k % 4;
-    // B (32 x 8): element (k, n) is in lane 4 n + (k % 16) / 4, register (k >= 16), byte k % 4; C as mma_16816's.
-    const int g = lane >> 2, t = lane & 3;
-    for (int i = 0; i < 4; ++i) {
-        const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
-        int sum = 0;
-        for (int k = 0; k < 32; ++k)
-            sum += emu_s8(w.a[4 * (r % 8) + (k % 16) / 4][(r >= 8) + 2 * (k >= 16)], k % 4) *
-                   emu_s8(w.b[4 * n + (k % 16) / 4][k >= 16], k % 4);
-        c[i] += sum;
-    }
-    w.meet->arrive_and_wait();
+    emu_mma<32, 4>(c, a0, a1, a2, a3, b0, b1, emu_s8);
 }
 
 // ---- launches -------------------------------------------------------------------------------------------------------
