@@ -264,7 +264,7 @@ inline float emu_shuffle(float v, int from) {
 inline float __shfl_xor_sync(unsigned int, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
 inline float __shfl_sync(unsigned int, float v, int lane) { return emu_shuffle(v, lane); }
 
-// ---- mma.sync ------------------------------------------------------------------------------------------------------------
+// ---- mma.sync -----------------------------------------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
 
 // Posts this lane's A and B fragments and meets the warp: every lane's are then readable in the returned record
