@@ -177,15 +177,15 @@ def test_wrappers_reject_bad_inputs(cp, rng):
 LONG = list(range(3, 83))      # 80 rows: the prefill takes the grouped GEMM
 
 
-def prefill_error(tmp_path, config: EngineConfig) -> float:
+def prefill_error(tmp_path, config: EngineConfig, reference: EngineConfig | None = None) -> float:
     """Relative error of the CUDA engine's logits of the LONG prompt on a tiny Mixtral (built here) against the
-    float64 NumPy engine's."""
+    float64 NumPy engine's (reference: another NumPy engine configuration)."""
     hf = build_hf("mixtral", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                   intermediate_size=128, max_position_embeddings=256)
     hf.save_pretrained(tmp_path / "hf")
     path = tmp_path / "model.colibri"
     convert(tmp_path / "hf", path, dtype="float32", quantize="expert", workers=1, verify=False)
-    with Engine(path, config) as gpu, Engine(path, EngineConfig(precision="float64")) as ref:
+    with Engine(path, config) as gpu, Engine(path, reference or EngineConfig(precision="float64")) as ref:
         return rel(gpu.logits([LONG])[0], ref.logits([LONG])[0])
 
 
@@ -197,3 +197,12 @@ def test_engine_prefill_on_the_fast_kernel(tmp_path, monkeypatch, activations, t
     err = prefill_error(tmp_path, EngineConfig(device="cuda", max_seq_len=128, fast_expert_gemm=activations))
     assert calls, "the engine did not run the pipelined kernel"
     assert err < tol
+
+
+@pytest.mark.parametrize("on_cublas", [False, True], ids=["pipelined", "cublas"])
+def test_engine_w8a8_prefill_matches_the_numpy_twin(tmp_path, on_cublas):
+    """Both W8A8 routes against the float64 NumPy engine that rounds the same inputs (limits.rounds_rows_int8):
+    only rounding ties (float32 against float64 scales) and the fp32 epilogue differ, far below W8A8's own error
+    against float inputs (test_engine_prefill_on_the_fast_kernel's 5e-2)."""
+    config = EngineConfig(device="cuda", max_seq_len=128, fast_expert_gemm="int8", cublas_expert_gemm=on_cublas)
+    assert prefill_error(tmp_path, config, EngineConfig(precision="float64", fast_expert_gemm="int8")) < 5e-3
