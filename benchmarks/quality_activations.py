@@ -140,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
                 with rounded_expert_inputs(FORMS[form]):
                     scores[f"colibri f16 / {label}, {form} expert activations"] = quality.score_colibri(
                         path, wins, args.batch, int8_activations=False)
+            if not opts:     # int8 row experts: the engine's own W8A8 (its NumPy twin, limits.rounds_rows_int8)
+                name = f"colibri f16 / {label}, engine fast_expert_gemm='int8' (W8A8)"
+                scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=False,
+                                                     fast_expert_gemm="int8")
+                emulated = scores.get(f"colibri f16 / {label}, int8_token expert activations")
+                if emulated is not None:
+                    same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
+                    checks[f"{kind}: engine fast_expert_gemm='int8' == emulated int8_token"] = same
             if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
                 name = f"colibri f16 / {label}, engine int8_activations=True (default)"
                 scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=True)
