@@ -11,11 +11,13 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
 2. colibri: a synthetic file of the same shape (`synthetic.write_synthetic(reuse_expert=True)`, bf16 dense, int8
    experts) in --dir, one Engine; per variant (VARIANTS, or those --variants names: the backend's
    `fast_expert_gemm` / `flash_prefill` / `cublas_expert_gemm` switched on the open engine, which reads them per
-   call; "tc + split-attn" is the engine before the first two became defaults; "defaults" picks the grouped GEMM's
-   route by ops.auto_activations and ops.uses_cublas_gemm) `bench.prefill_bench`: the median of 3 `infer` calls
+   call; "tc + split-attn" is the engine before the first two became defaults; "defaults" are EngineConfig's, as
+   the engine opened with them) `bench.prefill_bench`: the median of 3 `infer` calls
    of a --tokens prompt after a warm-up, wall time (infer returns host logits, so it includes the sync).
    With --timeline, the defaults' prefill of each length is also profiled once more (CUPTI through PyTorch's
-   profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass.
+   profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass. With
+   --host-profile, one more prefill of each length under cProfile: where the host's time goes (the Python
+   functions with the most time of their own), to tell launch overhead from device work.
 3. decode (unless --no-decode): `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with
    `small_moe` off, then on.
 The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
@@ -43,8 +45,8 @@ VARIANTS = {  # (fast_expert_gemm, flash_prefill, cublas_expert_gemm) switched o
     "tc + flash": (None, True, None), "fast-bf16 + flash": ("bf16", True, False),
     "fast-split + flash": ("split", True, False), "cublas-bf16 + flash": ("bf16", True, True),
     "cublas-split + flash": ("split", True, True), "cublas-int8 + flash": ("int8", True, True),
-    "fast-int8 + flash": ("int8", True, None),
-    "defaults": ("auto", True, None)}
+    "fast-int8 + flash": ("int8", True, None), "auto + flash": ("auto", True, None),
+    "defaults": None}     # the open engine's own (EngineConfig's defaults)
 HF_CLASSES = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
 TINY = dict(vocab=256, hidden=128, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_inter=64)
@@ -118,23 +120,48 @@ def hf_prefill(name: str, model: dict, tokens: list[int], device: str) -> dict:
     return out
 
 
-def colibri_prefill(path: Path, tokens: list[int], device: str, timeline: bool, names: list[str]) -> dict:
+def colibri_prefill(path: Path, tokens: list[int], device: str, timeline: bool, names: list[str],
+                    host_profile: bool = False) -> dict:
     from colibri_format.runtime import Engine, EngineConfig
     from colibri_format.runtime.cuda.bench import prefill_bench
 
     out: dict = {}
     variants = {n: VARIANTS[n] for n in names} if device == "cuda" else {"numpy": (None, False, None)}
     with Engine(path, EngineConfig(device=device, max_seq_len=max(tokens) + 8, verify="never")) as eng:
-        for name, (gemm, flash, cublas) in variants.items():
+        if device == "cuda":
+            defaults = (eng.be.fast_expert_gemm, eng.be.flash_prefill, eng.be.cublas_expert_gemm)
+        for name, switches in variants.items():
             if device == "cuda":     # read by the backend per call
-                eng.be.fast_expert_gemm, eng.be.flash_prefill, eng.be.cublas_expert_gemm = gemm, flash, cublas
+                eng.be.fast_expert_gemm, eng.be.flash_prefill, eng.be.cublas_expert_gemm = switches or defaults
             out[name] = {}
             for n in tokens:
                 out[name][str(n)] = prefill_bench(eng, n, np.random.default_rng(n))["ms"]
                 log(f"colibri {name} prefill {n}: {out[name][str(n)]:.1f} ms")
         if timeline and device == "cuda":
             out["timelines"] = {str(n): prefill_timeline(eng, n) for n in tokens}
+        if host_profile:
+            out["host_profiles"] = {str(n): prefill_host_profile(eng, n) for n in tokens}
     return out
+
+
+def prefill_host_profile(eng, n: int) -> list[dict]:
+    """The host functions with the most time of their own in one `n`-token prefill under cProfile, printed."""
+    import cProfile
+    import pstats
+
+    prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
+    eng.infer([prompt])
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(eng.infer, [prompt])
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats
+    rows = sorted(({"function": f"{Path(f).name}:{line}:{fn}", "calls": nc, "own_ms": 1e3 * tt, "cum_ms": 1e3 * ct}
+                   for (f, line, fn), (_, nc, tt, ct, _) in stats.items()), key=lambda r: -r["own_ms"])
+    log(f"prefill {n} host profile: {1e3 * wall:.1f} ms under cProfile")
+    for r in rows[:TIMELINE_ROWS]:
+        log(f"  {r['function'][:60]:<60}{r['calls']:>7}{r['own_ms']:>9.2f} ms{r['cum_ms']:>9.2f} ms")
+    return rows[:60]
 
 
 def prefill_timeline(eng, n: int) -> dict | None:
@@ -176,7 +203,7 @@ def table(rows: dict, tokens: list[int]) -> str:
         hf = r.get("transformers")
         if hf:
             lines.append(f"{'transformers bf16':<18}" + "".join(f"{hf[str(n)]:>10.1f}" for n in tokens))
-        for name, ms in ((k, v) for k, v in r["colibri"].items() if k != "timelines"):
+        for name, ms in ((k, v) for k, v in r["colibri"].items() if k not in ("timelines", "host_profiles")):
             ratios = "".join(f"{hf[str(n)] / ms[str(n)]:>12.2f}" if hf else f"{'-':>12}" for n in tokens)
             lines.append(f"{name:<18}" + "".join(f"{ms[str(n)]:>10.1f}" for n in tokens) + ratios)
         for name, tps in r["decode"].items():
@@ -193,6 +220,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="toy widths (a check of the script)")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--timeline", action="store_true", help="also a CUPTI timeline of the defaults' prefills")
+    ap.add_argument("--host-profile", action="store_true", help="also a cProfile of the last variant's prefills")
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of the VARIANTS to time")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode runs")
@@ -221,7 +249,8 @@ def main() -> int:
         path = Path(args.dir) / f"prefill_{shape}.colibri"
         try:
             r["file"] = write_timed(path, model, log)
-            r["colibri"] = colibri_prefill(path, tokens, args.device, args.timeline, names)
+            r["colibri"] = colibri_prefill(path, tokens, args.device, args.timeline, names,
+                                          args.host_profile)
             r["decode"] = {} if args.no_decode else colibri_decode(path, args.device)
         finally:
             path.unlink(missing_ok=True)

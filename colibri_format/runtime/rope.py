@@ -107,18 +107,7 @@ def inv_frequencies(rope: dict[str, Any], head_dim: int, max_pos: int, seq_len: 
     return _INIT[kind](rope, rotary_dim(rope, head_dim), max_pos, seq_len)
 
 
-def cos_sin(positions: np.ndarray, inv_freq: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """positions [T] -> cos, sin [T, rotary_dim] float32 (each frequency repeated over both halves)."""
+def cos_sin_half(positions: np.ndarray, inv_freq: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T] -> cos, sin [T, rotary_dim / 2] float32: one value a frequency."""
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]   # [T, dim/2]
-    angles = np.concatenate([angles, angles], axis=-1)                   # [T, dim]
     return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, hd]; rotates the first rotary_dim channels of every head, passes the rest through."""
-    dim = cos.shape[-1]
-    rot, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    rotated_half = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
-    return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out

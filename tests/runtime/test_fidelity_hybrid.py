@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.engine import Engine
+from colibri_format.runtime.engine import Engine, EngineConfig
 from tests.hf_hybrid import CONFIGS, build, convert_file
 from tests.runtime.hf_tiny import greedy_walk_within, hf_logits, prompts, rel_err
 
@@ -58,7 +58,9 @@ def test_int8_experts_stay_within_the_documented_bound(tmp_path, group):
     # 1 and 2; seed 0 flips a routing near-tie, 0.24 at one position, which is the caveat documented there)
     hf = build("qwen3_next", seed=1)
     path = convert_file(hf, tmp_path, quantize="expert", group_size=group)
-    with Engine(path) as engine:
+    # the bound of int8 weights: float activations (the default W8A8 prefill rounds the 40-row pass's inputs too,
+    # 7.0e-2 on this random model; its quality on a trained model is in docs/quality.md)
+    with Engine(path, EngineConfig(fast_expert_gemm="split")) as engine:
         for ids in prompts(engine.vocab_size, [40, 7], seed=5):
             assert rel_err(engine.logits([ids])[0], hf_logits(hf, ids)) < 3e-2
 

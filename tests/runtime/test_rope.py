@@ -8,7 +8,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from colibri_format.errors import UnsupportedModel
-from colibri_format.runtime.rope import apply_rope, cos_sin, inv_frequencies
+from colibri_format.runtime.numpy_backend import rope
+from colibri_format.runtime.rope import cos_sin_half, inv_frequencies
 
 HEAD_DIM, MAX_POS = 16, 64
 CASES = {
@@ -66,8 +67,8 @@ def test_rotate_half_convention_and_norm_preservation():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 3, HEAD_DIM)).astype(np.float32)
     inv_freq, scale = inv_frequencies({"type": "default", "theta": 10000.0}, HEAD_DIM, MAX_POS, 5)
-    cos, sin = cos_sin(np.arange(5), inv_freq, scale)
-    y = apply_rope(x, cos, sin)
+    cos, sin = cos_sin_half(np.arange(5), inv_freq, scale)
+    y = rope(x.copy(), np.arange(5), cos, sin)
     np.testing.assert_allclose(y[0], x[0], rtol=0, atol=0)                      # position 0: identity
     np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
     half = HEAD_DIM // 2                                                          # channel j pairs with j + hd/2
@@ -78,7 +79,7 @@ def test_rotate_half_convention_and_norm_preservation():
 
 def test_partial_rotary_passes_the_tail_through():
     x = np.random.default_rng(1).standard_normal((4, 2, HEAD_DIM)).astype(np.float32)
-    rope = {"type": "default", "theta": 10000.0, "partial_rotary_factor": 0.5}
-    cos, sin = cos_sin(np.arange(4), *inv_frequencies(rope, HEAD_DIM, MAX_POS, 4))
-    assert cos.shape == (4, HEAD_DIM // 2)
-    np.testing.assert_array_equal(apply_rope(x, cos, sin)[..., HEAD_DIM // 2:], x[..., HEAD_DIM // 2:])
+    partial = {"type": "default", "theta": 10000.0, "partial_rotary_factor": 0.5}
+    cos, sin = cos_sin_half(np.arange(4), *inv_frequencies(partial, HEAD_DIM, MAX_POS, 4))
+    assert cos.shape == (4, HEAD_DIM // 4)        # a value a rotated pair: a quarter of the head
+    np.testing.assert_array_equal(rope(x.copy(), np.arange(4), cos, sin)[..., HEAD_DIM // 2:], x[..., HEAD_DIM // 2:])

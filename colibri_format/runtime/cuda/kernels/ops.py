@@ -64,7 +64,7 @@ _MODULES: dict[tuple[str, int], Any] = {}
 def module(name: str):
     """The compiled RawModule `name` for the current device (built on first use, then cached)."""
     cp = _cupy()
-    key = (name, cp.cuda.Device().id)
+    key = (name, cp.cuda.runtime.getDevice())
     if key not in _MODULES:
         if name not in MODULES:
             raise ValueError(f"unknown kernel module {name!r}")
@@ -77,8 +77,7 @@ _FUNCTIONS: dict[tuple[str, str, int], Any] = {}
 
 def kernel(module_name: str, function: str):
     """One kernel of a module, for the current device (looked up once)."""
-    cp = _cupy()
-    key = (module_name, function, cp.cuda.Device().id)
+    key = (module_name, function, _cupy().cuda.runtime.getDevice())     # a plain C call: this runs every launch
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = module(module_name).get_function(function)
     return _FUNCTIONS[key]
@@ -112,27 +111,33 @@ def _grid_stride_blocks(n: int, threads: int = 256) -> int:
 
 
 # ---- checks -------------------------------------------------------------------------------------------------------
+_FLOAT_CODES = {"float32": "f32", "float16": "f16", "uint16": "bf16", "bfloat16": "bf16"}
+_CODE_OF_DTYPE: dict = {}      # dtype -> its code, filled on first sight (str(dtype) costs ~4 µs a call)
+
+
 def dtype_code(a) -> str:
     """'f32', 'f16' or 'bf16' (uint16 raw bits or a bfloat16 dtype)."""
-    name = str(a.dtype)
-    if name == "float32":
-        return "f32"
-    if name == "float16":
-        return "f16"
-    if name in ("uint16", "bfloat16"):
-        return "bf16"
-    raise TypeError(f"unsupported float dtype {a.dtype} (expected float32, float16, or bf16 as uint16)")
+    code = _CODE_OF_DTYPE.get(a.dtype)
+    if code is None:
+        code = _FLOAT_CODES.get(str(a.dtype))
+        if code is None:
+            raise TypeError(f"unsupported float dtype {a.dtype} (expected float32, float16, or bf16 as uint16)")
+        _CODE_OF_DTYPE[a.dtype] = code
+    return code
 
 
 def _check(name: str, a, dtype=None, shape=None, ndim=None, codes=None):
+    """`a` a C-contiguous CuPy array on the current device, of that dtype, shape, rank and dtype code: run on every
+    argument of every launch, so its tests are the cheap ones (device ids by plain C calls, no Device objects)."""
     cp = _cupy()
     if not isinstance(a, cp.ndarray):
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(a).__name__}")
-    if a.device.id != cp.cuda.Device().id:
-        raise ValueError(f"{name} is on device {a.device.id}, the current device is {cp.cuda.Device().id}")
+    if a.data.device_id != cp.cuda.runtime.getDevice():
+        raise ValueError(f"{name} is on device {a.data.device_id}, the current device is "
+                         f"{cp.cuda.runtime.getDevice()}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
-    if dtype is not None and a.dtype != np.dtype(dtype):
+    if dtype is not None and a.dtype != dtype:
         raise TypeError(f"{name} must be {np.dtype(dtype)}, got {a.dtype}")
     if codes is not None and dtype_code(a) not in codes:
         raise TypeError(f"{name} dtype {a.dtype} not in {codes}")
@@ -639,6 +644,9 @@ CUBLAS_ACTIVATIONS = FAST_ACTIVATIONS   # int8: W8A8, each product's input rows 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_POINTER_MODE_HOST = 0
+# alpha and beta, read by cuBLAS from host memory during the call (host pointer mode): made once, never written
+_ONE_F32, _ZERO_F32 = np.array(1.0, np.float32), np.array(0.0, np.float32)
+_ONE_I32, _ZERO_I32 = np.array(1, np.int32), np.array(0, np.int32)
 
 
 def _cublas():
@@ -681,8 +689,8 @@ def gemm_bf16(a, w, out, *, accumulate: bool = False):
     accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Not capturable through CuPy
     (eager passes only)."""
     if _check_product(a, w, out, np.uint16, np.float32):
-        _gemm_ex(a, w, out, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F, np.array(1.0, np.float32),
-                 np.array(1.0 if accumulate else 0.0, np.float32))
+        beta = _ONE_F32 if accumulate else _ZERO_F32
+        _gemm_ex(a, w, out, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F, _ONE_F32, beta)
     return out
 
 
@@ -692,7 +700,7 @@ def gemm_int8(a, w, out):
     if a.ndim == 2 and a.shape[1] % 16:
         raise ValueError(f"K = {a.shape[1]} must be a multiple of 16 for the int8 product")
     if _check_product(a, w, out, np.int8, np.int32):
-        _gemm_ex(a, w, out, CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I, np.array(1, np.int32), np.array(0, np.int32))
+        _gemm_ex(a, w, out, CUDA_R_8I, CUDA_R_32I, CUBLAS_COMPUTE_32I, _ONE_I32, _ZERO_I32)
     return out
 
 
@@ -826,7 +834,7 @@ def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
         raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1} of {len(blob_addresses)} addresses")
     # the device named: a blob in the registered file mapping (paged) is host memory, and no pointer query a call
     memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs,
-                                   cp.cuda.Device().id)
+                                   cp.cuda.runtime.getDevice())
     return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
 
 
