@@ -9,7 +9,7 @@
 # paging (benchmarks/paging.py), gemm (benchmarks/wgmma_probe.py, then benchmarks/prefill_gemm.py on Mixtral's 512-token
 # expert products: the wgmma candidates beside the engine's prefill GEMMs in one call), prefill (benchmarks/prefill_gemm.py
 # on Mixtral, Qwen3 and OLMoE expert blocks, then benchmarks/prefill_engine.py: full-depth Mixtral, Qwen3 and OLMoE
-# prefill, the defaults (W8A8) beside the split and 'auto' options and transformers bf16).
+# prefill, the defaults beside the split and W8A8 ('int8') options and transformers bf16).
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
@@ -21,7 +21,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420}
-PREFILL_VARIANTS="fast-split + flash,auto + flash,defaults"
+PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
     > "$OUT/machine.txt" 2>&1

@@ -54,13 +54,12 @@ class EngineConfig:
     use_graphs: bool = True                   # CUDA: capture decode steps as graphs where possible
     prefetch: bool = False                    # paged experts: predict the next layer's experts and copy them early
     bf16_tensor_cores: bool = True            # CUDA: bf16 matrices beyond 8 rows on the tensor cores (else f32 cuBLAS)
-    fast_expert_gemm: str | None = "int8"     # CUDA: the prefill grouped expert GEMM on the pipelined kernel
+    fast_expert_gemm: str | None = "auto"     # CUDA: the prefill grouped expert GEMM on the pipelined kernel
                                               # (moe_gemm_fast.cu) with activations 'split' (bf16 hi + lo, ~1e-5)
-                                              # or 'bf16' (~1e-3, faster); 'int8' (W8A8, the default: +0.07%
-                                              # perplexity, docs/quality.md): inputs rounded to int8 a row, on
-                                              # cuBLAS's int8 tensor cores for large experts, else the pipelined
-                                              # kernel's s8 MMAs, for passes of more than 32 rows ('split'
-                                              # below; the NumPy engine rounds the same passes); 'auto': 'int8'
+                                              # or 'bf16' (~1e-3, faster); 'int8': W8A8, inputs rounded to int8
+                                              # a row (docs/quality.md), on cuBLAS's int8 tensor cores for large
+                                              # experts, else the pipelined kernel's s8 MMAs, for passes of more
+                                              # than 32 rows ('split' below); 'auto': 'int8'
                                               # where an expert's mean work reaches limits.
                                               # CUBLAS_INT8_MIN_EXPERT_MACS (Mixtral from ~256 tokens), else
                                               # 'split'; None: moe_gemm.cu's 64x64 tc kernel

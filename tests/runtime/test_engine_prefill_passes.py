@@ -31,8 +31,8 @@ def test_max_prefill_rows_is_checked():
 
 def _same_in_passes(path, device: str, prompts, precision: str = "float32", tol: float | None = None,
                     rows: int = 5, **config) -> None:
-    """Passes of `rows` rows against one pass. Float activations unless `config` says otherwise: the default W8A8
-    prefill rounds only passes of more than 32 rows, so passes of 5 would differ from a whole one by that alone."""
+    """Passes of `rows` rows against one pass. Float activations unless `config` says otherwise: W8A8 prefill
+    ('int8') rounds only passes of more than 32 rows, so passes of 5 would differ from a whole one by that alone."""
     tol = tol or TOLERANCE[device]
     cfg = dict(device=device, max_seq_len=96, precision=precision, **({"fast_expert_gemm": "split"} | config))
     with Engine(path, EngineConfig(max_prefill_rows=rows, **cfg)) as parts, Engine(path, EngineConfig(**cfg)) as whole:
@@ -49,7 +49,7 @@ def test_a_long_prompt_and_a_packed_batch_in_passes(mixtral_file, device):  # no
 
 
 def test_w8a8_passes_of_more_than_32_rows_are_one_pass(mixtral_file, device):  # noqa: F811
-    """The default W8A8 prefill rounds each row by its own scale, so passes of 35 rows give what one pass of 70
+    """W8A8 prefill ('int8') rounds each row by its own scale, so passes of 35 rows give what one pass of 70
     gives, up to the float order of attention across passes (2.9e-7 on the CPU)."""
     _same_in_passes(mixtral_file, device, [[(5 * i + 1) % 128 for i in range(70)]], tol=W8A8_TOLERANCE[device],
                     rows=35, fast_expert_gemm="int8")

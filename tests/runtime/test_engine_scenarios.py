@@ -27,7 +27,7 @@ ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoe
 WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)   # head_dim 64
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [40, 41, 42]]
 TOLERANCE = {"cpu": 1e-5, "cuda": 2e-3}        # relative logit error against the float64 reference
-# the same with W8A8 prefill passes (the default) on both sides: where float32 and float64 inputs fall on either side
+# the same with W8A8 prefill passes (fast_expert_gemm='int8') on both sides: where float32 and float64 inputs fall on either side
 # of an int8 rounding step the logits move by more (2.8e-5 measured on the CPU, test_long_prefill)
 W8A8_TOLERANCE = {"cpu": 2e-4, "cuda": 5e-3}
 
@@ -336,8 +336,8 @@ def test_over_budget_names_the_largest_that_fits(mixtral_file, device, monkeypat
 
 @pytest.mark.parametrize("gemm", ["split", "int8"])
 def test_long_prefill(mixtral_file, device, gemm):
-    """48 rows: the grouped GEMM experts and cuBLAS dense products on CUDA, with float activations ('split') and the
-    default W8A8 ('int8'), whose float64 reference rounds the same rows (W8A8_TOLERANCE)."""
+    """48 rows: the grouped GEMM experts and cuBLAS dense products on CUDA, with float activations ('split') and
+    W8A8 ('int8'), whose float64 reference rounds the same rows (W8A8_TOLERANCE)."""
     prompt = [(7 * i + 3) % 128 for i in range(48)]
     config = {"fast_expert_gemm": gemm}
     with Engine(mixtral_file, EngineConfig(device=device, **config)) as eng, reference(mixtral_file, **config) as ref:

@@ -1,4 +1,4 @@
-"""The NumPy engine's twin of the CUDA W8A8 prefill (EngineConfig.fast_expert_gemm 'int8', the default, or 'auto'
+"""The NumPy engine's twin of the CUDA W8A8 prefill (EngineConfig.fast_expert_gemm 'int8', or 'auto' (the default)
 on large experts; limits.rounds_rows_int8): passes of more than 32 rows over int8 per-row experts compute the float
 products of their inputs rounded to int8 a row (numpy_backend.round_int8_rows), smaller passes and other formats the
 float ones, so that the CUDA engine's W8A8 prefill has an oracle that rounds as it does."""
@@ -47,17 +47,14 @@ def test_passes_a_decode_graph_could_capture_keep_float_inputs(path):
 
 
 def test_auto_rounds_from_the_mean_work_limit(path, monkeypatch):
-    """The tiny experts are far below limits.CUBLAS_INT8_MIN_EXPERT_MACS: 'auto' computes the float products there,
-    and the int8 ones once the limit is moved below them."""
+    """The tiny experts are far below limits.CUBLAS_INT8_MIN_EXPERT_MACS: 'auto' (the default) computes the float
+    products there, and the int8 ones once the limit is moved below them."""
     plain = logits(path, LONG, fast_expert_gemm="split")
-    np.testing.assert_array_equal(logits(path, LONG, fast_expert_gemm="auto"), plain)
+    np.testing.assert_array_equal(logits(path, LONG), plain)
     monkeypatch.setattr(limits, "CUBLAS_INT8_MIN_EXPERT_MACS", 0)
     np.testing.assert_array_equal(logits(path, LONG, fast_expert_gemm="auto"),
                                   logits(path, LONG, fast_expert_gemm="int8"))
 
-
-def test_the_default_is_w8a8():
-    assert EngineConfig().fast_expert_gemm == "int8"
 
 
 def test_round_int8_rows_is_the_row_quantizer():

@@ -58,8 +58,8 @@ def test_int8_experts_stay_within_the_documented_bound(tmp_path, group):
     # 1 and 2; seed 0 flips a routing near-tie, 0.24 at one position, which is the caveat documented there)
     hf = build("qwen3_next", seed=1)
     path = convert_file(hf, tmp_path, quantize="expert", group_size=group)
-    # the bound of int8 weights: float activations (the default W8A8 prefill rounds the 40-row pass's inputs too,
-    # 7.0e-2 on this random model; its quality on a trained model is in docs/quality.md)
+    # the bound of int8 weights: float activations (W8A8, fast_expert_gemm='int8', rounds the 40-row pass's inputs
+    # too: 7.0e-2 on this random model; its quality on a trained model is in docs/quality.md)
     with Engine(path, EngineConfig(fast_expert_gemm="split")) as engine:
         for ids in prompts(engine.vocab_size, [40, 7], seed=5):
             assert rel_err(engine.logits([ids])[0], hf_logits(hf, ids)) < 3e-2
