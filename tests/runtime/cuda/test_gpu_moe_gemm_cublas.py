@@ -176,19 +176,33 @@ def test_quantize_rows_matches_numpy_bit_for_bit(cp, rng):
     assert np.array_equal(q.get(), want_q) and np.array_equal(s.get(), want_s.reshape(-1))
 
 
-def test_int8_product_is_exact_and_reads_blobs_in_place(cp, rng):
+def test_int8_product_is_exact(cp, rng):
+    a = rng.integers(-127, 128, (9, 160), dtype=np.int8)
+    w = rng.integers(-127, 128, (96, 160), dtype=np.int8)
+    out = ops.gemm_int8(cp.asarray(a), cp.asarray(w), cp.full((9, 96), -1, cp.int32))
+    assert np.array_equal(out.get(), a.astype(np.int64) @ w.T.astype(np.int64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.gemm_int8(cp.zeros((2, 40), cp.int8), cp.zeros((8, 40), cp.int8), cp.zeros((2, 8), cp.int32))
+
+
+@pytest.mark.parametrize("matrix", ["gate_up", "down"])
+def test_expert_int8_products_are_exact_and_read_blobs_in_place(cp, rng, matrix):
     layout, _, blobs = host_experts(rng, 3, 160, 48)
     buf, table = upload(blobs, 3, layout)
     addresses = table.blob_ptrs.get()
-    a = rng.integers(-127, 128, (9, 160), dtype=np.int8)
-    for e in range(3):
-        w = ops.blob_matrix(table, addresses, e, "gate_up")
-        assert np.array_equal(w.get(), blob_array(blobs, layout, e, "gate_up", np.int8))
-        out = ops.gemm_int8(cp.asarray(a), w, cp.full((9, 96), -1, cp.int32))
-        want = a.astype(np.int64) @ blob_array(blobs, layout, e, "gate_up", np.int8).T.astype(np.int64)
-        assert np.array_equal(out.get(), want)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        ops.gemm_int8(cp.zeros((2, 40), cp.int8), cp.zeros((8, 40), cp.int8), cp.zeros((2, 8), cp.int32))
+    K = 160 if matrix == "gate_up" else 48
+    N = 96 if matrix == "gate_up" else 160
+    a = rng.integers(-127, 128, (11, K), dtype=np.int8)
+    routed = [(2, 0, 4), (0, 4, 6), (1, 10, 1)]          # sorted rows of experts 2, 0 and 1, as a dispatch gives
+    out = cp.full((11, N), -1, cp.int32)
+    ops.gemm_int8_experts(cp.asarray(a), out, table, addresses, matrix, routed)
+    for e, s, n in routed:
+        want = a[s:s + n].astype(np.int64) @ blob_array(blobs, layout, e, matrix, np.int8).T.astype(np.int64)
+        assert np.array_equal(out[s:s + n].get(), want)
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.gemm_int8_experts(cp.asarray(a), out, table, addresses, matrix, [(0, 8, 4)])
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.gemm_int8_experts(cp.asarray(a), out, table, addresses, matrix, [(3, 0, 1)])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -825,17 +825,35 @@ def gather_rows_int8(q, scales, perm, k: int, *, out=None, out_scales=None):
     return o, os_
 
 
-def blob_matrix(table: ExpertTable, blob_addresses, expert: int, matrix: str):
-    """Expert `expert`'s int8 `matrix` ('gate_up' [2I, H] or 'down' [H, I]) as a CuPy view of its blob, in place,
-    from the host copy of table.blob_ptrs (blob_addresses); the view does not own the blob."""
-    cp = _cupy()
-    shape, off = expert_matrix(table, matrix, "blob_matrix")
-    if not 0 <= expert < table.num_experts or len(blob_addresses) != table.num_experts:
-        raise ValueError(f"expert {expert} not in 0..{table.num_experts - 1} of {len(blob_addresses)} addresses")
-    # the device named: a blob in the registered file mapping (paged) is host memory, and no pointer query a call
-    memory = cp.cuda.UnownedMemory(int(blob_addresses[expert]) + off, shape[0] * shape[1], table.blob_ptrs,
-                                   cp.cuda.runtime.getDevice())
-    return cp.ndarray(shape, cp.int8, cp.cuda.MemoryPointer(memory, 0))
+def gemm_int8_experts(a, out, table: ExpertTable, blob_addresses, matrix: str, routed) -> None:
+    """out[s:s+n] = a[s:s+n] @ W_e.T (exact int32 sums) for every routed (e, s, n), W_e expert e's int8 `matrix`
+    ('gate_up' [2I, H] or 'down' [H, I]) read in place from its blob (blob_addresses: the host copy of
+    table.blob_ptrs), on the current stream: a [P, K] int8 rows in the dispatch's sorted order, out [P, N] int32.
+    One cuBLAS GemmEx an expert, with the handle's stream and pointer mode set once for all and the arguments
+    checked once: a GemmEx costs ~20 µs of host time by itself, and gemm_int8's checks and blob views as much again
+    (docs/benchmarks.md, session 14)."""
+    cp, cublas = _cupy(), _cublas()
+    (N, K), off = expert_matrix(table, matrix, "gemm_int8_experts")
+    _check("a", a, dtype=np.int8, ndim=2)
+    _check("out", out, dtype=np.int32, shape=(a.shape[0], N))
+    if a.shape[1] != K or K % 16:
+        raise ValueError(f"a {tuple(a.shape)} must have K = {K} columns, a multiple of 16, for expert '{matrix}'")
+    if len(blob_addresses) != table.num_experts:
+        raise ValueError(f"{len(blob_addresses)} blob addresses for {table.num_experts} experts")
+    if any(not 0 <= e < table.num_experts or s < 0 or n < 1 or s + n > a.shape[0] for e, s, n in routed):
+        raise ValueError(f"routed rows {routed} do not fit {table.num_experts} experts and {a.shape[0]} rows")
+    handle = cp.cuda.device.get_cublas_handle()
+    mode = cublas.getPointerMode(handle)
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    one, zero = _ONE_I32.ctypes.data, _ZERO_I32.ctypes.data
+    try:
+        for e, s, n in routed:  # column-major view, as _gemm_ex: out^T [N, n] = W_e [N, K] (transposed) @ a^T
+            cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, n, K, one, int(blob_addresses[e]) + off, CUDA_R_8I, K,
+                          a.data.ptr + s * K, CUDA_R_8I, K, zero, out.data.ptr + s * N * 4, CUDA_R_32I, N,
+                          CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
 
 
 def _check_sorted_rows(name: str, a, dtype, shape, row_scales, offsets) -> None:
@@ -882,14 +900,13 @@ def _experts_int8(x, weights, table: ExpertTable, disp: Dispatch, k: int, offset
     H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
     addresses = cp.asnumpy(table.blob_ptrs)
     xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
+    routed = _routed(offsets)
     gu = cp.empty((P, 2 * I), cp.int32)
-    for e, s, n in _routed(offsets):
-        gemm_int8(xq[s:s + n], blob_matrix(table, addresses, e, "gate_up"), gu[s:s + n])
+    gemm_int8_experts(xq, gu, table, addresses, "gate_up", routed)
     aq, as_ = quantize_rows_int8(gate_up_epilogue_int8(gu, xs, table, disp.offsets))
     del gu
     yd = cp.empty((P, H), cp.int32)
-    for e, s, n in _routed(offsets):
-        gemm_int8(aq[s:s + n], blob_matrix(table, addresses, e, "down"), yd[s:s + n])
+    gemm_int8_experts(aq, yd, table, addresses, "down", routed)
     down_epilogue_int8(yd, as_, table, disp.offsets, disp.perm, weights.reshape(-1), ypair)
 
 
