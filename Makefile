@@ -2,7 +2,8 @@
 #
 # They share one venv with one stamp per install: `make demo` installs the core package only (everything the
 # demo runs: convert, inspect, validate, infer on the CPU), `make test` the [dev] extra on top (pytest, torch,
-# transformers, gguf, hypothesis). Either order works, and editing pyproject.toml reinstalls on the next run.
+# transformers, gguf, hypothesis). Either order works, and editing pyproject.toml or the converter's C loops
+# (colibri_format/convert/_native.c, which the install compiles) reinstalls on the next run.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -14,11 +15,11 @@ DEV_STAMP  := $(VENV)/.installed-dev
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(CORE_STAMP): pyproject.toml | $(BIN)/python
+$(CORE_STAMP): pyproject.toml colibri_format/convert/_native.c | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
-$(DEV_STAMP): pyproject.toml | $(BIN)/python
+$(DEV_STAMP): pyproject.toml colibri_format/convert/_native.c | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 

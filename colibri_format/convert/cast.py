@@ -8,7 +8,10 @@ The other values (zero, what float16 holds only as a subnormal, beyond 65504, in
 passes and converted by NumPy's path (`to_storage(to_float32(...))`), so every value comes out exactly as
 `to_storage(to_float32(bits), DType.F16)` gives it (tested on all 65,536 bf16 patterns).
 
-The scratch space is one uint16 buffer per thread, reused, as the converter's other per-chunk buffers are.
+The scratch space is one uint16 buffer per thread, reused, as the converter's other per-chunk buffers are. Where
+`pip install` built the converter's C loops (convert/native.py) one pass does it instead: normal values rebiased,
+smaller ones rounded to float16 zeros and subnormals as IEEE rounds them, and only the values beyond float16 left
+to NumPy's path; the same bits (tested on every pattern, both ways).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 
 import numpy as np
 
+from colibri_format.convert import native
 from colibri_format.dtypes import to_float32, to_storage
 from colibri_format.spec.constants import DType
 
@@ -44,6 +48,11 @@ def bf16_to_f16(bits: np.ndarray, out: np.ndarray) -> bool:
         raise ValueError(f"bf16_to_f16: {src.size} values into a buffer of {dst.size}")
     if src.size == 0:
         return True
+    lib = native.library()
+    if lib is not None:
+        if lib.colibri_bf16_to_f16(src.ctypes.data, src.size, dst.ctypes.data) == 0:
+            return True
+        return _beyond_float16(src, dst)
     t, irregular = _buffers(src.size)
     np.bitwise_and(src, np.uint16(0x7FFF), out=t)            # magnitude
     np.subtract(t, np.uint16(_NORMAL_LO), out=t)            # 0 .. span for the normal range, wrapped otherwise
@@ -59,3 +68,11 @@ def bf16_to_f16(bits: np.ndarray, out: np.ndarray) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):  # beyond float16: inf, as NumPy's cast gives it
         dst[where] = to_storage(to_float32(odd), DType.F16).view(np.uint16)
     return not bool(((odd & np.uint16(0x7FFF)) >= np.uint16(_OUT_OF_RANGE)).any())
+
+
+def _beyond_float16(src: np.ndarray, dst: np.ndarray) -> bool:
+    """After the compiled cast: NumPy's images of the values beyond float16 (inf; NaN as NumPy keeps it); False."""
+    where = np.flatnonzero((src & np.uint16(0x7FFF)) >= np.uint16(_OUT_OF_RANGE))
+    with np.errstate(over="ignore", invalid="ignore"):
+        dst[where] = to_storage(to_float32(src[where]), DType.F16).view(np.uint16)
+    return False

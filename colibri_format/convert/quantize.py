@@ -14,24 +14,23 @@ infinity anywhere is refused (`NonFiniteWeight`, naming the first one's row and 
 
 Reported error, per element: `|w - q*scale| / max|w[row]|`, computed as
 `|w/scale - q| * scale / max|w[row]|` (exact arithmetic, i.e. without the
-float32 rounding of the dequantized product, at most 2**-24 relative).
-`max_rel_err` is its maximum, `mean_rel_err` its mean over all elements (zero
-rows and zero groups count as error 0; both stay finite for any finite input,
-subnormal rows included). Per-row quantization therefore reports at most
-0.5/127 ~ 0.0039. These are what docs/design.md stores under `quantization.error`.
-
-Speed: rows are processed in ~1 MiB blocks through two reused float32 buffers,
-so the vectorised passes per block run from cache, not memory; small groups are
-reduced with strided element-wise calls (see `_reduce_groups`), and the error is taken from
-`w/scale - rint(w/scale)` rather than a second dequantizing multiply.
-`benchmark_quantize` measures it.
+float32 rounding of the dequantized product). `max_rel_err` is its maximum, `mean_rel_err` its mean over all
+elements, where each `|w/scale - q|` is first truncated to a whole number of `ERROR_UNITS` (2^-24 of the scale,
+so the mean is low by less than 2^-24 / 127 of a row's max) and the units are summed as integers: the sum is exact
+in any order, so it depends on neither the blocking, nor NumPy's summation order, nor which loop ran. Zero rows
+and zero groups count as error 0; both stay finite for any finite input, subnormal rows included. Per-row
+quantization therefore reports at most 0.5/127 ~ 0.0039. These are what docs/design.md stores under
+`quantization.error`.
 
 `quantize_into` is the converter's form: the stored source chunk (bf16 as uint16 bits, float16, float32 or
 float64) in, q and scales written into the caller's buffers (the int8 rows go straight into the writer's
-buffer), the block buffers kept per thread, and for bf16 the group maxima taken on the 16-bit patterns
-(`bits & 0x7FFF` orders the magnitudes of finite values) before the one upcast into the block buffer. It
-computes exactly what `quantize_int8(to_float32(chunk), group_size)` computes: the same blocks, the same
-float32 operations in the same order, so q, scales and both errors are bit-identical (tested).
+buffer); `quantize_int8` is it on a float32 matrix. The group maxima are taken on the magnitude bits
+(`bits & 0x7FFF` orders the magnitudes of finite values), the scales for the whole chunk at once, then one pass
+over the values: the compiled loop of convert/native.py for bf16 and float32 sources where `pip install` built it
+(one pass, ~0.2 s per source GB on the 2-core machine), else NumPy's passes over ~1 MiB blocks through two reused
+per-thread float32 buffers (so they run from cache: ~0.7-1.3 s per GB), small groups reduced with strided
+element-wise calls (see `_reduce_groups`). Both compute the same float32 division and round-half-even, so q,
+scales and both errors are bit-identical (tested). `benchmark_quantize` measures it.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from colibri_format.convert import native
 from colibri_format.errors import InvalidInput, NonFiniteWeight
 
 QMAX = 127
@@ -58,6 +58,9 @@ UNBUFFERED_GROUP = 512
 # float32 values (they order as the values do, and integer maxima skip the NaN checks of float ones), the source
 # magnitude maxima from MAG_REDUCEAT_GROUP. Same maxima either way (a maximum does not depend on the order).
 ERR_REDUCEAT_GROUP = 32
+# A value's error |w/scale - q| (at most 1/2) is counted in units of 2^-24 of its scale, truncated, and summed as
+# integers: the sum is exact in any order, so the compiled loop and NumPy's reductions agree to the bit.
+ERROR_UNITS = 1 << 24
 MAG_REDUCEAT_GROUP = 64
 
 
@@ -81,47 +84,13 @@ def _group(w: np.ndarray, group_size: int | None) -> int:
 
 
 def quantize_int8(w: np.ndarray, group_size: int | None = None) -> Quantized:
-    """Quantize `w` [out, in] float32 to int8 with one float32 scale per row and group."""
+    """Quantize `w` [out, in] float32 (any layout) to int8 with one float32 scale per row and group."""
     g = _group(w, group_size)
     n_out, n_in = w.shape
-    w3 = np.ascontiguousarray(w).reshape(n_out, n_in // g, g)  # a view for contiguous input
-    q = np.empty(w3.shape, np.int8)
-    scale = np.empty(w3.shape[:2], np.float32)
-    err_max, err_sum = 0.0, 0.0
-    rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))
-    x = np.empty((rows, *w3.shape[1:]), np.float32)  # reused per block: stays in cache
-    r = np.empty_like(x)
-    for start in range(0, n_out, rows):
-        stop = min(start + rows, n_out)
-        block_max, block_sum = _quantize_block(w3[start:stop], q[start:stop], scale[start:stop],
-                                               x[:stop - start], r[:stop - start], start)
-        err_max, err_sum = max(err_max, block_max), err_sum + block_sum
-    return Quantized(q.reshape(n_out, n_in), scale, err_max, err_sum / max(1, w.size))
-
-
-def _quantize_block(w3: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray, r: np.ndarray,
-                    row0: int) -> tuple[float, float]:
-    """Fill q and scale for a block of rows (`row0`.. of the matrix); return (max, sum) of the relative error."""
-    amax = _reduce_groups(np.maximum, np.abs(w3, out=x))  # [rows, G]; NaN propagates
-    if not np.isfinite(amax).all():
-        raise _non_finite(w3, row0)
-    return _scale_and_round(w3, amax, q, scale, x, r)
-
-
-def _scale_and_round(w3: np.ndarray, amax: np.ndarray, q: np.ndarray, scale: np.ndarray, x: np.ndarray,
-                     r: np.ndarray) -> tuple[float, float]:
-    """The block's scales from its finite group maxima `amax`, then q and the (max, sum) of the relative error.
-    `x` may be `w3` itself (it is overwritten)."""
-    _, weight = _scales(amax, scale)
-    _divide(w3, scale, x)  # w in units of its scale, |x| <= 127
-    np.rint(x, out=r)
-    np.copyto(q, r, casting="unsafe")
-    # |w - q*scale| / rowmax == |x - rint(x)| * scale / rowmax: no int8 -> float pass needed.
-    np.subtract(x, r, out=x)
-    np.abs(x, out=x)
-    group_max = _abs_error_max(x) * weight
-    group_sum = _reduce_groups(np.add, x) * weight
-    return float(group_max.max()), float(group_sum.sum(dtype=np.float64))
+    q = np.empty((n_out, n_in), np.int8)
+    scale = np.empty((n_out, n_in // g), np.float32)
+    max_rel, mean_rel = quantize_into(np.ascontiguousarray(w), g, q, scale)
+    return Quantized(q, scale, max_rel, mean_rel)
 
 
 # --- the converter's form: stored chunk in, caller's buffers out ------------------------------------------
@@ -179,47 +148,64 @@ def quantize_into(chunk: np.ndarray, group_size: int | None, q_out: np.ndarray, 
     """Quantize a stored chunk [out, in] (bf16 as uint16 bits, float16, float32 or float64) into `q_out` (int8
     [out, in], C-contiguous) and `scale_out` (float32 [out, in // g]); return (max_rel_err, mean_rel_err).
 
-    Bit-identical to `quantize_int8(to_float32(chunk), group_size)`; a NaN or infinity (also float64 beyond
-    float32) is the same NonFiniteWeight. What depends on a row alone (group maxima, scales, the error weights)
-    is computed for the whole chunk at once; the passes over the values go block by block (quantize_int8's
-    blocks, whose float64 error sums it reproduces in the same order).
+    A NaN or infinity (also float64 beyond float32) is a NonFiniteWeight naming its row and column. The group
+    maxima and scales are computed for the whole chunk at once, then the values are quantized in one pass of the
+    compiled loop (bf16 and float32 sources, where it is built: convert/native.py) or block by block in NumPy;
+    both give the same q, scales and errors (module docstring).
     """
     if chunk.ndim != 2 or chunk.dtype not in _MAGNITUDE:
         raise InvalidInput(f"quantize_into needs a 2-D stored float chunk, got {chunk.dtype} {chunk.shape}",
                            field="weight")
     n_out, n_in = chunk.shape
     g = _group(np.empty((0, n_in), np.float32), group_size)
-    if q_out.shape != chunk.shape or q_out.dtype != np.int8 or scale_out.shape != (n_out, n_in // g) \
-            or scale_out.dtype != np.float32:
+    if q_out.shape != chunk.shape or q_out.dtype != np.int8 or not q_out.flags.c_contiguous \
+            or scale_out.shape != (n_out, n_in // g) or scale_out.dtype != np.float32:
         raise InvalidInput("quantize_into: output buffers do not match the chunk", field="weight")
     src = np.ascontiguousarray(chunk)
-    rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))  # the blocks of quantize_int8: the error sums depend on them
-    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
+    rows = max(1, BLOCK_BYTES // max(1, 4 * n_in))
     amax = _group_maxima(src, g)  # [n_out, G] float32
-    _refuse_non_finite(amax, src, x_buf, rows, g)
-    err_scale, weight = _scales(amax, scale_out)
-    del err_scale
-    gmax = np.empty(amax.shape, np.float32)
-    gsum = np.empty(amax.shape, np.float32)
+    if not np.isfinite(amax).all():
+        _refuse_non_finite(amax, src, _block_buffers(min(rows, n_out) * n_in)[0], rows, g)
+    _, weight = _scales(amax, scale_out)
+    err_max = np.empty(amax.shape, np.float32)
+    err_units = np.empty(amax.shape, np.int64)
+    lib = native.library()
+    if lib is not None and src.dtype in _NATIVE_QUANTIZE:
+        scale = np.ascontiguousarray(scale_out)
+        getattr(lib, _NATIVE_QUANTIZE[src.dtype])(src.ctypes.data, scale.ctypes.data, amax.size, g, q_out.ctypes.data,
+                                                  err_max.ctypes.data, err_units.ctypes.data)
+    else:
+        _quantize_blocks(src, g, rows, scale_out, q_out, err_max, err_units)
+    np.multiply(err_max, weight, out=err_max)
+    err_sum = float((err_units * (weight.astype(np.float64) / ERROR_UNITS)).sum())
+    return float(err_max.max()) if err_max.size else 0.0, err_sum / max(1, n_out * n_in)
+
+
+_NATIVE_QUANTIZE = {np.dtype(np.uint16): "colibri_quantize_bf16", np.dtype(np.float32): "colibri_quantize_f32"}
+
+
+def _quantize_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_out: np.ndarray, err_max: np.ndarray,
+                     err_units: np.ndarray) -> None:
+    """The NumPy form of the values pass: q, and each group's largest |error| and its sum in ERROR_UNITS, block by
+    block of `rows` rows through the per-thread float32 buffers."""
+    n_out, n_in = src.shape
+    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         shape = (stop - start, n_in // g, g)
         n = (stop - start) * n_in
         x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
         _upcast(src[start:stop], x)
-        _divide(x, scale_out[start:stop], x)   # w in units of its scale, |x| <= 127
+        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 127
         np.rint(x, out=r)
         np.copyto(q_out[start:stop].reshape(shape), r, casting="unsafe")
         np.subtract(x, r, out=x)
         np.abs(x, out=x)
-        _abs_error_max(x, gmax[start:stop])
-        _reduce_groups(np.add, x, gsum[start:stop])
-    np.multiply(gmax, weight, out=gmax)
-    np.multiply(gsum, weight, out=gsum)
-    err_sum = 0.0
-    for start in range(0, n_out, rows):  # float64 sums of quantize_int8's blocks, in its order
-        err_sum = err_sum + float(gsum[start:start + rows].sum(dtype=np.float64))
-    return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
+        _abs_error_max(x, err_max[start:stop])
+        np.multiply(x, np.float32(ERROR_UNITS), out=x)
+        units = r.view(np.int32)
+        np.copyto(units, x, casting="unsafe")  # truncated toward zero: these values are >= 0
+        _reduce_groups(np.add, units, err_units[start:stop])
 
 
 # --- int4_group: two's-complement 4-bit values, two a byte, one float16 scale per group -------------------------
@@ -377,15 +363,26 @@ def _group_maxima(src: np.ndarray, g: int) -> np.ndarray:
         with np.errstate(over="ignore", invalid="ignore"):
             return _reduce_groups(np.maximum, np.abs(src).reshape(n_out, n_in // g, g)).astype(np.float32)
     bits = src.view(view)
+    lib = native.library()
+    if lib is not None:
+        top = np.empty((n_out, n_in // g), view)
+        fn = lib.colibri_group_max_bits16 if view is np.uint16 else lib.colibri_group_max_bits32
+        fn(bits.ctypes.data, top.size, g, top.ctypes.data)
+        return _magnitudes_as_float32(top, src.dtype)
     mag = _magnitude_buffer(src.size, view)
     np.bitwise_and(bits.reshape(-1), view(mask), out=mag)
     if g >= MAG_REDUCEAT_GROUP:
         top = np.maximum.reduceat(mag, _group_starts(mag.size, g)).reshape(n_out, n_in // g)
     else:
         top = _reduce_groups(np.maximum, mag.reshape(n_out, n_in // g, g))
-    if src.dtype == np.uint16:  # bf16: the float32 with these top 16 bits
+    return _magnitudes_as_float32(top, src.dtype)
+
+
+def _magnitudes_as_float32(top: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Group maxima of magnitude bits (unsigned, of the stored dtype) as float32 values."""
+    if dtype == np.uint16:  # bf16: the float32 with these top 16 bits
         return (top.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return top.view(src.dtype).astype(np.float32)
+    return top.view(dtype).astype(np.float32)
 
 
 def _upcast(block: np.ndarray, out: np.ndarray) -> None:

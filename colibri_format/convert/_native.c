@@ -1,0 +1,152 @@
+/* The converter's per-element loops in C (project issue 20), loaded through ctypes by convert/native.py.
+ *
+ * NumPy reaches the int8 quantizer's result in about ten passes over each block (widen, shift, divide, round, narrow,
+ * subtract, abs, two reductions); these functions make one pass over the source instead. They compute what
+ * quantize.py's NumPy loops compute, value for value: IEEE float32 division by the group's scale, rounding half to
+ * even, and error statistics that do not depend on the order of the elements (a float32 maximum and an exact integer
+ * sum), so either path writes the same bytes. Built without -ffast-math (the compiler may not reassociate), with an
+ * AVX2 clone chosen at load time where the CPU has it.
+ *
+ * Every function takes `groups` runs of `g` contiguous elements (a chunk's rows cut into quantization groups).
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* 1.5 x 2^23: for |x| < 2^22, (x + ROUNDER) - ROUNDER is x rounded to an integer, ties to even (the sum lies in
+ * [2^23, 2^24), where the float32 spacing is 1, and ROUNDER is even). |x| <= 127 here. */
+#define ROUNDER 12582912.0f
+/* The error |x - rint(x)| (at most 0.5) is counted in units of 2^-24 of the scale, truncated: an exact integer sum
+ * whatever the order (quantize.py: ERROR_UNITS). */
+#define ERROR_UNITS 16777216.0f
+/* Elements summed in int32 before the int64 total: 128 x 2^23 = 2^30 cannot overflow. */
+#define INT32_RUN 128
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+static inline uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The largest magnitude bits (bits & 0x7FFF) of each group of 16-bit floats (bf16 or float16 patterns). */
+CLONES void colibri_group_max_bits16(const uint16_t *src, int64_t groups, int64_t g, uint16_t *out) {
+    for (int64_t j = 0; j < groups; j++) {
+        const uint16_t *p = src + j * g;
+        uint16_t top = 0;
+        for (int64_t k = 0; k < g; k++) {
+            uint16_t v = p[k] & 0x7FFFu;
+            top = v > top ? v : top;
+        }
+        out[j] = top;
+    }
+}
+
+/* The largest magnitude bits (bits & 0x7FFFFFFF) of each group of float32 patterns. */
+CLONES void colibri_group_max_bits32(const uint32_t *src, int64_t groups, int64_t g, uint32_t *out) {
+    for (int64_t j = 0; j < groups; j++) {
+        const uint32_t *p = src + j * g;
+        uint32_t top = 0;
+        for (int64_t k = 0; k < g; k++) {
+            uint32_t v = p[k] & 0x7FFFFFFFu;
+            top = v > top ? v : top;
+        }
+        out[j] = top;
+    }
+}
+
+/* One run of n <= INT32_RUN values w (float32) of a group with scale s: q = rint(w / s) into `q`; returns the int32
+ * error units and raises *top_bits to the largest |w / s - q| seen (as bits: non-negative floats order as their
+ * patterns do, which keeps the maximum an integer one). */
+static inline int32_t quantize_run(const float *w, int64_t n, float s, int8_t *q, uint32_t *top_bits) {
+    int32_t units = 0;
+    uint32_t top = *top_bits;
+    for (int64_t k = 0; k < n; k++) {
+        float x = w[k] / s;
+        float r = (x + ROUNDER) - ROUNDER;
+        q[k] = (int8_t)(int32_t)r;
+        uint32_t b = float_bits(x - r) & 0x7FFFFFFFu;  /* |x - r|, +0 for a -0 difference */
+        top = b > top ? b : top;
+        units += (int32_t)(bits_float(b) * ERROR_UNITS);
+    }
+    *top_bits = top;
+    return units;
+}
+
+/* Each group's int8 values from float32 weights: err_max gets max |w/s - q| and err_units the sum of the truncated
+ * error units, per group. */
+CLONES void colibri_quantize_f32(const float *src, const float *scale, int64_t groups, int64_t g, int8_t *q,
+                                 float *err_max, int64_t *err_units) {
+    for (int64_t j = 0; j < groups; j++) {
+        uint32_t top = 0;
+        int64_t units = 0;
+        for (int64_t k = 0; k < g; k += INT32_RUN) {
+            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
+            units += quantize_run(src + j * g + k, n, scale[j], q + j * g + k, &top);
+        }
+        err_max[j] = bits_float(top);
+        err_units[j] = units;
+    }
+}
+
+/* The same from bf16 patterns: each run widened into a float32 buffer first (exact: the pattern's top 16 bits). */
+CLONES void colibri_quantize_bf16(const uint16_t *src, const float *scale, int64_t groups, int64_t g, int8_t *q,
+                                  float *err_max, int64_t *err_units) {
+    float w[INT32_RUN];
+    for (int64_t j = 0; j < groups; j++) {
+        uint32_t top = 0;
+        int64_t units = 0;
+        for (int64_t k = 0; k < g; k += INT32_RUN) {
+            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
+            const uint16_t *p = src + j * g + k;
+            for (int64_t i = 0; i < n; i++)
+                w[i] = bits_float((uint32_t)p[i] << 16);
+            units += quantize_run(w, n, scale[j], q + j * g + k, &top);
+        }
+        err_max[j] = bits_float(top);
+        err_units[j] = units;
+    }
+}
+
+/* The smallest bf16 magnitude (bits & 0x7FFF) whose float16 image is a normal number, and the first one beyond
+ * float16 (65536 and up, inf, NaN): cast.py's constants. */
+#define F16_NORMAL_LO 0x3880u
+#define F16_OUT_OF_RANGE 0x4780u
+#define F16_SMALLEST_STEPS 16777216.0f /* 2^24: float16's subnormals are k x 2^-24 */
+#define CAST_RUN 4096                   /* elements counted in int32 before the int64 total */
+
+/* bf16 patterns to float16 patterns. Normal-range values are rebiased (bf16's 7 mantissa bits fit float16's 10:
+ * exact); smaller ones become k x 2^-24 with k = their value x 2^24 (exact) rounded to an integer, ties to even, as
+ * IEEE float32 -> float16 rounds them (k = 1024 is the smallest normal, whose pattern is 0x0400 = 1024 too).
+ * Values beyond float16 (65536 and up, inf, NaN) are left to the caller, which converts them as NumPy does: their
+ * outputs here are the signed float16 infinity, and the function returns how many there are. */
+CLONES int64_t colibri_bf16_to_f16(const uint16_t *src, int64_t n, uint16_t *dst) {
+    int64_t beyond = 0;
+    for (int64_t start = 0; start < n; start += CAST_RUN) {
+        int64_t stop = n - start < CAST_RUN ? n : start + CAST_RUN;
+        int32_t run_beyond = 0;
+        for (int64_t i = start; i < stop; i++) { /* branch-free (masks, not branches), so that it vectorizes */
+            uint32_t mag = src[i] & 0x7FFFu;
+            uint32_t is_normal = 0u - (uint32_t)(mag >= F16_NORMAL_LO);
+            uint32_t is_beyond = 0u - (uint32_t)(mag >= F16_OUT_OF_RANGE);
+            uint32_t normal = ((mag - 0x3800u) << 3) & 0x7FFFu;
+            float small = bits_float((mag & ~is_normal) << 16);
+            uint32_t below = (uint32_t)(int32_t)((small * F16_SMALLEST_STEPS + ROUNDER) - ROUNDER);
+            uint32_t out = (is_beyond & 0x7C00u) | (~is_beyond & ((is_normal & normal) | (~is_normal & below)));
+            run_beyond -= (int32_t)is_beyond;
+            dst[i] = (uint16_t)((src[i] & 0x8000u) | out);
+        }
+        beyond += run_beyond;
+    }
+    return beyond;
+}
