@@ -61,8 +61,9 @@ class EngineConfig:
                                               # experts, else the pipelined kernel's s8 MMAs, for passes of more
                                               # than 32 rows ('split' below); 'auto': 'int8'
                                               # where an expert's mean work reaches limits.
-                                              # CUBLAS_INT8_MIN_EXPERT_MACS (Mixtral from ~256 tokens), else
-                                              # 'split'; None: moe_gemm.cu's 64x64 tc kernel
+                                              # W8A8_MIN_EXPERT_MACS (Mixtral from ~20 tokens, Qwen3 from
+                                              # ~3000, OLMoE from ~1200), else 'split'; None: moe_gemm.cu's
+                                              # 64x64 tc kernel
     cublas_expert_gemm: bool | None = None    # CUDA: that GEMM as cuBLAS bf16 products of widened int8 experts
                                               # (moe_gemm_cublas.cu, same activations); None: for experts
                                               # of large mean work (limits.CUBLAS_MIN_EXPERT_MACS)

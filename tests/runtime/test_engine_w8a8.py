@@ -47,11 +47,11 @@ def test_passes_a_decode_graph_could_capture_keep_float_inputs(path):
 
 
 def test_auto_rounds_from_the_mean_work_limit(path, monkeypatch):
-    """The tiny experts are far below limits.CUBLAS_INT8_MIN_EXPERT_MACS: 'auto' (the default) computes the float
-    products there, and the int8 ones once the limit is moved below them."""
+    """The tiny experts are far below limits.W8A8_MIN_EXPERT_MACS: 'auto' (the default) computes the float products
+    there, and the int8 ones once the limit is moved below them."""
     plain = logits(path, LONG, fast_expert_gemm="split")
     np.testing.assert_array_equal(logits(path, LONG), plain)
-    monkeypatch.setattr(limits, "CUBLAS_INT8_MIN_EXPERT_MACS", 0)
+    monkeypatch.setattr(limits, "W8A8_MIN_EXPERT_MACS", 0)
     np.testing.assert_array_equal(logits(path, LONG, fast_expert_gemm="auto"),
                                   logits(path, LONG, fast_expert_gemm="int8"))
 

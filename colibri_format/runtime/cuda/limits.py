@@ -84,6 +84,12 @@ CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
 # 64 x 4096 x 14336 = 3.76e9. Qwen3-30B-A3B's 128 small experts never reach it (512 tokens took 503 ms on it); an
 # 'int8' pass below it runs moe_gemm_fast.cu's s8 MMAs (Qwen3 512 tokens: 31.9 ms; not yet placed against them).
 CUBLAS_INT8_MIN_EXPERT_MACS = 3_700_000_000
+# 'auto' rounds a pass to W8A8 (below CUBLAS_INT8_MIN_EXPERT_MACS: the pipelined kernel's s8 MMAs) from this mean
+# work an expert matrix. Full-depth prefill on the H200, 'int8' against 'split', ms (docs/benchmarks.md, session 15):
+# Mixtral 128 tokens (1.9e9 a matrix) 27.8 vs 49.7; Qwen3 4096 (4.0e8) 211.0 vs 283.4; OLMoE 4096 (1.1e9) 76.4 vs
+# 107.1; below it no gain: OLMoE 512 (1.3e8) 17.2 vs 15.5, 128 (3.4e7) 14.8 vs 14.1, Qwen3 512 (5.0e7) 52.5 vs 50.7.
+# Tiny test models (H I ~ 1e4) never reach it, so their float parity tests keep 'split' (W8A8 has its own tests).
+W8A8_MIN_EXPERT_MACS = 300_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
@@ -162,7 +168,7 @@ def rounds_rows_int8(fast_expert_gemm: str | None, rows: int, pairs: int, num_ex
                      extras: bool) -> bool:
     """Whether a pass's routed-expert products round their inputs to int8 a row (W8A8: x a token, the activation a
     pair): EngineConfig.fast_expert_gemm 'int8', or 'auto' where an expert's mean work, pairs H I / E multiply-adds a
-    matrix, reaches CUBLAS_INT8_MIN_EXPERT_MACS; on passes of more than ATT_DECODE_MAX_ROWS rows (decode passes
+    matrix, reaches W8A8_MIN_EXPERT_MACS; on passes of more than ATT_DECODE_MAX_ROWS rows (decode passes
     keep float inputs) over int8 experts with one scale a row and no gpt-oss extras (the kernels' "r" form). The one
     rule of both engines (the CUDA routes: CupyBackend._expert_gemm and ops.moe_experts; tests/runtime/cuda/
     test_backend_routes.py checks they agree)."""
@@ -172,7 +178,7 @@ def rounds_rows_int8(fast_expert_gemm: str | None, rows: int, pairs: int, num_ex
     if rows <= ATT_DECODE_MAX_ROWS or extras or not int8_rows:
         return False
     return fast_expert_gemm == "int8" or (fast_expert_gemm == "auto"
-                                          and pairs * H * I >= CUBLAS_INT8_MIN_EXPERT_MACS * E)
+                                          and pairs * H * I >= W8A8_MIN_EXPERT_MACS * E)
 
 
 def rounds_activations(int8_activations: bool, expert_format) -> bool:

@@ -13,7 +13,7 @@ from colibri_format import spec as S
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.backend import CupyBackend
 from colibri_format.runtime.cuda.kernels import ops
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, CUBLAS_INT8_MIN_EXPERT_MACS
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, CUBLAS_INT8_MIN_EXPERT_MACS, W8A8_MIN_EXPERT_MACS
 
 MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_experts=8)
 QWEN3 = dict(hidden_size=2048, intermediate_size=768, num_experts=128)
@@ -47,27 +47,29 @@ def test_capturable_passes_never_ask_for_cublas(rows):
     assert route(None, None, rows) == (None, False)
 
 
-def pairs_at_threshold(shape) -> int:
-    """The fewest routed pairs whose mean work a matrix reaches CUBLAS_INT8_MIN_EXPERT_MACS."""
+def pairs_at_threshold(shape, macs: int = CUBLAS_INT8_MIN_EXPERT_MACS) -> int:
+    """The fewest routed pairs whose mean work a matrix reaches `macs` (default: the cuBLAS W8A8 threshold)."""
     per_pair = shape["hidden_size"] * shape["intermediate_size"]
-    return -(-CUBLAS_INT8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair)
+    return -(-macs * shape["num_experts"] // per_pair)
 
 
 def test_auto_takes_w8a8_from_the_measured_mean_work():
-    """Mixtral's crossover lies between 32 and 64 pairs an expert (limits.py): 256 tokens x top-2 over 8 experts
-    take W8A8, 128 do not; the cuBLAS option is passed on unchanged."""
-    threshold = pairs_at_threshold(MIXTRAL)
-    assert 32 * 8 < threshold <= 64 * 8
+    """Mixtral's W8A8 threshold (limits.W8A8_MIN_EXPERT_MACS) lies below 128 tokens x top-2 (measured faster there)
+    and its cuBLAS one between 32 and 64 pairs an expert; the cuBLAS option is passed on unchanged."""
+    w8a8 = pairs_at_threshold(MIXTRAL, W8A8_MIN_EXPERT_MACS)
+    assert 2 * (ATT_DECODE_MAX_ROWS + 1) > w8a8 and 32 * 8 < pairs_at_threshold(MIXTRAL) <= 64 * 8
     assert route("auto", None, 256, pairs=512) == ("int8", None)
-    assert route("auto", None, 128, pairs=256) == ("split", None)
-    assert route("auto", True, 64, pairs=threshold) == ("int8", True)
-    assert route("auto", False, 64, pairs=threshold - 1) == ("split", False)
+    assert route("auto", None, 128, pairs=256) == ("int8", None)
+    assert route("auto", True, 64, pairs=w8a8) == ("int8", True)
+    assert route("auto", False, 64, pairs=w8a8 - 1) == ("split", False)
 
 
 def test_auto_keeps_small_experts_grouped_scales_and_extras_on_the_pipelined_kernel():
-    """Qwen3's 128 small experts would need ~300k pairs (cuBLAS's per-expert calls cost more than they save there);
-    grouped scales and gpt-oss's extras have no W8A8 route."""
-    assert route("auto", None, 4096, pairs=4096 * 8, experts=table(**QWEN3)) == ("split", None)
+    """Qwen3's 128 small experts: W8A8 (the pipelined kernel's s8 MMAs) at 4096 tokens, where it was measured
+    faster, float activations at 512, where it was not; the cuBLAS route would need ~300k pairs (its per-expert
+    calls cost more than they save there). Grouped scales and gpt-oss's extras have no W8A8 route."""
+    assert route("auto", None, 4096, pairs=4096 * 8, experts=table(**QWEN3)) == ("int8", None)
+    assert route("auto", None, 512, pairs=512 * 8, experts=table(**QWEN3)) == ("split", None)
     assert pairs_at_threshold(QWEN3) > 200_000
     grouped = table(**MIXTRAL, group_size=128)
     assert route("auto", None, 4096, pairs=8192, experts=grouped) == ("split", None)
@@ -86,7 +88,8 @@ def test_the_cuda_routes_round_where_the_numpy_twin_does(mode, shape, group, ext
     layout = S.blob_layout(shape["hidden_size"], shape["intermediate_size"], fmt, group)
     per_pair = shape["hidden_size"] * shape["intermediate_size"]
     for rows in (8, ATT_DECODE_MAX_ROWS, ATT_DECODE_MAX_ROWS + 1, 512):
-        for pairs in (2 * rows, -(-CUBLAS_INT8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair)):
+        for pairs in (2 * rows, -(-W8A8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair),
+                      -(-CUBLAS_INT8_MIN_EXPERT_MACS * shape["num_experts"] // per_pair)):
             fast, _ = route(mode, None, rows, pairs=pairs, experts=experts, extras=extras)
             cuda = (fast == "int8" and ops.gemm_path(rows, 2, shape["num_experts"])
                     and ops.uses_fast_gemm(fast, experts, extras))

@@ -230,12 +230,13 @@ def test_engine_prefill_on_w8a8(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("threshold,takes_w8a8", [(0, True), (10 ** 15, False)])
 def test_engine_defaults_take_w8a8_past_the_threshold(tmp_path, monkeypatch, threshold, takes_w8a8):
-    """EngineConfig's fast_expert_gemm 'auto': W8A8 where an expert's mean work reaches the limit (the tiny model
-    is far below the real one, so the limit is moved), the pipelined split kernel elsewhere."""
+    """EngineConfig's fast_expert_gemm 'auto': W8A8 on cuBLAS where an expert's mean work reaches both limits (the
+    tiny model is far below the real ones, so they are moved), the pipelined split kernel below them."""
     calls = []
     real = ops._experts_int8
     monkeypatch.setattr(ops, "_experts_int8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(ops, "CUBLAS_INT8_MIN_EXPERT_MACS", threshold)
+    monkeypatch.setattr(ops, "W8A8_MIN_EXPERT_MACS", threshold)    # 'auto' rounds to W8A8 from here
     err = prefill_error(tmp_path, EngineConfig(device="cuda", max_seq_len=128))
     assert bool(calls) == takes_w8a8
     assert err < (5e-2 if takes_w8a8 else 2e-3)

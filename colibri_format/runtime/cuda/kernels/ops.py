@@ -29,7 +29,7 @@ from colibri_format.runtime.cuda.limits import (  # also what callers read as op
     DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
     GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
     ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS,
-    TC_THREADS, fast_gemm_shared_bytes, scale_groups)
+    TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes, scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
 from colibri_format.spec.layout import blob_layout
 
@@ -928,9 +928,9 @@ def uses_cublas_gemm(num_pairs: int, table: ExpertTable, extras: ExpertExtras | 
 
 
 def auto_activations(num_pairs: int, table: ExpertTable, extras: ExpertExtras | None) -> str:
-    """fast_gemm 'auto' resolved for a pass: W8A8 ('int8') where an expert's mean work reaches
-    CUBLAS_INT8_MIN_EXPERT_MACS (large experts, long prompts), else 'split'."""
-    return "int8" if uses_cublas_gemm(num_pairs, table, extras, CUBLAS_INT8_MIN_EXPERT_MACS) else "split"
+    """fast_gemm 'auto' resolved for a pass: W8A8 ('int8') where an expert's mean work reaches W8A8_MIN_EXPERT_MACS
+    (on cuBLAS from CUBLAS_INT8_MIN_EXPERT_MACS, the pipelined kernel's s8 MMAs below), else 'split'."""
+    return "int8" if uses_cublas_gemm(num_pairs, table, extras, W8A8_MIN_EXPERT_MACS) else "split"
 
 
 def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, activations: str = "split",
