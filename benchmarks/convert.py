@@ -173,10 +173,12 @@ def stage_costs(tensors: list[tuple[str, np.ndarray]], tmp: Path) -> dict:
     return {k: v / (nbytes / 1e9) for k, v in t.items()} | {"bytes": nbytes}
 
 
-PROFILE_NAMES = {"_quantize_block": "int8 quantizer (quantize_int8 blocks)", "to_float32": "bf16 -> f32 upcast",
+PROFILE_NAMES = {"_quantize_blocks": "int8 quantizer (NumPy blocks)", "to_float32": "bf16 -> f32 upcast",
+                 # the compiled loops (convert/native.py) are ctypes calls, which cProfile counts in their caller
+                 "quantize_into": "int8 quantizer (compiled loop, or NumPy's around its blocks)",
                  "posix.pwrite": "positional writes", "astype": "dense f32 -> f16 conversion",
                  "acquire": "final verify pass (thread pool)", "madvise": "releasing mapped source pages",
-                 "reduce": "int8 quantizer (quantize_int8 blocks)"}  # its ufunc reductions
+                 "reduce": "int8 quantizer (NumPy blocks)"}  # its ufunc reductions
 
 
 def profiled_conversion(ckpt: Path, out: Path, **options) -> tuple[float, dict]:
