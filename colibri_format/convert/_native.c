@@ -39,31 +39,22 @@ static inline float bits_float(uint32_t u) {
     return f;
 }
 
-/* The largest magnitude bits (bits & 0x7FFF) of each group of 16-bit floats (bf16 or float16 patterns). */
-CLONES void colibri_group_max_bits16(const uint16_t *src, int64_t groups, int64_t g, uint16_t *out) {
-    for (int64_t j = 0; j < groups; j++) {
-        const uint16_t *p = src + j * g;
-        uint16_t top = 0;
-        for (int64_t k = 0; k < g; k++) {
-            uint16_t v = p[k] & 0x7FFFu;
-            top = v > top ? v : top;
-        }
-        out[j] = top;
+/* The largest magnitude bits (the bits below the sign) of each group: colibri_group_max_bits16 for 16-bit floats
+ * (bf16 or float16 patterns), colibri_group_max_bits32 for float32 patterns. */
+#define GROUP_MAX_BITS(name, type, mask)                                                                               \
+    CLONES void name(const type *src, int64_t groups, int64_t g, type *out) {                                         \
+        for (int64_t j = 0; j < groups; j++) {                                                                         \
+            const type *p = src + j * g;                                                                               \
+            type top = 0;                                                                                              \
+            for (int64_t k = 0; k < g; k++) {                                                                          \
+                type v = p[k] & (mask);                                                                                \
+                top = v > top ? v : top;                                                                               \
+            }                                                                                                          \
+            out[j] = top;                                                                                              \
+        }                                                                                                              \
     }
-}
-
-/* The largest magnitude bits (bits & 0x7FFFFFFF) of each group of float32 patterns. */
-CLONES void colibri_group_max_bits32(const uint32_t *src, int64_t groups, int64_t g, uint32_t *out) {
-    for (int64_t j = 0; j < groups; j++) {
-        const uint32_t *p = src + j * g;
-        uint32_t top = 0;
-        for (int64_t k = 0; k < g; k++) {
-            uint32_t v = p[k] & 0x7FFFFFFFu;
-            top = v > top ? v : top;
-        }
-        out[j] = top;
-    }
-}
+GROUP_MAX_BITS(colibri_group_max_bits16, uint16_t, 0x7FFFu)
+GROUP_MAX_BITS(colibri_group_max_bits32, uint32_t, 0x7FFFFFFFu)
 
 /* One run of n <= INT32_RUN values w (float32) of a group with scale s: q = rint(w / s) into `q`; returns the int32
  * error units and raises *top_bits to the largest |w / s - q| seen (as bits: non-negative floats order as their
