@@ -45,6 +45,7 @@ GEMV_SHAPES = {  # name: (N, K) of the dense products a decode step runs
     "mixtral o_proj": (4096, 4096)}
 VARIANTS = ((4, 1), (4, 2), (4, 4), (2, 4), (2, 8), (1, 8), (8, 2))      # (rows per warp, loads in flight per row)
 ROTATE_BYTES = 512 << 20
+ENGINE_SPLITS = (None, 1, 2, 4, 8)      # the engine's dense_gemv: the split it picks, then each split forced
 
 SOURCE = r"""
 __device__ __forceinline__ float wsum(float v) {
@@ -165,9 +166,16 @@ def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
             y = cp.empty((T, N), cp.float32)
             w64 = (ws[0].get().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
             ref = x.get().astype(np.float64) @ w64.T
-            us = time_graph(cp, [lambda w=w: ops.dense_gemv(x, w, out=y) for w in ws], per_graph=max(40, copies))
-            rows.append({"shape": name, "N": N, "K": K, "T": T, "kernel": "engine dense_gemv", "us": us,
-                         "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps})
+            for splits in ENGINE_SPLITS:
+                ops.dense_gemv(x, ws[0], out=y, splits=splits)
+                err = float(np.abs(y.get() - ref).max() / np.abs(ref).max())
+                us = time_graph(cp, [lambda w=w: ops.dense_gemv(x, w, out=y, splits=splits) for w in ws],
+                                per_graph=max(40, copies))
+                label = "engine dense_gemv" + ("" if splits is None else f" splits {splits}")
+                rows.append({"shape": name, "N": N, "K": K, "T": T, "kernel": label, "us": us,
+                             "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
+                             "splits": splits or ops.dense_gemv_splits(K, 1 if T == 1 else 8, 2),
+                             "max_rel_err": err})
             for R, U in VARIANTS:
                 f = mod.get_function(f"g_R{R}_U{U}_T{1 if T == 1 else 8}")
                 items = -(-N // R)
@@ -198,6 +206,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
+    ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
+                    "unsplit, the kernel before session 16)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
                     help="expert format of the files (int4_g32: int8 activations, the engine's default)")
     args = ap.parse_args()
@@ -212,6 +222,11 @@ def main() -> int:
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    if args.dg_max_splits is not None:
+        from colibri_format.runtime.cuda import limits
+
+        limits.DG_MAX_SPLITS = args.dg_max_splits
+        result["dg_max_splits"] = args.dg_max_splits
     if not args.skip_engine:
         result["engine"] = {}
         for shape in shapes:

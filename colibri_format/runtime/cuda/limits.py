@@ -120,6 +120,9 @@ FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf1
 DG_THREADS = 256
 DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
+# the most warps of a dense_gemv block that share one item's K (ops.dense_gemv_splits; a power of two dividing
+# DG_THREADS / 32). 1 is the unsplit kernel of sessions 6-15, which left Qwen3's o_proj (K 4096) to 128 blocks.
+DG_MAX_SPLITS = 8
 # layers.cu's rmsnorm and fused.cu's add_rmsnorm hold a row in registers, NORM_VECS 4-element vectors a thread (rows of
 # up to 4 * NORM_VECS * threads elements: 8192 with 256 threads), so a decode step's norms pay one memory latency
 NORM_VECS = 8

@@ -454,8 +454,15 @@ LAYERS_DRIVER = r"""
                                       TO::storage* out, int D, float eps, float w_offset) {                     \
         emu_launch({rows, 1, 1}, threads, 0, [&] { rmsnorm_##SUF(x, w, out, D, eps, w_offset); });               \
     }
+#define EMU_DENSE_GEMV(SUF, TW, TOK)                                                                             \
+    extern "C" void emu_dense_gemv_##SUF##_t##TOK(int blocks, unsigned order, const float* x, const TW::storage* w,  \
+                                                  const float* bias, float* y, int T, int N, int K, int splits) {   \
+        emu_launch({blocks, 1, 1}, DG_THREADS, 0, [&] { dense_gemv_##SUF##_t##TOK(x, w, bias, y, T, N, K, splits); }, \
+                   order);                                                                                       \
+    }
 """ + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
-    f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS)
+    f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS) + "".join(
+    f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\n" for c in ("f32", "bf16") for tok in limits.DG_PLANS)
 
 
 def build_layers(tmp_path: Path) -> ctypes.CDLL:
@@ -493,6 +500,22 @@ class AttentionDecodeEmulator(LibraryEmulator):
             *grid, ctypes.c_uint(order), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len),
             _nullable(sinks), ml, acc, tickets, _ptr(out), nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
         return out
+
+
+class DenseGemvEmulator(LibraryEmulator):
+    """layers.cu's dense_gemv kernels over host arrays (bf16 as uint16 bits), launched as `ops.dense_gemv` launches
+    them; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
+
+    def gemv(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
+        T, K = x.shape
+        N = w.shape[0]
+        tok = min(t for t in limits.DG_PLANS if t >= T)
+        splits = ops.dense_gemv_splits(K, tok, w.dtype.itemsize) if splits is None else splits
+        blocks = -(-N // limits.DG_PLANS[tok][0] // (limits.DG_THREADS // 32 // splits))
+        y = np.full((T, N), np.nan, np.float32)
+        getattr(self.lib, f"emu_dense_gemv_{_code(w)}_t{tok}")(
+            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits)
+        return y
 
 
 # ---- layers.cu's rmsnorm, fused.cu's add_rmsnorm ----------------------------------------------------------------------

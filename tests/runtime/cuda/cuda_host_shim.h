@@ -3,9 +3,10 @@
 // these stand in), on a CPU:
 //   - one fiber (ucontext) per CUDA thread, all of a block's fibers on the calling OS thread, resumed in turn: a
 //     fiber runs until it waits at a barrier (or ends), so a block costs user-space switches, not OS threads and
-//     futex wake-ups; __syncthreads is a barrier of the block; blocks run one at a time, in grid order or a shuffled
-//     one (so a kernel whose last block to take a ticket merges runs with various ones last); a round in which no
-//     fiber moves (threads waiting at a barrier others never reach) is reported and the block abandoned;
+//     futex wake-ups; __syncthreads is a barrier of the block, __syncwarp of the warp; blocks run one at a time, in
+//     grid order or a shuffled one (so a kernel whose last block to take a ticket merges runs with various ones
+//     last); a round in which no fiber moves (threads waiting at a barrier others never reach) is reported and the
+//     block abandoned;
 //   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
 //     previous block's values (not poisoned: GCC drops a section attribute on a template's static locals);
 //   - __shfl_xor_sync and __shfl_sync are warp-collective like mma.sync (below): post, meet, read the partner's,
@@ -180,6 +181,7 @@ struct EmuBlock {
 thread_local EmuBlock* emu_block = nullptr;
 
 inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { emu_block->warps[threadIdx.x >> 5].meet->arrive_and_wait(); }
 
 // ---- cp.async -------------------------------------------------------------------------------------------------------
 struct EmuCopy { void* dst; const void* src; bool valid; };

@@ -334,11 +334,15 @@ def test_residual_add_and_silu_mul(cp, rng):
 @pytest.mark.parametrize("T,N,K", [(1, 4096, 2048), (1, 5, 1032), (2, 9, 520), (3, 33, 4104), (4, 64, 4096),
                                    (5, 130, 256), (8, 7, 64)])   # every token plan, ragged K
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias):
+@pytest.mark.parametrize("splits", [None, 1, 2, 8])      # None: the split ops.dense_gemv picks
+def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias, splits):
     x = rng.standard_normal((T, K)).astype(np.float32)
     w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
     bias = rng.standard_normal(N).astype(np.float32) if with_bias else None
-    y = ops.dense_gemv(cp.asarray(x), w, bias=None if bias is None else cp.asarray(bias), out=nan_like(cp, (T, N)))
+    y = ops.dense_gemv(cp.asarray(x), w, bias=None if bias is None else cp.asarray(bias), out=nan_like(cp, (T, N)),
+                       splits=splits)
     assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < F32_TOL
     with pytest.raises(ValueError, match="T <= 8"):          # more rows go to cuBLAS (runtime/cuda/dense.py)
         ops.dense_gemv(cp.asarray(np.zeros((9, K), np.float32)), w)
+    with pytest.raises(ValueError, match="splits must divide"):
+        ops.dense_gemv(cp.asarray(x), w, splits=3)

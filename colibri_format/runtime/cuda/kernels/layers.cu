@@ -573,64 +573,78 @@ __device__ __forceinline__ float dot16(uint4 v, const float* xv) {
     return s;
 }
 
+// A block's DG_THREADS / 32 warps take DG_THREADS / 32 / splits items of ROWS rows, `splits` warps an item, each
+// over one slice of K (whole 32 * V-element chunks); the slices' partial sums meet in shared memory and the item's
+// first warp adds them in slice order (deterministic). Splitting K puts every weight load of a short GEMV in flight
+// at once: one warp walking a 4096-wide row alone waits for four memory round trips in turn.
 template <typename TW, int TOK, int ROWS, int UNROLL>
 __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
                                                 const float* __restrict__ bias, float* __restrict__ y, int T, int N,
-                                                int K) {
-    constexpr int V = Vec16<TW>::N, STEP = 32 * V;
-    const int lane = threadIdx.x & 31;
-    const int n_items = (N + ROWS - 1) / ROWS;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < n_items; item += warps_total) {
-        const int r0 = min(item * ROWS, N - ROWS);  // shifted in range (N >= ROWS)
-        float acc[ROWS][TOK];
+                                                int K, int splits) {
+    constexpr int V = Vec16<TW>::N, STEP = 32 * V, WARPS = DG_THREADS / 32;
+    __shared__ float s_part[WARPS][ROWS][TOK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slice = warp % splits;                            // splits divides WARPS (ops.dense_gemv)
+    const int item = blockIdx.x * (WARPS / splits) + warp / splits;
+    const bool live = item < (N + ROWS - 1) / ROWS;
+    const int r0 = min(item * ROWS, N - ROWS);                  // shifted in range (N >= ROWS)
+    const int per_slice = ((K + STEP - 1) / STEP + splits - 1) / splits * STEP;
+    const int k_lo = slice * per_slice, k_hi = min(K, k_lo + per_slice);
+    float acc[ROWS][TOK];
 #pragma unroll
-        for (int q = 0; q < ROWS; ++q)
+    for (int q = 0; q < ROWS; ++q)
 #pragma unroll
-            for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
-        for (int c0 = lane * V; c0 < K; c0 += STEP * UNROLL) {
-            uint4 wv[UNROLL][ROWS];
+        for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
+    for (int c0 = k_lo + lane * V; live && c0 < k_hi; c0 += STEP * UNROLL) {
+        uint4 wv[UNROLL][ROWS];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
+        for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-                for (int q = 0; q < ROWS; ++q)
-                    wv[u][q] = c0 + u * STEP < K ? load16_stream(w + (size_t)(r0 + q) * K + c0 + u * STEP)
-                                                 : make_uint4(0u, 0u, 0u, 0u);
+            for (int q = 0; q < ROWS; ++q)
+                wv[u][q] = c0 + u * STEP < k_hi ? load16_stream(w + (size_t)(r0 + q) * K + c0 + u * STEP)
+                                                : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int c = c0 + u * STEP;
-                if (c < K) {
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = c0 + u * STEP;
+            if (c < k_hi) {
 #pragma unroll
-                    for (int j = 0; j < TOK; ++j) {
-                        if (j < T) {
-                            float xv[V];      // loaded once, used by every row
+                for (int j = 0; j < TOK; ++j) {
+                    if (j < T) {
+                        float xv[V];      // loaded once, used by every row
 #pragma unroll
-                            for (int e = 0; e < V; e += 4) {
-                                const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c + e));
-                                xv[e] = a.x; xv[e + 1] = a.y; xv[e + 2] = a.z; xv[e + 3] = a.w;
-                            }
-#pragma unroll
-                            for (int q = 0; q < ROWS; ++q) acc[q][j] += dot16<TW>(wv[u][q], xv);
+                        for (int e = 0; e < V; e += 4) {
+                            const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c + e));
+                            xv[e] = a.x; xv[e + 1] = a.y; xv[e + 2] = a.z; xv[e + 3] = a.w;
                         }
+#pragma unroll
+                        for (int q = 0; q < ROWS; ++q) acc[q][j] += dot16<TW>(wv[u][q], xv);
                     }
                 }
             }
         }
+    }
 #pragma unroll
-        for (int q = 0; q < ROWS; ++q)
+    for (int q = 0; q < ROWS; ++q)
 #pragma unroll
-            for (int j = 0; j < TOK; ++j) {
-                const float s = warp_sum(acc[q][j]);
-                if (lane == 0 && j < T && r0 + q >= item * ROWS)
-                    y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
-            }
+        for (int j = 0; j < TOK; ++j) {
+            const float s = warp_sum(acc[q][j]);
+            if (lane == 0) s_part[warp][q][j] = s;
+        }
+    if (splits > 1) __syncthreads();                            // splits is the same in every thread
+    else __syncwarp();
+    if (slice != 0 || !live) return;
+    for (int i = lane; i < ROWS * TOK; i += 32) {
+        const int q = i / TOK, j = i - q * TOK;
+        float s = 0.0f;
+        for (int p = 0; p < splits; ++p) s += s_part[warp + p][q][j];
+        if (j < T && r0 + q >= item * ROWS) y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
     }
 }
 #define DENSE_GEMV_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                          \
     extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                  \
         dense_gemv_##SUF##_t##TOK(const float* x, const TW::storage* w, const float* bias, float* y, int T,     \
-                                  int N, int K) {                                                             \
-        dense_gemv_impl<TW, TOK, ROWS, UNROLL>(x, w, bias, y, T, N, K);                                       \
+                                  int N, int K, int splits) {                                                 \
+        dense_gemv_impl<TW, TOK, ROWS, UNROLL>(x, w, bias, y, T, N, K, splits);                               \
     }
 #define DENSE_GEMV_KERNELS(SUF, TW)                                 \
     DENSE_GEMV_KERNEL(SUF, TW, 1, DG_T1_ROWS, DG_T1_UNROLL)         \

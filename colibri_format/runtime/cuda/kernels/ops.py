@@ -1346,10 +1346,21 @@ def silu_mul(gu, *, out=None):
     return o
 
 
-def dense_gemv(x, w, *, bias=None, out=None):
+def dense_gemv_splits(K: int, tokens: int, itemsize: int) -> int:
+    """How many warps share an item's K in `dense_gemv` (a power of two up to `limits.DG_MAX_SPLITS`): enough
+    slices that each warp's share of a row is one round of its plan's loads (32 lanes x UNROLL 16-byte loads)."""
+    keys_a_round = 32 * (16 // itemsize) * DG_PLANS[tokens][1]
+    splits = 1
+    while splits < limits.DG_MAX_SPLITS and splits * keys_a_round < K:
+        splits *= 2
+    return splits
+
+
+def dense_gemv(x, w, *, bias=None, out=None, splits: int | None = None):
     """y [T, N] f32 = x [T, K] f32 @ w[N, K].T (+ bias), w f32/f16/bf16; for T <= 8 (graph-capturable).
 
-    One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); beyond 8 tokens use cuBLAS (cupy.matmul).
+    One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); beyond 8 tokens use cuBLAS (cupy.matmul). splits:
+    warps sharing an item's K (1, 2, 4 or 8; None: `dense_gemv_splits`), for benchmarks that time the others.
     """
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
@@ -1362,13 +1373,16 @@ def dense_gemv(x, w, *, bias=None, out=None):
         raise ValueError(f"dense_gemv needs K % 8 == 0, N >= {DG_ROWS} and T <= {max(DG_PLANS)} (K={K}, N={N}, T={T})")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
+    warps = DG_THREADS // 32
+    if splits is not None and (splits < 1 or warps % splits):
+        raise ValueError(f"dense_gemv splits must divide {warps}, got {splits}")
     y = _out("out", out, (T, N), cp.float32)
     if T:
         tok = min(t for t in DG_PLANS if t >= T)
-        rows = DG_PLANS[tok][0]
-        blocks = -(-N // rows // (DG_THREADS // 32))                          # a warp per `rows` output rows
+        splits = dense_gemv_splits(K, tok, w.dtype.itemsize) if splits is None else splits
+        blocks = -(-N // DG_PLANS[tok][0] // (warps // splits))           # `splits` warps per `rows` output rows
         kernel("layers", f"dense_gemv_{dtype_code(w)}_t{tok}")(
-            (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K)))
+            (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)))
     return y
 
 

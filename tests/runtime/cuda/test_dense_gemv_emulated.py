@@ -1,0 +1,60 @@
+"""layers.cu's dense_gemv on the CPU (cuda_host_emulation.py) against float64 NumPy: every token plan, K split
+over 1, 2, 4 and 8 warps (and the split `ops.dense_gemv` picks), ragged K and N, bias, blocks in shuffled order.
+The GPU test is test_gpu_kernels.py::test_dense_gemv."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_format.dtypes import float32_to_bf16_bits
+from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.kernels import ops
+from tests.runtime.cuda.cuda_host_emulation import GXX, DenseGemvEmulator, build_layers
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
+
+TOL = 2e-6          # fp32 sums against float64, relative to the largest output
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return DenseGemvEmulator(build_layers(tmp_path_factory.mktemp("layers_host")))
+
+
+def case(T: int, N: int, K: int, code: str, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w32 = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+    w = float32_to_bf16_bits(w32) if code == "bf16" else w32
+    return x, w, nb.widen(w, np.float64)
+
+
+def relerr(got, exp) -> float:
+    return float(np.abs(got.astype(np.float64) - exp).max() / np.abs(exp).max())
+
+
+@pytest.mark.parametrize("T", (1, 2, 3, 5, 8))
+@pytest.mark.parametrize("N,K", [(9, 520), (33, 2056), (130, 64), (6, 4104)])
+@pytest.mark.parametrize("splits", (None, 1, 2, 4, 8))
+@pytest.mark.parametrize("code", ("f32", "bf16"))
+def test_dense_gemv_against_float64(emulator, T, N, K, splits, code):
+    x, w, w64 = case(T, N, K, code, seed=T * 1000 + N + K)
+    bias = np.linspace(-1, 1, N).astype(np.float32) if N % 2 else None
+    y = emulator.gemv(x, w, bias=bias, splits=splits, order=T + N)
+    assert emulator.errors() == (0, "")
+    assert relerr(y, nb.linear(x.astype(np.float64), w64, bias=bias)) < TOL
+
+
+def test_the_split_puts_one_round_of_loads_on_each_warp():
+    """One token, bf16: a warp loads 32 x 8 x UNROLL keys a round; Qwen3's o_proj (K 4096) takes 4 warps an item,
+    its q/k/v (K 2048) 2; eight tokens (UNROLL 1) take the most; f32 rows need twice the slices of bf16 ones."""
+    unroll1, unroll8 = limits.DG_PLANS[1][1], limits.DG_PLANS[8][1]
+    assert ops.dense_gemv_splits(256 * unroll1, 1, 2) == 1
+    assert ops.dense_gemv_splits(256 * unroll1 + 8, 1, 2) == 2
+    assert ops.dense_gemv_splits(4 * 256 * unroll1, 1, 2) == 4
+    assert ops.dense_gemv_splits(4 * 128 * unroll1, 1, 4) == 4
+    assert ops.dense_gemv_splits(1 << 20, 8, 2) == limits.DG_MAX_SPLITS
+    assert ops.dense_gemv_splits(2 * 256 * unroll8, 8, 2) == 2
+    assert (limits.DG_THREADS // 32) % limits.DG_MAX_SPLITS == 0
