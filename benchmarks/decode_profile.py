@@ -174,7 +174,7 @@ def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
                 label = "engine dense_gemv" + ("" if splits is None else f" splits {splits}")
                 rows.append({"shape": name, "N": N, "K": K, "T": T, "kernel": label, "us": us,
                              "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
-                             "splits": splits or ops.dense_gemv_splits(K, 1 if T == 1 else 8, 2),
+                             "splits": splits or ops.dense_gemv_splits(N, K, 1 if T == 1 else 8, 2, sms),
                              "max_rel_err": err})
             for R, U in VARIANTS:
                 f = mod.get_function(f"g_R{R}_U{U}_T{1 if T == 1 else 8}")

@@ -120,9 +120,14 @@ FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf1
 DG_THREADS = 256
 DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
-# the most warps of a dense_gemv block that share one item's K (ops.dense_gemv_splits; a power of two dividing
-# DG_THREADS / 32). 1 is the unsplit kernel of sessions 6-15, which left Qwen3's o_proj (K 4096) to 128 blocks.
+# dense_gemv splits an item's K over up to DG_MAX_SPLITS warps of a block (a power of two dividing DG_THREADS / 32;
+# 1: the unsplit kernel of sessions 6-15), as many as keep a launch within DG_WARPS_PER_SM warps a multiprocessor
+# (ops.dense_gemv_splits). Measured on the H200 (benchmarks/decode_profile.py, docs/benchmarks.md session 16), the
+# best split of each decode shape put 2048-4224 warps on its 132 SMs: one token, Qwen3's o_proj 8.50 -> 6.96 us
+# (4 warps an item); eight tokens, o_proj 37.9 -> 14.5 (8) and q/k/v 22.4 -> 16.0 (2); lm_head (38k-76k items)
+# is best unsplit (8 splits: 264 -> 431 us at eight tokens).
 DG_MAX_SPLITS = 8
+DG_WARPS_PER_SM = 32
 # layers.cu's rmsnorm and fused.cu's add_rmsnorm hold a row in registers, NORM_VECS 4-element vectors a thread (rows of
 # up to 4 * NORM_VECS * threads elements: 8192 with 256 threads), so a decode step's norms pay one memory latency
 NORM_VECS = 8

@@ -502,6 +502,9 @@ class AttentionDecodeEmulator(LibraryEmulator):
         return out
 
 
+H200_SMS = 132      # multiprocessors the emulated dense_gemv launches plan for
+
+
 class DenseGemvEmulator(LibraryEmulator):
     """layers.cu's dense_gemv kernels over host arrays (bf16 as uint16 bits), launched as `ops.dense_gemv` launches
     them; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
@@ -510,7 +513,7 @@ class DenseGemvEmulator(LibraryEmulator):
         T, K = x.shape
         N = w.shape[0]
         tok = min(t for t in limits.DG_PLANS if t >= T)
-        splits = ops.dense_gemv_splits(K, tok, w.dtype.itemsize) if splits is None else splits
+        splits = ops.dense_gemv_splits(N, K, tok, w.dtype.itemsize, H200_SMS) if splits is None else splits
         blocks = -(-N // limits.DG_PLANS[tok][0] // (limits.DG_THREADS // 32 // splits))
         y = np.full((T, N), np.nan, np.float32)
         getattr(self.lib, f"emu_dense_gemv_{_code(w)}_t{tok}")(

@@ -47,14 +47,18 @@ def test_dense_gemv_against_float64(emulator, T, N, K, splits, code):
     assert relerr(y, nb.linear(x.astype(np.float64), w64, bias=bias)) < TOL
 
 
-def test_the_split_puts_one_round_of_loads_on_each_warp():
-    """One token, bf16: a warp loads 32 x 8 x UNROLL keys a round; Qwen3's o_proj (K 4096) takes 4 warps an item,
-    its q/k/v (K 2048) 2; eight tokens (UNROLL 1) take the most; f32 rows need twice the slices of bf16 ones."""
-    unroll1, unroll8 = limits.DG_PLANS[1][1], limits.DG_PLANS[8][1]
-    assert ops.dense_gemv_splits(256 * unroll1, 1, 2) == 1
-    assert ops.dense_gemv_splits(256 * unroll1 + 8, 1, 2) == 2
-    assert ops.dense_gemv_splits(4 * 256 * unroll1, 1, 2) == 4
-    assert ops.dense_gemv_splits(4 * 128 * unroll1, 1, 4) == 4
-    assert ops.dense_gemv_splits(1 << 20, 8, 2) == limits.DG_MAX_SPLITS
-    assert ops.dense_gemv_splits(2 * 256 * unroll8, 8, 2) == 2
+def test_the_split_fills_the_machine_without_oversplitting():
+    """On 132 SMs (DG_WARPS_PER_SM warps each): Qwen3's o_proj takes 4 warps an item at one token and 8 at eight,
+    its q/k/v none at one token and 2 at eight, lm_head none; a row of one chunk is never split; f32 rows (half the
+    keys a chunk) split alike."""
+    sms = 132
+    assert limits.DG_WARPS_PER_SM == 32 and limits.DG_MAX_SPLITS == 8 and limits.DG_PLANS[1][0] == 2
+    assert ops.dense_gemv_splits(2048, 4096, 1, 2, sms) == 4
+    assert ops.dense_gemv_splits(2048, 4096, 8, 2, sms) == 8
+    assert ops.dense_gemv_splits(5120, 2048, 1, 2, sms) == 1
+    assert ops.dense_gemv_splits(5120, 2048, 8, 2, sms) == 2
+    assert ops.dense_gemv_splits(151936, 2048, 1, 2, sms) == 1
+    assert ops.dense_gemv_splits(16, 256, 1, 2, sms) == 1
+    assert ops.dense_gemv_splits(16, 512, 1, 2, sms) == 2
+    assert ops.dense_gemv_splits(16, 512, 1, 4, sms) == 4
     assert (limits.DG_THREADS // 32) % limits.DG_MAX_SPLITS == 0

@@ -1346,12 +1346,15 @@ def silu_mul(gu, *, out=None):
     return o
 
 
-def dense_gemv_splits(K: int, tokens: int, itemsize: int) -> int:
-    """How many warps share an item's K in `dense_gemv` (a power of two up to `limits.DG_MAX_SPLITS`): enough
-    slices that each warp's share of a row is one round of its plan's loads (32 lanes x UNROLL 16-byte loads)."""
-    keys_a_round = 32 * (16 // itemsize) * DG_PLANS[tokens][1]
+def dense_gemv_splits(N: int, K: int, tokens: int, itemsize: int, sms: int) -> int:
+    """How many warps share an item's K in `dense_gemv`: the most (a power of two up to `limits.DG_MAX_SPLITS`, at
+    most one 16-byte load a lane per slice) that keep the launch within `limits.DG_WARPS_PER_SM` warps a
+    multiprocessor. Few items (o_proj) take several warps each; many (lm_head) one, which splitting only slows."""
+    items = -(-N // DG_PLANS[tokens][0])
+    chunks = -(-K // (32 * (16 // itemsize)))
+    budget = limits.DG_WARPS_PER_SM * sms
     splits = 1
-    while splits < limits.DG_MAX_SPLITS and splits * keys_a_round < K:
+    while 2 * splits <= min(limits.DG_MAX_SPLITS, chunks) and 2 * splits * items <= budget:
         splits *= 2
     return splits
 
@@ -1379,7 +1382,7 @@ def dense_gemv(x, w, *, bias=None, out=None, splits: int | None = None):
     y = _out("out", out, (T, N), cp.float32)
     if T:
         tok = min(t for t in DG_PLANS if t >= T)
-        splits = dense_gemv_splits(K, tok, w.dtype.itemsize) if splits is None else splits
+        splits = dense_gemv_splits(N, K, tok, w.dtype.itemsize, _sm_count()) if splits is None else splits
         blocks = -(-N // DG_PLANS[tok][0] // (warps // splits))           # `splits` warps per `rows` output rows
         kernel("layers", f"dense_gemv_{dtype_code(w)}_t{tok}")(
             (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)))
