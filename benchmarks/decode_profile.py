@@ -138,12 +138,13 @@ def ensure_model(path: Path, shape: str, experts: str = "int8") -> Path:
     return path
 
 
-def engine_profile(path: Path, batches: list[int]) -> list[dict]:
+def engine_profile(path: Path, batches: list[int], small_moe: bool = False) -> list[dict]:
     from colibri_format.runtime.cuda.bench import render, run_bench
 
     out = []
     for b in batches:
-        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never")
+        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never",
+                      small_moe=small_moe)
         log("\n" + render(r))
         out.append(r)
     return out
@@ -206,6 +207,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
+    ap.add_argument("--small-moe", action="store_true", help="EngineConfig(small_moe=True): moe_small.cu's two "
+                    "kernels for passes of up to MOE_SMALL_MAX_TOKENS tokens")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
                     "unsplit, the kernel before session 16)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
@@ -233,7 +236,8 @@ def main() -> int:
             keep = shape == "qwen3" and args.experts == "int8"
             path = Path(args.qwen3_file) if keep else Path(f"/dev/shm/{shape}_{args.experts}_full.colibri")
             ensure_model(path, shape, args.experts)
-            result["engine"][shape] = engine_profile(path, [int(b) for b in args.batches.split(",")])
+            result["engine"][shape] = engine_profile(path, [int(b) for b in args.batches.split(",")],
+                                                     args.small_moe)
             if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
