@@ -245,6 +245,8 @@ def main() -> int:
         import os
         import subprocess
 
+        cp.get_default_memory_pool().free_all_blocks()      # the engines are closed: leave the peer the GPU
+        cp.get_default_pinned_memory_pool().free_all_blocks()
         env = dict(os.environ, OUT=str(out))
         peer = subprocess.run([sys.executable, args.peer, *(PEER_NAMES[s] for s in shapes)], env=env,
                               capture_output=True, text=True)

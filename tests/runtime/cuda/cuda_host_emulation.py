@@ -604,6 +604,26 @@ extern "C" void emu_gate_up(int kernel, int extras, int blocks, const float* x, 
     });
 }
 
+// the by-pair w4 kernels (no dispatch); grouped: group scales
+extern "C" void emu_gate_up_pairs(int grouped, int blocks, const float* x, const int* ids,
+                                  const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
+                                  long long off_s, float* act, int H, int I, int k, int group, int P, int E) {
+    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
+        (grouped ? moe_gate_up_pairs_w4_g : moe_gate_up_pairs_w4_r)(x, ids, blobs, fills, off_w, off_s, act, H, I,
+                                                                    k, group, P, E);
+    });
+}
+
+extern "C" void emu_down_pairs(int grouped, int blocks, const float* a, const int* ids,
+                               const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
+                               long long off_s, const float* pair_w, float* y, int H, int I, int group, int P,
+                               int E) {
+    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
+        (grouped ? moe_down_pairs_w4_g : moe_down_pairs_w4_r)(a, ids, blobs, fills, off_w, off_s, pair_w, y, H, I,
+                                                              group, P, E);
+    });
+}
+
 extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, const unsigned long long* blobs,
                          const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
@@ -662,6 +682,21 @@ class GemvEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size,
             _nullable(None if extras is None else extras.down_bias))
+
+
+    def gate_up_pairs(self, x, ids, ptrs, fills, layout, act, num_experts: int) -> None:
+        T, k = ids.shape
+        self.lib.emu_gate_up_pairs(
+            int(bool(layout.group_size)), self.blocks, _ptr(x), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size, T * k, num_experts)
+
+    def down_pairs(self, a, ids, ptrs, fills, layout, weights, y, num_experts: int) -> None:
+        self.lib.emu_down_pairs(
+            int(bool(layout.group_size)), self.blocks, _ptr(a), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
+            num_experts)
 
 
 # ---- moe_gemm_cublas.cu ---------------------------------------------------------------------------------------------

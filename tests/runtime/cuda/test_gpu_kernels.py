@@ -197,6 +197,32 @@ def test_moe_experts_end_to_end(cp, rng, gemm):  # gemm: the tensor-core path (p
     assert rel(y.get(), _moe(x, ids, w, experts, residual=resid)) < (1e-4 if gemm else F32_TOL)
 
 
+@pytest.mark.parametrize("group", [0, 32])
+def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, group):
+    """A one-token GEMV pass runs by pair, without a dispatch (ops.pairs_path): the same bits as the dispatch path,
+    with and without a residual; a pass naming an id outside [0, E) adds nothing for it."""
+    E, k, H, I = 16, 4, 256, 128
+    buf, table, experts, x, ids, w = _moe_case(cp, rng, 1, E, k, H, I, group)
+    assert ops.pairs_path(1) and not ops.pairs_path(2) and not ops.pairs_path(1, ops.ExpertExtras())
+    resid = rng.standard_normal((1, H)).astype(np.float32)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    for residual in (None, resid):
+        kw = {} if residual is None else {"residual": cp.asarray(residual), "alpha": 1.5}
+        by_pair = ops.moe_experts(*args, **kw).get()
+        np.testing.assert_array_equal(by_pair, ops.moe_experts(*args, pairs=False, **kw).get())
+        assert rel(by_pair, _moe(x, ids, w, experts, residual=residual, alpha=kw.get("alpha", 1.0))) < F32_TOL
+    bad = ids.copy()
+    bad[0, 1] = E + 3
+    kept = ids.copy()
+    kept[0, 1] = ids[0, 0]
+    kept_w = w.copy()
+    kept_w[0, 1] = 0.0
+    got = ops.moe_experts(cp.asarray(x), cp.asarray(bad), cp.asarray(w), table).get()
+    assert rel(got, _moe(x, kept, kept_w, experts)) < F32_TOL
+    with pytest.raises(ValueError, match="weights"):
+        ops.moe_down_pairs(cp.zeros((k, I), cp.float32), cp.asarray(ids), cp.zeros((1, k + 1), cp.float32), table)
+
+
 def test_moe_wrappers_reject_bad_inputs(cp, rng):
     buf, table, experts, x, ids, w = _moe_case(cp, rng, 2, 8, 2, 64, 32, 0)
     d = ops.dispatch(cp.asarray(ids), 8)

@@ -106,3 +106,50 @@ def check_against_float64(emulator: GemvEmulator, case, kind: str, fill: bool,
     assert rel(y, exp_y) < TOL
     if fill:
         check_fills(blobs, r.slots, layout, r.ids, E)
+
+
+# The by-pair w4 kernels (ops.moe_experts' one-token passes, no dispatch): (group, experts, hidden, inter, ids [T, k]).
+# One token over distinct experts (the engine's case); two tokens sharing an expert; a pass naming ids outside
+# [0, E) (zero rows, no fill).
+PAIR_CASES = [(0, 6, 224, 96, [[3, 0, 5, 1]]),
+              (32, 4, 544, 64, [[2, 1], [1, 3]]),
+              (64, 4, 512, 128, [[0, 7, 2], [-1, 3, 2]])]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-H{c[2]}-T{len(c[4])}")
+@pytest.mark.parametrize("fill", [False, True])
+def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill):
+    group, E, H, I, ids = case
+    rng = np.random.default_rng(9)
+    layout, experts, blobs = host_experts(rng, E, H, I, group)
+    ids = np.array(ids, np.int32)
+    T, k = ids.shape
+    valid = (ids >= 0) & (ids < E)
+    named = np.where(valid, ids, 0)
+    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
+    slots = np.zeros_like(blobs)
+    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+
+    act = np.full((T * k, I), np.nan, np.float32)
+    emulator.gate_up_pairs(x, ids, ptrs, fills if fill else None, layout, act, E)
+    y = np.full((T * k, H), np.nan, np.float32)
+    emulator.down_pairs(act, ids, ptrs, fills if fill else None, layout, w, y, E)
+    assert emulator.errors() == (0, "")
+    live = valid.reshape(-1)
+    assert not act[~live].any() and not y[~live].any()
+    exp_act = expect.pair_act(x.astype(np.float64), named, experts)
+    assert rel(act[live], exp_act[live]) < TOL
+    exp_y = expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts)
+    assert rel(y[live], exp_y[live]) < TOL
+    if fill:
+        check_fills(blobs, slots, layout, ids[valid], E)
+    if valid.all():     # the dispatch path's w4 kernels compute each pair's row alike, to the bit
+        d = host_dispatch(ids, E)
+        act_d = np.full((T * k, I), np.nan, np.float32)
+        emulator.gate_up("w4", x, ptrs, None, layout, d, k, act_d)
+        y_d = np.full((T * k, H), np.nan, np.float32)
+        emulator.down("w4", act_d, ptrs, None, layout, d, w, y_d)
+        np.testing.assert_array_equal(act, act_d[d["inv"]])
+        np.testing.assert_array_equal(y, y_d)

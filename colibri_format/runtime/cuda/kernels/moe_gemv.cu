@@ -13,6 +13,8 @@
 //                  of gate_up [2I, H]; pos is the pair's sorted position (dispatch), tok = perm[pos] / k.
 //   moe_down_*:    y[pair, h] = w[pair] * (act[pos] . down[h]), down [H, I], pair = perm[pos]; each pair row is
 //                  written by exactly one warp, so the later combine is deterministic.
+//   *_pairs_w4_*:  one token a pass without a dispatch: items by pair straight from the router's ids, act in pair
+//                  order (ops.moe_experts runs them for one-token passes: a launch fewer a MoE layer).
 //   *_extras:      the same with gpt-oss's per-expert biases (gate_up before the activation, down before the routing
 //                  weight) and clamped SwiGLU instead of silu(gate) * up (common.cuh ExpertExtras).
 //
@@ -237,17 +239,20 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // For short rows (small experts) the double-buffered loop above spends most of an item waiting on its first loads;
 // here a warp item of R rows issues the 16-byte loads of CPL chunks per lane for all its rows together, then
 // computes, so an item of up to 32 * CPL chunks per row costs one memory round trip. Same outputs as above.
-template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false>
+// BYPAIR (the *_pairs kernels below): no dispatch; active is the pass's ids [npairs] in pair order, an item is (pair,
+// rows), act and ypair rows are in pair order, and an id outside [0, nexp) gives zero rows (perm, offsets and meta
+// unused). Each pair reads its expert's rows, so only passes whose pairs name distinct experts (one token) should.
+template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false, bool BYPAIR = false>
 __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                               const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
                                               const int* __restrict__ offsets, const int* __restrict__ active,
                                               const int* __restrict__ meta, const float* __restrict__ pair_w,
                                               float* __restrict__ out, int ncols, int nout, int k, int group,
-                                              const ExpertExtras ex = ExpertExtras{}) {
+                                              const ExpertExtras ex = ExpertExtras{}, int npairs = 0, int nexp = 0) {
     constexpr int ROUT = GATEUP ? R / 2 : R;
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
-    const int total = meta[0] * n_rg;
+    const int total = (BYPAIR ? npairs : meta[0]) * n_rg;
     const int nchunk = ncols >> 4;
     const int ngroups = GROUPED ? ncols / group : 1;
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
@@ -255,21 +260,24 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
         const int slot = item / n_rg;
         const int o0 = (item - slot * n_rg) * ROUT;
-        const int e = active[slot];
+        const int named = active[slot];
+        const bool valid = !BYPAIR || (named >= 0 && named < nexp);
+        const int e = valid ? named : 0;                 // an invalid pair reads expert 0 and writes zeros
         const char* blob = reinterpret_cast<const char*>(blobs[e]);
         const signed char* wbase = reinterpret_cast<const signed char*>(blob + off_w);
         const float* sbase = reinterpret_cast<const float*>(blob + off_s);
-        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        char* fill = fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr;
         int4* fw = fill ? reinterpret_cast<int4*>(fill + off_w) : nullptr;      // this item's copy of the matrix
         float* fs = fill ? reinterpret_cast<float*>(fill + off_s) : nullptr;    // and of its scales
         const int ob = min(o0, nout - ROUT);
         const int4* wrow = reinterpret_cast<const int4*>(wbase + (size_t)ob * ncols);
         const int4* wrow2 = reinterpret_cast<const int4*>(wbase + (size_t)(ob + (GATEUP ? nout : 0)) * ncols);
-        const int start = offsets[e];
-        const int cnt = offsets[e + 1] - start;
+        const int start = BYPAIR ? slot : offsets[e];
+        const int cnt = BYPAIR ? 1 : offsets[e + 1] - start;
         for (int c0 = 0; c0 < cnt; ++c0) {
             const int pos = start + c0;
-            const float* xrow = in + (size_t)(GATEUP ? perm[pos] / k : pos) * ncols;
+            const int pair = BYPAIR ? pos : perm[pos];
+            const float* xrow = in + (size_t)(GATEUP ? pair / k : pos) * ncols;
             float acc[R];
 #pragma unroll
             for (int q = 0; q < R; ++q) acc[q] = 0.0f;
@@ -334,11 +342,11 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
                     if (!GROUPED && fs && c0 == 0 && lane == 0) fs[nout + ob + q] = sb;
                     const float b = warp_sum(acc[q + ROUT]) * sb;
                     if (lane == 0 && ob + q >= o0)
-                        out[(size_t)pos * nout + ob + q] = expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q);
+                        out[(size_t)pos * nout + ob + q] =
+                            valid ? expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q) : 0.0f;
                 } else if (lane == 0 && ob + q >= o0) {
-                    const int pair = perm[pos];
                     out[(size_t)pair * nout + ob + q] =
-                        __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q);
+                        valid ? __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q) : 0.0f;
                 }
             }
         }
@@ -371,6 +379,29 @@ DOWN_WIDE_KERNEL(moe_down_w2_r, 4, 2, false)
 DOWN_WIDE_KERNEL(moe_down_w4_r, WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, false)
 DOWN_WIDE_KERNEL(moe_down_w2_g, 4, 2, true)
 DOWN_WIDE_KERNEL(moe_down_w4_g, WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, true)
+
+// ---- one token, no dispatch: the w4 kernels by pair (BYPAIR above); ids [P] int32 straight from the router --------
+#define GATE_UP_PAIRS_KERNEL(NAME, GROUPED)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
+        NAME(const float* x, const int* ids, const unsigned long long* blobs, const unsigned long long* fills,  \
+             long long off_w, long long off_s, float* act, int H, int I, int k, int group, int P, int E) {     \
+        moe_gemv_wide<WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, GROUPED, true, false, true>(                            \
+            x, blobs, fills, off_w, off_s, nullptr, nullptr, ids, nullptr, nullptr, act, H, I, k, group,       \
+            ExpertExtras{}, P, E);                                                                             \
+    }
+#define DOWN_PAIRS_KERNEL(NAME, GROUPED)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
+        NAME(const float* act, const int* ids, const unsigned long long* blobs, const unsigned long long* fills, \
+             long long off_w, long long off_s, const float* pair_w, float* y, int H, int I, int group, int P,   \
+             int E) {                                                                                          \
+        moe_gemv_wide<WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, GROUPED, false, false, true>(                           \
+            act, blobs, fills, off_w, off_s, nullptr, nullptr, ids, nullptr, pair_w, y, I, H, 1, group,        \
+            ExpertExtras{}, P, E);                                                                             \
+    }
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_r, false)
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g, true)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r, false)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g, true)
 
 // ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
 // bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.

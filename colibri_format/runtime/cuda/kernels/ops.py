@@ -496,6 +496,57 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
     return y
 
 
+def pairs_path(num_tokens: int, extras: ExpertExtras | None = None) -> bool:
+    """Whether a GEMV pass of `moe_experts` runs by pair, without a dispatch (`moe_gate_up_pairs`): one token, whose
+    k pairs name k distinct experts, so grouping them by expert would save no weight read; gpt-oss's extras keep
+    the dispatch path."""
+    return num_tokens == 1 and extras is None
+
+
+def _check_pairs(table: ExpertTable, ids, rows_input, cols: int):
+    table.check()
+    _check("ids", ids, dtype=np.int32, ndim=2)
+    T, k = ids.shape
+    _check("input", rows_input, dtype=np.float32, shape=(rows_input.shape[0], cols))
+    return T, k
+
+
+def moe_gate_up_pairs(x, ids, table: ExpertTable, *, out=None):
+    """Decode GEMV without a dispatch: act [P, I] f32 in pair order (p = t * k + j) = silu(gate x[t]) * (up x[t]) of
+    expert ids[t, j], for x [T, H] f32 and the router's ids [T, k] int32; an id outside [0, E) gives a zero row. Each
+    pair reads its expert (the w4 plan, fill on read as `moe_gate_up`): for `pairs_path` passes."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_pairs(table, ids, x, H)
+    if x.shape[0] != T:
+        raise ValueError(f"x has {x.shape[0]} rows, ids {T}")
+    gh, _, kind = table.groups()
+    act = _out("out", out, (T * k, I), cp.float32)
+    fn, grid = _gemv_launch(f"moe_gate_up_pairs_w4_{kind}")
+    fn(grid, (GEMV_THREADS,),
+       (x, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
+        act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh), np.int32(T * k), np.int32(table.num_experts)))
+    return act
+
+
+def moe_down_pairs(act, ids, weights, table: ExpertTable, *, out=None):
+    """Decode GEMV without a dispatch: ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) for act [P, I] f32
+    in pair order (`moe_gate_up_pairs`); an id outside [0, E) gives a zero row."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_pairs(table, ids, act, I)
+    if act.shape[0] != T * k:
+        raise ValueError(f"act has {act.shape[0]} rows, ids {T * k} pairs")
+    _check("weights", weights, dtype=np.float32, shape=(T, k))
+    _, gi, kind = table.groups()
+    y = _out("out", out, (T * k, H), cp.float32)
+    fn, grid = _gemv_launch(f"moe_down_pairs_w4_{kind}")
+    fn(grid, (GEMV_THREADS,),
+       (act, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        weights, y, np.int32(H), np.int32(I), np.int32(gi), np.int32(T * k), np.int32(table.num_experts)))
+    return y
+
+
 def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
     if tensor_cores and kind != "r":
         raise ValueError("the tensor-core grouped GEMM supports per-row scales only")
@@ -1006,7 +1057,8 @@ def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtr
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
-                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None, out=None):
+                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None,
+                pairs: bool | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
@@ -1016,12 +1068,19 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
     `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
     cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
-    so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only).
+    so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only). pairs: a GEMV pass by pair without a
+    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if small and not use_gemm and small_path(T, table, extras):
         return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
+    if not use_gemm and (pairs_path(T, extras) if pairs is None else pairs):
+        if extras is not None:
+            raise ValueError("the by-pair GEMVs take no expert extras")
+        act = moe_gate_up_pairs(x, ids, table, out=act)
+        ypair = moe_down_pairs(act, ids, weights, table, out=ypair)
+        return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
     least = CUBLAS_INT8_MIN_EXPERT_MACS if fast_gemm == "int8" else None
