@@ -209,6 +209,8 @@ def main() -> int:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--small-moe", action="store_true", help="EngineConfig(small_moe=True): moe_small.cu's two "
                     "kernels for passes of up to MOE_SMALL_MAX_TOKENS tokens")
+    ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
+                    "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
                     "unsplit, the kernel before session 16)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
@@ -230,6 +232,11 @@ def main() -> int:
 
         limits.DG_MAX_SPLITS = args.dg_max_splits
         result["dg_max_splits"] = args.dg_max_splits
+    if args.no_pairs:
+        from colibri_format.runtime.cuda.kernels import ops
+
+        ops.pairs_path = lambda num_tokens, extras=None: False
+        result["pairs"] = False
     if not args.skip_engine:
         result["engine"] = {}
         for shape in shapes:
