@@ -235,7 +235,7 @@ def main() -> int:
     if args.no_pairs:
         from colibri_format.runtime.cuda.kernels import ops
 
-        ops.pairs_path = lambda num_tokens, extras=None: False
+        ops.pairs_path = lambda num_tokens: False
         result["pairs"] = False
     if not args.skip_engine:
         result["engine"] = {}

@@ -604,23 +604,32 @@ extern "C" void emu_gate_up(int kernel, int extras, int blocks, const float* x, 
     });
 }
 
-// the by-pair w4 kernels (no dispatch); grouped: group scales
-extern "C" void emu_gate_up_pairs(int grouped, int blocks, const float* x, const int* ids,
+// the by-pair w4 kernels (no dispatch); grouped: group scales; extras: gpt-oss's variant (bias may be null)
+extern "C" void emu_gate_up_pairs(int grouped, int extras, int blocks, const float* x, const int* ids,
                                   const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
-                                  long long off_s, float* act, int H, int I, int k, int group, int P, int E) {
+                                  long long off_s, float* act, int H, int I, int k, int group, int P, int E,
+                                  const float* bias, float alpha, float limit, float up_offset) {
     emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
-        (grouped ? moe_gate_up_pairs_w4_g : moe_gate_up_pairs_w4_r)(x, ids, blobs, fills, off_w, off_s, act, H, I,
-                                                                    k, group, P, E);
+        if (extras)
+            (grouped ? moe_gate_up_pairs_w4_g_extras : moe_gate_up_pairs_w4_r_extras)(
+                x, ids, blobs, fills, off_w, off_s, act, H, I, k, group, P, E, bias, alpha, limit, up_offset);
+        else
+            (grouped ? moe_gate_up_pairs_w4_g : moe_gate_up_pairs_w4_r)(x, ids, blobs, fills, off_w, off_s, act, H,
+                                                                        I, k, group, P, E);
     });
 }
 
-extern "C" void emu_down_pairs(int grouped, int blocks, const float* a, const int* ids,
+extern "C" void emu_down_pairs(int grouped, int extras, int blocks, const float* a, const int* ids,
                                const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
                                long long off_s, const float* pair_w, float* y, int H, int I, int group, int P,
-                               int E) {
+                               int E, const float* bias) {
     emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
-        (grouped ? moe_down_pairs_w4_g : moe_down_pairs_w4_r)(a, ids, blobs, fills, off_w, off_s, pair_w, y, H, I,
-                                                              group, P, E);
+        if (extras)
+            (grouped ? moe_down_pairs_w4_g_extras : moe_down_pairs_w4_r_extras)(a, ids, blobs, fills, off_w, off_s,
+                                                                                pair_w, y, H, I, group, P, E, bias);
+        else
+            (grouped ? moe_down_pairs_w4_g : moe_down_pairs_w4_r)(a, ids, blobs, fills, off_w, off_s, pair_w, y, H,
+                                                                  I, group, P, E);
     });
 }
 
@@ -684,19 +693,25 @@ class GemvEmulator(GridStrideEmulator):
             _nullable(None if extras is None else extras.down_bias))
 
 
-    def gate_up_pairs(self, x, ids, ptrs, fills, layout, act, num_experts: int) -> None:
+    def gate_up_pairs(self, x, ids, ptrs, fills, layout, act, num_experts: int,
+                      extras: GemvExtras | None = None) -> None:
         T, k = ids.shape
+        ex = extras or GemvExtras(None, None, 1.0, float("inf"), 0.0)
         self.lib.emu_gate_up_pairs(
-            int(bool(layout.group_size)), self.blocks, _ptr(x), _ptr(ids), _ptr(ptrs), _nullable(fills),
-            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
-            _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size, T * k, num_experts)
+            int(bool(layout.group_size)), int(extras is not None), self.blocks, _ptr(x), _ptr(ids), _ptr(ptrs),
+            _nullable(fills), ctypes.c_longlong(layout.array("gate_up").offset),
+            ctypes.c_longlong(layout.array("gate_up_scale").offset), _ptr(act), layout.hidden_size,
+            layout.intermediate_size, k, layout.group_size, T * k, num_experts, _nullable(ex.gate_up_bias),
+            ctypes.c_float(ex.alpha), ctypes.c_float(ex.limit), ctypes.c_float(ex.up_offset))
 
-    def down_pairs(self, a, ids, ptrs, fills, layout, weights, y, num_experts: int) -> None:
+    def down_pairs(self, a, ids, ptrs, fills, layout, weights, y, num_experts: int,
+                   extras: GemvExtras | None = None) -> None:
         self.lib.emu_down_pairs(
-            int(bool(layout.group_size)), self.blocks, _ptr(a), _ptr(ids), _ptr(ptrs), _nullable(fills),
-            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
-            _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
-            num_experts)
+            int(bool(layout.group_size)), int(extras is not None), self.blocks, _ptr(a), _ptr(ids), _ptr(ptrs),
+            _nullable(fills), ctypes.c_longlong(layout.array("down").offset),
+            ctypes.c_longlong(layout.array("down_scale").offset), _ptr(weights), _ptr(y), layout.hidden_size,
+            layout.intermediate_size, layout.group_size, ids.size, num_experts,
+            _nullable(None if extras is None else extras.down_bias))
 
 
 # ---- moe_gemm_cublas.cu ---------------------------------------------------------------------------------------------

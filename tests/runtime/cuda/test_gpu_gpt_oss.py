@@ -125,6 +125,20 @@ def test_moe_experts_with_extras_end_to_end(cp, rng, gemm):
     assert rel(y.get(), exp) < (TC_TOL if gemm else F32_TOL)
 
 
+@pytest.mark.parametrize("group", [0, 32])
+def test_one_token_passes_with_extras_run_by_pair_alike_to_the_bit(cp, rng, group):
+    """A one-token pass of gpt-oss's experts runs by pair (ops.pairs_path), the same bits as the dispatch path."""
+    E, k, H, I = 16, 4, 256, 128
+    (buf, table), experts, x, ids, w, host, dev = _case(cp, rng, 1, E, k, H, I, group, "gpt-oss")
+    resid = rng.standard_normal((1, H)).astype(np.float32)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    y = ops.moe_experts(*args, residual=cp.asarray(resid), alpha=0.5, extras=dev).get()
+    np.testing.assert_array_equal(y, ops.moe_experts(*args, residual=cp.asarray(resid), alpha=0.5, extras=dev,
+                                                     pairs=False).get())
+    exp = nb.moe(nb.widen(x), ids, nb.widen(w), experts, residual=nb.widen(resid), alpha=0.5, **host)
+    assert rel(y, exp) < F32_TOL
+
+
 def test_extras_wrappers_check_the_bias_shapes(cp, rng):
     (buf, table), _, x, ids, w, host, _ = _case(cp, rng, 2, 8, 2, 64, 32, 0, "gpt-oss")
     d = ops.dispatch(cp.asarray(ids), 8)

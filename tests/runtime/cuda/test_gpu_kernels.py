@@ -203,7 +203,7 @@ def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, group):
     with and without a residual; a pass naming an id outside [0, E) adds nothing for it."""
     E, k, H, I = 16, 4, 256, 128
     buf, table, experts, x, ids, w = _moe_case(cp, rng, 1, E, k, H, I, group)
-    assert ops.pairs_path(1) and not ops.pairs_path(2) and not ops.pairs_path(1, ops.ExpertExtras())
+    assert ops.pairs_path(1) and not ops.pairs_path(2)
     resid = rng.standard_normal((1, H)).astype(np.float32)
     args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
     for residual in (None, resid):

@@ -118,7 +118,9 @@ PAIR_CASES = [(0, 6, 224, 96, [[3, 0, 5, 1]]),
 
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-H{c[2]}-T{len(c[4])}")
 @pytest.mark.parametrize("fill", [False, True])
-def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill):
+@pytest.mark.parametrize("with_extras", [False, True])
+def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill, with_extras):
+    """Plain and gpt-oss's extras (biases, the clamped SwiGLU with a limit that clamps some products)."""
     group, E, H, I, ids = case
     rng = np.random.default_rng(9)
     layout, experts, blobs = host_experts(rng, E, H, I, group)
@@ -131,25 +133,32 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
     fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
     x = rng.standard_normal((T, H)).astype(np.float32)
     w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    extras = GemvExtras(rng.standard_normal((E, 2 * I)).astype(np.float32) * 0.5,
+                        rng.standard_normal((E, H)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5,
+                        up_offset=1.0) if with_extras else None
+    act_kw = {} if extras is None else {"act": {"alpha": extras.alpha, "limit": extras.limit,
+                                                "up_offset": extras.up_offset},
+                                        "gate_up_bias": extras.gate_up_bias.astype(np.float64)}
+    down_bias = None if extras is None else extras.down_bias.astype(np.float64)
 
     act = np.full((T * k, I), np.nan, np.float32)
-    emulator.gate_up_pairs(x, ids, ptrs, fills if fill else None, layout, act, E)
+    emulator.gate_up_pairs(x, ids, ptrs, fills if fill else None, layout, act, E, extras)
     y = np.full((T * k, H), np.nan, np.float32)
-    emulator.down_pairs(act, ids, ptrs, fills if fill else None, layout, w, y, E)
+    emulator.down_pairs(act, ids, ptrs, fills if fill else None, layout, w, y, E, extras)
     assert emulator.errors() == (0, "")
     live = valid.reshape(-1)
     assert not act[~live].any() and not y[~live].any()
-    exp_act = expect.pair_act(x.astype(np.float64), named, experts)
+    exp_act = expect.pair_act(x.astype(np.float64), named, experts, **act_kw)
     assert rel(act[live], exp_act[live]) < TOL
-    exp_y = expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts)
+    exp_y = expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts, down_bias=down_bias)
     assert rel(y[live], exp_y[live]) < TOL
     if fill:
         check_fills(blobs, slots, layout, ids[valid], E)
     if valid.all():     # the dispatch path's w4 kernels compute each pair's row alike, to the bit
         d = host_dispatch(ids, E)
         act_d = np.full((T * k, I), np.nan, np.float32)
-        emulator.gate_up("w4", x, ptrs, None, layout, d, k, act_d)
+        emulator.gate_up("w4", x, ptrs, None, layout, d, k, act_d, extras)
         y_d = np.full((T * k, H), np.nan, np.float32)
-        emulator.down("w4", act_d, ptrs, None, layout, d, w, y_d)
+        emulator.down("w4", act_d, ptrs, None, layout, d, w, y_d, extras)
         np.testing.assert_array_equal(act, act_d[d["inv"]])
         np.testing.assert_array_equal(y, y_d)

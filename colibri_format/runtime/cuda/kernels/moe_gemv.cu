@@ -381,27 +381,38 @@ DOWN_WIDE_KERNEL(moe_down_w2_g, 4, 2, true)
 DOWN_WIDE_KERNEL(moe_down_w4_g, WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, true)
 
 // ---- one token, no dispatch: the w4 kernels by pair (BYPAIR above); ids [P] int32 straight from the router --------
-#define GATE_UP_PAIRS_KERNEL(NAME, GROUPED)                                                                      \
+// The *_extras forms add gpt-oss's ExpertExtras as the other *_extras kernels below (bias may be null).
+#define GATE_UP_PAIRS_KERNEL(NAME, GROUPED, EXTRAS, EXTRA_PARAMS, EXTRA_VALUE)                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
         NAME(const float* x, const int* ids, const unsigned long long* blobs, const unsigned long long* fills,  \
-             long long off_w, long long off_s, float* act, int H, int I, int k, int group, int P, int E) {     \
-        moe_gemv_wide<WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, GROUPED, true, false, true>(                            \
+             long long off_w, long long off_s, float* act, int H, int I, int k, int group, int P,              \
+             int E EXTRA_PARAMS) {                                                                             \
+        moe_gemv_wide<WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, GROUPED, true, EXTRAS, true>(                           \
             x, blobs, fills, off_w, off_s, nullptr, nullptr, ids, nullptr, nullptr, act, H, I, k, group,       \
-            ExpertExtras{}, P, E);                                                                             \
+            EXTRA_VALUE, P, E);                                                                                \
     }
-#define DOWN_PAIRS_KERNEL(NAME, GROUPED)                                                                         \
+#define DOWN_PAIRS_KERNEL(NAME, GROUPED, EXTRAS, EXTRA_PARAMS, EXTRA_VALUE)                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
         NAME(const float* act, const int* ids, const unsigned long long* blobs, const unsigned long long* fills, \
              long long off_w, long long off_s, const float* pair_w, float* y, int H, int I, int group, int P,   \
-             int E) {                                                                                          \
-        moe_gemv_wide<WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, GROUPED, false, false, true>(                           \
+             int E EXTRA_PARAMS) {                                                                             \
+        moe_gemv_wide<WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, GROUPED, false, EXTRAS, true>(                          \
             act, blobs, fills, off_w, off_s, nullptr, nullptr, ids, nullptr, pair_w, y, I, H, 1, group,        \
-            ExpertExtras{}, P, E);                                                                             \
+            EXTRA_VALUE, P, E);                                                                                \
     }
-GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_r, false)
-GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g, true)
-DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r, false)
-DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g, true)
+#define NO_EXTRAS ExpertExtras{}
+#define GATE_UP_EXTRA_PARAMS , const float* bias, float alpha, float limit, float up_offset
+#define GATE_UP_EXTRA_VALUE ExpertExtras{bias, alpha, limit, up_offset}
+#define DOWN_EXTRA_PARAMS , const float* bias
+#define DOWN_EXTRA_VALUE ExpertExtras{bias, 1.0f, 0.0f, 0.0f}
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_r, false, false, , NO_EXTRAS)
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g, true, false, , NO_EXTRAS)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r, false, false, , NO_EXTRAS)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g, true, false, , NO_EXTRAS)
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_r_extras, false, true, GATE_UP_EXTRA_PARAMS, GATE_UP_EXTRA_VALUE)
+GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g_extras, true, true, GATE_UP_EXTRA_PARAMS, GATE_UP_EXTRA_VALUE)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r_extras, false, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
+DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g_extras, true, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
 
 // ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
 // bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.

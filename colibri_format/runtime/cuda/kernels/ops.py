@@ -496,11 +496,10 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
     return y
 
 
-def pairs_path(num_tokens: int, extras: ExpertExtras | None = None) -> bool:
+def pairs_path(num_tokens: int) -> bool:
     """Whether a GEMV pass of `moe_experts` runs by pair, without a dispatch (`moe_gate_up_pairs`): one token, whose
-    k pairs name k distinct experts, so grouping them by expert would save no weight read; gpt-oss's extras keep
-    the dispatch path."""
-    return num_tokens == 1 and extras is None
+    k pairs name k distinct experts, so grouping them by expert would save no weight read."""
+    return num_tokens == 1
 
 
 def _check_pairs(table: ExpertTable, ids, rows_input, cols: int):
@@ -511,27 +510,30 @@ def _check_pairs(table: ExpertTable, ids, rows_input, cols: int):
     return T, k
 
 
-def moe_gate_up_pairs(x, ids, table: ExpertTable, *, out=None):
+def moe_gate_up_pairs(x, ids, table: ExpertTable, *, extras: ExpertExtras | None = None, out=None):
     """Decode GEMV without a dispatch: act [P, I] f32 in pair order (p = t * k + j) = silu(gate x[t]) * (up x[t]) of
     expert ids[t, j], for x [T, H] f32 and the router's ids [T, k] int32; an id outside [0, E) gives a zero row. Each
-    pair reads its expert (the w4 plan, fill on read as `moe_gate_up`): for `pairs_path` passes."""
+    pair reads its expert (the w4 plan, fill on read as `moe_gate_up`): for `pairs_path` passes. extras: gpt-oss's
+    gate/up bias and clamped SwiGLU (`ExpertExtras`)."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     T, k = _check_pairs(table, ids, x, H)
     if x.shape[0] != T:
         raise ValueError(f"x has {x.shape[0]} rows, ids {T}")
     gh, _, kind = table.groups()
+    tail = extras.gate_up_args(table) if extras is not None else ()
     act = _out("out", out, (T * k, I), cp.float32)
-    fn, grid = _gemv_launch(f"moe_gate_up_pairs_w4_{kind}")
+    fn, grid = _gemv_launch(_with_extras(f"moe_gate_up_pairs_w4_{kind}", extras))
     fn(grid, (GEMV_THREADS,),
        (x, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
-        act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh), np.int32(T * k), np.int32(table.num_experts)))
+        act, np.int32(H), np.int32(I), np.int32(k), np.int32(gh), np.int32(T * k), np.int32(table.num_experts))
+       + tail)
     return act
 
 
-def moe_down_pairs(act, ids, weights, table: ExpertTable, *, out=None):
-    """Decode GEMV without a dispatch: ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) for act [P, I] f32
-    in pair order (`moe_gate_up_pairs`); an id outside [0, E) gives a zero row."""
+def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtras | None = None, out=None):
+    """Decode GEMV without a dispatch: ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p] (+ extras' down
+    bias)) for act [P, I] f32 in pair order (`moe_gate_up_pairs`); an id outside [0, E) gives a zero row."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
     T, k = _check_pairs(table, ids, act, I)
@@ -539,11 +541,12 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, out=None):
         raise ValueError(f"act has {act.shape[0]} rows, ids {T * k} pairs")
     _check("weights", weights, dtype=np.float32, shape=(T, k))
     _, gi, kind = table.groups()
+    tail = extras.down_args(table) if extras is not None else ()
     y = _out("out", out, (T * k, H), cp.float32)
-    fn, grid = _gemv_launch(f"moe_down_pairs_w4_{kind}")
+    fn, grid = _gemv_launch(_with_extras(f"moe_down_pairs_w4_{kind}", extras))
     fn(grid, (GEMV_THREADS,),
        (act, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
-        weights, y, np.int32(H), np.int32(I), np.int32(gi), np.int32(T * k), np.int32(table.num_experts)))
+        weights, y, np.int32(H), np.int32(I), np.int32(gi), np.int32(T * k), np.int32(table.num_experts)) + tail)
     return y
 
 
@@ -1075,11 +1078,9 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if small and not use_gemm and small_path(T, table, extras):
         return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
-    if not use_gemm and (pairs_path(T, extras) if pairs is None else pairs):
-        if extras is not None:
-            raise ValueError("the by-pair GEMVs take no expert extras")
-        act = moe_gate_up_pairs(x, ids, table, out=act)
-        ypair = moe_down_pairs(act, ids, weights, table, out=ypair)
+    if not use_gemm and (pairs_path(T) if pairs is None else pairs):
+        act = moe_gate_up_pairs(x, ids, table, extras=extras, out=act)
+        ypair = moe_down_pairs(act, ids, weights, table, extras=extras, out=ypair)
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
     fast = use_gemm and uses_fast_gemm(fast_gemm, table, extras)
