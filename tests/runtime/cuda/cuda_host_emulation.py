@@ -465,9 +465,11 @@ LAYERS_DRIVER = r"""
     f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\n" for c in ("f32", "bf16") for tok in limits.DG_PLANS)
 
 
-def build_layers(tmp_path: Path) -> ctypes.CDLL:
-    """layers.cu for the CPU, with limits.py's constants."""
-    return _compile(tmp_path, "layers", host_module_source("layers") + LAYERS_DRIVER, limits.define_options("layers"))
+def build_layers(tmp_path: Path, **defines: int) -> ctypes.CDLL:
+    """layers.cu for the CPU, with limits.py's constants (but `defines`: other values, e.g. a dense_gemv plan)."""
+    options = {**limits.KERNEL_DEFINES["layers"], **defines}
+    return _compile(tmp_path, "layers", host_module_source("layers") + LAYERS_DRIVER,
+                    [f"-D{k}={v}" for k, v in options.items()])
 
 
 class AttentionDecodeEmulator(LibraryEmulator):
@@ -507,14 +509,19 @@ H200_SMS = 132      # multiprocessors the emulated dense_gemv launches plan for
 
 class DenseGemvEmulator(LibraryEmulator):
     """layers.cu's dense_gemv kernels over host arrays (bf16 as uint16 bits), launched as `ops.dense_gemv` launches
-    them; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
+    them; blocks run in a shuffled order (`order` seeds it, 0: grid order). rows: the output rows a warp item of the
+    built plans takes, by tokens a pass (default limits.DG_PLANS')."""
+
+    def __init__(self, lib: ctypes.CDLL, rows: dict[int, int] | None = None) -> None:
+        super().__init__(lib)
+        self.rows = rows or {t: plan[0] for t, plan in limits.DG_PLANS.items()}
 
     def gemv(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
         T, K = x.shape
         N = w.shape[0]
         tok = min(t for t in limits.DG_PLANS if t >= T)
         splits = ops.dense_gemv_splits(N, K, tok, w.dtype.itemsize, H200_SMS) if splits is None else splits
-        blocks = -(-N // limits.DG_PLANS[tok][0] // (limits.DG_THREADS // 32 // splits))
+        blocks = -(-N // self.rows[tok] // (limits.DG_THREADS // 32 // splits))
         y = np.full((T, N), np.nan, np.float32)
         getattr(self.lib, f"emu_dense_gemv_{_code(w)}_t{tok}")(
             blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits)

@@ -1,8 +1,12 @@
 """layers.cu's dense_gemv on the CPU (cuda_host_emulation.py) against float64 NumPy: every token plan, K split
 over 1, 2, 4 and 8 warps (and the split `ops.dense_gemv` picks), ragged K and N, bias, blocks in shuffled order.
-The GPU test is test_gpu_kernels.py::test_dense_gemv."""
+Every plan benchmarks/dense_gemv_sweep.py times computes the default plan's outputs to the bit. The GPU test is
+test_gpu_kernels.py::test_dense_gemv."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,9 @@ from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda.cuda_host_emulation import GXX, DenseGemvEmulator, build_layers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from dense_gemv_sweep import CANDIDATES, SPLITS, plan_defines  # noqa: E402
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -62,3 +69,23 @@ def test_the_split_fills_the_machine_without_oversplitting():
     assert ops.dense_gemv_splits(16, 512, 1, 2, sms) == 2
     assert ops.dense_gemv_splits(16, 512, 1, 4, sms) == 4
     assert (limits.DG_THREADS // 32) % limits.DG_MAX_SPLITS == 0
+
+
+# (one-token plan, eight-token plan) pairs of the sweep's candidates, one build each: the extremes of rows a warp
+# item and loads in flight (the sweep checks every candidate against the default plan on the GPU too)
+PLAN_PAIRS = [((1, 8), (8, 1)), ((4, 2), (1, 4)), ((2, 2), (2, 2))]
+
+
+@pytest.mark.parametrize("pair", PLAN_PAIRS, ids=str)
+def test_other_plans_compute_the_default_plans_bits(emulator, tmp_path, pair):
+    """Other plans give the default plans' outputs, to the bit, at every split."""
+    assert all(p in CANDIDATES[t] for t, p in zip((1, 8), pair))
+    plans = dict(zip((1, 8), pair))
+    other = DenseGemvEmulator(build_layers(tmp_path, **plan_defines(1, plans[1]), **plan_defines(8, plans[8])),
+                              rows={**{t: p[0] for t, p in limits.DG_PLANS.items()}, 1: plans[1][0], 8: plans[8][0]})
+    for T, N, K in ((1, 9, 2056), (8, 13, 1032), (5, 40, 520)):
+        x, w, _ = case(T, N, K, "bf16", seed=T + N)
+        for splits in SPLITS:
+            want = emulator.gemv(x, w, splits=splits)
+            np.testing.assert_array_equal(other.gemv(x, w, splits=splits), want, err_msg=f"{plans} T={T} {splits}")
+    assert other.errors() == (0, "")
