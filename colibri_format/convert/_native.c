@@ -109,6 +109,51 @@ CLONES void colibri_quantize_bf16(const uint16_t *src, const float *scale, int64
     }
 }
 
+/* int4_group: one run of n (even, <= INT32_RUN) float32 values w of a group with scale s (|w / s| <= 7: the scale
+ * is max|w| / 7 rounded up): the int8 codes q = rint(w / s) as quantize_run makes them (its loop vectorizes), then
+ * packed two a byte into `packed` (value 2k in the low nibble of byte k, 2k+1 in the high one, two's complement). */
+static inline int32_t quantize4_run(const float *w, int64_t n, float s, uint8_t *packed, uint32_t *top_bits) {
+    int8_t codes[INT32_RUN];
+    int32_t units = quantize_run(w, n, s, codes, top_bits);
+    for (int64_t k = 0; k < n / 2; k++)
+        packed[k] = (uint8_t)(((uint8_t)codes[2 * k] & 0xFu) | (((uint8_t)codes[2 * k + 1] & 0xFu) << 4));
+    return units;
+}
+
+/* Each group's int4 values (g even) from float32 weights or bf16 patterns, packed into q (g / 2 bytes a group);
+ * err_max and err_units per group as colibri_quantize_f32. */
+CLONES void colibri_quantize4_f32(const float *src, const float *scale, int64_t groups, int64_t g, uint8_t *q,
+                                  float *err_max, int64_t *err_units) {
+    for (int64_t j = 0; j < groups; j++) {
+        uint32_t top = 0;
+        int64_t units = 0;
+        for (int64_t k = 0; k < g; k += INT32_RUN) {
+            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
+            units += quantize4_run(src + j * g + k, n, scale[j], q + (j * g + k) / 2, &top);
+        }
+        err_max[j] = bits_float(top);
+        err_units[j] = units;
+    }
+}
+
+CLONES void colibri_quantize4_bf16(const uint16_t *src, const float *scale, int64_t groups, int64_t g, uint8_t *q,
+                                   float *err_max, int64_t *err_units) {
+    float w[INT32_RUN];
+    for (int64_t j = 0; j < groups; j++) {
+        uint32_t top = 0;
+        int64_t units = 0;
+        for (int64_t k = 0; k < g; k += INT32_RUN) {
+            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
+            const uint16_t *p = src + j * g + k;
+            for (int64_t i = 0; i < n; i++)
+                w[i] = bits_float((uint32_t)p[i] << 16);
+            units += quantize4_run(w, n, scale[j], q + (j * g + k) / 2, &top);
+        }
+        err_max[j] = bits_float(top);
+        err_units[j] = units;
+    }
+}
+
 /* The smallest bf16 magnitude (bits & 0x7FFF) whose float16 image is a normal number, and the first one beyond
  * float16 (65536 and up, inf, NaN): cast.py's constants. */
 #define F16_NORMAL_LO 0x3880u

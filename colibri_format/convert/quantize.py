@@ -30,7 +30,8 @@ over the values: the compiled loop of convert/native.py for bf16 and float32 sou
 (one pass, ~0.2 s per source GB on the 2-core machine), else NumPy's passes over ~1 MiB blocks through two reused
 per-thread float32 buffers (so they run from cache: ~0.7-1.3 s per GB), small groups reduced with strided
 element-wise calls (see `_reduce_groups`). Both compute the same float32 division and round-half-even, so q,
-scales and both errors are bit-identical (tested). `benchmark_quantize` measures it.
+scales and both errors are bit-identical (tested). `benchmark_quantize` measures it. `quantize_int4_into` has the
+same two forms (the compiled one for round-to-nearest scales; `search` runs in NumPy) and the same error units.
 """
 
 from __future__ import annotations
@@ -247,8 +248,33 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
     amax = _group_maxima(src, g)
     _refuse_non_finite(amax, src, x_buf, rows, g, "int4")
     scale = _scales_f16(amax, src, g)
-    gmax = np.empty(amax.shape, np.float32)
-    gsum = np.empty(amax.shape, np.float32)
+    err_max = np.empty(amax.shape, np.float32)
+    err_units = np.empty(amax.shape, np.int64)
+    lib = native.library()
+    if lib is not None and not search and src.dtype in _NATIVE_QUANTIZE4 and q_out.flags.c_contiguous:
+        getattr(lib, _NATIVE_QUANTIZE4[src.dtype])(src.ctypes.data, scale.ctypes.data, amax.size, g,
+                                                   q_out.ctypes.data, err_max.ctypes.data, err_units.ctypes.data)
+    else:
+        _quantize4_blocks(src, g, rows, scale, q_out, err_max, err_units, search)
+    scale_out[...] = scale                 # float16 values already: exact
+    # |w - q*scale| / rowmax == |x - q| * |scale| / rowmax (zero groups: error 0; a group's scale is at least 2^-24,
+    # the smallest float16, so for a row of tiny values the factor passes 1 but stays finite)
+    row_max = amax.max(axis=1, keepdims=True)
+    weight = np.where(amax > 0, np.abs(scale), np.float32(0)) / np.where(row_max > 0, row_max, np.float32(1))
+    np.multiply(err_max, weight, out=err_max)
+    err_sum = float((err_units * (weight.astype(np.float64) / ERROR_UNITS)).sum())
+    return float(err_max.max()) if err_max.size else 0.0, err_sum / max(1, n_out * n_in)
+
+
+_NATIVE_QUANTIZE4 = {np.dtype(np.uint16): "colibri_quantize4_bf16", np.dtype(np.float32): "colibri_quantize4_f32"}
+
+
+def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_out: np.ndarray, err_max: np.ndarray,
+                      err_units: np.ndarray, search: bool) -> None:
+    """The NumPy form of the int4 values pass (the only one with `search`, which also refits `scale` in place):
+    packed q, and each group's largest |error| and its sum in ERROR_UNITS, block by block of `rows` rows."""
+    n_out, n_in = src.shape
+    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     for start in range(0, n_out, rows):
         stop = min(start + rows, n_out)
         shape = (stop - start, n_in // g, g)
@@ -264,19 +290,11 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
         _pack_nibbles(r, q_out[start:stop])
         np.subtract(x, r, out=x)
         np.abs(x, out=x)
-        _abs_error_max(x, gmax[start:stop])
-        _reduce_groups(np.add, x, gsum[start:stop])
-    scale_out[...] = scale                 # float16 values already: exact
-    # |w - q*scale| / rowmax == |x - q| * |scale| / rowmax (zero groups: error 0; a group's scale is at least 2^-24,
-    # the smallest float16, so for a row of tiny values the factor passes 1 but stays finite)
-    row_max = amax.max(axis=1, keepdims=True)
-    weight = np.where(amax > 0, np.abs(scale), np.float32(0)) / np.where(row_max > 0, row_max, np.float32(1))
-    np.multiply(gmax, weight, out=gmax)
-    np.multiply(gsum, weight, out=gsum)
-    err_sum = 0.0
-    for start in range(0, n_out, rows):
-        err_sum = err_sum + float(gsum[start:start + rows].sum(dtype=np.float64))
-    return float(gmax.max()) if gmax.size else 0.0, err_sum / max(1, n_out * n_in)
+        _abs_error_max(x, err_max[start:stop])
+        np.multiply(x, np.float32(ERROR_UNITS), out=x)
+        units = r.view(np.int32)
+        np.copyto(units, x, casting="unsafe")  # truncated toward zero; < 2^31 (a searched error is below 2)
+        _reduce_groups(np.add, units, err_units[start:stop])
 
 
 def quantize_int4(w: np.ndarray, group_size: int, *, search: bool = False) -> Quantized:
@@ -290,20 +308,24 @@ def quantize_int4(w: np.ndarray, group_size: int, *, search: bool = False) -> Qu
 
 
 def _scales_f16(amax: np.ndarray, src: np.ndarray, g: int) -> np.ndarray:
-    """float16 scales max|w| / 7 rounded up (1 for zero groups), as float32 values."""
+    """float16 scales max|w| / 7 rounded up (1 for zero groups), as float32 values. The nearest float16 of the
+    exact quotient, when below it, moves up one step: the next bit pattern, as these are >= +0 (the largest finite
+    float16 goes to inf, refused below); NumPy's float16 `where` and `nextafter` cost ~8x more."""
     exact = amax.astype(np.float64) / QMAX4
     with np.errstate(over="ignore"):
         s16 = exact.astype(np.float16)
-        s16 = np.where(s16.astype(np.float64) < exact, np.nextafter(s16, np.float16(np.inf)), s16)
-    s16 = np.where(amax == 0, np.float16(1), s16)
-    if not np.isfinite(s16).all():
-        row, group = (int(i) for i in np.argwhere(~np.isfinite(s16))[0])
+    bits = s16.view(np.uint16)
+    bits += (s16.astype(np.float64) < exact).view(np.uint8)
+    scale = s16.astype(np.float32)
+    scale[amax == 0] = 1.0
+    if not np.isfinite(scale).all():
+        row, group = (int(i) for i in np.argwhere(~np.isfinite(scale))[0])
         cols = slice(group * g, (group + 1) * g)
         col = group * g + int(np.argmax(np.abs(_row_f32(src, row)[cols])))
         raise NonFiniteWeight(f"weight {float(amax[row, group]):.6g} at index [{row}, {col}] is too large for int4 "
                               f"with float16 scales (at most {QMAX4} x {F16_MAX:g} a group)", field="weight",
                               value=float(amax[row, group]))
-    return s16.astype(np.float32)
+    return scale
 
 
 SEARCH_DIVISORS = (7.25, 7.5, 7.75, 8.0, 8.5)

@@ -36,7 +36,7 @@ from colibri_format.convert import schedule
 from colibri_format.convert.cast import bf16_to_f16
 from colibri_format.convert.layout import RowSpan
 from colibri_format.convert.pipeline import convert
-from colibri_format.convert.quantize import quantize_int8, quantize_into
+from colibri_format.convert.quantize import quantize_int4_into, quantize_int8, quantize_into
 from colibri_format.convert.rows import iter_span_chunks
 from colibri_format.convert.source import open_checkpoint
 from colibri_format.dtypes import to_float32, to_storage
@@ -135,6 +135,61 @@ def chunks(draw: st.DrawFn) -> tuple[np.ndarray, int | None]:
 @given(chunks())
 def test_quantize_into_is_quantize_int8_bit_for_bit(case):
     _same(*case)
+
+
+def _same4(chunk: np.ndarray, group: int) -> None:
+    """quantize_int4_into with the compiled loop (where built) gives the NumPy loop's packed q, scales and errors."""
+    n_out, n_in = chunk.shape
+
+    def run():
+        q = np.full((n_out, n_in // 2), 0xAB, np.uint8)
+        scale = np.full((n_out, n_in // group), -1, np.float16)
+        return quantize_int4_into(chunk, group, q, scale), q, scale.view(np.uint16)
+
+    try:
+        with np.errstate(all="ignore"), numpy_loops():
+            ref = run()
+    except NonFiniteWeight as exc:
+        with pytest.raises(NonFiniteWeight) as info:
+            run()
+        assert str(info.value) == str(exc)
+        return
+    got = run()
+    assert got[0] == ref[0]                      # the same floats, not close ones
+    assert np.array_equal(got[1], ref[1]) and np.array_equal(got[2], ref[2])
+
+
+@st.composite
+def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    group = draw(st.sampled_from([32, 64, 128]))
+    n_in = group * draw(st.integers(1, 6))
+    n_out = draw(st.integers(1, 70))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    magnitude = draw(st.sampled_from([1e-7, 1e-3, 1.0, 3e4, 1e6]))
+    w = (rng.standard_normal((n_out, n_in)) * magnitude).astype(np.float32)
+    if draw(st.booleans()):
+        w[rng.integers(0, n_out)] = 0.0                 # a zero row
+    if draw(st.booleans()):
+        w[:, :group] = 0.0                              # zero groups
+    return _stored(w, draw(st.sampled_from(["bfloat16", "float16", "float32"]))), group
+
+
+@settings(max_examples=150, deadline=None)
+@given(int4_chunks())
+def test_int4_compiled_loop_is_the_numpy_loop_bit_for_bit(case):
+    _same4(*case)
+
+
+def test_int4_compiled_loop_on_real_widths_and_every_code():
+    """Qwen3-sized rows in bf16 and float32, and a row that takes every code -7..7 at half-step ties."""
+    rng = np.random.default_rng(4)
+    for dtype in ("bfloat16", "float32"):
+        for group in (32, 128):
+            _same4(_stored(rng.standard_normal((300, 2048), dtype=np.float32) * 0.02, dtype), group)
+    ties = np.tile(np.arange(-7, 7.5, 0.5, dtype=np.float32)[:29], 3)[:64].reshape(1, 64)
+    ties[0, 0] = 7.0                                    # the group's max: scale 1 exactly, so x = w
+    _same4(ties, 32)
+    _same4(_stored(ties, "bfloat16"), 64)
 
 
 @pytest.mark.skipif(bool(os.environ.get("COLIBRI_NO_NATIVE")), reason="COLIBRI_NO_NATIVE is set")
