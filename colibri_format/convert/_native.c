@@ -57,9 +57,10 @@ GROUP_MAX_BITS(colibri_group_max_bits16, uint16_t, 0x7FFFu)
 GROUP_MAX_BITS(colibri_group_max_bits32, uint32_t, 0x7FFFFFFFu)
 
 /* One run of n <= INT32_RUN values w (float32) of a group with scale s: q = rint(w / s) into `q`; returns the int32
- * error units and raises *top_bits to the largest |w / s - q| seen (as bits: non-negative floats order as their
- * patterns do, which keeps the maximum an integer one). */
-static inline int32_t quantize_run(const float *w, int64_t n, float s, int8_t *q, uint32_t *top_bits) {
+ * error units (|w / s - q| x `units`, truncated: at most 2^23 each) and raises *top_bits to the largest |w / s - q|
+ * seen (as bits: non-negative floats order as their patterns do, which keeps the maximum an integer one). */
+static inline int32_t quantize_run(const float *w, int64_t n, float s, float units_per_step, int8_t *q,
+                                   uint32_t *top_bits) {
     int32_t units = 0;
     uint32_t top = *top_bits;
     for (int64_t k = 0; k < n; k++) {
@@ -68,91 +69,65 @@ static inline int32_t quantize_run(const float *w, int64_t n, float s, int8_t *q
         q[k] = (int8_t)(int32_t)r;
         uint32_t b = float_bits(x - r) & 0x7FFFFFFFu;  /* |x - r|, +0 for a -0 difference */
         top = b > top ? b : top;
-        units += (int32_t)(bits_float(b) * ERROR_UNITS);
+        units += (int32_t)(bits_float(b) * units_per_step);
     }
     *top_bits = top;
     return units;
 }
 
-/* Each group's int8 values from float32 weights: err_max gets max |w/s - q| and err_units the sum of the truncated
- * error units, per group. */
-CLONES void colibri_quantize_f32(const float *src, const float *scale, int64_t groups, int64_t g, int8_t *q,
-                                 float *err_max, int64_t *err_units) {
-    for (int64_t j = 0; j < groups; j++) {
-        uint32_t top = 0;
-        int64_t units = 0;
-        for (int64_t k = 0; k < g; k += INT32_RUN) {
-            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
-            units += quantize_run(src + j * g + k, n, scale[j], q + j * g + k, &top);
-        }
-        err_max[j] = bits_float(top);
-        err_units[j] = units;
-    }
-}
-
-/* The same from bf16 patterns: each run widened into a float32 buffer first (exact: the pattern's top 16 bits). */
-CLONES void colibri_quantize_bf16(const uint16_t *src, const float *scale, int64_t groups, int64_t g, int8_t *q,
-                                  float *err_max, int64_t *err_units) {
-    float w[INT32_RUN];
-    for (int64_t j = 0; j < groups; j++) {
-        uint32_t top = 0;
-        int64_t units = 0;
-        for (int64_t k = 0; k < g; k += INT32_RUN) {
-            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
-            const uint16_t *p = src + j * g + k;
-            for (int64_t i = 0; i < n; i++)
-                w[i] = bits_float((uint32_t)p[i] << 16);
-            units += quantize_run(w, n, scale[j], q + j * g + k, &top);
-        }
-        err_max[j] = bits_float(top);
-        err_units[j] = units;
-    }
-}
-
 /* int4_group: one run of n (even, <= INT32_RUN) float32 values w of a group with scale s (|w / s| <= 7: the scale
  * is max|w| / 7 rounded up): the int8 codes q = rint(w / s) as quantize_run makes them (its loop vectorizes), then
  * packed two a byte into `packed` (value 2k in the low nibble of byte k, 2k+1 in the high one, two's complement). */
-static inline int32_t quantize4_run(const float *w, int64_t n, float s, uint8_t *packed, uint32_t *top_bits) {
+static inline int32_t quantize4_run(const float *w, int64_t n, float s, float units_per_step, uint8_t *packed,
+                                    uint32_t *top_bits) {
     int8_t codes[INT32_RUN];
-    int32_t units = quantize_run(w, n, s, codes, top_bits);
+    int32_t units = quantize_run(w, n, s, units_per_step, codes, top_bits);
     for (int64_t k = 0; k < n / 2; k++)
         packed[k] = (uint8_t)(((uint8_t)codes[2 * k] & 0xFu) | (((uint8_t)codes[2 * k + 1] & 0xFu) << 4));
     return units;
 }
 
-/* Each group's int4 values (g even) from float32 weights or bf16 patterns, packed into q (g / 2 bytes a group);
- * err_max and err_units per group as colibri_quantize_f32. */
-CLONES void colibri_quantize4_f32(const float *src, const float *scale, int64_t groups, int64_t g, uint8_t *q,
-                                  float *err_max, int64_t *err_units) {
-    for (int64_t j = 0; j < groups; j++) {
-        uint32_t top = 0;
-        int64_t units = 0;
-        for (int64_t k = 0; k < g; k += INT32_RUN) {
-            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
-            units += quantize4_run(src + j * g + k, n, scale[j], q + (j * g + k) / 2, &top);
-        }
-        err_max[j] = bits_float(top);
-        err_units[j] = units;
-    }
+/* A run of float32 weights as they are, or of bf16 patterns widened into `buf` (exact: the pattern's top 16 bits). */
+static inline const float *as_f32(const float *p, int64_t n, float *buf) {
+    (void)n, (void)buf;
+    return p;
 }
 
-CLONES void colibri_quantize4_bf16(const uint16_t *src, const float *scale, int64_t groups, int64_t g, uint8_t *q,
-                                   float *err_max, int64_t *err_units) {
-    float w[INT32_RUN];
-    for (int64_t j = 0; j < groups; j++) {
-        uint32_t top = 0;
-        int64_t units = 0;
-        for (int64_t k = 0; k < g; k += INT32_RUN) {
-            int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;
-            const uint16_t *p = src + j * g + k;
-            for (int64_t i = 0; i < n; i++)
-                w[i] = bits_float((uint32_t)p[i] << 16);
-            units += quantize4_run(w, n, scale[j], q + (j * g + k) / 2, &top);
-        }
-        err_max[j] = bits_float(top);
-        err_units[j] = units;
-    }
+static inline const float *widen_bf16(const uint16_t *p, int64_t n, float *buf) {
+    for (int64_t i = 0; i < n; i++)
+        buf[i] = bits_float((uint32_t)p[i] << 16);
+    return buf;
 }
+
+#define BYTE_OF_INT8(i) (i)
+#define BYTE_OF_INT4(i) ((i) / 2)
+
+/* The quantizers: each group's values, in runs of at most INT32_RUN, through RUN (quantize_run: int8 codes;
+ * quantize4_run: int4 codes two a byte, g even) from the source type's WIDEN; err_max gets each group's max
+ * |w/s - q| and err_units the sum of its truncated error units, STEP_UNITS a step (int8: ERROR_UNITS; int4: the
+ * caller's `group_units[j]`, which quantize.py makes finer for groups far below their float16 scale). */
+#define QUANTIZE_GROUPS(name, src_type, q_type, widen, run, byte_of, units_param, step_units)                          \
+    CLONES void name(const src_type *src, const float *scale units_param, int64_t groups, int64_t g, q_type *q,      \
+                     float *err_max, int64_t *err_units) {                                                             \
+        float buf[INT32_RUN];                                                                                          \
+        for (int64_t j = 0; j < groups; j++) {                                                                         \
+            uint32_t top = 0;                                                                                          \
+            int64_t units = 0;                                                                                         \
+            for (int64_t k = 0; k < g; k += INT32_RUN) {                                                               \
+                int64_t n = g - k < INT32_RUN ? g - k : INT32_RUN;                                                     \
+                units += run(widen(src + j * g + k, n, buf), n, scale[j], step_units, q + byte_of(j * g + k), &top);   \
+            }                                                                                                          \
+            err_max[j] = bits_float(top);                                                                              \
+            err_units[j] = units;                                                                                      \
+        }                                                                                                              \
+    }
+#define UNITS4_PARAM , const float *group_units
+QUANTIZE_GROUPS(colibri_quantize_f32, float, int8_t, as_f32, quantize_run, BYTE_OF_INT8, , ERROR_UNITS)
+QUANTIZE_GROUPS(colibri_quantize_bf16, uint16_t, int8_t, widen_bf16, quantize_run, BYTE_OF_INT8, , ERROR_UNITS)
+QUANTIZE_GROUPS(colibri_quantize4_f32, float, uint8_t, as_f32, quantize4_run, BYTE_OF_INT4, UNITS4_PARAM,
+                group_units[j])
+QUANTIZE_GROUPS(colibri_quantize4_bf16, uint16_t, uint8_t, widen_bf16, quantize4_run, BYTE_OF_INT4, UNITS4_PARAM,
+                group_units[j])
 
 /* The smallest bf16 magnitude (bits & 0x7FFF) whose float16 image is a normal number, and the first one beyond
  * float16 (65536 and up, inf, NaN): cast.py's constants. */

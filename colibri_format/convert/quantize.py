@@ -250,29 +250,41 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
     scale = _scales_f16(amax, src, g)
     err_max = np.empty(amax.shape, np.float32)
     err_units = np.empty(amax.shape, np.int64)
+    units = _int4_error_units(amax, scale)
     lib = native.library()
     if lib is not None and not search and src.dtype in _NATIVE_QUANTIZE4 and q_out.flags.c_contiguous:
-        getattr(lib, _NATIVE_QUANTIZE4[src.dtype])(src.ctypes.data, scale.ctypes.data, amax.size, g,
-                                                   q_out.ctypes.data, err_max.ctypes.data, err_units.ctypes.data)
+        getattr(lib, _NATIVE_QUANTIZE4[src.dtype])(src.ctypes.data, scale.ctypes.data, units.ctypes.data, amax.size,
+                                                   g, q_out.ctypes.data, err_max.ctypes.data, err_units.ctypes.data)
     else:
-        _quantize4_blocks(src, g, rows, scale, q_out, err_max, err_units, search)
+        _quantize4_blocks(src, g, rows, scale, units, q_out, err_max, err_units, search)
     scale_out[...] = scale                 # float16 values already: exact
     # |w - q*scale| / rowmax == |x - q| * |scale| / rowmax (zero groups: error 0; a group's scale is at least 2^-24,
     # the smallest float16, so for a row of tiny values the factor passes 1 but stays finite)
     row_max = amax.max(axis=1, keepdims=True)
     weight = np.where(amax > 0, np.abs(scale), np.float32(0)) / np.where(row_max > 0, row_max, np.float32(1))
     np.multiply(err_max, weight, out=err_max)
-    err_sum = float((err_units * (weight.astype(np.float64) / ERROR_UNITS)).sum())
+    err_sum = float((err_units * (weight.astype(np.float64) / units.astype(np.float64))).sum())
     return float(err_max.max()) if err_max.size else 0.0, err_sum / max(1, n_out * n_in)
+
+
+def _int4_error_units(amax: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Each group's error units a scale step (float32 [out, G]): ERROR_UNITS, but for a group whose largest value is
+    under half its scale (tiny weights below the smallest float16 step: every q is 0 and each error is |w / s|),
+    2^23 of that value, so the truncation keeps its errors; at most 2^126. Round-to-nearest errors x units stay
+    <= 2^23 (searched ones, clipped, below 2^25), so a run of INT32_RUN of them sums in int32 (_native.c)."""
+    ratio = amax.astype(np.float64) / scale.astype(np.float64)
+    with np.errstate(divide="ignore"):
+        fine = np.where(ratio > 0, float(ERROR_UNITS // 2) / ratio, float(ERROR_UNITS))
+    return np.where(ratio >= 0.5, float(ERROR_UNITS), np.minimum(fine, 2.0 ** 126)).astype(np.float32)
 
 
 _NATIVE_QUANTIZE4 = {np.dtype(np.uint16): "colibri_quantize4_bf16", np.dtype(np.float32): "colibri_quantize4_f32"}
 
 
-def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_out: np.ndarray, err_max: np.ndarray,
-                      err_units: np.ndarray, search: bool) -> None:
+def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, units: np.ndarray, q_out: np.ndarray,
+                      err_max: np.ndarray, err_units: np.ndarray, search: bool) -> None:
     """The NumPy form of the int4 values pass (the only one with `search`, which also refits `scale` in place):
-    packed q, and each group's largest |error| and its sum in ERROR_UNITS, block by block of `rows` rows."""
+    packed q, and each group's largest |error| and its sum in `units` a step, block by block of `rows` rows."""
     n_out, n_in = src.shape
     x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     for start in range(0, n_out, rows):
@@ -291,10 +303,10 @@ def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_o
         np.subtract(x, r, out=x)
         np.abs(x, out=x)
         _abs_error_max(x, err_max[start:stop])
-        np.multiply(x, np.float32(ERROR_UNITS), out=x)
-        units = r.view(np.int32)
-        np.copyto(units, x, casting="unsafe")  # truncated toward zero; < 2^31 (a searched error is below 2)
-        _reduce_groups(np.add, units, err_units[start:stop])
+        np.multiply(x, units[start:stop, :, None], out=x)
+        counts = r.view(np.int32)
+        np.copyto(counts, x, casting="unsafe")  # truncated toward zero; < 2^31 (a searched error is below 2)
+        _reduce_groups(np.add, counts, err_units[start:stop])
 
 
 def quantize_int4(w: np.ndarray, group_size: int, *, search: bool = False) -> Quantized:

@@ -165,7 +165,7 @@ def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int]:
     n_in = group * draw(st.integers(1, 6))
     n_out = draw(st.integers(1, 70))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    magnitude = draw(st.sampled_from([1e-7, 1e-3, 1.0, 3e4, 1e6]))
+    magnitude = draw(st.sampled_from([1e-40, 1e-30, 1e-9, 1e-7, 1e-3, 1.0, 3e4, 1e6]))  # tiny: below float16
     w = (rng.standard_normal((n_out, n_in)) * magnitude).astype(np.float32)
     if draw(st.booleans()):
         w[rng.integers(0, n_out)] = 0.0                 # a zero row
@@ -178,6 +178,20 @@ def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int]:
 @given(int4_chunks())
 def test_int4_compiled_loop_is_the_numpy_loop_bit_for_bit(case):
     _same4(*case)
+
+
+def test_int4_errors_of_weights_below_the_smallest_float16_step():
+    """A row of 1e-30 weights: every q is 0 (its scale is float16's smallest step), so each relative error is 1;
+    the error units of such a group are fine enough to say so (whole ERROR_UNITS of the scale would round it to 0)."""
+    w = np.full((2, 64), 1e-30, np.float32)
+    w[1, ::2] = -3e-31
+    for loops in (numpy_loops(), contextlib.nullcontext()):
+        with loops:
+            q = np.empty((2, 32), np.uint8)
+            scale = np.empty((2, 2), np.float16)
+            max_rel, mean_rel = quantize_int4_into(w, 32, q, scale)
+        assert not q.any() and max_rel == pytest.approx(1.0, rel=1e-6)
+        assert mean_rel == pytest.approx(1.0 / 2 + (0.5 * 0.3 + 0.5) / 2, rel=1e-6)
 
 
 def test_int4_compiled_loop_on_real_widths_and_every_code():
