@@ -18,6 +18,7 @@
 /* The error |x - rint(x)| (at most 0.5) is counted in units of 2^-24 of the scale, truncated: an exact integer sum
  * whatever the order (quantize.py: ERROR_UNITS). */
 #define ERROR_UNITS 16777216.0f
+#define F16_SMALLEST_STEPS 16777216.0f /* 2^24: float16's subnormals are k x 2^-24 */
 /* Elements summed in int32 before the int64 total: 128 x 2^23 = 2^30 cannot overflow. */
 #define INT32_RUN 128
 
@@ -129,11 +130,125 @@ QUANTIZE_GROUPS(colibri_quantize4_f32, float, uint8_t, as_f32, quantize4_run, BY
 QUANTIZE_GROUPS(colibri_quantize4_bf16, uint16_t, uint8_t, widen_bf16, quantize4_run, BYTE_OF_INT4, UNITS4_PARAM,
                 group_units[j])
 
+/* int4_group with quantize.py's `search` (quantize_int4_into): each group's scale is the least-squared-error one of
+ * the round-to-nearest scale, max|w| / d for the caller's divisors, -w_m / 8 and one least-squares refit, each a
+ * float16, q = rint(w / s) clipped to [-8, 7]. Every float32 operation is quantize.py's (_search_scales,
+ * _group_sse, _lane_sum, _as_f16), in the same order, so both write the same scales and codes. */
+#define SEARCH_LANES 8      /* quantize.py SEARCH_LANES: sums in interleaved lanes, then a fixed tree */
+#define F16_OVERFLOW 0x477FF000u  /* 65520: from here float16 rounds to infinity */
+#define F16_MIN_NORMAL 0x38800000u /* 2^-14 */
+
+/* v's float16 image, as a float32 (round to nearest even; infinity from 65520 up, as NumPy's astype). Normal
+ * values are rounded to their float16 step by adding and subtracting 1.5 x 2^(e + 13), whose float32 step it is;
+ * subnormal ones to steps of 2^-24 (scaled by 2^24: exact). */
+static inline float round_to_f16(float v) {
+    uint32_t sign = float_bits(v) & 0x80000000u, mag = float_bits(v) & 0x7FFFFFFFu;
+    float a = bits_float(mag), r;
+    if (mag >= F16_OVERFLOW)
+        return bits_float(sign | 0x7F800000u);
+    if (mag < F16_MIN_NORMAL) {
+        r = ((a * F16_SMALLEST_STEPS + ROUNDER) - ROUNDER) / F16_SMALLEST_STEPS;
+    } else {
+        float c = bits_float((((mag >> 23) + 13u) << 23) | 0x400000u);
+        r = (a + c) - c;
+    }
+    return bits_float(sign | float_bits(r));
+}
+
+static inline float clipped_rint(float t) {
+    float r = (t + ROUNDER) - ROUNDER; /* beyond 2^22 not rint, but still past the clip */
+    return r < -8.0f ? -8.0f : (r > 7.0f ? 7.0f : r);
+}
+
+/* The sum of v[0..g) over SEARCH_LANES lanes (v padded with +0 to whole rounds), then ((l0+l1)+(l2+l3))+(...). */
+static inline float lane_sum(const float *v, int64_t g) {
+    float acc[SEARCH_LANES];
+    int64_t whole = g / SEARCH_LANES * SEARCH_LANES;
+    for (int l = 0; l < SEARCH_LANES; l++)
+        acc[l] = l < g ? v[l] : 0.0f;
+    for (int64_t k = SEARCH_LANES; k < whole; k += SEARCH_LANES) /* whole rounds: no test, so it vectorizes */
+        for (int l = 0; l < SEARCH_LANES; l++)
+            acc[l] += v[k + l];
+    if (whole >= SEARCH_LANES && whole < g)
+        for (int l = 0; l < SEARCH_LANES; l++)
+            acc[l] += whole + l < g ? v[whole + l] : 0.0f;
+    float p0 = acc[0] + acc[1], p1 = acc[2] + acc[3], p2 = acc[4] + acc[5], p3 = acc[6] + acc[7];
+    return (p0 + p1) + (p2 + p3);
+}
+
+/* The squared error of x[0..g) with scale s (infinity for a zero or non-finite s); q gets the clipped codes. */
+static inline float group_sse(const float *x, int64_t g, float s, float *q) {
+    if (s == 0.0f || (float_bits(s) & 0x7F800000u) == 0x7F800000u)
+        return bits_float(0x7F800000u);
+    float sq[INT32_RUN];
+    for (int64_t k = 0; k < g; k++) {
+        q[k] = clipped_rint(x[k] / s);
+        float d = x[k] - q[k] * s;
+        sq[k] = d * d;
+    }
+    return lane_sum(sq, g);
+}
+
+static inline float search_scale(const float *x, int64_t g, float base, const float *divisors, int64_t n_divisors) {
+    float q[INT32_RUN], t[INT32_RUN], amax = bits_float(float_bits(x[0]) & 0x7FFFFFFFu), wm = x[0];
+    for (int64_t k = 1; k < g; k++) {
+        float m = bits_float(float_bits(x[k]) & 0x7FFFFFFFu);
+        if (m > amax) {
+            amax = m;
+            wm = x[k];
+        }
+    }
+    float best = base, best_err = group_sse(x, g, base, q);
+    for (int64_t i = 0; i <= n_divisors; i++) {
+        float s = round_to_f16(i < n_divisors ? amax / divisors[i] : -wm / 8.0f);
+        float err = group_sse(x, g, s, q);
+        if (err < best_err) {
+            best = s;
+            best_err = err;
+        }
+    }
+    group_sse(x, g, best, q);
+    for (int64_t k = 0; k < g; k++)
+        t[k] = q[k] * q[k];
+    float den = lane_sum(t, g);
+    for (int64_t k = 0; k < g; k++)
+        t[k] = x[k] * q[k];
+    float fit = round_to_f16(lane_sum(t, g) / (den > 0.0f ? den : 1.0f));
+    return group_sse(x, g, fit, q) < best_err && den > 0.0f ? fit : best;
+}
+
+/* Each group (g <= INT32_RUN, even): its searched scale into scale[j] (the round-to-nearest one on entry), its
+ * codes two a byte into q, err_max and err_units (int64: a clipped error may pass half a step) as above. */
+#define QUANTIZE4_SEARCH(name, src_type, widen)                                                                        \
+    CLONES void name(const src_type *src, float *scale, const float *group_units, const float *divisors,              \
+                     int64_t n_divisors, int64_t groups, int64_t g, uint8_t *q, float *err_max, int64_t *err_units) { \
+        float buf[INT32_RUN];                                                                                          \
+        for (int64_t j = 0; j < groups; j++) {                                                                         \
+            const float *x = widen(src + j * g, g, buf);                                                               \
+            float s = search_scale(x, g, scale[j], divisors, n_divisors);                                              \
+            uint32_t top = 0;                                                                                          \
+            int64_t units = 0;                                                                                         \
+            for (int64_t k = 0; k < g; k += 2) {                                                                       \
+                float t0 = x[k] / s, t1 = x[k + 1] / s, r0 = clipped_rint(t0), r1 = clipped_rint(t1);                  \
+                q[(j * g + k) / 2] = (uint8_t)(((uint32_t)(int32_t)r0 & 0xFu) | (((uint32_t)(int32_t)r1 & 0xFu) << 4)); \
+                uint32_t b0 = float_bits(t0 - r0) & 0x7FFFFFFFu, b1 = float_bits(t1 - r1) & 0x7FFFFFFFu;               \
+                top = b0 > top ? b0 : top;                                                                             \
+                top = b1 > top ? b1 : top;                                                                             \
+                units += (int64_t)(int32_t)(bits_float(b0) * group_units[j]);                                          \
+                units += (int64_t)(int32_t)(bits_float(b1) * group_units[j]);                                          \
+            }                                                                                                          \
+            scale[j] = s;                                                                                              \
+            err_max[j] = bits_float(top);                                                                              \
+            err_units[j] = units;                                                                                      \
+        }                                                                                                              \
+    }
+QUANTIZE4_SEARCH(colibri_quantize4_search_f32, float, as_f32)
+QUANTIZE4_SEARCH(colibri_quantize4_search_bf16, uint16_t, widen_bf16)
+
 /* The smallest bf16 magnitude (bits & 0x7FFF) whose float16 image is a normal number, and the first one beyond
  * float16 (65536 and up, inf, NaN): cast.py's constants. */
 #define F16_NORMAL_LO 0x3880u
 #define F16_OUT_OF_RANGE 0x4780u
-#define F16_SMALLEST_STEPS 16777216.0f /* 2^24: float16's subnormals are k x 2^-24 */
 #define CAST_RUN 4096                   /* elements counted in int32 before the int64 total */
 
 /* bf16 patterns to float16 patterns. Normal-range values are rebiased (bf16's 7 mantissa bits fit float16's 10:

@@ -25,6 +25,8 @@ _SIGNATURES = {
     "colibri_quantize_f32": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR],
     "colibri_quantize4_bf16": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR],
     "colibri_quantize4_f32": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR],
+    "colibri_quantize4_search_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "colibri_quantize4_search_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "colibri_bf16_to_f16": [_PTR, _I64, _PTR],
 }
 _RESULTS = {"colibri_bf16_to_f16": _I64}

@@ -31,7 +31,8 @@ over the values: the compiled loop of convert/native.py for bf16 and float32 sou
 per-thread float32 buffers (so they run from cache: ~0.7-1.3 s per GB), small groups reduced with strided
 element-wise calls (see `_reduce_groups`). Both compute the same float32 division and round-half-even, so q,
 scales and both errors are bit-identical (tested). `benchmark_quantize` measures it. `quantize_int4_into` has the
-same two forms (the compiled one for round-to-nearest scales; `search` runs in NumPy) and the same error units.
+same two forms, for round-to-nearest and for searched scales (the search's float32 sums in a fixed lane order,
+`_lane_sum`, so both forms choose the same scales), and integer error units per group.
 """
 
 from __future__ import annotations
@@ -252,9 +253,16 @@ def quantize_int4_into(chunk: np.ndarray, group_size: int, q_out: np.ndarray, sc
     err_units = np.empty(amax.shape, np.int64)
     units = _int4_error_units(amax, scale)
     lib = native.library()
-    if lib is not None and not search and src.dtype in _NATIVE_QUANTIZE4 and q_out.flags.c_contiguous:
-        getattr(lib, _NATIVE_QUANTIZE4[src.dtype])(src.ctypes.data, scale.ctypes.data, units.ctypes.data, amax.size,
-                                                   g, q_out.ctypes.data, err_max.ctypes.data, err_units.ctypes.data)
+    if lib is not None and src.dtype in _NATIVE_QUANTIZE4 and q_out.flags.c_contiguous \
+            and (not search or g <= NATIVE_SEARCH_MAX_G):
+        out = (q_out.ctypes.data, err_max.ctypes.data, err_units.ctypes.data)
+        if search:
+            getattr(lib, _NATIVE_SEARCH4[src.dtype])(src.ctypes.data, scale.ctypes.data, units.ctypes.data,
+                                                     _SEARCH_DIVISORS.ctypes.data, len(SEARCH_DIVISORS), amax.size,
+                                                     g, *out)
+        else:
+            getattr(lib, _NATIVE_QUANTIZE4[src.dtype])(src.ctypes.data, scale.ctypes.data, units.ctypes.data,
+                                                       amax.size, g, *out)
     else:
         _quantize4_blocks(src, g, rows, scale, units, q_out, err_max, err_units, search)
     scale_out[...] = scale                 # float16 values already: exact
@@ -279,12 +287,15 @@ def _int4_error_units(amax: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 _NATIVE_QUANTIZE4 = {np.dtype(np.uint16): "colibri_quantize4_bf16", np.dtype(np.float32): "colibri_quantize4_f32"}
+_NATIVE_SEARCH4 = {np.dtype(np.uint16): "colibri_quantize4_search_bf16",
+                   np.dtype(np.float32): "colibri_quantize4_search_f32"}
+NATIVE_SEARCH_MAX_G = 128   # _native.c's INT32_RUN: the compiled search holds a group in one run
 
 
 def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, units: np.ndarray, q_out: np.ndarray,
                       err_max: np.ndarray, err_units: np.ndarray, search: bool) -> None:
-    """The NumPy form of the int4 values pass (the only one with `search`, which also refits `scale` in place):
-    packed q, and each group's largest |error| and its sum in `units` a step, block by block of `rows` rows."""
+    """The NumPy form of the int4 values pass (`search` also refits `scale` in place): packed q, and each group's
+    largest |error| and its sum in `units` a step, block by block of `rows` rows."""
     n_out, n_in = src.shape
     x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     for start in range(0, n_out, rows):
@@ -341,11 +352,31 @@ def _scales_f16(amax: np.ndarray, src: np.ndarray, g: int) -> np.ndarray:
 
 
 SEARCH_DIVISORS = (7.25, 7.5, 7.75, 8.0, 8.5)
+_SEARCH_DIVISORS = np.array(SEARCH_DIVISORS, np.float32)      # what the compiled search divides by
+
+
+SEARCH_LANES = 8   # the search's float32 sums: interleaved lanes (element k in lane k % 8), then a fixed tree
 
 
 def _as_f16(s: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return s.astype(np.float16).astype(np.float32)
+
+
+def _lane_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis of v [r, G, g] in a fixed order, the one _native.c's search takes: v padded with +0 to
+    whole lanes' rounds, each lane sums its elements in turn, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    r, G, g = v.shape
+    if g % SEARCH_LANES:
+        v = np.concatenate([v, np.zeros((r, G, -g % SEARCH_LANES), v.dtype)], axis=-1)
+        g = v.shape[-1]
+    lanes = v.reshape(r, G, g // SEARCH_LANES, SEARCH_LANES)
+    acc = lanes[:, :, 0, :].copy()
+    for i in range(1, g // SEARCH_LANES):
+        acc += lanes[:, :, i, :]
+    pairs = acc[..., 0::2] + acc[..., 1::2]
+    quads = pairs[..., 0::2] + pairs[..., 1::2]
+    return quads[..., 0] + quads[..., 1]
 
 
 def _group_sse(x: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -354,7 +385,7 @@ def _group_sse(x: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     safe = np.where(ok, s, np.float32(1))[..., None]
     q = np.clip(np.rint(x / safe), -8, 7)
     d = x - q * safe
-    return np.where(ok, np.einsum("rgk,rgk->rg", d, d), np.float32(np.inf)), q
+    return np.where(ok, _lane_sum(d * d), np.float32(np.inf)), q
 
 
 def _search_scales(x: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -370,8 +401,8 @@ def _search_scales(x: np.ndarray, base: np.ndarray) -> np.ndarray:
         better = err < best_err
         best, best_err = np.where(better, s, best), np.where(better, err, best_err)
     _, q = _group_sse(x, best)
-    den = np.einsum("rgk,rgk->rg", q, q)
-    fit = _as_f16(np.einsum("rgk,rgk->rg", x, q) / np.where(den > 0, den, np.float32(1)))
+    den = _lane_sum(q * q)
+    fit = _as_f16(_lane_sum(x * q) / np.where(den > 0, den, np.float32(1)))
     err, _ = _group_sse(x, fit)
     better = (err < best_err) & (den > 0)
     return np.where(better, fit, best).astype(np.float32)

@@ -137,14 +137,15 @@ def test_quantize_into_is_quantize_int8_bit_for_bit(case):
     _same(*case)
 
 
-def _same4(chunk: np.ndarray, group: int) -> None:
-    """quantize_int4_into with the compiled loop (where built) gives the NumPy loop's packed q, scales and errors."""
+def _same4(chunk: np.ndarray, group: int, search: bool = False) -> None:
+    """quantize_int4_into with the compiled loop (where built) gives the NumPy loop's packed q, scales and errors,
+    round-to-nearest or searched."""
     n_out, n_in = chunk.shape
 
     def run():
         q = np.full((n_out, n_in // 2), 0xAB, np.uint8)
         scale = np.full((n_out, n_in // group), -1, np.float16)
-        return quantize_int4_into(chunk, group, q, scale), q, scale.view(np.uint16)
+        return quantize_int4_into(chunk, group, q, scale, search=search), q, scale.view(np.uint16)
 
     try:
         with np.errstate(all="ignore"), numpy_loops():
@@ -160,8 +161,8 @@ def _same4(chunk: np.ndarray, group: int) -> None:
 
 
 @st.composite
-def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int]:
-    group = draw(st.sampled_from([32, 64, 128]))
+def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int, bool]:
+    group = draw(st.sampled_from([2, 8, 12, 32, 64, 128]))           # small and ragged ones: the search's lane sums
     n_in = group * draw(st.integers(1, 6))
     n_out = draw(st.integers(1, 70))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -171,10 +172,10 @@ def int4_chunks(draw: st.DrawFn) -> tuple[np.ndarray, int]:
         w[rng.integers(0, n_out)] = 0.0                 # a zero row
     if draw(st.booleans()):
         w[:, :group] = 0.0                              # zero groups
-    return _stored(w, draw(st.sampled_from(["bfloat16", "float16", "float32"]))), group
+    return _stored(w, draw(st.sampled_from(["bfloat16", "float16", "float32"]))), group, draw(st.booleans())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(int4_chunks())
 def test_int4_compiled_loop_is_the_numpy_loop_bit_for_bit(case):
     _same4(*case)
@@ -202,8 +203,10 @@ def test_int4_compiled_loop_on_real_widths_and_every_code():
             _same4(_stored(rng.standard_normal((300, 2048), dtype=np.float32) * 0.02, dtype), group)
     ties = np.tile(np.arange(-7, 7.5, 0.5, dtype=np.float32)[:29], 3)[:64].reshape(1, 64)
     ties[0, 0] = 7.0                                    # the group's max: scale 1 exactly, so x = w
-    _same4(ties, 32)
-    _same4(_stored(ties, "bfloat16"), 64)
+    for search in (False, True):
+        _same4(ties, 32, search)
+        _same4(_stored(ties, "bfloat16"), 64, search)
+        _same4(_stored(rng.standard_normal((40, 2048), dtype=np.float32) * 0.02, "bfloat16"), 32, search)
 
 
 @pytest.mark.skipif(bool(os.environ.get("COLIBRI_NO_NATIVE")), reason="COLIBRI_NO_NATIVE is set")
