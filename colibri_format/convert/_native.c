@@ -245,6 +245,23 @@ static inline float search_scale(const float *x, int64_t g, float base, const fl
 QUANTIZE4_SEARCH(colibri_quantize4_search_f32, float, as_f32)
 QUANTIZE4_SEARCH(colibri_quantize4_search_bf16, uint16_t, widen_bf16)
 
+/* FP8 sources (convert/derived.py Fp8Blocks): rows of e4m3 bytes q [rows, cols] to float32, out = table[q] x the
+ * scale of the row's and column's block, scales [.., ceil(cols / bn)] starting at the block of row `first` (the
+ * table is derived.py's E4M3: one multiply, as NumPy's). */
+CLONES void colibri_fp8_rows(const uint8_t *q, int64_t rows, int64_t cols, const float *scales, int64_t first,
+                             int64_t bm, int64_t bn, const float *table, float *out) {
+    int64_t scale_cols = (cols + bn - 1) / bn;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row_scales = scales + ((first + i) / bm - first / bm) * scale_cols;
+        for (int64_t c0 = 0; c0 < cols; c0 += bn) {
+            int64_t c1 = c0 + bn < cols ? c0 + bn : cols;
+            float s = row_scales[c0 / bn];
+            for (int64_t c = c0; c < c1; c++)
+                out[i * cols + c] = table[q[i * cols + c]] * s;
+        }
+    }
+}
+
 /* The smallest bf16 magnitude (bits & 0x7FFF) whose float16 image is a normal number, and the first one beyond
  * float16 (65536 and up, inf, NaN): cast.py's constants. */
 #define F16_NORMAL_LO 0x3880u

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from colibri_format.convert import native
 from colibri_format.convert.safe_paths import short_repr
 from colibri_format.dtypes import to_float32
 from colibri_format.errors import InvalidInput, NonFiniteWeight, UnsupportedModel
@@ -179,8 +180,15 @@ class Fp8Blocks:
         q = self.q if index is None else self.q[index]
         scale = self.scale if index is None else self.scale[index]
         bm, bn = self.block
-        values = E4M3[q[start:stop]]
-        s = to_float32(np.asarray(scale[start // bm:(stop - 1) // bm + 1]))     # the blocks these rows fall in
+        rows = np.ascontiguousarray(q[start:stop])
+        s = np.ascontiguousarray(to_float32(np.asarray(scale[start // bm:(stop - 1) // bm + 1])))  # their blocks
+        lib = native.library()
+        if lib is not None and rows.size:      # the same products in one pass (_native.c colibri_fp8_rows)
+            values = np.empty(rows.shape, np.float32)
+            lib.colibri_fp8_rows(rows.ctypes.data, rows.shape[0], rows.shape[1], s.ctypes.data, start, bm, bn,
+                                 E4M3.ctypes.data, values.ctypes.data)
+            return values
+        values = E4M3[rows]
         s = np.repeat(s, bm, axis=0)[start - start // bm * bm:][:stop - start]
         values *= np.repeat(s, bn, axis=1)[:, :values.shape[1]]
         return values

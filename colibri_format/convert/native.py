@@ -4,7 +4,7 @@
 extension: without one the install goes on and the converter runs its NumPy loops, which write the same bytes,
 only slower; a build older than `_native.c` is ignored too). The library has no Python module in it: it is found
 by the extension's file name and called through ctypes, one call per chunk, with the pointers of arrays the caller
-checked (`quantize.py`, `cast.py`).
+checked (`quantize.py`, `cast.py`, `derived.py`).
 
 `COLIBRI_NO_NATIVE=1` in the environment keeps the NumPy loops (for comparing the two; tests patch `library`).
 """
@@ -28,6 +28,7 @@ _SIGNATURES = {
     "colibri_quantize4_search_bf16": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "colibri_quantize4_search_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "colibri_bf16_to_f16": [_PTR, _I64, _PTR],
+    "colibri_fp8_rows": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR],
 }
 _RESULTS = {"colibri_bf16_to_f16": _I64}
 

@@ -29,6 +29,37 @@ def test_e4m3_table_is_torchs():
     np.testing.assert_array_equal(E4M3[~np.isnan(ref)], ref[~np.isnan(ref)])
 
 
+@pytest.mark.parametrize("shape, block, index", [((300, 1000), (128, 128), None), ((2, 130, 257), (128, 64), 1),
+                                                 ((7, 9), (4, 2), None)])
+def test_fp8_rows_compiled_are_numpys_bit_for_bit(shape, block, index):
+    """Fp8Blocks.rows through _native.c's loop (where built) against its NumPy form: every byte (NaN ones too),
+    ragged blocks at both edges, row ranges starting inside a block."""
+    import unittest.mock
+
+    from colibri_format.convert import native
+    from colibri_format.convert.derived import Fp8Blocks
+
+    rng = np.random.default_rng(sum(shape))
+    q = rng.integers(0, 256, shape, dtype=np.uint8)
+    *lead, r, c = shape
+    scale = rng.uniform(0.5, 2.0, (*lead, -(-r // block[0]), -(-c // block[1]))).astype(np.float32)
+
+    class Src:
+        def raw_view(self, name):
+            return q
+
+        def native_view(self, name):
+            return scale
+
+    fp8 = Fp8Blocks(Src(), "w", "s", block)
+    for start, stop in ((0, r), (1, r - 1), (block[0] - 1, min(r, 2 * block[0] + 1)), (r - 1, r)):
+        got = fp8.rows(index, start, stop)
+        with unittest.mock.patch.object(native, "library", lambda: None):
+            want = fp8.rows(index, start, stop)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert np.isnan(got).any() == np.isnan(want).any()
+
+
 def test_mxfp4_decoding_is_transformers():
     from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
