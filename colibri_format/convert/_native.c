@@ -76,15 +76,21 @@ static inline int32_t quantize_run(const float *w, int64_t n, float s, float uni
     return units;
 }
 
+/* Two int4 codes in one byte: `lo` (input 2k) in the low nibble, `hi` (input 2k + 1) in the high one, two's
+ * complement. */
+static inline uint8_t nibble_pair(int32_t lo, int32_t hi) {
+    return (uint8_t)(((uint32_t)lo & 0xFu) | (((uint32_t)hi & 0xFu) << 4));
+}
+
 /* int4_group: one run of n (even, <= INT32_RUN) float32 values w of a group with scale s (|w / s| <= 7: the scale
  * is max|w| / 7 rounded up): the int8 codes q = rint(w / s) as quantize_run makes them (its loop vectorizes), then
- * packed two a byte into `packed` (value 2k in the low nibble of byte k, 2k+1 in the high one, two's complement). */
+ * packed two a byte into `packed` (nibble_pair). */
 static inline int32_t quantize4_run(const float *w, int64_t n, float s, float units_per_step, uint8_t *packed,
                                     uint32_t *top_bits) {
     int8_t codes[INT32_RUN];
     int32_t units = quantize_run(w, n, s, units_per_step, codes, top_bits);
     for (int64_t k = 0; k < n / 2; k++)
-        packed[k] = (uint8_t)(((uint8_t)codes[2 * k] & 0xFu) | (((uint8_t)codes[2 * k + 1] & 0xFu) << 4));
+        packed[k] = nibble_pair(codes[2 * k], codes[2 * k + 1]);
     return units;
 }
 
@@ -230,7 +236,7 @@ static inline float search_scale(const float *x, int64_t g, float base, const fl
             int64_t units = 0;                                                                                         \
             for (int64_t k = 0; k < g; k += 2) {                                                                       \
                 float t0 = x[k] / s, t1 = x[k + 1] / s, r0 = clipped_rint(t0), r1 = clipped_rint(t1);                  \
-                q[(j * g + k) / 2] = (uint8_t)(((uint32_t)(int32_t)r0 & 0xFu) | (((uint32_t)(int32_t)r1 & 0xFu) << 4)); \
+                q[(j * g + k) / 2] = nibble_pair((int32_t)r0, (int32_t)r1);                                            \
                 uint32_t b0 = float_bits(t0 - r0) & 0x7FFFFFFFu, b1 = float_bits(t1 - r1) & 0x7FFFFFFFu;               \
                 top = b0 > top ? b0 : top;                                                                             \
                 top = b1 > top ? b1 : top;                                                                             \
