@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_kernels import copy_bandwidth, time_graph  # noqa: E402
-from synthetic_decode import shaped_model, write_timed  # noqa: E402
+from synthetic_decode import EXPERT_FORMATS, expert_options, shaped_model, write_timed  # noqa: E402
 
 SHAPES = {  # full depth: every layer, the real vocabulary (head_dim 128 for all three)
     "qwen3": dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, experts=128, top_k=8,
@@ -123,18 +123,11 @@ def log(msg: str) -> None:
     print(f"[decode_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-EXPERT_FORMATS = {"int8": {}, "int4_g32": {"expert_format": "INT4_GROUP", "group_size": 32}}   # --experts
-
-
 def ensure_model(path: Path, shape: str, experts: str = "int8") -> Path:
     if path.exists():
         return path
-    from colibri_format import spec as S
-
-    options = dict(EXPERT_FORMATS[experts])
-    if "expert_format" in options:
-        options["expert_format"] = S.ExpertFormat[options["expert_format"]]
-    write_timed(path, shaped_model(SHAPES[shape], head_dim=128, max_position_embeddings=4096), log, **options)
+    write_timed(path, shaped_model(SHAPES[shape], head_dim=128, max_position_embeddings=4096), log,
+                **expert_options(experts))
     return path
 
 

@@ -34,13 +34,12 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.synthetic_decode import HBM_COPY_BPS, cpu_decode, cuda_decode, shaped_model, write_timed
+from benchmarks.synthetic_decode import (EXPERT_FORMATS, HBM_COPY_BPS, cpu_decode, cuda_decode, expert_options,
+                                         shaped_model, write_timed)
 
 MIXTRAL = dict(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
                expert_inter=14336)
 TINY = dict(vocab=256, hidden=128, layers=3, heads=2, kv_heads=1, head_dim=64, experts=8, top_k=2, expert_inter=128)
-FORMATS = {"int8": ("INT8_ROW", 0), "int4_g32": ("INT4_GROUP", 32), "int4_g64": ("INT4_GROUP", 64),
-           "int4_g128": ("INT4_GROUP", 128), "mxfp4": ("MXFP4", 32)}
 
 
 def log(msg: str) -> None:
@@ -107,8 +106,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    from colibri_format import spec as S
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default="int8,int4_g32,mxfp4")
@@ -122,8 +119,8 @@ def main() -> int:
                     help="also run the formats int8 activations apply to (int4_g32) with int8_activations=False")
     args = ap.parse_args()
     names = args.formats.split(",")
-    if set(names) - set(FORMATS):
-        ap.error(f"unknown formats {sorted(set(names) - set(FORMATS))}; known: {sorted(FORMATS)}")
+    if set(names) - set(EXPERT_FORMATS):
+        ap.error(f"unknown formats {sorted(set(names) - set(EXPERT_FORMATS))}; known: {sorted(EXPERT_FORMATS)}")
     if args.tiny:
         args.iters, args.paged_iters, args.warmup = min(args.iters, 4), min(args.paged_iters, 3), min(args.warmup, 2)
     from benchmarks.paging import copy_ceiling
@@ -136,10 +133,11 @@ def main() -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "shape": shape,
                     "hbm_copy_bps": HBM_COPY_BPS, "ceilings": ceilings, "rows": []}
     for name in names:
-        fmt, group = S.ExpertFormat[FORMATS[name][0]], FORMATS[name][1]
+        options = expert_options(name)
+        fmt = options["expert_format"]
         path = Path(args.dir) / f"int4_decode_{name}.colibri"
         try:
-            file = write_timed(path, model, log, expert_format=fmt, group_size=group)
+            file = write_timed(path, model, log, **options)
             row = {"format": name, "file": file, "int8_activations": True, "activations": activations(fmt, True)}
             row["resident"] = resident(path, args, True)
             row["paged"] = paged(path, args, ceilings, shape["experts"])

@@ -1,7 +1,8 @@
 """Expert paging on one GPU at full depth: the cases of the paging issue, with the PCIe bound beside each.
 
-Models (full depth: every layer, the real vocabulary; bf16 dense, int8 experts, one random blob repeated,
-written by `colibri_format.synthetic.write_synthetic(reuse_expert=True)` to tmpfs):
+Models (full depth: every layer, the real vocabulary; bf16 dense, int8 experts or, with `--experts int4_g32` etc.,
+4-bit ones; one random blob repeated, written by `colibri_format.synthetic.write_synthetic(reuse_expert=True)` to
+tmpfs):
   Qwen3-30B-A3B: 48 layers, vocab 151,936, hidden 2048, 128 experts top-8 of FFN 768, 32/4 heads of 128;
   Mixtral-8x7B: 32 layers, vocab 32,000, hidden 4096, 8 experts top-2 of FFN 14,336, 32/8 heads of 128.
 Cases: all resident; the cache at 50% / 25% of the experts (global scope; Mixtral: 4 of 8 per layer), lrfu;
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.synthetic_decode import EXPERT_FORMATS, expert_options
 from colibri_format.runtime.engine import Engine, EngineConfig
 from colibri_format.runtime.expert_pool import EXPERT_LOADING
 
@@ -63,7 +65,7 @@ def zipf_trace(layers: int, experts: int, k: int, steps: int, seed: int = 0, bat
     return synthetic_trace(layers, experts, k, steps, skew=ZIPF_SKEW, locality=ZIPF_LOCALITY, seed=seed, batch=batch)
 
 
-def write_model(path: Path, shape: dict, dry: bool) -> Path:
+def write_model(path: Path, shape: dict, dry: bool, experts: str = "int8") -> Path:
     from colibri_format import spec as S
     from colibri_format.synthetic import synthetic_model, write_synthetic
 
@@ -74,7 +76,7 @@ def write_model(path: Path, shape: dict, dry: bool) -> Path:
     model = synthetic_model(**shape)
     model["head_dim"] = head_dim
     model["max_position_embeddings"] = 4096
-    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16)
+    write_synthetic(path, model, reuse_expert=True, dense_dtype=S.DType.BF16, **expert_options(experts))
     return path
 
 
@@ -239,6 +241,8 @@ def main() -> int:
                     help="expert_loading modes the 50%% Zipf-trace cases run in (comma list)")
     ap.add_argument("--ab-only", action="store_true",
                     help="only the resident baseline and the expert_loading A/B cases (Qwen3; implies --skip-mixtral)")
+    ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
+                    help="expert format of the written files (int4 formats run on int8 activations, the default)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     args.loading = [m.strip() for m in args.loading.split(",") if m.strip()]
@@ -251,7 +255,8 @@ def main() -> int:
         args.steps, args.warmup = 3, 2
     ceilings = copy_ceiling(args.device, 1 << 20 if args.dry_run else 1 << 30)
     log(f"ceilings {ceilings}")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "ceilings": ceilings, "rows": []}
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": args.device, "ceilings": ceilings,
+              "experts": args.experts, "rows": []}
 
     def save():
         if args.out:
@@ -263,7 +268,7 @@ def main() -> int:
                 continue
             t0 = time.perf_counter()
             given = Path(args.qwen3_file) if name == "qwen3" and args.qwen3_file else None
-            path = given or write_model(Path(tmp) / f"{name}.colibri", dict(shape), args.dry_run)
+            path = given or write_model(Path(tmp) / f"{name}.colibri", dict(shape), args.dry_run, args.experts)
             log(f"{name} file {path.stat().st_size / 1e9:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
             try:
                 result["rows"] += cases(path, args, ceilings)

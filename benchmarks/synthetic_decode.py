@@ -13,6 +13,17 @@ from pathlib import Path
 import numpy as np
 
 HBM_COPY_BPS = 4.0e12          # the H200's device-to-device copy rate (bytes/s): the nominal roofline
+# the expert formats a benchmark's --experts / --formats name: spec.ExpertFormat member and group size
+EXPERT_FORMATS = {"int8": ("INT8_ROW", 0), "int4_g32": ("INT4_GROUP", 32), "int4_g64": ("INT4_GROUP", 64),
+                  "int4_g128": ("INT4_GROUP", 128), "mxfp4": ("MXFP4", 32)}
+
+
+def expert_options(name: str) -> dict:
+    """write_synthetic's expert_format and group_size for an EXPERT_FORMATS name."""
+    from colibri_format import spec as S
+
+    member, group = EXPERT_FORMATS[name]
+    return {"expert_format": S.ExpertFormat[member], "group_size": group}
 
 
 def shaped_model(widths: dict, synthetic_options: dict | None = None, **fields) -> dict:
