@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_kernels import copy_bandwidth, time_graph  # noqa: E402
+from gpu_kernels import copy_bandwidth, rebuild_module, time_graph  # noqa: E402
 from synthetic_decode import EXPERT_FORMATS, expert_options, shaped_model, write_timed  # noqa: E402
 
 SHAPES = {  # full depth: every layer, the real vocabulary (head_dim 128 for all three)
@@ -131,6 +131,17 @@ def ensure_model(path: Path, shape: str, experts: str = "int8") -> Path:
     return path
 
 
+def use_dense_plan(text: str, result: dict) -> None:
+    """`--dg-plan TOKENS=RxU`: limits.DG_PLANS (which the wrapper's grid reads) and layers.cu's -D constants set."""
+    from colibri_format.runtime.cuda import limits
+
+    tokens, plan = text.split("=")
+    rows, unroll = (int(v) for v in plan.lower().split("x"))
+    limits.DG_PLANS[int(tokens)] = (rows, unroll)
+    rebuild_module("layers", **{f"DG_T{tokens}_ROWS": rows, f"DG_T{tokens}_UNROLL": unroll})
+    result.setdefault("dg_plans", {})[tokens] = [rows, unroll]
+
+
 def engine_profile(path: Path, batches: list[int], small_moe: bool = False) -> list[dict]:
     from colibri_format.runtime.cuda.bench import render, run_bench
 
@@ -206,6 +217,9 @@ def main() -> int:
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
                     "unsplit, the kernel before session 16)")
+    ap.add_argument("--dg-plan", action="append", default=[], metavar="TOKENS=RxU",
+                    help="limits.DG_PLANS[TOKENS] = (R, U) for the engine runs, layers.cu rebuilt to match (repeatable; "
+                    "1=2x4: one token's plan before session 17)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
                     help="expert format of the files (int4_g32: int8 activations, the engine's default)")
     args = ap.parse_args()
@@ -225,6 +239,8 @@ def main() -> int:
 
         limits.DG_MAX_SPLITS = args.dg_max_splits
         result["dg_max_splits"] = args.dg_max_splits
+    for plan in args.dg_plan:
+        use_dense_plan(plan, result)
     if args.no_pairs:
         from colibri_format.runtime.cuda.kernels import ops
 

@@ -93,8 +93,10 @@ W8A8_MIN_EXPERT_MACS = 300_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
-# once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): one token
-# wants loads in flight (2 rows x 4), eight want rows that share each x load (4 x 1).
+# once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): eight
+# tokens want rows that share each x load (4 x 1). One token wanted loads in flight (2 rows x 4) while an item ran on
+# one warp; with its K split over warps (DG_MAX_SPLITS) 2 x 2 is faster (benchmarks/dense_gemv_sweep.py, session 17:
+# Qwen3 q/k/v 8.37 -> 7.42 us, o_proj 6.56 -> 6.11, Mixtral q/k/v 16.17 -> 14.82, lm_head 138.8 -> 139.9).
 ATT_THREADS = 128
 ATT_GMAX = 8
 # attention_decode (query rows <= ATT_DECODE_MAX_ROWS): K and V values a lane loads per key batch, and the fewest
@@ -118,7 +120,7 @@ FA_PLAN_FIELDS = 5                          # a tile of the host plan: first row
 #                                             first key, keys end
 FA_HEAD_DIMS = (64, 128, 256)               # kernels attention_prefill_<f32|bf16>_hd<D>
 DG_THREADS = 256
-DG_PLANS = {1: (2, 4), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
+DG_PLANS = {1: (2, 2), 2: (2, 4), 4: (4, 1), 8: (4, 1)}
 DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output rows dense_gemv takes
 # dense_gemv splits an item's K over up to DG_MAX_SPLITS warps of a block (a power of two dividing DG_THREADS / 32;
 # 1: the unsplit kernel of sessions 6-15), as many as keep a launch within DG_WARPS_PER_SM warps a multiprocessor
