@@ -104,6 +104,25 @@ def test_moe_experts_4bit_end_to_end(cp, rng, fmt, gemm, T):
     assert len(expansions) == int(gemm)
 
 
+@pytest.mark.parametrize("fmt,int8_activations", [(f, False) for f in sorted(FORMATS)] + [("int4-g32", True)])
+def test_prefill_without_an_expansion_workspace_keeps_its_own_alive(cp, rng, fmt, int8_activations):
+    """expansions=None: the call's own expansion must outlive its GEMMs. With an empty memory pool, memory freed
+    early is the first that the call's next allocations (x rounded, act) get, so the GEMMs would read overwritten
+    weights (a row off by ~1e8 when the expansion was a temporary)."""
+    E, k, H, I, T = 16, 4, 256, 128, 70
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids, w = routes(rng, T, E, k, False)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    cp.cuda.get_current_stream().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    y = ops.moe_experts_4bit(*args, gemm=True, int8_activations=int8_activations).get()
+    rounding = {"round_input": nb.round_int8_groups} if int8_activations else {}
+    want = nb.moe(f64(x), ids, f64(w), experts, residual=np.zeros((T, H)), **rounding)
+    assert rel(y, want) < (2e-2 if int8_activations else F32_TOL)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_expansion_holds_the_same_weights_exactly(cp, rng, fmt):
     """The routed experts' int8_group expansion dequantizes to the 4-bit weights bit for bit; others untouched."""

@@ -2096,7 +2096,10 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
         xs = _out("xs", bufs.get("xs"), (T, x.shape[1] // A8_GROUP), cp.float32)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp, quantize=(x, xq, xs) if a8_decode else None)
     if use_gemm:
-        int8 = expand_to_int8(table, disp, _expansion(table, expansions))
+        # held until the GEMMs are queued: the returned table holds raw addresses only, and a workspace freed early
+        # hands its memory to this call's next allocations (x rounded, act) while the GEMMs still read it
+        expansion = _expansion(table, expansions)
+        int8 = expand_to_int8(table, disp, expansion)
         if int8_activations:
             x = round_activations_a8(x, out=bufs.get("x_rounded"))
         act = moe_gemm_gate_up(x, int8, disp, k, tensor_cores=False, out=act)
