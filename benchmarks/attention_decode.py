@@ -3,14 +3,15 @@ Mixtral-8x7B and OLMoE-1B-7B, with the split count a captured decode graph plans
 real lengths from short to the capacity: µs a call and GB/s of the K/V bytes the lengths need.
 
     PYTHONPATH=. python benchmarks/attention_decode.py --out OUT_DIR [--caches f32,bf16] [--capacity 4096] \
-        [--define ATT_LANE_FLOATS=64 ...]
+        [--lengths 64,512,4096] [--splits 64,128,256 --define ATT_MAX_SPLITS=256] [--define ATT_LANE_FLOATS=64 ...]
 
 Each case is a CUDA graph of 20 launches on one workspace (benchmarks/gpu_kernels.time_graph, median of 25
 replays), checked once against the NumPy float64 attention. The engine's KV cache is float32 (the default
 precision), so f32 is the engine's case; bf16 is there for comparison. Writes attention_decode.json and .md.
 `--define NAME=VALUE` (repeatable) overrides one of the attention kernels' compile-time constants
 (limits.KERNEL_DEFINES["layers"]) for this process, and ops.py's copy of it where the launch plan reads one
-(ATT_DECODE_MIN_KEYS): a candidate timed without editing limits.py.
+(ATT_DECODE_MIN_KEYS) and limits' (ATT_MAX_SPLITS, which ops checks nsplit against): a candidate timed without editing
+limits.py. `--splits` runs each case at the given split counts instead of the planned one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ SHAPES = {"qwen3": (32, 4, 128), "mixtral": (32, 8, 128), "olmoe": (16, 16, 128)
 LENGTHS = (64, 512, 4096)
 
 
-def case(cp, ops, nb, rng, shape, cache: str, capacity: int, batch: int, length: int) -> dict:
+def case(cp, ops, nb, rng, shape, cache: str, capacity: int, batch: int, length: int,
+         splits: int | None = None) -> dict:
     nh, nkv, hd = shape
     dtype = cp.float32 if cache == "f32" else cp.uint16
     host = rng.standard_normal((batch, capacity, nkv, hd)).astype(np.float32)
@@ -39,7 +41,7 @@ def case(cp, ops, nb, rng, shape, cache: str, capacity: int, batch: int, length:
     kc, vc = cp.asarray(host, dtype=dtype), cp.asarray(host[:, ::-1].copy(), dtype=dtype)
     q = cp.asarray(rng.standard_normal((batch, nh, hd)).astype(np.float32))
     q_seq, q_len = cp.arange(batch, dtype=cp.int32), cp.full(batch, length, cp.int32)
-    ns = ops.attention_splits(batch, nkv, nh // nkv, capacity)
+    ns = splits or ops.attention_splits(batch, nkv, nh // nkv, capacity)
     ws = ops.AttentionWorkspace(batch, nh, hd, ns)
     out = cp.empty((batch, nh, hd), cp.float32)
     scale = 1 / math.sqrt(hd)
@@ -70,8 +72,9 @@ def override_defines(ops, pairs: list[str]) -> dict[str, int]:
         if not value.isdigit() or int(value) < 1:
             raise SystemExit(f"--define {pair}: the value must be a whole number of at least 1")
         overrides[name] = defines[name] = int(value)
-        if hasattr(ops, name):
-            setattr(ops, name, int(value))
+        for module in (ops, limits):      # ops' copy of a name, and limits' (ops checks nsplit against it)
+            if hasattr(module, name):
+                setattr(module, name, int(value))
     return overrides
 
 
@@ -82,9 +85,14 @@ def main() -> int:
     ap.add_argument("--caches", default="f32,bf16")
     ap.add_argument("--capacity", type=int, default=4096, help="KV capacity the graph's split count follows")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="real lengths (keys) timed")
+    ap.add_argument("--splits", default="", help="comma list of split counts each case runs with instead of the "
+                    "planned one (at most ATT_MAX_SPLITS, which --define may raise)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="override an attention kernel constant for this run (repeatable)")
     args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    split_counts = [int(n) for n in args.splits.split(",") if n] or [None]
     from colibri_format.runtime import numpy_backend as nb
     from colibri_format.runtime.cuda.kernels import ops
 
@@ -97,11 +105,13 @@ def main() -> int:
     for name in args.shapes.split(","):
         for cache in args.caches.split(","):
             for batch in map(int, args.batches.split(",")):
-                for length in (n for n in LENGTHS if n <= args.capacity):
-                    r = {"shape": name, **case(cp, ops, nb, rng, SHAPES[name], cache, args.capacity, batch, length)}
-                    rows.append(r)
-                    print(f"{name:8s} {cache:4s} b{batch} len {length:5d}: {r['us']:7.2f} us {r['gbps']:7.1f} GB/s "
-                          f"({r['splits']} splits, rel err {r['rel_err']:.1e})", flush=True)
+                for length in (n for n in lengths if n <= args.capacity):
+                    for ns in split_counts:
+                        r = {"shape": name, **case(cp, ops, nb, rng, SHAPES[name], cache, args.capacity, batch,
+                                                   length, ns)}
+                        rows.append(r)
+                        print(f"{name:8s} {cache:4s} b{batch} len {length:5d}: {r['us']:7.2f} us "
+                              f"{r['gbps']:7.1f} GB/s ({r['splits']} splits, rel err {r['rel_err']:.1e})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "device_copy_gbps": copy, "capacity": args.capacity,

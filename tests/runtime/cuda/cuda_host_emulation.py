@@ -474,7 +474,12 @@ def build_layers(tmp_path: Path, **defines: int) -> ctypes.CDLL:
 
 class AttentionDecodeEmulator(LibraryEmulator):
     """layers.cu's attention_decode kernels over host arrays, launched as `ops.attention` launches them for up to
-    ATT_DECODE_MAX_ROWS query rows; blocks run in a shuffled order (`order` seeds it, 0: grid order)."""
+    ATT_DECODE_MAX_ROWS query rows; blocks run in a shuffled order (`order` seeds it, 0: grid order). max_splits:
+    the ATT_MAX_SPLITS the library was built with (build_layers' define, limits.py's by default)."""
+
+    def __init__(self, lib: ctypes.CDLL, max_splits: int = limits.ATT_MAX_SPLITS) -> None:
+        super().__init__(lib)
+        self.max_splits = max_splits
 
     @staticmethod
     def workspace(num_rows: int, heads: int, head_dim: int, nsplit: int) -> dict:
@@ -487,7 +492,7 @@ class AttentionDecodeEmulator(LibraryEmulator):
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None,
                   nsplit: int = 1, workspace: dict | None = None, order: int = 1) -> np.ndarray:
         NQ, nh, hd = q.shape
-        assert NQ <= limits.ATT_DECODE_MAX_ROWS and 1 <= nsplit <= limits.ATT_MAX_SPLITS
+        assert NQ <= limits.ATT_DECODE_MAX_ROWS and 1 <= nsplit <= self.max_splits
         nkv, cap = k_cache.shape[2], k_cache.shape[1]
         code = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}[k_cache.dtype]
         out = np.full(q.shape, np.nan, np.float32)

@@ -31,19 +31,20 @@ def emulator(tmp_path_factory):
     return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_host")))
 
 
-def caches(rng, nkv: int, hd: int, cache: str) -> tuple[np.ndarray, np.ndarray]:
-    """K and V [2, CAPACITY, nkv, hd] of `cache` storage (bf16 as uint16 bits)."""
-    k, v = (rng.standard_normal((2, CAPACITY, nkv, hd)).astype(np.float32) for _ in range(2))
+def caches(rng, nkv: int, hd: int, cache: str, capacity: int = CAPACITY) -> tuple[np.ndarray, np.ndarray]:
+    """K and V [2, capacity, nkv, hd] of `cache` storage (bf16 as uint16 bits)."""
+    k, v = (rng.standard_normal((2, capacity, nkv, hd)).astype(np.float32) for _ in range(2))
     if cache == "bf16":
         return float32_to_bf16_bits(k), float32_to_bf16_bits(v)
     return (k, v) if cache == "f32" else (k.astype(np.float16), v.astype(np.float16))
 
 
 def check(emulator, rng, *, nh: int = 8, nkv: int = 1, hd: int = 128, cache: str = "f32", lengths=(100,),
-          nsplit: int = 3, window: int = 0, with_sinks: bool = False, workspace=None, order: int = 1) -> None:
+          nsplit: int = 3, window: int = 0, with_sinks: bool = False, workspace=None, order: int = 1,
+          capacity: int = CAPACITY) -> None:
     """Rows of `lengths` (row n reads cache sequence (n + 1) % 2) against the float64 reference; the workspace's
     tickets are back at zero."""
-    k, v = caches(rng, nkv, hd, cache)
+    k, v = caches(rng, nkv, hd, cache, capacity)
     q = rng.standard_normal((len(lengths), nh, hd)).astype(np.float32)
     q_seq = ((np.arange(len(lengths)) + 1) % 2).astype(np.int32)
     q_len = np.asarray(lengths, np.int32)
@@ -107,3 +108,21 @@ def test_repeated_launches_on_one_workspace(emulator):
     for i, length in enumerate((200, 40, 1, 17, 64)):
         check(emulator, rng, nh=16, lengths=(length, length % 37 + 1), nsplit=ns, workspace=ws, order=i + 1,
               with_sinks=i % 2 == 1)
+
+
+WIDE_SPLITS = 4 * limits.ATT_MAX_SPLITS    # a candidate cap benchmarks/attention_decode.py times with --define
+
+
+@pytest.fixture(scope="module")
+def wide_emulator(tmp_path_factory):
+    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_wide"), ATT_MAX_SPLITS=WIDE_SPLITS),
+                                   max_splits=WIDE_SPLITS)
+
+
+@pytest.mark.parametrize("nsplit", [limits.ATT_MAX_SPLITS + 32, WIDE_SPLITS])
+def test_a_wider_split_cap_merges_alike(wide_emulator, nsplit):
+    """Built with ATT_MAX_SPLITS raised (the merge's lanes take more rounds of splits, its weights more shared
+    memory): every split used (each its minimum keys) and a short row that uses two, with sinks."""
+    length = limits.ATT_DECODE_MIN_KEYS * nsplit
+    check(wide_emulator, np.random.default_rng(nsplit), nh=8, nkv=1, hd=64, lengths=(length, 20), nsplit=nsplit,
+          with_sinks=True, capacity=length)
