@@ -323,6 +323,24 @@ extern "C" void emu_down(int mx, int tokc, int blocks, const float* a, const uns
                                           group);
     });
 }
+
+extern "C" void emu_gate_up_pairs(int mx, int blocks, const float* x, const int* ids, const unsigned long long* blobs,
+                                  const unsigned long long* fills, long long off_w, long long off_s, float* act, int H,
+                                  int I, int k, int group, int P, int E) {
+    emu_launch({blocks, 1, 1}, GEMV4_THREADS, 0, [&] {
+        (mx ? moe4_gate_up_pairs_mxfp4 : moe4_gate_up_pairs_int4)(x, ids, blobs, fills, off_w, off_s, act, H, I, k,
+                                                                  group, P, E);
+    });
+}
+
+extern "C" void emu_down_pairs(int mx, int blocks, const float* a, const int* ids, const unsigned long long* blobs,
+                               const unsigned long long* fills, long long off_w, long long off_s, const float* pair_w,
+                               float* y, int H, int I, int group, int P, int E) {
+    emu_launch({blocks, 1, 1}, GEMV4_THREADS, 0, [&] {
+        (mx ? moe4_down_pairs_mxfp4 : moe4_down_pairs_int4)(a, ids, blobs, fills, off_w, off_s, pair_w, y, H, I,
+                                                            group, P, E);
+    });
+}
 """
 
 
@@ -353,6 +371,21 @@ class Gemv4Emulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)
+
+    def gate_up_pairs(self, x, ids, ptrs, fills, layout, act, num_experts: int) -> None:
+        """moe4_gate_up_pairs_*: ids [T, k] int32 straight from the router, act in pair order."""
+        T, k = ids.shape
+        self.lib.emu_gate_up_pairs(
+            self._mx(layout), self.blocks, _ptr(x), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size, T * k, num_experts)
+
+    def down_pairs(self, a, ids, ptrs, fills, layout, weights, y, num_experts: int) -> None:
+        self.lib.emu_down_pairs(
+            self._mx(layout), self.blocks, _ptr(a), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
+            num_experts)
 
 
 # ---- moe_gemv4_dp4a.cu ----------------------------------------------------------------------------------------------
@@ -385,6 +418,22 @@ extern "C" void emu_down(int tokc, int blocks, const signed char* aq, const floa
     emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
         A8_BY_TOKC(moe4a8_down_int4, tokc)(aq, as, blobs, fills, off_w, off_s, perm, offsets, active, meta, pair_w,
                                            y, H, I, group);
+    });
+}
+
+extern "C" void emu_gate_up_pairs(int blocks, const signed char* xq, const float* xs, const int* ids,
+                                  const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
+                                  long long off_s, float* act, int H, int I, int k, int group, int P, int E) {
+    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
+        moe4a8_gate_up_pairs_int4(xq, xs, ids, blobs, fills, off_w, off_s, act, H, I, k, group, P, E);
+    });
+}
+
+extern "C" void emu_down_pairs(int blocks, const signed char* aq, const float* as, const int* ids,
+                               const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
+                               long long off_s, const float* pair_w, float* y, int H, int I, int group, int P, int E) {
+    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
+        moe4a8_down_pairs_int4(aq, as, ids, blobs, fills, off_w, off_s, pair_w, y, H, I, group, P, E);
     });
 }
 """
@@ -430,6 +479,21 @@ class Gemv4Dp4aEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             *_routing(disp), _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size,
             layout.group_size)
+
+    def gate_up_pairs(self, xq, xs, ids, ptrs, fills, layout, act, num_experts: int) -> None:
+        """moe4a8_gate_up_pairs_int4: ids [T, k] int32 straight from the router, act in pair order."""
+        T, k = ids.shape
+        self.lib.emu_gate_up_pairs(
+            self.blocks, _ptr(xq), _ptr(xs), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
+            _ptr(act), layout.hidden_size, layout.intermediate_size, k, layout.group_size, T * k, num_experts)
+
+    def down_pairs(self, aq, as_, ids, ptrs, fills, layout, weights, y, num_experts: int) -> None:
+        self.lib.emu_down_pairs(
+            self.blocks, _ptr(aq), _ptr(as_), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
+            num_experts)
 
 
 # ---- layers.cu: attention_decode -------------------------------------------------------------------------------------

@@ -146,3 +146,51 @@ def test_the_rounded_inputs_are_the_numpy_engines(emulator):
     emulator.gate_up(1, xq, xs, ptrs, None, layout, d, k, act)
     want = expect.pair_act(nb.round_int8_groups(x.astype(np.float64)), ids, experts)
     assert rel(act[d["inv"]], want) < 1e-2     # float64 rounding of x vs float32: a tie may round one step apart
+
+
+# The by-pair kernels (one-token passes, no dispatch): (group, experts, H, I, ids [T, k]): one token over distinct
+# experts (the engine's case), two tokens sharing an expert, ids outside [0, E).
+PAIR_CASES = [(32, 6, 224, 96, [[3, 0, 5, 1]]), (128, 4, 384, 128, [[2, 1], [1, 3]]),
+              (64, 4, 256, 128, [[0, 7, 2], [-1, 3, 2]])]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-T{len(c[4])}")
+@pytest.mark.parametrize("fill", [False, True])
+def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill):
+    group, E, H, I, ids = case
+    rng = np.random.default_rng(12)
+    layout, experts, blobs = packed_experts(rng, S.ExpertFormat.INT4_GROUP, group, E, H, I)
+    ids = np.array(ids, np.int32)
+    T, k = ids.shape
+    valid = (ids >= 0) & (ids < E)
+    named = np.where(valid, ids, 0)
+    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
+    slots = np.zeros_like(blobs)
+    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+
+    xq, xs = emulator.quantize(x)
+    act = np.full((T * k, I), np.nan, np.float32)
+    emulator.gate_up_pairs(xq, xs, ids, ptrs, fills if fill else None, layout, act, E)
+    aq, as_ = emulator.quantize(act)
+    y = np.full((T * k, H), np.nan, np.float32)
+    emulator.down_pairs(aq, as_, ids, ptrs, fills if fill else None, layout, w, y, E)
+    assert emulator.errors() == (0, "")
+    live = valid.reshape(-1)
+    assert not act[~live].any() and not y[~live].any()
+    exp_act = expect.pair_act(dequantized(xq, xs), named, experts)
+    assert rel(act[live], exp_act[live]) < TOL
+    exp_y = expect.pair_down(dequantized(aq, as_), named, w.astype(np.float64), experts)
+    assert rel(y[live], exp_y[live]) < TOL
+    if fill:
+        check_fills(blobs, slots, layout, ids[valid], E)
+    if valid.all():     # the dispatch path's one-token kernels compute each pair's row alike, to the bit
+        d = host_dispatch(ids, E)
+        act_d = np.full((T * k, I), np.nan, np.float32)
+        emulator.gate_up(1, xq, xs, ptrs, None, layout, d, k, act_d)
+        np.testing.assert_array_equal(act, act_d[d["inv"]])
+        aq_d, as_d = emulator.quantize(act_d)
+        y_d = np.full((T * k, H), np.nan, np.float32)
+        emulator.down(1, aq_d, as_d, ptrs, None, layout, d, w, y_d)
+        np.testing.assert_array_equal(y, y_d)

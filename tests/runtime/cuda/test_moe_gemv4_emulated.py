@@ -69,3 +69,49 @@ def check_against_float64(emulator: Gemv4Emulator, case, tokc: int, fill: bool) 
     assert rel(y, exp_y) < TOL
     if fill:
         check_fills(blobs, slots, layout, ids, E)
+
+
+# The by-pair kernels (ops.moe_experts_4bit's one-token passes, no dispatch): (format, group, experts, H, I, ids
+# [T, k]): one token over distinct experts (the engine's case), two tokens sharing an expert, ids outside [0, E).
+PAIR_CASES = [(S.ExpertFormat.INT4_GROUP, 32, 6, 224, 96, [[3, 0, 5, 1]]),
+              (S.ExpertFormat.INT4_GROUP, 128, 4, 384, 128, [[2, 1], [1, 3]]),
+              (S.ExpertFormat.MXFP4, 32, 4, 256, 96, [[0, 7, 2], [-1, 3, 2]])]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"{c[0].name.lower()}-g{c[1]}-T{len(c[5])}")
+@pytest.mark.parametrize("fill", [False, True])
+def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill):
+    fmt, group, E, H, I, ids = case
+    rng = np.random.default_rng(11)
+    layout, experts, blobs = packed_experts(rng, fmt, group, E, H, I)
+    ids = np.array(ids, np.int32)
+    T, k = ids.shape
+    valid = (ids >= 0) & (ids < E)
+    named = np.where(valid, ids, 0)
+    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
+    slots = np.zeros_like(blobs)
+    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+
+    act = np.full((T * k, I), np.nan, np.float32)
+    emulator.gate_up_pairs(x, ids, ptrs, fills if fill else None, layout, act, E)
+    y = np.full((T * k, H), np.nan, np.float32)
+    emulator.down_pairs(act, ids, ptrs, fills if fill else None, layout, w, y, E)
+    assert emulator.errors() == (0, "")
+    live = valid.reshape(-1)
+    assert not act[~live].any() and not y[~live].any()
+    exp_act = expect.pair_act(x.astype(np.float64), named, experts)
+    assert rel(act[live], exp_act[live]) < TOL
+    exp_y = expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts)
+    assert rel(y[live], exp_y[live]) < TOL
+    if fill:
+        check_fills(blobs, slots, layout, ids[valid], E)
+    if valid.all():     # the dispatch path's one-token kernels compute each pair's row alike, to the bit
+        d = host_dispatch(ids, E)
+        act_d = np.full((T * k, I), np.nan, np.float32)
+        emulator.gate_up(1, x, ptrs, None, layout, d, k, act_d)
+        y_d = np.full((T * k, H), np.nan, np.float32)
+        emulator.down(1, act_d, ptrs, None, layout, d, w, y_d)
+        np.testing.assert_array_equal(act, act_d[d["inv"]])
+        np.testing.assert_array_equal(y, y_d)

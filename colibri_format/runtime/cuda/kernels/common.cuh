@@ -310,18 +310,23 @@ __device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex
 // handing each to `dot.chunk`, which adds its products with up to TOKC input rows (`trow`: row indices of `in`)
 // to acc[R][TOKC]. Fill on read (fills[e] != 0): the first token pass also stores every chunk and scale it reads
 // at the same offsets of the admitted slot; the items of a launch cover every row and scale of the matrix.
-template <typename Dot, int TOKC, int R, int CPL, bool GATEUP>
+// BYPAIR (the *_pairs kernels, one token a pass, TOKC 1): moe_gemv.cu's by-pair mode: no dispatch; active is the
+// router's ids [npairs] in pair order, an item is (pair, rows), in and out rows are in pair order, and an id outside
+// [0, nexp) gives zero rows (perm, offsets and meta unused).
+template <typename Dot, int TOKC, int R, int CPL, bool GATEUP, bool BYPAIR = false>
 __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long long* __restrict__ blobs,
                                              const unsigned long long* __restrict__ fills, long long off_w,
                                              long long off_s, const int* __restrict__ perm,
                                              const int* __restrict__ offsets, const int* __restrict__ active,
                                              const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                             float* __restrict__ out, int ncols, int nout, int k, int group) {
+                                             float* __restrict__ out, int ncols, int nout, int k, int group,
+                                             int npairs = 0, int nexp = 0) {
     typedef typename Dot::scale_t scale_t;
+    static_assert(!BYPAIR || TOKC == 1, "a pair is one token");
     constexpr int ROUT = GATEUP ? R / 2 : R;  // output elements per warp item (gate_up: ROUT gate + ROUT up rows)
     const int lane = threadIdx.x & 31;
     const int n_rg = (nout + ROUT - 1) / ROUT;
-    const int total = meta[0] * n_rg;
+    const int total = (BYPAIR ? npairs : meta[0]) * n_rg;
     const int nchunk = ncols >> 5;  // 16-byte chunks (32 weights) per row
     const int ngroups = ncols / group;
     const int warps_total = (gridDim.x * blockDim.x) >> 5;
@@ -329,19 +334,21 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
         const int slot = item / n_rg;
         const int o0 = (item - slot * n_rg) * ROUT;
-        const int e = active[slot];
+        const int named = active[slot];
+        const bool valid = !BYPAIR || (named >= 0 && named < nexp);
+        const int e = valid ? named : 0;                 // an invalid pair reads expert 0 and writes zeros
         const char* blob = reinterpret_cast<const char*>(blobs[e]);
         const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
         const scale_t* sbase = reinterpret_cast<const scale_t*>(blob + off_s);
-        char* fill = fills ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        char* fill = fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr;
         // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
         // only the outputs at or past its own o0
         const int ob = min(o0, nout - ROUT);
         int row[R];
 #pragma unroll
         for (int q = 0; q < R; ++q) row[q] = ob + (q % ROUT) + (q >= ROUT ? nout : 0);
-        const int start = offsets[e];
-        const int cnt = offsets[e + 1] - start;
+        const int start = BYPAIR ? slot : offsets[e];
+        const int cnt = BYPAIR ? 1 : offsets[e + 1] - start;
 
         for (int c0 = 0; c0 < cnt; c0 += TOKC) {
             const int nt = min(TOKC, cnt - c0);
@@ -349,7 +356,7 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
 #pragma unroll
             for (int j = 0; j < TOKC; ++j) {
                 const int pos = start + c0 + min(j, nt - 1);
-                trow[j] = GATEUP ? perm[pos] / k : pos;
+                trow[j] = GATEUP ? (BYPAIR ? pos : perm[pos]) / k : pos;
             }
             float acc[R][TOKC];
 #pragma unroll
@@ -395,10 +402,11 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
                         const float a = warp_sum(acc[q][j]);
                         if (GATEUP) {
                             const float b = warp_sum(acc[q + ROUT][j]);
-                            if (lane == 0 && ob + q >= o0) out[(size_t)pos * nout + ob + q] = silu_f32(a) * b;
+                            if (lane == 0 && ob + q >= o0)
+                                out[(size_t)pos * nout + ob + q] = valid ? silu_f32(a) * b : 0.0f;
                         } else if (lane == 0 && ob + q >= o0) {
-                            const int pair = perm[pos];
-                            out[(size_t)pair * nout + ob + q] = __ldg(pair_w + pair) * a;
+                            const int pair = BYPAIR ? pos : perm[pos];
+                            out[(size_t)pair * nout + ob + q] = valid ? __ldg(pair_w + pair) * a : 0.0f;
                         }
                     }
                 }

@@ -148,6 +148,28 @@ DOWN4_KERNEL(moe4_down_mxfp4_t2, true, 2, 4)
 DOWN4_KERNEL(moe4_down_mxfp4_t4, true, 4, 2)
 DOWN4_KERNEL(moe4_down_mxfp4_t8, true, 8, 2)
 
+// one token, no dispatch: the t1 kernels by pair (packed4_gemv's BYPAIR); ids [P] int32 straight from the router
+#define GATE_UP4_PAIRS_KERNEL(NAME, MX)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
+        NAME(const float* x, const int* ids, const unsigned long long* blobs, const unsigned long long* fills,  \
+             long long off_w, long long off_s, float* act, int H, int I, int k, int group, int P, int E) {     \
+        packed4_gemv<FloatDot<MX>, 1, 4, 2, true, true>(FloatDot<MX>{x, H}, blobs, fills, off_w, off_s, nullptr, \
+                                                        nullptr, ids, nullptr, nullptr, act, H, I, k, group, P, E); \
+    }
+#define DOWN4_PAIRS_KERNEL(NAME, MX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV4_THREADS)                                                \
+        NAME(const float* act, const int* ids, const unsigned long long* blobs, const unsigned long long* fills, \
+             long long off_w, long long off_s, const float* pair_w, float* y, int H, int I, int group, int P,   \
+             int E) {                                                                                          \
+        packed4_gemv<FloatDot<MX>, 1, 4, 2, false, true>(FloatDot<MX>{act, I}, blobs, fills, off_w, off_s,     \
+                                                         nullptr, nullptr, ids, nullptr, pair_w, y, I, H, 1, group, \
+                                                         P, E);                                               \
+    }
+GATE_UP4_PAIRS_KERNEL(moe4_gate_up_pairs_int4, false)
+GATE_UP4_PAIRS_KERNEL(moe4_gate_up_pairs_mxfp4, true)
+DOWN4_PAIRS_KERNEL(moe4_down_pairs_int4, false)
+DOWN4_PAIRS_KERNEL(moe4_down_pairs_mxfp4, true)
+
 // ---- prefill: routed experts re-encoded as int8_group blobs ----------------------------------------------------
 // Grid (x, E): blockIdx.y is an active slot (those past meta[0] return); expert e = active[slot] is written to
 // dst + e * dst_size in the int8_group layout of the same group size (mxfp4: 32): each weight's decoded integer

@@ -156,3 +156,23 @@ DOWN_A8_KERNEL(moe4a8_down_int4_t1, 1, A8_DN_T1_ROWS, A8_DN_T1_CPL)
 DOWN_A8_KERNEL(moe4a8_down_int4_t2, 2, A8_DN_T2_ROWS, A8_DN_T2_CPL)
 DOWN_A8_KERNEL(moe4a8_down_int4_t4, 4, A8_DN_T4_ROWS, A8_DN_T4_CPL)
 DOWN_A8_KERNEL(moe4a8_down_int4_t8, 8, A8_DN_T8_ROWS, A8_DN_T8_CPL)
+
+// one token, no dispatch: the t1 kernels by pair (packed4_gemv's BYPAIR); ids [P] int32 straight from the router;
+// x rounded by moe4a8_quantize (the dispatch launch that rounds it is gone with the dispatch)
+extern "C" __global__ void __launch_bounds__(A8_THREADS)
+    moe4a8_gate_up_pairs_int4(const signed char* xq, const float* xs, const int* ids, const unsigned long long* blobs,
+                              const unsigned long long* fills, long long off_w, long long off_s, float* act, int H,
+                              int I, int k, int group, int P, int E) {
+    packed4_gemv<A8Dot, 1, A8_GU_T1_ROWS, A8_GU_T1_CPL, true, true>(A8Dot{xq, xs, H}, blobs, fills, off_w, off_s,
+                                                                    nullptr, nullptr, ids, nullptr, nullptr, act, H,
+                                                                    I, k, group, P, E);
+}
+
+extern "C" __global__ void __launch_bounds__(A8_THREADS)
+    moe4a8_down_pairs_int4(const signed char* aq, const float* as, const int* ids, const unsigned long long* blobs,
+                           const unsigned long long* fills, long long off_w, long long off_s, const float* pair_w,
+                           float* y, int H, int I, int group, int P, int E) {
+    packed4_gemv<A8Dot, 1, A8_DN_T1_ROWS, A8_DN_T1_CPL, false, true>(A8Dot{aq, as, I}, blobs, fills, off_w, off_s,
+                                                                     nullptr, nullptr, ids, nullptr, pair_w, y, I, H,
+                                                                     1, group, P, E);
+}
