@@ -104,6 +104,36 @@ def test_moe_experts_4bit_end_to_end(cp, rng, fmt, gemm, T):
     assert len(expansions) == int(gemm)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, fmt):
+    """A one-token GEMV pass over 4-bit experts runs by pair, without a dispatch (ops.pairs_path): the same bits as
+    the dispatch path, with and without a residual; a pass naming an id outside [0, E) adds nothing for it."""
+    E, k, H, I = 16, 4, 256, 128
+    layout, experts, blobs = packed_blobs(rng, *FORMATS[fmt], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids, w = routes(rng, 1, E, k, False)
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    resid = rng.standard_normal((1, H)).astype(np.float32)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    for residual in (None, resid):
+        kw = {"residual": cp.asarray(residual), "alpha": 1.5} if residual is not None else {}
+        by_pair = ops.moe_experts_4bit(*args, gemm=False, **kw).get()
+        np.testing.assert_array_equal(by_pair, ops.moe_experts_4bit(*args, gemm=False, pairs=False, **kw).get())
+        base = np.zeros((1, H)) if residual is None else f64(residual).copy()
+        want = nb.moe(f64(x), ids, f64(w), experts, residual=base, alpha=kw.get("alpha", 1.0))
+        assert rel(by_pair, want) < F32_TOL
+    bad = ids.copy()
+    bad[0, 1] = E + 3
+    kept_w = w.copy()
+    kept_w[0, 1] = 0.0
+    got = ops.moe_experts_4bit(cp.asarray(x), cp.asarray(bad), cp.asarray(w), table, gemm=False).get()
+    assert rel(got, nb.moe(f64(x), np.where(bad < E, bad, ids[0, 0]), f64(kept_w), experts,
+                           residual=np.zeros((1, H)))) < F32_TOL
+    with pytest.raises(ValueError, match="weights"):
+        ops.moe_down_4bit_pairs(cp.zeros((k, I), cp.float32), cp.asarray(ids), cp.zeros((1, k + 1), cp.float32),
+                                table)
+
+
 @pytest.mark.parametrize("fmt,int8_activations", [(f, False) for f in sorted(FORMATS)] + [("int4-g32", True)])
 def test_prefill_without_an_expansion_workspace_keeps_its_own_alive(cp, rng, fmt, int8_activations):
     """expansions=None: the call's own expansion must outlive its GEMMs. With an empty memory pool, memory freed

@@ -157,6 +157,38 @@ def test_moe_experts_4bit_with_int8_activations(cp, rng, name, gemm, T):
     assert_rounded_like_the_oracle(y, want, plain)
 
 
+@pytest.mark.parametrize("name", sorted(INT4))
+def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, name):
+    """On int8 activations too, a one-token pass runs by pair (x rounded by moe4a8_quantize, no dispatch): the same
+    bits as the dispatch path (moe_dispatch_a8 rounds x there), with a residual; an id outside [0, E) adds nothing."""
+    E, k, H, I = 16, 4, 256, 128
+    layout, experts, blobs = packed_blobs(rng, S.ExpertFormat.INT4_GROUP, INT4[name], E, H, I)
+    buf, table = upload(cp, blobs, E, layout)
+    ids, w = routes(rng, 1, E, k, False)
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    resid = rng.standard_normal((1, H)).astype(np.float32)
+    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
+    kw = {"residual": cp.asarray(resid), "alpha": 0.5, "gemm": False, "int8_activations": True}
+    by_pair = ops.moe_experts_4bit(*args, **kw).get()
+    np.testing.assert_array_equal(by_pair, ops.moe_experts_4bit(*args, pairs=False, **kw).get())
+    want = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy(), alpha=0.5,
+                  round_input=nb.round_int8_groups)
+    plain = nb.moe(f64(x), ids, f64(w), experts, residual=f64(resid).copy(), alpha=0.5)
+    assert_rounded_like_the_oracle(by_pair, want, plain)
+    bad = ids.copy()
+    bad[0, 2] = -1
+    kept_w = w.copy()
+    kept_w[0, 2] = 0.0
+    got = ops.moe_experts_4bit(cp.asarray(x), cp.asarray(bad), cp.asarray(w), table, gemm=False,
+                               int8_activations=True).get()
+    want = nb.moe(f64(x), np.where(bad >= 0, bad, ids[0, 0]), f64(kept_w), experts, residual=np.zeros((1, H)),
+                  round_input=nb.round_int8_groups)
+    assert rel(got, want) < A8_FLIP_TOL
+    xq, xs = ops.quantize_activations_a8(cp.asarray(x))
+    with pytest.raises(ValueError, match="shape"):
+        ops.moe_gate_up_4bit_a8_pairs(xq, xs, cp.asarray(np.concatenate([ids, ids])), table)
+
+
 def test_a8_wrappers_reject_bad_inputs(cp, rng):
     layout, experts, blobs = packed_blobs(rng, S.ExpertFormat.INT4_GROUP, 32, 4, 128, 64)
     buf, table = upload(cp, blobs, 4, layout)

@@ -1836,6 +1836,40 @@ def moe_down_4bit(act, table: PackedExpertTable, disp: Dispatch, weights, *, tok
     return y
 
 
+def moe_gate_up_4bit_pairs(x, ids, table: PackedExpertTable, *, out=None):
+    """`moe_gate_up_4bit` for `pairs_path` passes, without a dispatch: act [P, I] f32 in pair order (p = t * k + j)
+    from x [T, H] f32 and the router's ids [T, k] int32; an id outside [0, E) gives a zero row (as
+    `moe_gate_up_pairs`; fills `table.fill_ptrs` as it reads)."""
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_pairs(table, ids, x, H)
+    if x.shape[0] != T:
+        raise ValueError(f"x has {x.shape[0]} rows, ids {T}")
+    act = _out("out", out, (T * k, I), _cupy().float32)
+    fn, grid = _gemv4_launch(f"moe4_gate_up_pairs_{table.tag}")
+    fn(grid, (GEMV4_THREADS,),
+       (x, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
+        act, np.int32(H), np.int32(I), np.int32(k), np.int32(table.group_size), np.int32(T * k),
+        np.int32(table.num_experts)))
+    return act
+
+
+def moe_down_4bit_pairs(act, ids, weights, table: PackedExpertTable, *, out=None):
+    """ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) for act [P, I] f32 in pair order
+    (`moe_gate_up_4bit_pairs`); an id outside [0, E) gives a zero row."""
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_pairs(table, ids, act, I)
+    if act.shape[0] != T * k:
+        raise ValueError(f"act has {act.shape[0]} rows, ids {T * k} pairs")
+    _check("weights", weights, dtype=np.float32, shape=(T, k))
+    y = _out("out", out, (T * k, H), _cupy().float32)
+    fn, grid = _gemv4_launch(f"moe4_down_pairs_{table.tag}")
+    fn(grid, (GEMV4_THREADS,),
+       (act, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        weights, y, np.int32(H), np.int32(I), np.int32(table.group_size), np.int32(T * k),
+        np.int32(table.num_experts)))
+    return y
+
+
 # ---- 4-bit experts on the tensor cores (moe_gemv4_tc.cu): int4_group decode passes ---------------------------------
 TC4_FORMATS = (ExpertFormat.INT4_GROUP,)   # what moe_gemv4_tc.cu decodes
 
@@ -2023,6 +2057,47 @@ def moe_down_4bit_a8(aq, as_, table: PackedExpertTable, disp: Dispatch, weights,
     return y
 
 
+def _check_a8_pairs(q, scales, ids, table: PackedExpertTable, rows_per_token: int, cols: int) -> tuple[int, int]:
+    """(T, k) of a by-pair dp4a launch: the table, the router's ids [T, k] int32 and the int8 inputs
+    [T * rows_per_token, cols] with their group scales checked."""
+    _check_a8_table(table)
+    table.check()
+    _check("ids", ids, dtype=np.int32, ndim=2)
+    T, k = ids.shape
+    _check_a8_pair(q, scales, T * rows_per_token, cols)
+    return T, k
+
+
+def moe_gate_up_4bit_a8_pairs(xq, xs, ids, table: PackedExpertTable, *, out=None):
+    """`moe_gate_up_4bit_a8` for `pairs_path` passes, without a dispatch: act [P, I] f32 in pair order from x's
+    `quantize_activations_a8` (xq int8 [T, H], xs f32 [T, H // A8_GROUP]) and the router's ids [T, k] int32; an id
+    outside [0, E) gives a zero row."""
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_a8_pairs(xq, xs, ids, table, 1, H)
+    act = _out("out", out, (T * k, I), _cupy().float32)
+    fn, grid = _a8_launch(f"moe4a8_gate_up_pairs_{table.tag}")
+    fn(grid, (A8_THREADS,),
+       (xq, xs, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up),
+        np.int64(table.off_gate_up_scale), act, np.int32(H), np.int32(I), np.int32(k), np.int32(table.group_size),
+        np.int32(T * k), np.int32(table.num_experts)))
+    return act
+
+
+def moe_down_4bit_a8_pairs(aq, as_, ids, weights, table: PackedExpertTable, *, out=None):
+    """ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) from act's `quantize_activations_a8` (aq int8 [P, I],
+    as_ f32 [P, I // A8_GROUP], pair order); an id outside [0, E) gives a zero row."""
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_a8_pairs(aq, as_, ids, table, ids.shape[1] if ids.ndim == 2 else 1, I)
+    _check("weights", weights, dtype=np.float32, shape=(T, k))
+    y = _out("out", out, (T * k, H), _cupy().float32)
+    fn, grid = _a8_launch(f"moe4a8_down_pairs_{table.tag}")
+    fn(grid, (A8_THREADS,),
+       (aq, as_, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        weights, y, np.int32(H), np.int32(I), np.int32(table.group_size), np.int32(T * k),
+        np.int32(table.num_experts)))
+    return y
+
+
 class Int8Expansion:
     """Device int8_group blobs of the same shape and group size for every expert of a 4-bit table (the prefill
     GEMM's input, written by `expand_to_int8` for a pass's routed experts): num_experts x ~1.125 bytes a weight."""
@@ -2070,10 +2145,26 @@ def expand_to_int8(table: PackedExpertTable, disp: Dispatch, expansion: Int8Expa
     return expansion.table
 
 
+def _moe_experts_4bit_pairs(x, ids, weights, table: PackedExpertTable, int8_activations: bool, bufs: dict, act,
+                            ypair, *, residual, alpha: float, out):
+    """`moe_experts_4bit`'s `pairs_path` passes: the by-pair GEMVs (dp4a on x and act rounded to int8 where
+    int8_activations), then the combine; no dispatch."""
+    if int8_activations:
+        xq, xs = quantize_activations_a8(x, q=bufs.get("xq"), scales=bufs.get("xs"))
+        act = moe_gate_up_4bit_a8_pairs(xq, xs, ids, table, out=act)
+        aq, as_ = quantize_activations_a8(act, q=bufs.get("aq"), scales=bufs.get("as"))
+        ypair = moe_down_4bit_a8_pairs(aq, as_, ids, weights, table, out=ypair)
+    else:
+        act = moe_gate_up_4bit_pairs(x, ids, table, out=act)
+        ypair = moe_down_4bit_pairs(act, ids, weights, table, out=ypair)
+    return moe_combine(ypair, ids.shape[1], residual=residual, alpha=alpha, out=out)
+
+
 def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None, alpha: float = 1.0,
                      gemm: bool | None = None, disp: Dispatch | None = None, act=None, ypair=None,
                      expansions: dict | None = None, tensor_cores: bool | None = None, staged=(None, None),
-                     int8_activations: bool = False, a8_buffers: dict | None = None, out=None):
+                     int8_activations: bool = False, a8_buffers: dict | None = None, pairs: bool | None = None,
+                     out=None):
     """`moe_experts` over 4-bit experts: the moe_gemv4.cu GEMVs, or (gemm_path: prefill) the routed experts
     expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
 
@@ -2083,12 +2174,17 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
     int8_activations (int4_group only, `uses_a8`): both products' inputs rounded to int8 per group of A8_GROUP;
     decode passes run moe_gemv4_dp4a.cu (tensor_cores ignored), prefill passes the same GEMM on the rounded inputs
     (`round_activations_a8`). a8_buffers: its buffers, preallocated for graph capture (keys xq, xs, aq, as for
-    decode, x_rounded for prefill; missing ones are allocated)."""
+    decode, x_rounded for prefill; missing ones are allocated). pairs: a GEMV pass off the tensor cores by pair
+    without a dispatch (`moe_gate_up_4bit_pairs`, `moe_gate_up_4bit_a8_pairs`; None: where `pairs_path` says so)."""
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if int8_activations and table.expert_format not in A8_FORMATS:
         raise ValueError(f"int8 activations are built for {[f.name for f in A8_FORMATS]}, not {table.tag}")
     bufs = a8_buffers or {}
+    by_pair = pairs_path(T) if pairs is None else pairs
+    if not use_gemm and by_pair and (int8_activations or not uses_tc4(tensor_cores, table, T)):
+        return _moe_experts_4bit_pairs(x, ids, weights, table, int8_activations, bufs, act, ypair, residual=residual,
+                                       alpha=alpha, out=out)
     a8_decode = int8_activations and not use_gemm
     if a8_decode:        # x rounded to int8 by the dispatch launch
         cp = _cupy()
