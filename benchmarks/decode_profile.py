@@ -213,6 +213,8 @@ def main() -> int:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--small-moe", action="store_true", help="EngineConfig(small_moe=True): moe_small.cu's two "
                     "kernels for passes of up to MOE_SMALL_MAX_TOKENS tokens")
+    ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
+                    "passes by pair (the default), then with the dispatch (as --no-pairs)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
@@ -252,8 +254,16 @@ def main() -> int:
             keep = shape == "qwen3" and args.experts == "int8"
             path = Path(args.qwen3_file) if keep else Path(f"/dev/shm/{shape}_{args.experts}_full.colibri")
             ensure_model(path, shape, args.experts)
-            result["engine"][shape] = engine_profile(path, [int(b) for b in args.batches.split(",")],
-                                                     args.small_moe)
+            batches = [int(b) for b in args.batches.split(",")]
+            result["engine"][shape] = engine_profile(path, batches, args.small_moe)
+            if args.pairs_ab:
+                from colibri_format.runtime.cuda.kernels import ops
+
+                by_pair = ops.pairs_path
+                ops.pairs_path = lambda num_tokens: False
+                log(f"{shape} again with the dispatch (--pairs-ab)")
+                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches, args.small_moe)
+                ops.pairs_path = by_pair
             if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))
