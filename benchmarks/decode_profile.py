@@ -222,6 +222,9 @@ def main() -> int:
     ap.add_argument("--dg-plan", action="append", default=[], metavar="TOKENS=RxU",
                     help="limits.DG_PLANS[TOKENS] = (R, U) for the engine runs, layers.cu rebuilt to match (repeatable; "
                     "1=2x4: one token's plan before session 17)")
+    ap.add_argument("--layers-define", action="append", default=[], metavar="NAME=VALUE",
+                    help="layers.cu rebuilt with this -D constant for the engine runs (repeatable; e.g. "
+                    "ATT_SHORT_KEYS=128, a candidate limits.py leaves off)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
                     help="expert format of the files (int4_g32: int8 activations, the engine's default)")
     args = ap.parse_args()
@@ -243,6 +246,14 @@ def main() -> int:
         result["dg_max_splits"] = args.dg_max_splits
     for plan in args.dg_plan:
         use_dense_plan(plan, result)
+    for pair in args.layers_define:
+        name, _, value = pair.partition("=")
+        from colibri_format.runtime.cuda import limits
+
+        if name not in limits.KERNEL_DEFINES["layers"] or not value.isdigit():
+            ap.error(f"--layers-define {pair}: NAME must be one of layers.cu's constants, VALUE a whole number")
+        rebuild_module("layers", **{name: int(value)})
+        result.setdefault("layers_defines", {})[name] = int(value)
     if args.no_pairs:
         from colibri_format.runtime.cuda.kernels import ops
 

@@ -48,6 +48,21 @@ def test_every_kernel_module_compiles(tmp_path):
 
 
 @needs_nvcc
+def test_attention_candidates_compile(tmp_path):
+    """layers.cu with the candidates benchmarks/attention_decode.py times by --define (short spans in one block, a
+    wider split cap): it builds for sm_90 without heavy spills."""
+    from colibri_format.runtime.cuda import limits
+
+    options = {**limits.KERNEL_DEFINES["layers"], "ATT_SHORT_KEYS": 128, "ATT_MAX_SPLITS": 256}
+    res = _nvcc("layers", tmp_path, ["--resource-usage", "-cubin", "-o", str(tmp_path / "layers.cubin")],
+                tuple(o for o in ops.compile_options("layers") if not o.startswith("-D"))
+                + tuple(f"-D{k}={v}" for k, v in options.items()))
+    assert res.returncode == 0, res.stderr[-4000:]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert max(spills, default=0) <= 64, res.stderr
+
+
+@needs_nvcc
 @pytest.mark.parametrize("name", ops.MODULES)
 def test_a_missing_define_stops_the_compile(name, tmp_path):
     res = _nvcc(name, tmp_path, ["-E", "-o", os.devnull], ops.NVRTC_OPTIONS)   # no -D options

@@ -242,6 +242,9 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #ifndef ATT_MAX_SPLITS
 #error "ATT_MAX_SPLITS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef ATT_SHORT_KEYS
+#error "ATT_SHORT_KEYS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
 // One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
 template <typename TC, int HPL>
@@ -399,6 +402,109 @@ __device__ __forceinline__ void attention_merge_last(const float* part_ml, const
     if (threadIdx.x == 0) tickets[ticket_id] = 0;
 }
 
+// A short span (at most ATT_SHORT_KEYS keys): one block of a (row, kv head, head chunk) takes every key, warp w the
+// w-th quarter of them with all ng heads (lanes over the head dimension, key batches of KB as above), then the
+// block merges its warps' (max, sum, unnormalized output) in shared memory into the output, sinks joined as the
+// unsplit kernel joins them: one round of K/V loads a warp for up to 4 KB keys, no partials in global memory, no
+// ticket and no second block's merge.
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_decode_short(const float* __restrict__ q,
+                                                       const typename TC::storage* __restrict__ kc,
+                                                       const typename TC::storage* __restrict__ vc,
+                                                       const int* __restrict__ q_seq,
+                                                       const float* __restrict__ sinks, float* __restrict__ out,
+                                                       int nh, int nkv, int capacity, float scale, int n, int kvh,
+                                                       int G, int g0, int ng, int first, int len) {
+    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
+    __shared__ float s_ml[ATT_WARPS][ATT_GMAX][2];
+    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per = (len - first + ATT_WARPS - 1) / ATT_WARPS;
+    const int lo = first + warp * per, hi = min(len, lo + per);
+    const size_t row = (size_t)nkv * HD;
+    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
+
+    float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        const int head = kvh * G + g0 + min(g, ng - 1);
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) {
+            qv[g][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
+            acc[g][u] = 0.0f;
+        }
+    }
+    for (int p0 = lo; p0 < hi; p0 += KB) {
+        float kf[KB][HPL], vf[KB][HPL];
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            const size_t off = base_off + (size_t)min(p0 + b, hi - 1) * row;   // past hi: a valid row, masked below
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) {
+                kf[b][u] = TC::to_f32(kc[off + u]);
+                vf[b][u] = TC::to_f32(vc[off + u]);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_GMAX; ++g) {
+            if (g >= ng) break;
+            float sc[KB];
+            float mb = NEG_INF;
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                float d = 0.0f;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) d = fmaf(qv[g][u], kf[b][u], d);
+                sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
+                mb = fmaxf(mb, sc[b]);
+            }
+            const float mn = fmaxf(m[g], mb);            // finite: key p0 < hi is valid
+            const float c = expf(m[g] - mn);             // 0 while m is -inf
+            l[g] *= c;
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) acc[g][u] *= c;
+#pragma unroll
+            for (int b = 0; b < KB; ++b) {
+                const float pb = expf(sc[b] - mn);       // 0 for masked keys
+                l[g] += pb;
+#pragma unroll
+                for (int u = 0; u < HPL; ++u) acc[g][u] = fmaf(pb, vf[b][u], acc[g][u]);
+            }
+            m[g] = mn;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        if (lane == 0) {
+            s_ml[warp][g][0] = m[g];
+            s_ml[warp][g][1] = l[g];
+        }
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        const int head = kvh * G + g0 + g;
+        const float sk = sinks != nullptr ? sinks[head] : NEG_INF;
+        float mx = sk;
+        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_ml[w][g][0]);
+        float num = 0.0f, den = 0.0f;
+        if (mx != NEG_INF) {
+            for (int w = 0; w < ATT_WARPS; ++w) {
+                const float c = expf(s_ml[w][g][0] - mx);      // 0 for a warp without keys (m = -inf)
+                num = fmaf(s_acc[w][g][d], c, num);
+                den = fmaf(s_ml[w][g][1], c, den);
+            }
+            if (sk != NEG_INF) den += expf(sk - mx);
+        }
+        out[((size_t)n * nh + head) * HD + d] = den > 0.0f ? num / den : 0.0f;
+    }
+}
+
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q,
                                                       const typename TC::storage* __restrict__ kc,
@@ -418,6 +524,12 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     // position 60 in a graph captured for a 32k cache) runs on the first few splits and the merge reads only those
     // `used` ones: the grid, fixed at capture, follows the capacity; the work follows the length.
     const int len = q_len[n], first = window > 0 ? max(0, len - window) : 0, span = len - first;
+    if (ATT_SHORT_KEYS > 0 && span <= ATT_SHORT_KEYS) {   // the first split's block takes it all, the others idle
+        if (split == 0)
+            attention_decode_short<TC, HPL>(q, kc, vc, q_seq, sinks, out, nh, nkv, capacity, scale, n, kvh, G, g0, ng,
+                                            first, len);
+        return;
+    }
     const int chunk = max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
     const int used = (span + chunk - 1) / chunk;     // <= nsplit, as chunk >= span / nsplit; 0 for an empty span
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
