@@ -2057,14 +2057,14 @@ def moe_down_4bit_a8(aq, as_, table: PackedExpertTable, disp: Dispatch, weights,
     return y
 
 
-def _check_a8_pairs(q, scales, ids, table: PackedExpertTable, rows_per_token: int, cols: int) -> tuple[int, int]:
-    """(T, k) of a by-pair dp4a launch: the table, the router's ids [T, k] int32 and the int8 inputs
-    [T * rows_per_token, cols] with their group scales checked."""
+def _check_a8_pairs(q, scales, ids, table: PackedExpertTable, a_row_per_pair: bool, cols: int) -> tuple[int, int]:
+    """(T, k) of a by-pair dp4a launch: the table, the router's ids [T, k] int32 and the int8 inputs (a row a token,
+    or a row a pair) [rows, cols] with their group scales checked."""
     _check_a8_table(table)
     table.check()
     _check("ids", ids, dtype=np.int32, ndim=2)
     T, k = ids.shape
-    _check_a8_pair(q, scales, T * rows_per_token, cols)
+    _check_a8_pair(q, scales, T * k if a_row_per_pair else T, cols)
     return T, k
 
 
@@ -2073,7 +2073,7 @@ def moe_gate_up_4bit_a8_pairs(xq, xs, ids, table: PackedExpertTable, *, out=None
     `quantize_activations_a8` (xq int8 [T, H], xs f32 [T, H // A8_GROUP]) and the router's ids [T, k] int32; an id
     outside [0, E) gives a zero row."""
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_a8_pairs(xq, xs, ids, table, 1, H)
+    T, k = _check_a8_pairs(xq, xs, ids, table, False, H)
     act = _out("out", out, (T * k, I), _cupy().float32)
     fn, grid = _a8_launch(f"moe4a8_gate_up_pairs_{table.tag}")
     fn(grid, (A8_THREADS,),
@@ -2087,7 +2087,7 @@ def moe_down_4bit_a8_pairs(aq, as_, ids, weights, table: PackedExpertTable, *, o
     """ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) from act's `quantize_activations_a8` (aq int8 [P, I],
     as_ f32 [P, I // A8_GROUP], pair order); an id outside [0, E) gives a zero row."""
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_a8_pairs(aq, as_, ids, table, ids.shape[1] if ids.ndim == 2 else 1, I)
+    T, k = _check_a8_pairs(aq, as_, ids, table, True, I)
     _check("weights", weights, dtype=np.float32, shape=(T, k))
     y = _out("out", out, (T * k, H), _cupy().float32)
     fn, grid = _a8_launch(f"moe4a8_down_pairs_{table.tag}")
