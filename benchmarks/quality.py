@@ -103,13 +103,13 @@ class Scores:
         return np.concatenate(self.logprob), np.concatenate(self.argmax)
 
 
-def score_transformers(wins: list[np.ndarray], dtype_name: str, batch: int) -> Scores:
+def score_transformers(wins: list[np.ndarray], dtype_name: str, batch: int, model_dir: Path = MODEL_DIR) -> Scores:
     import torch
     import transformers
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        MODEL_DIR, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
     out = Scores()
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -11,9 +11,11 @@ that each start a fresh KV cache.
 Rows:
 
 * ``transformers bf16`` (the reference) and ``transformers fp32``: the shipped checkpoint, eager, on CPU.
-* ``colibri f16 / int8 row``, ``int8 g32``, ``int4 g32``, ``int4 g32 search``: real `.colibri` files from
-  ``colibri convert --dtype float16 [--quant-bits 4] [--group-size G] [--scale-search]``, run by the NumPy engine
-  (float32 arithmetic).
+* ``colibri f16 / int8 row``, ``int8 g32``, ``int4 g32``, ``int4 g32 search`` (and ``int4 g64`` / ``g128`` where
+  --model's expert widths allow them): real `.colibri` files from ``colibri convert --dtype float16 [--quant-bits 4]
+  [--group-size G] [--scale-search]``, run by the NumPy engine (float32 arithmetic) with float activations
+  (``int8_activations=False``): this table is the weights' own cost; what the default int8 activations add to int4
+  experts is benchmarks/quality_activations.py's.
 * ``sim ...`` rows: the same float16 dense tensors, and expert weights quantized then dequantized in NumPy and
   stored as float32 experts (a `.colibri` file the engine runs like any other). ``sim int4 g32`` uses the
   converter's own quantizer (`quantize_int4`) and must score exactly as the real int4 g32 file (a check of the
@@ -62,6 +64,10 @@ FILE_ROWS = [
     ("colibri f16 / int4 g32", dict(quant_bits=4, group_size=32)),
     ("colibri f16 / int4 g32 search", dict(quant_bits=4, group_size=32, scale_search=True)),
 ]
+# real files of the larger groups, for a model (--model) whose expert widths they divide
+WIDE_GROUP_ROWS = [(f"colibri f16 / int4 g{g}{' search' if search else ''}",
+                    dict(quant_bits=4, group_size=g, **({"scale_search": True} if search else {})))
+                   for g in (64, 128) for search in (False, True)]
 SIM_ROWS = [("sim int4 g32", ("int4", 32, False)), ("sim int4 g64", ("int4", 64, False)),
             ("sim int4 g128", ("int4", 128, False)), ("sim int4 g64 search", ("int4", 64, True)),
             ("sim int4 g128 search", ("int4", 128, True)), ("sim Q4_0", ("q4_0", 32, False))]
@@ -148,13 +154,13 @@ def expert_bytes(model: dict, kind: str, group: int | None) -> int | None:
 
 
 # --- greedy agreement -------------------------------------------------------------------------------------------------
-def greedy_reference(prompts: np.ndarray, new_tokens: int, dtype_name: str) -> np.ndarray:
+def greedy_reference(prompts: np.ndarray, new_tokens: int, dtype_name: str, model_dir: Path) -> np.ndarray:
     import torch
     import transformers
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        MODEL_DIR, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
     with torch.inference_mode():
         out = model.generate(torch.from_numpy(prompts), attention_mask=torch.ones_like(torch.from_numpy(prompts)),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -164,7 +170,7 @@ def greedy_reference(prompts: np.ndarray, new_tokens: int, dtype_name: str) -> n
 def greedy_colibri(path: Path, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
     from colibri_format.runtime.engine import Engine, EngineConfig
 
-    with Engine(path, EngineConfig(max_batch_size=len(prompts))) as eng:
+    with Engine(path, EngineConfig(max_batch_size=len(prompts), int8_activations=False)) as eng:
         return np.asarray(eng.generate_batch([p.tolist() for p in prompts], new_tokens))
 
 
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers rows")
     p.add_argument("--workdir", default=None, help="where the .colibri files go (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--model", type=Path, default=MODEL_DIR, help="a Hugging Face MoE checkpoint with eval.txt beside "
+                   "its tokenizer (default: the bundled demo model); int4 g64 / g128 files are scored too where its "
+                   "expert widths allow them")
     args = p.parse_args(argv)
 
     import torch
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": (f"OPENBLAS_NUM_THREADS={blas} " if blas else "") + "python " + " ".join(cmd),
             "git_head": Q.git_head(), "machine": Q.machine()}
-    ids = Q.held_out_ids()
+    ids = Q.held_out_ids(args.model)
     wins = Q.windows(ids, args.window, args.tokens)
     starts = Q.windows(ids, args.window)
     step = max(1, len(starts) // args.prompts)
@@ -225,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(wins)} windows of {args.window}; {len(prompts)} greedy prompts", file=sys.stderr)
 
     scores, extra = {}, {}
-    greedy = {tag: greedy_reference(prompts, args.new_tokens, tag) for tag in ("bf16", "fp32")}
+    greedy = {tag: greedy_reference(prompts, args.new_tokens, tag, args.model) for tag in ("bf16", "fp32")}
     for tag in ("bf16", "fp32"):
         name = f"transformers {tag}"
-        scores[name] = Q.score_transformers(wins, tag, args.batch)
+        scores[name] = Q.score_transformers(wins, tag, args.batch, args.model)
         extra[name] = {**agreement(greedy[tag], greedy["bf16"]), "expert_bytes": None}
         print(f"{name}: {scores[name].seconds:.1f}s", file=sys.stderr)
 
@@ -238,18 +247,19 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         dense_file, expert_file = work / "f16-none.colibri", work / "f32-none.colibri"
-        convert(MODEL_DIR, dense_file, dtype="float16", quantize="none", resume=False, force=True)
-        convert(MODEL_DIR, expert_file, dtype="float32", quantize="none", resume=False, force=True)
+        convert(args.model, dense_file, dtype="float16", quantize="none", resume=False, force=True)
+        convert(args.model, expert_file, dtype="float32", quantize="none", resume=False, force=True)
         import colibri_format
         with colibri_format.open(dense_file) as f:
             model = f.model
         extra["transformers bf16"]["expert_bytes"] = expert_bytes(model, "bf16", 0)
-        for name, opts in FILE_ROWS:
+        wide = [row for row in WIDE_GROUP_ROWS if expert_bytes(model, "int4", row[1]["group_size"]) is not None]
+        for name, opts in FILE_ROWS + wide:
             path = work / (name.split("/ ")[1].replace(" ", "-") + ".colibri")
             t0 = time.perf_counter()
-            convert(MODEL_DIR, path, dtype="float16", resume=False, force=True, **opts)
+            convert(args.model, path, dtype="float16", resume=False, force=True, **opts)
             seconds = time.perf_counter() - t0
-            s = scores[name] = Q.score_colibri(path, wins, args.batch)
+            s = scores[name] = Q.score_colibri(path, wins, args.batch, int8_activations=False)
             err = (getattr(s, "quant", {}) or {}).get("error")
             kind = "int4" if opts["quant_bits"] == 4 else "int8" if opts["group_size"] else "int8 row"
             extra[name] = {**agreement(greedy_colibri(path, prompts, args.new_tokens), greedy["bf16"]),
@@ -261,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (kind, group, search) in SIM_ROWS:
             path = work / (name.replace(" ", "-") + ".colibri")
             err = write_simulated(path, dense_file, expert_file, kind, group, search)
-            s = scores[name] = Q.score_colibri(path, wins, args.batch)
+            s = scores[name] = Q.score_colibri(path, wins, args.batch, int8_activations=False)
             extra[name] = {**agreement(greedy_colibri(path, prompts, args.new_tokens), greedy["bf16"]),
                            "expert_bytes": expert_bytes(model, kind, group), "quant_error": err}
             print(f"{name}: {s.seconds:.1f}s", file=sys.stderr)
@@ -283,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['date']}")
     if args.out:
         Path(args.out).write_text(json.dumps({**info, "rows": rows, "markdown": table}, indent=1) + "\n")
+    if not info["sim_int4_g32_equals_file"]:
+        print("error: the simulated int4 g32 row does not score as the int4 g32 file: the method check failed",
+              file=sys.stderr)
+        return 1
     return 0
 
 
