@@ -82,13 +82,24 @@ class RoutedPairs:
 
 def routed_pairs(rng: np.random.Generator, blobs: np.ndarray, blob_size: int, counts: list[int], k: int,
                  hidden: int) -> RoutedPairs:
-    E = len(counts)
-    ptrs = np.array([blobs.ctypes.data + e * blob_size for e in range(E)], np.uint64)
-    ids = np.repeat(np.arange(E), counts).astype(np.int32)
+    ids = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
     rng.shuffle(ids)
-    ids = ids.reshape(-1, k)
+    return named_pairs(rng, blobs, blob_size, len(counts), ids.reshape(-1, k), hidden)
+
+
+def named_pairs(rng: np.random.Generator, blobs: np.ndarray, blob_size: int, num_experts: int, ids,
+                hidden: int) -> RoutedPairs:
+    """The problem of `routed_pairs` for given ids [T, k] (ids outside [0, num_experts) kept as they are)."""
+    ids = np.asarray(ids, np.int32)
+    ptrs = np.array([blobs.ctypes.data + e * blob_size for e in range(num_experts)], np.uint64)
     x = rng.standard_normal((ids.shape[0], hidden)).astype(np.float32)
     w = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
     slots = np.zeros_like(blobs)
-    fills = np.array([slots.ctypes.data + e * blob_size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
+    fills = np.array([slots.ctypes.data + e * blob_size if e % 2 == 0 else 0 for e in range(num_experts)], np.uint64)
     return RoutedPairs(ptrs, ids, x, w, slots, fills)
+
+
+def valid_ids(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the pairs whose id names an expert, the ids with the others replaced by expert 0)."""
+    valid = (ids >= 0) & (ids < num_experts)
+    return valid, np.where(valid, ids, 0)

@@ -16,7 +16,7 @@ from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GXX, Gemv4Dp4aEmulator, build_gemv4_dp4a
-from tests.runtime.cuda.synthetic_experts import packed_experts, routed_pairs
+from tests.runtime.cuda.synthetic_experts import packed_experts, named_pairs, routed_pairs, valid_ids
 from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, host_dispatch, rel
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
@@ -160,15 +160,10 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
     group, E, H, I, ids = case
     rng = np.random.default_rng(12)
     layout, experts, blobs = packed_experts(rng, S.ExpertFormat.INT4_GROUP, group, E, H, I)
-    ids = np.array(ids, np.int32)
+    r = named_pairs(rng, blobs, layout.size, E, ids, H)
+    ptrs, ids, x, w, slots, fills = r.ptrs, r.ids, r.x, r.w, r.slots, r.fills
     T, k = ids.shape
-    valid = (ids >= 0) & (ids < E)
-    named = np.where(valid, ids, 0)
-    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-    slots = np.zeros_like(blobs)
-    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    valid, named = valid_ids(ids, E)
 
     xq, xs = emulator.quantize(x)
     act = np.full((T * k, I), np.nan, np.float32)

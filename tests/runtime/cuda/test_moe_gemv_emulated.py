@@ -12,7 +12,7 @@ import pytest
 
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GEMV_KINDS, GXX, GemvEmulator, GemvExtras, build_gemv
-from tests.runtime.cuda.synthetic_experts import host_experts, routed_pairs
+from tests.runtime.cuda.synthetic_experts import host_experts, named_pairs, routed_pairs, valid_ids
 from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, host_dispatch, rel
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
@@ -124,15 +124,10 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
     group, E, H, I, ids = case
     rng = np.random.default_rng(9)
     layout, experts, blobs = host_experts(rng, E, H, I, group)
-    ids = np.array(ids, np.int32)
+    r = named_pairs(rng, blobs, layout.size, E, ids, H)
+    ptrs, ids, x, w, slots, fills = r.ptrs, r.ids, r.x, r.w, r.slots, r.fills
     T, k = ids.shape
-    valid = (ids >= 0) & (ids < E)
-    named = np.where(valid, ids, 0)
-    ptrs = np.array([blobs.ctypes.data + e * layout.size for e in range(E)], np.uint64)
-    slots = np.zeros_like(blobs)
-    fills = np.array([slots.ctypes.data + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    valid, named = valid_ids(ids, E)
     extras = GemvExtras(rng.standard_normal((E, 2 * I)).astype(np.float32) * 0.5,
                         rng.standard_normal((E, H)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5,
                         up_offset=1.0) if with_extras else None
