@@ -502,11 +502,17 @@ def pairs_path(num_tokens: int) -> bool:
     return num_tokens == 1
 
 
-def _check_pairs(table: ExpertTable, ids, rows_input, cols: int):
+def _pair_ids(table: ExpertTable, ids) -> tuple[int, int]:
+    """(T, k) of a by-pair launch: the table and the router's ids [T, k] int32 checked."""
     table.check()
     _check("ids", ids, dtype=np.int32, ndim=2)
-    T, k = ids.shape
-    _check("input", rows_input, dtype=np.float32, shape=(rows_input.shape[0], cols))
+    return ids.shape
+
+
+def _check_pairs(table: ExpertTable, ids, rows_input, cols: int, a_row_per_pair: bool) -> tuple[int, int]:
+    """(T, k) of a by-pair launch on float inputs [T (a row a token) or T * k (a row a pair), cols], checked."""
+    T, k = _pair_ids(table, ids)
+    _check("input", rows_input, dtype=np.float32, shape=(T * k if a_row_per_pair else T, cols))
     return T, k
 
 
@@ -517,9 +523,7 @@ def moe_gate_up_pairs(x, ids, table: ExpertTable, *, extras: ExpertExtras | None
     gate/up bias and clamped SwiGLU (`ExpertExtras`)."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, x, H)
-    if x.shape[0] != T:
-        raise ValueError(f"x has {x.shape[0]} rows, ids {T}")
+    T, k = _check_pairs(table, ids, x, H, False)
     gh, _, kind = table.groups()
     tail = extras.gate_up_args(table) if extras is not None else ()
     act = _out("out", out, (T * k, I), cp.float32)
@@ -536,9 +540,7 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtra
     bias)) for act [P, I] f32 in pair order (`moe_gate_up_pairs`); an id outside [0, E) gives a zero row."""
     cp = _cupy()
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, act, I)
-    if act.shape[0] != T * k:
-        raise ValueError(f"act has {act.shape[0]} rows, ids {T * k} pairs")
+    T, k = _check_pairs(table, ids, act, I, True)
     _check("weights", weights, dtype=np.float32, shape=(T, k))
     _, gi, kind = table.groups()
     tail = extras.down_args(table) if extras is not None else ()
@@ -1841,9 +1843,7 @@ def moe_gate_up_4bit_pairs(x, ids, table: PackedExpertTable, *, out=None):
     from x [T, H] f32 and the router's ids [T, k] int32; an id outside [0, E) gives a zero row (as
     `moe_gate_up_pairs`; fills `table.fill_ptrs` as it reads)."""
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, x, H)
-    if x.shape[0] != T:
-        raise ValueError(f"x has {x.shape[0]} rows, ids {T}")
+    T, k = _check_pairs(table, ids, x, H, False)
     act = _out("out", out, (T * k, I), _cupy().float32)
     fn, grid = _gemv4_launch(f"moe4_gate_up_pairs_{table.tag}")
     fn(grid, (GEMV4_THREADS,),
@@ -1857,9 +1857,7 @@ def moe_down_4bit_pairs(act, ids, weights, table: PackedExpertTable, *, out=None
     """ypair [P, H] f32 = weights[p] * (down_{ids[p]} @ act[p]) for act [P, I] f32 in pair order
     (`moe_gate_up_4bit_pairs`); an id outside [0, E) gives a zero row."""
     H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, act, I)
-    if act.shape[0] != T * k:
-        raise ValueError(f"act has {act.shape[0]} rows, ids {T * k} pairs")
+    T, k = _check_pairs(table, ids, act, I, True)
     _check("weights", weights, dtype=np.float32, shape=(T, k))
     y = _out("out", out, (T * k, H), _cupy().float32)
     fn, grid = _gemv4_launch(f"moe4_down_pairs_{table.tag}")
@@ -2061,9 +2059,7 @@ def _check_a8_pairs(q, scales, ids, table: PackedExpertTable, a_row_per_pair: bo
     """(T, k) of a by-pair dp4a launch: the table, the router's ids [T, k] int32 and the int8 inputs (a row a token,
     or a row a pair) [rows, cols] with their group scales checked."""
     _check_a8_table(table)
-    table.check()
-    _check("ids", ids, dtype=np.int32, ndim=2)
-    T, k = ids.shape
+    T, k = _pair_ids(table, ids)
     _check_a8_pair(q, scales, T * k if a_row_per_pair else T, cols)
     return T, k
 
