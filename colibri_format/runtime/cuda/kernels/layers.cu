@@ -247,32 +247,38 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #endif
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
 // One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
-template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
-                                                      const typename TC::storage* __restrict__ kc,
-                                                      const typename TC::storage* __restrict__ vc,
-                                                      const int* __restrict__ q_seq, const float* __restrict__ sinks,
-                                                      float* part_ml, float* part_acc, float* __restrict__ out,
-                                                      int nh, int nkv, int capacity, float scale, int nsplit, int n,
-                                                      int kvh, int split, int G, int g0, int ng, int lo, int hi) {
-    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
-    const float NEG_INF = __int_as_float(0xff800000);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t row = (size_t)nkv * HD;
-    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
-
-    float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
+// The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
+// dimension, HPL values each). attention_decode_start: each head's q (times scale) and an empty state; head i is
+// head first + i of the chunk of `ng`, clamped to its last. attention_decode_keys: the keys [lo, hi) in batches of
+// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, for the first `live` heads:
+// running max m, sum l and unnormalized output acc of each.
+template <int HPL, int NH>
+__device__ __forceinline__ void attention_decode_start(const float* __restrict__ q, size_t chunk_row, int first,
+                                                       int ng, float scale, float (&qv)[NH][HPL],
+                                                       float (&acc)[NH][HPL], float (&m)[NH], float (&l)[NH]) {
+    constexpr int HD = HPL * 32;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int h = 0; h < ATT_HPW; ++h) {
-        const int head = kvh * G + g0 + min(warp * ATT_HPW + h, ng - 1);
-        m[h] = NEG_INF;
+    for (int h = 0; h < NH; ++h) {
+        const size_t head_row = chunk_row + min(first + h, ng - 1);
+        m[h] = __int_as_float(0xff800000);
         l[h] = 0.0f;
 #pragma unroll
         for (int u = 0; u < HPL; ++u) {
-            qv[h][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
+            qv[h][u] = q[head_row * HD + lane * HPL + u] * scale;
             acc[h][u] = 0.0f;
         }
     }
+}
+
+template <typename TC, int HPL, int NH>
+__device__ __forceinline__ void attention_decode_keys(const typename TC::storage* __restrict__ kc,
+                                                      const typename TC::storage* __restrict__ vc, size_t base_off,
+                                                      size_t row, int lo, int hi, int live,
+                                                      const float (&qv)[NH][HPL], float (&acc)[NH][HPL],
+                                                      float (&m)[NH], float (&l)[NH]) {
+    constexpr int KB = ATT_LANE_FLOATS / HPL;
+    const float NEG_INF = __int_as_float(0xff800000);
     for (int p0 = lo; p0 < hi; p0 += KB) {
         float kf[KB][HPL], vf[KB][HPL];
 #pragma unroll
@@ -285,7 +291,8 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
             }
         }
 #pragma unroll
-        for (int h = 0; h < ATT_HPW; ++h) {
+        for (int h = 0; h < NH; ++h) {
+            if (h >= live) break;
             float sc[KB];
             float mb = NEG_INF;
 #pragma unroll
@@ -311,6 +318,25 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
             m[h] = mn;
         }
     }
+}
+
+template <typename TC, int HPL>
+__device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
+                                                      const typename TC::storage* __restrict__ kc,
+                                                      const typename TC::storage* __restrict__ vc,
+                                                      const int* __restrict__ q_seq, const float* __restrict__ sinks,
+                                                      float* part_ml, float* part_acc, float* __restrict__ out,
+                                                      int nh, int nkv, int capacity, float scale, int nsplit, int n,
+                                                      int kvh, int split, int G, int g0, int ng, int lo, int hi) {
+    constexpr int HD = HPL * 32;
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t row = (size_t)nkv * HD;
+    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
+
+    float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
+    attention_decode_start<HPL, ATT_HPW>(q, (size_t)n * nh + kvh * G + g0, warp * ATT_HPW, ng, scale, qv, acc, m, l);
+    attention_decode_keys<TC, HPL, ATT_HPW>(kc, vc, base_off, row, lo, hi, ATT_HPW, qv, acc, m, l);
 #pragma unroll
     for (int h = 0; h < ATT_HPW; ++h) {
         const int g = warp * ATT_HPW + h;
@@ -415,7 +441,7 @@ __device__ __forceinline__ void attention_decode_short(const float* __restrict__
                                                        const float* __restrict__ sinks, float* __restrict__ out,
                                                        int nh, int nkv, int capacity, float scale, int n, int kvh,
                                                        int G, int g0, int ng, int first, int len) {
-    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
+    constexpr int HD = HPL * 32;
     __shared__ float s_ml[ATT_WARPS][ATT_GMAX][2];
     __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
     const float NEG_INF = __int_as_float(0xff800000);
@@ -426,56 +452,8 @@ __device__ __forceinline__ void attention_decode_short(const float* __restrict__
     const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
 
     float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
-#pragma unroll
-    for (int g = 0; g < ATT_GMAX; ++g) {
-        const int head = kvh * G + g0 + min(g, ng - 1);
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) {
-            qv[g][u] = q[((size_t)n * nh + head) * HD + lane * HPL + u] * scale;
-            acc[g][u] = 0.0f;
-        }
-    }
-    for (int p0 = lo; p0 < hi; p0 += KB) {
-        float kf[KB][HPL], vf[KB][HPL];
-#pragma unroll
-        for (int b = 0; b < KB; ++b) {
-            const size_t off = base_off + (size_t)min(p0 + b, hi - 1) * row;   // past hi: a valid row, masked below
-#pragma unroll
-            for (int u = 0; u < HPL; ++u) {
-                kf[b][u] = TC::to_f32(kc[off + u]);
-                vf[b][u] = TC::to_f32(vc[off + u]);
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < ATT_GMAX; ++g) {
-            if (g >= ng) break;
-            float sc[KB];
-            float mb = NEG_INF;
-#pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                float d = 0.0f;
-#pragma unroll
-                for (int u = 0; u < HPL; ++u) d = fmaf(qv[g][u], kf[b][u], d);
-                sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
-                mb = fmaxf(mb, sc[b]);
-            }
-            const float mn = fmaxf(m[g], mb);            // finite: key p0 < hi is valid
-            const float c = expf(m[g] - mn);             // 0 while m is -inf
-            l[g] *= c;
-#pragma unroll
-            for (int u = 0; u < HPL; ++u) acc[g][u] *= c;
-#pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                const float pb = expf(sc[b] - mn);       // 0 for masked keys
-                l[g] += pb;
-#pragma unroll
-                for (int u = 0; u < HPL; ++u) acc[g][u] = fmaf(pb, vf[b][u], acc[g][u]);
-            }
-            m[g] = mn;
-        }
-    }
+    attention_decode_start<HPL, ATT_GMAX>(q, (size_t)n * nh + kvh * G + g0, 0, ng, scale, qv, acc, m, l);
+    attention_decode_keys<TC, HPL, ATT_GMAX>(kc, vc, base_off, row, lo, hi, ng, qv, acc, m, l);
 #pragma unroll
     for (int g = 0; g < ATT_GMAX; ++g) {
         if (lane == 0) {
