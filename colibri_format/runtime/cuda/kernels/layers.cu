@@ -79,6 +79,48 @@ static_assert(ATT_THREADS % 32 == 0, "whole warps");
 // denominator as one more column whose value is dropped: out = num / (den + exp(sinks[h] - M)), with num and den
 // rescaled to M = max(max score, sinks[h]) (scores include `scale`). It is added once per row and head: by the
 // split kernel when nsplit == 1, else by attention_merge (the split partials never include it).
+// A block's warps each hold an online-softmax state (max m, sum l, unnormalized output acc, lanes over the head
+// dimension) for the ATT_GMAX heads of its chunk: attention_warps_stash puts them in shared memory,
+// attention_merge_warps combines head g's at dim d with the sink logit sk (-inf: none) into (max, numerator,
+// denominator); the output is num / den. A warp without keys (m = -inf) weighs 0.
+struct WarpMerge {
+    float mx, num, den;
+};
+
+template <int HPL>
+__device__ __forceinline__ void attention_warps_stash(float (&s_m)[ATT_WARPS][ATT_GMAX],
+                                                      float (&s_l)[ATT_WARPS][ATT_GMAX],
+                                                      float (&s_acc)[ATT_WARPS][ATT_GMAX][HPL * 32],
+                                                      const float (&m)[ATT_GMAX], const float (&l)[ATT_GMAX],
+                                                      const float (&acc)[ATT_GMAX][HPL]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int g = 0; g < ATT_GMAX; ++g) {
+        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+#pragma unroll
+        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ WarpMerge attention_merge_warps(const float (&s_m)[ATT_WARPS][ATT_GMAX],
+                                                           const float (&s_l)[ATT_WARPS][ATT_GMAX],
+                                                           const float (&s_acc)[ATT_WARPS][ATT_GMAX][HD], int g,
+                                                           int d, float sk) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    WarpMerge r{sk, 0.0f, 0.0f};
+    for (int w = 0; w < ATT_WARPS; ++w) r.mx = fmaxf(r.mx, s_m[w][g]);
+    if (r.mx != NEG_INF) {
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float c = expf(s_m[w][g] - r.mx);
+            r.num = fmaf(s_acc[w][g][d], c, r.num);
+            r.den = fmaf(s_l[w][g], c, r.den);
+        }
+        if (sk != NEG_INF) r.den += expf(sk - r.mx);
+    }
+    return r;
+}
+
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q,
                                                      const typename TC::storage* __restrict__ kc,
@@ -170,37 +212,22 @@ __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < ATT_GMAX; ++g) {
-        if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
-    }
+    attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
     __syncthreads();
     for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
         const int g = i / HD, d = i - g * HD;
         const int head = kvh * G + g0 + g;
         // with splits, attention_merge adds the sink; -inf: none (fmaxf and + exp(-inf) leave mx and den as they are)
-        const float sk = (sinks != nullptr && nsplit == 1) ? sinks[head] : NEG_INF;
-        float mx = sk;
-        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
-        float num = 0.0f, den = 0.0f;
-        if (mx != NEG_INF) {
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                const float c = expf(s_m[w][g] - mx);
-                num = fmaf(s_acc[w][g][d], c, num);
-                den = fmaf(s_l[w][g], c, den);
-            }
-            if (sk != NEG_INF) den += expf(sk - mx);
-        }
+        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d,
+                                                      (sinks != nullptr && nsplit == 1) ? sinks[head] : NEG_INF);
         const size_t nhd = (size_t)n * nh + head;
         if (nsplit == 1) {
-            out[nhd * HD + d] = den > 0.0f ? num / den : 0.0f;
+            out[nhd * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
         } else {
-            part_acc[(nhd * nsplit + split) * HD + d] = num;
+            part_acc[(nhd * nsplit + split) * HD + d] = r.num;
             if (d == 0) {
-                part_ml[(nhd * nsplit + split) * 2] = mx;
-                part_ml[(nhd * nsplit + split) * 2 + 1] = den;
+                part_ml[(nhd * nsplit + split) * 2] = r.mx;
+                part_ml[(nhd * nsplit + split) * 2 + 1] = r.den;
             }
         }
     }
@@ -442,7 +469,7 @@ __device__ __forceinline__ void attention_decode_short(const float* __restrict__
                                                        int nh, int nkv, int capacity, float scale, int n, int kvh,
                                                        int G, int g0, int ng, int first, int len) {
     constexpr int HD = HPL * 32;
-    __shared__ float s_ml[ATT_WARPS][ATT_GMAX][2];
+    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
     __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -454,32 +481,13 @@ __device__ __forceinline__ void attention_decode_short(const float* __restrict__
     float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
     attention_decode_start<HPL, ATT_GMAX>(q, (size_t)n * nh + kvh * G + g0, 0, ng, scale, qv, acc, m, l);
     attention_decode_keys<TC, HPL, ATT_GMAX>(kc, vc, base_off, row, lo, hi, ng, qv, acc, m, l);
-#pragma unroll
-    for (int g = 0; g < ATT_GMAX; ++g) {
-        if (lane == 0) {
-            s_ml[warp][g][0] = m[g];
-            s_ml[warp][g][1] = l[g];
-        }
-#pragma unroll
-        for (int u = 0; u < HPL; ++u) s_acc[warp][g][lane * HPL + u] = acc[g][u];
-    }
+    attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
     __syncthreads();
     for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
         const int g = i / HD, d = i - g * HD;
         const int head = kvh * G + g0 + g;
-        const float sk = sinks != nullptr ? sinks[head] : NEG_INF;
-        float mx = sk;
-        for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_ml[w][g][0]);
-        float num = 0.0f, den = 0.0f;
-        if (mx != NEG_INF) {
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                const float c = expf(s_ml[w][g][0] - mx);      // 0 for a warp without keys (m = -inf)
-                num = fmaf(s_acc[w][g][d], c, num);
-                den = fmaf(s_ml[w][g][1], c, den);
-            }
-            if (sk != NEG_INF) den += expf(sk - mx);
-        }
-        out[((size_t)n * nh + head) * HD + d] = den > 0.0f ? num / den : 0.0f;
+        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d, sinks != nullptr ? sinks[head] : NEG_INF);
+        out[((size_t)n * nh + head) * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
     }
 }
 
