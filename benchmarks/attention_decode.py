@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu_kernels import copy_bandwidth, time_graph
+from benchmarks.gpu_kernels import copy_bandwidth, override_defines, time_graph
 
 SHAPES = {"qwen3": (32, 4, 128), "mixtral": (32, 8, 128), "olmoe": (16, 16, 128)}   # query heads, kv heads, head dim
 LENGTHS = (64, 512, 4096)
@@ -59,25 +59,6 @@ def case(cp, ops, nb, rng, shape, cache: str, capacity: int, batch: int, length:
             "gbps": kv_bytes / us / 1e3, "rel_err": err}
 
 
-def override_defines(ops, pairs: list[str]) -> dict[str, int]:
-    """Apply --define NAME=VALUE pairs to the attention kernels' compile options (and ops.py's copy of the name)."""
-    from colibri_format.runtime.cuda import limits
-
-    defines = limits.KERNEL_DEFINES["layers"]
-    overrides = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if name not in defines:
-            raise SystemExit(f"--define {pair}: {name} is not one of {sorted(defines)}")
-        if not value.isdigit() or int(value) < 1:
-            raise SystemExit(f"--define {pair}: the value must be a whole number of at least 1")
-        overrides[name] = defines[name] = int(value)
-        for module in (ops, limits):      # ops' copy of a name, and limits' (ops checks nsplit against it)
-            if hasattr(module, name):
-                setattr(module, name, int(value))
-    return overrides
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -96,7 +77,7 @@ def main() -> int:
     from colibri_format.runtime import numpy_backend as nb
     from colibri_format.runtime.cuda.kernels import ops
 
-    overrides = override_defines(ops, args.define)   # a wrong --define is refused before CuPy is needed
+    overrides = override_defines("layers", args.define)   # a wrong --define is refused before CuPy is needed
     import cupy as cp
 
     rng = np.random.default_rng(0)

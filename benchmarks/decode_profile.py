@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_kernels import copy_bandwidth, rebuild_module, time_graph  # noqa: E402
+from gpu_kernels import copy_bandwidth, override_defines, rebuild_module, time_graph  # noqa: E402
 from synthetic_decode import EXPERT_FORMATS, expert_options, shaped_model, write_timed  # noqa: E402
 
 SHAPES = {  # full depth: every layer, the real vocabulary (head_dim 128 for all three)
@@ -246,14 +246,8 @@ def main() -> int:
         result["dg_max_splits"] = args.dg_max_splits
     for plan in args.dg_plan:
         use_dense_plan(plan, result)
-    for pair in args.layers_define:
-        name, _, value = pair.partition("=")
-        from colibri_format.runtime.cuda import limits
-
-        if name not in limits.KERNEL_DEFINES["layers"] or not value.isdigit():
-            ap.error(f"--layers-define {pair}: NAME must be one of layers.cu's constants, VALUE a whole number")
-        rebuild_module("layers", **{name: int(value)})
-        result.setdefault("layers_defines", {})[name] = int(value)
+    if args.layers_define:
+        result["layers_defines"] = override_defines("layers", args.layers_define, "--layers-define")
     if args.no_pairs:
         from colibri_format.runtime.cuda.kernels import ops
 

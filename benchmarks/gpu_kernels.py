@@ -54,6 +54,27 @@ def rebuild_module(name: str, **defines: int) -> None:
             del cache[key]
 
 
+def override_defines(name: str, pairs: list[str], option: str = "--define") -> dict[str, int]:
+    """NAME=VALUE pairs (a script's repeatable option) applied to kernel module `name`'s compile-time constants
+    (`rebuild_module`), and to limits' and ops.py's copies of a name where they have one (the launch plans read
+    ATT_DECODE_MIN_KEYS from ops, the split cap ATT_MAX_SPLITS from limits); a wrong pair stops the script."""
+    from colibri_format.runtime.cuda import limits  # noqa: PLC0415
+
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in limits.KERNEL_DEFINES[name]:
+            raise SystemExit(f"{option} {pair}: {key} is not one of {sorted(limits.KERNEL_DEFINES[name])}")
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"{option} {pair}: the value must be a whole number of at least 1")
+        overrides[key] = int(value)
+        for module in (ops, limits):
+            if hasattr(module, key):
+                setattr(module, key, int(value))
+    rebuild_module(name, **overrides)
+    return overrides
+
+
 def time_graph(cp, fn_list, reps: int = 25, per_graph: int | None = None) -> float:
     """Median µs per call of fn_list[i] (called round-robin), from CUDA-graph replays of many calls."""
     cp.cuda.Device().synchronize()  # inputs were made on the legacy stream, which a non-blocking one ignores
