@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                    "its tokenizer (default: the bundled demo model); int4 g64 / g128 files are scored too where its "
                    "expert widths allow them")
     args = p.parse_args(argv)
+    missing = [f for f in ("config.json", "tokenizer.json", "eval.txt") if not (args.model / f).is_file()]
+    if missing:
+        p.error(f"--model {args.model}: no {', '.join(missing)} there")
 
     import torch
     torch.set_num_threads(args.threads)
