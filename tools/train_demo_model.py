@@ -557,8 +557,9 @@ def main(argv=None) -> int:
     bf16_bytes = 2 * n_params
     log(f"model: {n_params:,} params -> {bf16_bytes / 2**20:.2f} MiB in bf16 "
         f"(limit {args.max_mib} MiB)")
-    assert bf16_bytes <= args.max_mib * 2**20, "model too large for the bundled-checkpoint limit"
-    assert bf16_bytes <= 24e6
+    if bf16_bytes > args.max_mib * 2**20:
+        log(f"model too large: {bf16_bytes / 2**20:.2f} MiB in bf16 over --max-mib {args.max_mib}")
+        return 2
 
     kw = {}
     if args.experts_impl:
