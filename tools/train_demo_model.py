@@ -794,8 +794,9 @@ def main(argv=None) -> int:
     log(f"wrote {out}: " + ", ".join(f"{p.name} {p.stat().st_size / 2**20:.2f}MiB"
                                       for p in sorted(out.iterdir())))
     log(f"total wall time {report['wall_time_seconds']}s")
-    if st.stat().st_size > 16 * 2**20:
-        log("model.safetensors exceeds 16 MiB")
+    file_limit_mib = math.ceil(args.max_mib)  # the tensors' bound plus the header, rounded up to a whole MiB
+    if st.stat().st_size > file_limit_mib * 2**20:
+        log(f"model.safetensors exceeds {file_limit_mib} MiB")
         return 3
     if problems and not args.allow_collapse:
         log("router collapse detected; refusing (use --allow-collapse to keep the result)")
