@@ -224,7 +224,7 @@ def main() -> int:
                     "1=2x4: one token's plan before session 17)")
     ap.add_argument("--layers-define", action="append", default=[], metavar="NAME=VALUE",
                     help="layers.cu rebuilt with this -D constant for the engine runs (repeatable; e.g. "
-                    "ATT_SHORT_KEYS=128, a candidate limits.py leaves off)")
+                    "ATT_DECODE_MIN_KEYS=32)")
     ap.add_argument("--experts", default="int8", choices=sorted(EXPERT_FORMATS),
                     help="expert format of the files (int4_g32: int8 activations, the engine's default)")
     args = ap.parse_args()

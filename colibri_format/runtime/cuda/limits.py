@@ -104,11 +104,6 @@ ATT_GMAX = 8
 ATT_LANE_FLOATS = 32
 ATT_DECODE_MAX_ROWS = 32
 ATT_DECODE_MIN_KEYS = 16
-# attention_decode: a row whose span is at most ATT_SHORT_KEYS keys runs in one block a (kv head, head chunk), its
-# warps splitting the keys with every head each and merging in shared memory (no partials, ticket or second merge
-# round trip); 0: never. A candidate for the latency of short decode contexts (~14 us a call at ~90 keys, session
-# 17), 0 until benchmarks/attention_decode.py (--define ATT_SHORT_KEYS=N) has timed it on the H200.
-ATT_SHORT_KEYS = 0
 # the most context splits an attention launch takes (attention_splits' cap; attention_decode's merge holds a weight
 # per split and head in shared memory)
 ATT_MAX_SPLITS = 64
@@ -238,7 +233,6 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
-               "ATT_SHORT_KEYS": ATT_SHORT_KEYS,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},

@@ -2,9 +2,8 @@
 shuffles emulated, blocks in shuffled orders) against `numpy_backend.attention` in float64: key batches and their
 masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the minimum keys a split takes, windows,
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
-block's merge over repeated launches on one workspace (its tickets back at zero after each); each on limits.py's build
-and on one that runs spans of up to SHORT_KEYS keys in one block (ATT_SHORT_KEYS). The GPU tests are in
-test_gpu_kernels.py.
+block's merge over repeated launches on one workspace (its tickets back at zero after each), and a build with a
+wider split cap. The GPU tests are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -27,13 +26,9 @@ LENGTHS = (1, 15, 16, 17, 100, 300)
 SPLITS = (1, 3, limits.ATT_MAX_SPLITS)
 
 
-SHORT_KEYS = 128    # a candidate ATT_SHORT_KEYS: rows of up to 128 keys in one block a kv head, longer ones split
-
-
-@pytest.fixture(scope="module", params=[limits.ATT_SHORT_KEYS, SHORT_KEYS], ids=lambda v: f"short{v}")
-def emulator(request, tmp_path_factory):
-    """limits.py's build, and one with short spans in one block (ATT_SHORT_KEYS): every test runs on both."""
-    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_host"), ATT_SHORT_KEYS=request.param))
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_host")))
 
 
 def caches(rng, nkv: int, hd: int, cache: str, capacity: int = CAPACITY) -> tuple[np.ndarray, np.ndarray]:

@@ -269,16 +269,13 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #ifndef ATT_MAX_SPLITS
 #error "ATT_MAX_SPLITS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-#ifndef ATT_SHORT_KEYS
-#error "ATT_SHORT_KEYS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
 // One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
 // dimension, HPL values each). attention_decode_start: each head's q (times scale) and an empty state; head i is
 // head first + i of the chunk of `ng`, clamped to its last. attention_decode_keys: the keys [lo, hi) in batches of
-// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, for the first `live` heads:
-// running max m, sum l and unnormalized output acc of each.
+// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used: each head's running max m,
+// sum l and unnormalized output acc.
 template <int HPL, int NH>
 __device__ __forceinline__ void attention_decode_start(const float* __restrict__ q, size_t chunk_row, int first,
                                                        int ng, float scale, float (&qv)[NH][HPL],
@@ -301,7 +298,7 @@ __device__ __forceinline__ void attention_decode_start(const float* __restrict__
 template <typename TC, int HPL, int NH>
 __device__ __forceinline__ void attention_decode_keys(const typename TC::storage* __restrict__ kc,
                                                       const typename TC::storage* __restrict__ vc, size_t base_off,
-                                                      size_t row, int lo, int hi, int live,
+                                                      size_t row, int lo, int hi,
                                                       const float (&qv)[NH][HPL], float (&acc)[NH][HPL],
                                                       float (&m)[NH], float (&l)[NH]) {
     constexpr int KB = ATT_LANE_FLOATS / HPL;
@@ -319,7 +316,6 @@ __device__ __forceinline__ void attention_decode_keys(const typename TC::storage
         }
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
-            if (h >= live) break;
             float sc[KB];
             float mb = NEG_INF;
 #pragma unroll
@@ -363,7 +359,7 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
 
     float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
     attention_decode_start<HPL, ATT_HPW>(q, (size_t)n * nh + kvh * G + g0, warp * ATT_HPW, ng, scale, qv, acc, m, l);
-    attention_decode_keys<TC, HPL, ATT_HPW>(kc, vc, base_off, row, lo, hi, ATT_HPW, qv, acc, m, l);
+    attention_decode_keys<TC, HPL, ATT_HPW>(kc, vc, base_off, row, lo, hi, qv, acc, m, l);
 #pragma unroll
     for (int h = 0; h < ATT_HPW; ++h) {
         const int g = warp * ATT_HPW + h;
@@ -455,42 +451,6 @@ __device__ __forceinline__ void attention_merge_last(const float* part_ml, const
     if (threadIdx.x == 0) tickets[ticket_id] = 0;
 }
 
-// A short span (at most ATT_SHORT_KEYS keys): one block of a (row, kv head, head chunk) takes every key, warp w the
-// w-th quarter of them with all ng heads (lanes over the head dimension, key batches of KB as above), then the
-// block merges its warps' (max, sum, unnormalized output) in shared memory into the output, sinks joined as the
-// unsplit kernel joins them: one round of K/V loads a warp for up to 4 KB keys, no partials in global memory, no
-// ticket and no second block's merge.
-template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_short(const float* __restrict__ q,
-                                                       const typename TC::storage* __restrict__ kc,
-                                                       const typename TC::storage* __restrict__ vc,
-                                                       const int* __restrict__ q_seq,
-                                                       const float* __restrict__ sinks, float* __restrict__ out,
-                                                       int nh, int nkv, int capacity, float scale, int n, int kvh,
-                                                       int G, int g0, int ng, int first, int len) {
-    constexpr int HD = HPL * 32;
-    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
-    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
-    const float NEG_INF = __int_as_float(0xff800000);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int per = (len - first + ATT_WARPS - 1) / ATT_WARPS;
-    const int lo = first + warp * per, hi = min(len, lo + per);
-    const size_t row = (size_t)nkv * HD;
-    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
-
-    float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
-    attention_decode_start<HPL, ATT_GMAX>(q, (size_t)n * nh + kvh * G + g0, 0, ng, scale, qv, acc, m, l);
-    attention_decode_keys<TC, HPL, ATT_GMAX>(kc, vc, base_off, row, lo, hi, ng, qv, acc, m, l);
-    attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
-    __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
-        const int g = i / HD, d = i - g * HD;
-        const int head = kvh * G + g0 + g;
-        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d, sinks != nullptr ? sinks[head] : NEG_INF);
-        out[((size_t)n * nh + head) * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
-    }
-}
-
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q,
                                                       const typename TC::storage* __restrict__ kc,
@@ -510,12 +470,6 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     // position 60 in a graph captured for a 32k cache) runs on the first few splits and the merge reads only those
     // `used` ones: the grid, fixed at capture, follows the capacity; the work follows the length.
     const int len = q_len[n], first = window > 0 ? max(0, len - window) : 0, span = len - first;
-    if (ATT_SHORT_KEYS > 0 && span <= ATT_SHORT_KEYS) {   // the first split's block takes it all, the others idle
-        if (split == 0)
-            attention_decode_short<TC, HPL>(q, kc, vc, q_seq, sinks, out, nh, nkv, capacity, scale, n, kvh, G, g0, ng,
-                                            first, len);
-        return;
-    }
     const int chunk = max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
     const int used = (span + chunk - 1) / chunk;     // <= nsplit, as chunk >= span / nsplit; 0 for an empty span
     const int lo = first + split * chunk, hi = min(len, lo + chunk);

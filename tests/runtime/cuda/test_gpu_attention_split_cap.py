@@ -1,6 +1,5 @@
-"""The decode-attention candidates limits.py leaves off until benchmarks/attention_decode.py has timed them, on the GPU:
-layers.cu rebuilt (this process only, restored after) with short spans in one block (ATT_SHORT_KEYS) and a wider
-split cap (ATT_MAX_SPLITS), against the NumPy float64 attention. The CPU twins are in
+"""The wider split cap benchmarks/attention_decode.py times with --define ATT_MAX_SPLITS=N, on the GPU: layers.cu
+rebuilt (this process only, restored after) with 4x limits.py's cap, against the NumPy float64 attention. The CPU twins are in
 test_attention_decode_emulated.py; the kernels that run by default are tested in test_gpu_kernels.py.
 """
 
@@ -15,7 +14,7 @@ from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 
 TOL = 2e-5
-CANDIDATES = {"ATT_SHORT_KEYS": 128, "ATT_MAX_SPLITS": 4 * limits.ATT_MAX_SPLITS}
+WIDE_CAP = {"ATT_MAX_SPLITS": 4 * limits.ATT_MAX_SPLITS}
 
 
 def _forget_layers() -> None:
@@ -25,16 +24,16 @@ def _forget_layers() -> None:
 
 
 @pytest.fixture(scope="module")
-def candidates():
-    """layers.cu built with CANDIDATES (and limits' ATT_MAX_SPLITS, which ops checks nsplit against); restored
+def wide_cap():
+    """layers.cu built with WIDE_CAP (and limits' ATT_MAX_SPLITS, which ops checks nsplit against); restored
     after the module's tests, so later tests build limits.py's kernels again."""
     defines = limits.KERNEL_DEFINES["layers"]
-    saved, saved_cap = {name: defines[name] for name in CANDIDATES}, limits.ATT_MAX_SPLITS
-    defines.update(CANDIDATES)
-    limits.ATT_MAX_SPLITS = CANDIDATES["ATT_MAX_SPLITS"]
+    saved, saved_cap = {name: defines[name] for name in WIDE_CAP}, limits.ATT_MAX_SPLITS
+    defines.update(WIDE_CAP)
+    limits.ATT_MAX_SPLITS = WIDE_CAP["ATT_MAX_SPLITS"]
     _forget_layers()
     try:
-        yield CANDIDATES
+        yield WIDE_CAP
     finally:
         defines.update(saved)
         limits.ATT_MAX_SPLITS = saved_cap
@@ -49,12 +48,11 @@ def rel(out, expected) -> float:
 
 @pytest.mark.parametrize("cache", ["f32", "bf16"])
 @pytest.mark.parametrize("window", [0, 40])
-def test_short_spans_and_wide_splits_match_float64(cp, rng, candidates, cache, window):
-    """Rows of 1 to 4096 keys on one workspace planned for the widest split count (as a captured graph replays it):
-    up to ATT_SHORT_KEYS keys in one block a kv head, longer ones split up to the wider cap; sinks; the tickets end
-    at zero after every launch."""
+def test_wide_splits_match_float64(cp, rng, wide_cap, cache, window):
+    """Rows of 1 to 4096 keys on one workspace planned for the widest split count (as a captured graph replays it),
+    split up to the wider cap; sinks; the tickets end at zero after every launch."""
     S, cap, nkv, nh, hd = 2, 4096, 4, 32, 128
-    ns = candidates["ATT_MAX_SPLITS"]
+    ns = wide_cap["ATT_MAX_SPLITS"]
     k_h, v_h = (rng.standard_normal((S, cap, nkv, hd)).astype(np.float32) for _ in range(2))
     if cache == "bf16":
         k_h, v_h = float32_to_bf16_bits(k_h), float32_to_bf16_bits(v_h)
