@@ -142,13 +142,12 @@ def use_dense_plan(text: str, result: dict) -> None:
     result.setdefault("dg_plans", {})[tokens] = [rows, unroll]
 
 
-def engine_profile(path: Path, batches: list[int], small_moe: bool = False) -> list[dict]:
+def engine_profile(path: Path, batches: list[int]) -> list[dict]:
     from colibri_format.runtime.cuda.bench import render, run_bench
 
     out = []
     for b in batches:
-        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never",
-                      small_moe=small_moe)
+        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never")
         log("\n" + render(r))
         out.append(r)
     return out
@@ -211,8 +210,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gemv", action="store_true")
-    ap.add_argument("--small-moe", action="store_true", help="EngineConfig(small_moe=True): moe_small.cu's two "
-                    "kernels for passes of up to MOE_SMALL_MAX_TOKENS tokens")
     ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
@@ -260,14 +257,14 @@ def main() -> int:
             path = Path(args.qwen3_file) if keep else Path(f"/dev/shm/{shape}_{args.experts}_full.colibri")
             ensure_model(path, shape, args.experts)
             batches = [int(b) for b in args.batches.split(",")]
-            result["engine"][shape] = engine_profile(path, batches, args.small_moe)
+            result["engine"][shape] = engine_profile(path, batches)
             if args.pairs_ab:
                 from colibri_format.runtime.cuda.kernels import ops
 
                 by_pair = ops.pairs_path
                 ops.pairs_path = lambda num_tokens: False
                 log(f"{shape} again with the dispatch (--pairs-ab)")
-                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches, args.small_moe)
+                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches)
                 ops.pairs_path = by_pair
             if not keep:
                 path.unlink()

@@ -1,5 +1,5 @@
 """Full-depth prefill on the CUDA engine with each prefill opt-in, and transformers bf16 on the same shape, in one
-process (issue 15); batch-1 and batch-4 decode with `small_moe` off and on (issue 14) on the same file.
+process (issue 15); batch-1 and batch-4 decode (issue 14) on the same file.
 
     PYTHONPATH=. python benchmarks/prefill_engine.py --out OUT_DIR [--shapes mixtral,qwen3] [--tokens 512,4096]
     PYTHONPATH=. python benchmarks/prefill_engine.py --out OUT_DIR --tiny --device cpu     # a check of the script
@@ -18,8 +18,8 @@ Per shape (decode_profile.SHAPES: Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B at fu
    profiler, `bench.timeline_profile`): every kernel's time, so the figures add up to the pass. With
    --host-profile, one more prefill of each length under cProfile: where the host's time goes (the Python
    functions with the most time of their own), to tell launch overhead from device work.
-3. decode (unless --no-decode): `bench.run_bench` at batch 1 and 4 (CUDA graphs) on an engine opened with
-   `small_moe` off, then on.
+3. decode (unless --no-decode): `bench.decode_bench` at batch 1 and 4 (CUDA graphs on cuda) on an engine opened
+   with the defaults.
 The file is deleted after its shape. Writes prefill_engine.json and prefill_engine.txt to --out.
 """
 
@@ -183,13 +183,12 @@ def colibri_decode(path: Path, device: str) -> dict:
     from colibri_format.runtime.cuda.bench import decode_bench
 
     out = {}
-    for small in ((False, True) if device == "cuda" else (False,)):
-        cfg = EngineConfig(device=device, max_batch_size=4, max_seq_len=128, small_moe=small, verify="never")
-        with Engine(path, cfg) as eng:
-            for batch in (1, 4):
-                d, _ = decode_bench(eng, batch, 64, 8, np.random.default_rng(0))
-                out[f"small_moe={small} b{batch}"] = d["tokens_per_s"]
-                log(f"colibri decode small_moe={small} b{batch}: {d['tokens_per_s']:.1f} tok/s ({d['graph']})")
+    cfg = EngineConfig(device=device, max_batch_size=4, max_seq_len=128, verify="never")
+    with Engine(path, cfg) as eng:
+        for batch in (1, 4):
+            d, _ = decode_bench(eng, batch, 64, 8, np.random.default_rng(0))
+            out[f"b{batch}"] = d["tokens_per_s"]
+            log(f"colibri decode b{batch}: {d['tokens_per_s']:.1f} tok/s ({d['graph']})")
     return out
 
 

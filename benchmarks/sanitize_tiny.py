@@ -36,7 +36,7 @@ from colibri_format.synthetic import synthetic_model, write_synthetic
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-OPT_INS = ({"fast_expert_gemm": "split"}, {"fast_expert_gemm": "bf16"}, {"flash_prefill": True}, {"small_moe": True},
+OPT_INS = ({"fast_expert_gemm": "split"}, {"fast_expert_gemm": "bf16"}, {"flash_prefill": True},
            {"cublas_expert_gemm": True}, {"fast_expert_gemm": "bf16", "cublas_expert_gemm": True},
            {"fast_expert_gemm": "int8"}, {"fast_expert_gemm": "int8", "cublas_expert_gemm": True})
 

@@ -70,9 +70,6 @@ class EngineConfig:
     flash_prefill: bool = True                # CUDA: prefill attention (beyond 32 rows) as flash attention on the
                                               # tensor cores, operands split into bf16 hi + lo (attention_prefill.cu);
                                               # off: attention_split (fp32 SIMT). docs/benchmarks.md has both timed
-    small_moe: bool = False                   # CUDA: routed experts of passes of at most MOE_SMALL_MAX_TOKENS tokens
-                                              # in two kernels (moe_small.cu: no dispatch, combine folded into down);
-                                              # off: slower than today's four kernels at full depth on the H200
     int8_activations: bool = True             # int4_group experts (limits.A8_FORMATS): each expert product rounds
                                               # its input to int8 per group of 32 (s = max|v| / 127, symmetric);
                                               # CUDA decode passes run the dp4a GEMVs (moe_gemv4_dp4a.cu), prefill
@@ -223,7 +220,7 @@ def make_backend(config: EngineConfig):
         raise InvalidInput(f"device='cuda' needs CuPy ({exc})", field="device", value="cuda") from None
     return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
                              fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill,
-                             small_moe=config.small_moe, int8_activations=config.int8_activations,
+                             int8_activations=config.int8_activations,
                              cublas_expert_gemm=config.cublas_expert_gemm)
 
 

@@ -32,7 +32,7 @@ class CupyBackend:
     deltanet = None     # the Gated DeltaNet op (its f32 weights and decode buffers), made on first use
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False,
+                 flash_prefill: bool = False, int8_activations: bool = False,
                  cublas_expert_gemm: bool | None = None) -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
@@ -51,7 +51,6 @@ class CupyBackend:
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm (None, auto, split, bf16, int8)
         self.cublas_expert_gemm = cublas_expert_gemm   # EngineConfig.cublas_expert_gemm (ops.uses_cublas_gemm)
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
-        self.small_moe = small_moe     # decode steps of few tokens: the two moe_small.cu kernels (ops.small_path)
         self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
         self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
@@ -235,7 +234,7 @@ class CupyBackend:
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         fast_gemm, cublas = self._expert_gemm(T, P, table, extras)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
-                               out=residual, small=self.small_moe,
+                               out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
                                extras=extras, fast_gemm=fast_gemm, cublas=cublas,
@@ -379,7 +378,7 @@ class _TimedOps:
 
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
-                 flash_prefill: bool = False, small_moe: bool = False, int8_activations: bool = False,
+                 flash_prefill: bool = False, int8_activations: bool = False,
                  cublas_expert_gemm: bool | None = None) -> CupyBackend:
-    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, small_moe, int8_activations,
+    return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, int8_activations,
                        cublas_expert_gemm)

@@ -42,17 +42,6 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
 # (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
 GEMV_W4_PLAN = ((4, 1), (4, 1))
-# moe_small.cu: the routed experts of a decode step of at most MOE_SMALL_MAX_TOKENS tokens in two launches (gate/up
-# items indexed by (pair, rows) straight from the router's ids; down items by (token, rows) over the token's k
-# experts, the combine folded in). Plans, each compiled as kernel suffix _p<index> (moe_small.cu instantiates two
-# gate/up and three down plans): gate/up (output rows an item, 16-byte chunks a lane loads per row at once); down
-# (output rows an item, experts whose rows load together, chunks a lane loads per row at once); both then the
-# blocks a multiprocessor must hold (a register cap) for per-row and for group scales: the most that compile
-# without spills. Plan 0 is the default; benchmarks/decode_moe_small.py times them all.
-MOE_SMALL_MAX_TOKENS = 4
-SMALL_THREADS = 128
-SMALL_GATE_UP_PLANS = ((2, 4, 4, 3), (4, 2, 4, 3))
-SMALL_DOWN_PLANS = ((2, 4, 2, 4, 3), (4, 2, 2, 4, 3), (1, 8, 2, 3, 3))
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -221,11 +210,6 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
     "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
-    "moe_small": {"SMALL_THREADS": SMALL_THREADS,
-                  **{f"SG{i}_{name}": v for i, plan in enumerate(SMALL_GATE_UP_PLANS)
-                     for name, v in zip(("ROWS", "CHUNKS", "BLOCKS_R", "BLOCKS_G"), plan)},
-                  **{f"SD{i}_{name}": v for i, plan in enumerate(SMALL_DOWN_PLANS)
-                     for name, v in zip(("ROWS", "EXPERTS", "CHUNKS", "BLOCKS_R", "BLOCKS_G"), plan)}},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,

@@ -215,21 +215,3 @@ def test_fast_gemm_stages_fit_the_blocks_asked_for(activations, a_bytes):
     (64, 32, 32, (32, 32, "g")), (64, 48, 24, None), (64, 48, 32, None), (64, 32, -16, None)])
 def test_scale_groups(hidden, inter, group, expected):
     assert L.scale_groups(hidden, inter, group) == expected
-
-
-def test_small_step_plans_fit_every_expert_shape_the_kernels_take():
-    """moe_small.cu: an item's rows divide every hidden and expert size (multiples of DIM_MULTIPLE), so no item is
-    shifted; blocks are whole warps, and the blocks a multiprocessor must hold fit its 2048 threads."""
-    for plan in L.SMALL_GATE_UP_PLANS + L.SMALL_DOWN_PLANS:
-        assert L.DIM_MULTIPLE % plan[0] == 0 and all(v >= 1 for v in plan), plan
-        assert max(plan[-2:]) * L.SMALL_THREADS <= 2048, plan
-    assert L.SMALL_THREADS % L.WARP == 0 and L.MOE_SMALL_MAX_TOKENS >= 1
-
-
-def test_small_path_takes_plain_int8_tables_of_few_tokens_only():
-    plain = ops.ExpertTable(None, 64, 32, 0, 256, 512, 768)
-    packed = ops.PackedExpertTable(None, 64, 32, 0, 256, 512, 768, group_size=32)
-    assert ops.small_path(1, plain) and ops.small_path(L.MOE_SMALL_MAX_TOKENS, plain)
-    assert not ops.small_path(L.MOE_SMALL_MAX_TOKENS + 1, plain)
-    assert not ops.small_path(1, plain, ops.ExpertExtras(alpha=1.702))
-    assert not ops.small_path(1, packed)

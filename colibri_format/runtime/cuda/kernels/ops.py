@@ -27,9 +27,8 @@ from colibri_format.runtime.cuda.limits import (  # also what callers read as op
     ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
     CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E,
     DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
-    GLUE_THREADS, GROUP_MULTIPLE, MOE_SMALL_MAX_TOKENS, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
-    ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, SMALL_DOWN_PLANS, SMALL_GATE_UP_PLANS, SMALL_THREADS,
-    TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes, scale_groups)
+    GLUE_THREADS, GROUP_MULTIPLE, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
+    ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes, scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
 from colibri_format.spec.layout import blob_layout
 
@@ -1062,7 +1061,7 @@ def uses_fast_gemm(fast_gemm: str | None, table: ExpertTable, extras: ExpertExtr
 def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
-                staging: FastGemmStaging | None = None, small: bool = False, cublas: bool | None = None,
+                staging: FastGemmStaging | None = None, cublas: bool | None = None,
                 pairs: bool | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
@@ -1070,16 +1069,12 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     disp, act [P, I], ypair [P, H], staging and out [T, H] may be passed in (preallocated for graph capture; out may
     be residual). The grouped tensor-core GEMM replaces the GEMVs from about 8 pairs per expert or beyond 32 rows
     (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
-    GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. small: a pass that
-    `small_path` accepts runs `moe_experts_small` (two kernels, no dispatch or combine) instead of the GEMVs.
-    cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
+    GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
     so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only). pairs: a GEMV pass by pair without a
     dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
-    if small and not use_gemm and small_path(T, table, extras):
-        return moe_experts_small(x, ids, weights, table, residual=residual, alpha=alpha, act=act, out=out)
     if not use_gemm and (pairs_path(T) if pairs is None else pairs):
         act = moe_gate_up_pairs(x, ids, table, extras=extras, out=act)
         ypair = moe_down_pairs(act, ids, weights, table, extras=extras, out=ypair)
@@ -1102,89 +1097,6 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
         act = moe_gate_up(x, table, disp, k, extras=extras, out=act)
         ypair = moe_down(act, table, disp, weights, extras=extras, out=ypair)
     return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
-
-
-# ---- small decode steps (moe_small.cu) ------------------------------------------------------------------------
-def small_path(num_tokens: int, table: ExpertTable, extras: ExpertExtras | None = None) -> bool:
-    """Whether `moe_experts_small` runs this pass: at most MOE_SMALL_MAX_TOKENS tokens over int8 experts without
-    gpt-oss's extras (those, and 4-bit experts, keep the dispatch + GEMV path)."""
-    return num_tokens <= MOE_SMALL_MAX_TOKENS and extras is None and type(table) is ExpertTable
-
-
-def _small_plan(plans: tuple, plan: int, rows_available: int) -> tuple:
-    if not 0 <= plan < len(plans):
-        raise ValueError(f"plan {plan} not in 0..{len(plans) - 1}")
-    if plans[plan][0] > rows_available:
-        raise ValueError(f"plan {plan} takes {plans[plan][0]} rows an item, the matrix has {rows_available}")
-    return plans[plan]
-
-
-def _check_small_routes(ids, table: ExpertTable) -> tuple[int, int]:
-    """(T, k) of ids [T, k] int32 with 1 <= T <= MOE_SMALL_MAX_TOKENS (after checking the table)."""
-    table.check()
-    _check("ids", ids, dtype=np.int32, ndim=2)
-    T, k = ids.shape
-    if not 1 <= T <= MOE_SMALL_MAX_TOKENS or k < 1:
-        raise ValueError(f"ids {tuple(ids.shape)}: the small-step kernels take 1..{MOE_SMALL_MAX_TOKENS} tokens")
-    return T, k
-
-
-def _small_launch(name: str, items: int):
-    """(kernel, grid): the blocks the machine holds at once, fewer when there are fewer warp items."""
-    fn = kernel("moe_small", name)
-    blocks = min(_sm_count() * resident_blocks(fn, SMALL_THREADS), -(-items // (SMALL_THREADS // 32)))
-    return fn, (max(1, blocks),)
-
-
-def moe_small_gate_up(x, ids, table: ExpertTable, *, plan: int = 0, out=None):
-    """act [T * k, I] f32 in pair order (p = t * k + j) = silu(gate x[t]) * (up x[t]) of expert ids[t, j], for
-    x [T, H] f32 and ids [T, k] int32, T <= MOE_SMALL_MAX_TOKENS; an id outside [0, E) gives a zero row. Fills
-    `table.fill_ptrs` slots as it reads. plan: an index into limits.SMALL_GATE_UP_PLANS."""
-    cp = _cupy()
-    T, k = _check_small_routes(ids, table)
-    H, I = table.hidden_size, table.intermediate_size
-    _check("x", x, dtype=np.float32, shape=(T, H))
-    rows = _small_plan(SMALL_GATE_UP_PLANS, plan, I)[0]
-    gh, _, kind = table.groups()
-    act = _out("out", out, (T * k, I), cp.float32)
-    fn, grid = _small_launch(f"moe_small_gate_up_p{plan}_{kind}", T * k * -(-I // rows))
-    fn(grid, (SMALL_THREADS,),
-       (x, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
-        act, np.int32(T), np.int32(k), np.int32(table.num_experts), np.int32(H), np.int32(I), np.int32(gh)))
-    return act
-
-
-def moe_small_down(act, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0, plan: int = 0,
-                   out=None):
-    """y [T, H] = residual (zero when None) + alpha * sum_j weights[t, j] * (down of expert ids[t, j]) @ act[t*k+j]
-    (slots in a fixed order, no combine kernel); act [T * k, I] in pair order (`moe_small_gate_up`), weights [T, k]
-    f32; out may be residual. Fills `table.fill_ptrs` slots as it reads. plan: an index into
-    limits.SMALL_DOWN_PLANS."""
-    cp = _cupy()
-    T, k = _check_small_routes(ids, table)
-    H, I = table.hidden_size, table.intermediate_size
-    _check("act", act, dtype=np.float32, shape=(T * k, I))
-    _check("weights", weights, dtype=np.float32, shape=(T, k))
-    if residual is not None:
-        _check("residual", residual, dtype=np.float32, shape=(T, H))
-    rows = _small_plan(SMALL_DOWN_PLANS, plan, H)[0]
-    _, gi, kind = table.groups()
-    y = _out("out", out, (T, H), cp.float32)
-    fn, grid = _small_launch(f"moe_small_down_p{plan}_{kind}", T * -(-H // rows))
-    fn(grid, (SMALL_THREADS,),
-       (act, ids, weights, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down),
-        np.int64(table.off_down_scale), _ptr(residual), y, np.int32(T), np.int32(k), np.int32(table.num_experts),
-        np.int32(H), np.int32(I), np.int32(gi), np.float32(alpha)))
-    return y
-
-
-def moe_experts_small(x, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0, act=None,
-                      plans: tuple[int, int] = (0, 0), out=None):
-    """`moe_experts` for a small decode step in two launches (gate/up by pair, then down with the combine folded
-    in): y [T, H] = residual + alpha * the routed experts' weighted sum; act [T * k, I] and out [T, H] may be passed
-    in (out may be residual). plans: (gate/up plan, down plan). The NumPy twin is `numpy_backend.moe`."""
-    act = moe_small_gate_up(x, ids, table, plan=plans[0], out=act)
-    return moe_small_down(act, ids, weights, table, residual=residual, alpha=alpha, plan=plans[1], out=out)
 
 
 # ---- dense layers ---------------------------------------------------------------------------------------------
