@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gemv_sweep.py --out OUT_DIR [--kernels dp4a,int8] [--shapes mixtral,qwen3]
                                                  [--tokens 1,8] [--group 32]
+    PYTHONPATH=. python benchmarks/gemv_sweep.py --out OUT_DIR --pairs      # the one-token by-pair kernels
     PYTHONPATH=. python benchmarks/gemv_sweep.py --list          # the candidate plans, no GPU
 
 Two families, each with its plans in limits.py as -D constants:
@@ -15,7 +16,10 @@ and run on every case through the engine's own wrapper
 compared with the default plan's bit for bit (a plan changes which warp computes a row and how many loads a lane
 issues before it uses them, not the order in which a row's chunks are summed), and timed as gemv4_tc.py times its
 kernels: CUDA graphs of many launches over rotated routings on random experts larger than L2; µs a launch, GB/s of
-the expert bytes read, and the kernel's registers and spilled bytes. Writes gemv_sweep.json and prints the table;
+the expert bytes read, and the kernel's registers and spilled bytes. --pairs sweeps the kernels one-token passes run
+in the engine since session 16 instead (`ops.pairs_path`: by pair from the router's ids, no dispatch;
+`moe_gate_up_pairs` / `moe_down_pairs`, `moe_gate_up_4bit_a8_pairs` / `moe_down_4bit_a8_pairs`), which compile from
+the same plan constants as the one-token dispatch kernels (T = 1 only). Writes gemv_sweep.json and prints the table;
 exits 1 when a plan's output differs.
 """
 
@@ -56,24 +60,33 @@ def defines(family: str, stage: str, plan: tuple[int, int] | None) -> dict[str, 
     return limits.w4_plan_defines(tuple(w4))
 
 
-def kernel_name(family: str, stage: str, tokc: int) -> str:
-    return f"moe4a8_{stage}_int4_t{tokc}" if family == "dp4a" else f"moe_{stage}_w4_r"
+def kernel_name(family: str, stage: str, tokc: int, pairs: bool) -> str:
+    if family == "dp4a":
+        return f"moe4a8_{stage}_pairs_int4" if pairs else f"moe4a8_{stage}_int4_t{tokc}"
+    return f"moe_{stage}_pairs_w4_r" if pairs else f"moe_{stage}_w4_r"
 
 
-def stage_runners(cp, family: str, table, k: int, x, act, w):
-    """{stage: run(dispatch) -> output} through the engine's wrappers."""
+def stage_runners(cp, family: str, table, k: int, x, act, w, pairs: bool):
+    """{stage: run(routing) -> output} through the engine's wrappers; routing: a dispatch, or with `pairs` the
+    router's ids [T, k]."""
     out = {"gate_up": cp.empty(act.shape, cp.float32), "down": cp.empty((act.shape[0], x.shape[1]), cp.float32)}
     if family == "dp4a":
         (xq, xs), (aq, as_) = ops.quantize_activations_a8(x), ops.quantize_activations_a8(act)
+        if pairs:
+            return {"gate_up": lambda ids: ops.moe_gate_up_4bit_a8_pairs(xq, xs, ids, table, out=out["gate_up"]),
+                    "down": lambda ids: ops.moe_down_4bit_a8_pairs(aq, as_, ids, w, table, out=out["down"])}
         return {"gate_up": lambda d: ops.moe_gate_up_4bit_a8(xq, xs, table, d, k, out=out["gate_up"]),
                 "down": lambda d: ops.moe_down_4bit_a8(aq, as_, table, d, w, out=out["down"])}
+    if pairs:
+        return {"gate_up": lambda ids: ops.moe_gate_up_pairs(x, ids, table, out=out["gate_up"]),
+                "down": lambda ids: ops.moe_down_pairs(act, ids, w, table, out=out["down"])}
     return {"gate_up": lambda d: ops.moe_gate_up(x, table, d, k, variant="w4", out=out["gate_up"]),
             "down": lambda d: ops.moe_down(act, table, d, w, variant="w4", out=out["down"])}
 
 
-def make_case(cp, family: str, name: str, T: int, group: int) -> dict:
-    """A sweep case: random experts, rotated dispatches, inputs, the engine's runners and the default plan's outputs
-    (the module must hold the default plans when this runs)."""
+def make_case(cp, family: str, name: str, T: int, group: int, pairs: bool) -> dict:
+    """A sweep case: random experts, rotated routings (dispatches, or with `pairs` the ids themselves), inputs, the
+    engine's runners and the default plan's outputs (the module must hold the default plans when this runs)."""
     H, I, E, k = SHAPES[name]
     fmt = S.ExpertFormat.INT4_GROUP if family == "dp4a" else S.ExpertFormat.INT8_ROW
     buf, table, layout = device_experts(cp, E, H, I, T, fmt, group if family == "dp4a" else 0)
@@ -84,18 +97,18 @@ def make_case(cp, family: str, name: str, T: int, group: int) -> dict:
     act = cp.asarray(rng.standard_normal((T * k, I)).astype(np.float32))
     w = cp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
     case = {"name": name, "T": T, "tokc": ops.tokens_per_pass(T, k, E), "buf": buf, "layout": layout,
-            "ids_list": ids_list, "disps": [ops.dispatch(ids, E) for ids in ids_list],
-            "runs": stage_runners(cp, family, table, k, x, act, w)}
+            "ids_list": ids_list, "disps": ids_list if pairs else [ops.dispatch(ids, E) for ids in ids_list],
+            "runs": stage_runners(cp, family, table, k, x, act, w, pairs)}
     case["default"] = {stage: run(case["disps"][0]).get() for stage, run in case["runs"].items()}
     return case
 
 
 def sweep_family(cp, family: str, shapes: list[str], tokens: list[int], group: int, copy_gbps: float,
-                 wrong: list) -> list[dict]:
+                 wrong: list, pairs: bool = False) -> list[dict]:
     """Every candidate plan of `family`, one build each, over every (shape, tokens) case."""
     module = MODULE[family]
     rebuild_module(module, **defines(family, "gate_up", None))
-    cases = [make_case(cp, family, name, T, group) for name in shapes for T in tokens]
+    cases = [make_case(cp, family, name, T, group, pairs) for name in shapes for T in tokens]
     rows = []
     for stage, plans in CANDIDATES.items():
         for plan in plans:
@@ -110,8 +123,8 @@ def sweep_family(cp, family: str, shapes: list[str], tokens: list[int], group: i
                                  "default plan's")
                 us = time_graph(cp, [lambda d=d: run(d) for d in c["disps"]], per_graph=LAUNCHES)
                 nbytes = expert_bytes(c["layout"], c["ids_list"], stage)
-                fn = ops.kernel(module, kernel_name(family, stage, c["tokc"]))
-                row = {"family": family, "shape": c["name"], "T": c["T"], "tokens_a_pass": c["tokc"], "stage": stage,
+                fn = ops.kernel(module, kernel_name(family, stage, c["tokc"], pairs))
+                row = {"family": family + (" pairs" if pairs else ""), "shape": c["name"], "T": c["T"], "tokens_a_pass": c["tokc"], "stage": stage,
                        "rows": plan[0], "chunks": plan[1],
                        "default": defines(family, stage, plan) == defines(family, stage, None),
                        "us": us, "gbps": nbytes / us / 1e3, "share_of_copy": nbytes / us / 1e3 / copy_gbps,
@@ -145,6 +158,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="mixtral,qwen3", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--tokens", default="1,8", help="comma list of tokens a step (int8: 1 only)")
     ap.add_argument("--group", type=int, default=32, help="int4_group scale group (32, 64 or 128)")
+    ap.add_argument("--pairs", action="store_true", help="the one-token by-pair kernels (ops.pairs_path; T = 1)")
     ap.add_argument("--list", action="store_true", help="print the candidate plans' -D constants and stop (no GPU)")
     args = ap.parse_args()
     families = args.kernels.split(",")
@@ -163,8 +177,8 @@ def main() -> int:
     log(f"device copy {copy_gbps:.0f} GB/s")
     rows, wrong = [], []
     for family in families:
-        rows += sweep_family(cp, family, args.shapes.split(","), tokens if family == "dp4a" else [1], args.group,
-                             copy_gbps, wrong)
+        rows += sweep_family(cp, family, args.shapes.split(","), tokens if family == "dp4a" and not args.pairs
+                             else [1], args.group, copy_gbps, wrong, args.pairs)
     md = table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
