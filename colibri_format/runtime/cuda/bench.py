@@ -126,7 +126,7 @@ def _bytes_of(name: str, args: tuple, kw: dict, be) -> Any:
 
 
 def _routed_experts(ids: np.ndarray, num_experts: int) -> int:
-    """Distinct experts of ids in [0, num_experts) (what dispatch counts as active; the small-step path has none)."""
+    """Distinct experts of ids in [0, num_experts) (what dispatch counts as active; by-pair passes run no dispatch)."""
     return int(np.unique(ids[(ids >= 0) & (ids < num_experts)]).size)
 
 
