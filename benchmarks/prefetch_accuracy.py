@@ -3,7 +3,8 @@ recall and precision on the bundled demo model's real routing (the engine's `pre
 
 Run from the repository root (the benchmark imports the library, nothing else):
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python benchmarks/prefetch_accuracy.py [--tokens 512] [--out F.json]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python benchmarks/prefetch_accuracy.py [--tokens 512] [--out F.json] \
+        [--model DIR]
 
 Converts `models/colibri-demo-moe` (float16 dense, int8 experts) into a temporary folder, then feeds the same
 four held-out modules of `eval.txt` as benchmarks/real_traces.py (teacher forcing: the first `--tokens` tokens of
@@ -11,7 +12,8 @@ each module, one token per decode step through the NumPy engine) with experts pa
 40% of the experts, global) and `prefetch=True`. Per decode pass and MoE layer after the first, the pool counts
 the experts the prediction named (P), the experts actually routed (A) and both (P & A): recall = |P & A| / |A|,
 precision = |P & A| / |P| (`PagingCounters`). Baseline: a random guess of as many experts as the model routes
-has precision top_k / num_experts.
+has precision top_k / num_experts. --model: another Hugging Face checkpoint with the same `eval.txt` layout beside
+its tokenizer (e.g. docs/quality.md's second, wider model).
 """
 
 from __future__ import annotations
@@ -61,15 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", type=Path, default=MODEL_DIR, help="the checkpoint (default: the bundled demo model)")
     args = ap.parse_args(argv)
+    if not all((args.model / name).is_file() for name in ("config.json", "tokenizer.json", "eval.txt")):
+        ap.error(f"--model {args.model}: needs config.json, tokenizer.json and eval.txt")
     from colibri_format.convert.pipeline import convert
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="colibri-prefetch-") as tmp:
         model = Path(tmp) / "demo.colibri"
-        convert(MODEL_DIR, model, dtype="float16", quantize="expert", resume=False)
-        result = measure(model, module_ids(), args.tokens)
-    result.update(date=time.strftime("%Y-%m-%d %H:%M"), tokens=args.tokens, seconds=time.perf_counter() - t0)
+        convert(args.model, model, dtype="float16", quantize="expert", resume=False)
+        result = measure(model, module_ids(model_dir=args.model), args.tokens)
+    result.update(date=time.strftime("%Y-%m-%d %H:%M"), tokens=args.tokens, seconds=time.perf_counter() - t0,
+                  model=str(args.model))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

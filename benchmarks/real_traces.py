@@ -48,11 +48,11 @@ CAPACITIES = "10%,25%,40%,60%"
 PROMPT_TOKENS, NEW_TOKENS, TF_TOKENS = 64, 256, 512
 
 
-def module_ids(names=MODULES) -> list[list[int]]:
+def module_ids(names=MODULES, model_dir: Path = MODEL_DIR) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    text = (MODEL_DIR / "eval.txt").read_text(encoding="utf-8")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = (model_dir / "eval.txt").read_text(encoding="utf-8")
     parts = re.split(r"^# ===== Lib/(\S+) =====\n", text, flags=re.M)
     modules = dict(zip(parts[1::2], parts[2::2]))
     return [tok.encode(modules[n]).ids for n in names]
