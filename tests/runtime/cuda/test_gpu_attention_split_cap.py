@@ -1,6 +1,6 @@
 """The wider split cap benchmarks/attention_decode.py times with --define ATT_MAX_SPLITS=N, on the GPU: layers.cu
-rebuilt (this process only, restored after) with 4x limits.py's cap, against the NumPy float64 attention. The CPU twins are in
-test_attention_decode_emulated.py; the kernels that run by default are tested in test_gpu_kernels.py.
+rebuilt (this process only, restored after) with 4x limits.py's cap, against the NumPy float64 attention. The CPU
+twins are in test_attention_decode_emulated.py; the kernels that run by default are tested in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
