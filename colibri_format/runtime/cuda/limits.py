@@ -96,6 +96,9 @@ ATT_DECODE_MIN_KEYS = 16
 # the most context splits an attention launch takes (attention_splits' cap; attention_decode's merge holds a weight
 # per split and head in shared memory)
 ATT_MAX_SPLITS = 64
+# attention_decode's last-block merge: splits whose partial outputs a thread loads before it adds any (one L2 round
+# trip for up to this many splits)
+ATT_MERGE_LOADS = 8
 # attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
 # over key tiles of FA_BN keys for bf16 caches, FA_BN_F32 for fp32 caches (their tiles are kept as bf16 hi and lo
 # parts: twice the shared memory a key) and FA_BN_HD256 for head_dim 256 (more keys spilled registers with nvcc 13)
@@ -217,6 +220,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
+               "ATT_MERGE_LOADS": ATT_MERGE_LOADS,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},

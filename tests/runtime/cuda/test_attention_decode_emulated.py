@@ -2,8 +2,9 @@
 shuffles emulated, blocks in shuffled orders) against `numpy_backend.attention` in float64: key batches and their
 masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the minimum keys a split takes, windows,
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
-block's merge over repeated launches on one workspace (its tickets back at zero after each), and a build with a
-wider split cap. The GPU tests are in test_gpu_kernels.py.
+block's merge over repeated launches on one workspace (its tickets back at zero after each), a build with a
+wider split cap, and the merge's batched loads against a build that adds one split at a time (the same bits). The
+GPU tests are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -126,3 +127,31 @@ def test_a_wider_split_cap_merges_alike(wide_emulator, nsplit):
     length = limits.ATT_DECODE_MIN_KEYS * nsplit
     check(wide_emulator, np.random.default_rng(nsplit), nh=8, nkv=1, hd=64, lengths=(length, 20), nsplit=nsplit,
           with_sinks=True, capacity=length)
+
+
+@pytest.fixture(scope="module")
+def one_split_at_a_time(tmp_path_factory):
+    """layers.cu with ATT_MERGE_LOADS = 1: the last block's merge adds one split's partials at a time (the order
+    before its loads were batched)."""
+    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_merge1"), ATT_MERGE_LOADS=1))
+
+
+@pytest.mark.parametrize("lengths,nsplit", [((100, 50), 7), ((300, 17), limits.ATT_MAX_SPLITS), ((16, 1), 5),
+                                            ((130, 131), 9)])
+def test_batched_merge_loads_add_in_the_same_order(emulator, one_split_at_a_time, lengths, nsplit):
+    """The merge loads ATT_MERGE_LOADS splits' partials before adding any, masked past the used splits: the output is
+    the bits of adding one split at a time, for used splits below, at and above a batch (1, 2, 4, 7, 9, 19),
+    sinks and a chunk of 8 heads."""
+    outs = []
+    for emu in (emulator, one_split_at_a_time):
+        rng = np.random.default_rng(sum(lengths) + nsplit)
+        k, v = caches(rng, 1, 128, "f32")
+        q = rng.standard_normal((len(lengths), 8, 128)).astype(np.float32)
+        q_seq = ((np.arange(len(lengths)) + 1) % 2).astype(np.int32)
+        sinks = rng.standard_normal(8).astype(np.float32)
+        ws = AttentionDecodeEmulator.workspace(len(lengths), 8, 128, nsplit)
+        outs.append(emu.attention(q, k, v, q_seq, np.asarray(lengths, np.int32), 1 / math.sqrt(128), sinks=sinks,
+                                  nsplit=nsplit, workspace=ws, order=3))
+        assert emu.errors() == (0, "")
+    assert np.isfinite(outs[0]).all()
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))

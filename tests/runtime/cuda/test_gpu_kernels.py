@@ -335,6 +335,17 @@ def test_attention_refuses_more_splits_than_the_merge_holds(cp, rng):
         ops.attention(q, kc, kc, *rows, 0.1, nsplit=ops.limits.ATT_MAX_SPLITS + 1)
 
 
+def test_attention_decode_refuses_an_output_off_a_16_byte_boundary(cp, rng):
+    """Its merge stores 4 values at once: an `out` view starting one float into its buffer is a ValueError, not a
+    misaligned-address fault that would poison the CUDA context."""
+    kc = cp.zeros((1, 8, 1, 64), cp.float32)
+    q = cp.zeros((1, 1, 64), cp.float32)
+    rows = cp.zeros(1, cp.int32), cp.ones(1, cp.int32)
+    shifted = cp.zeros(65, cp.float32)[1:].reshape(q.shape)
+    with pytest.raises(ValueError, match="16-byte"):
+        ops.attention(q, kc, kc, *rows, 0.1, out=shifted, nsplit=2)
+
+
 @pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
 def test_embedding(cp, rng, wdt):
     V, H = 100, 64

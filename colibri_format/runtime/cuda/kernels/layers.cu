@@ -269,6 +269,9 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #ifndef ATT_MAX_SPLITS
 #error "ATT_MAX_SPLITS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef ATT_MERGE_LOADS
+#error "ATT_MERGE_LOADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
 // One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
@@ -394,7 +397,11 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
 // Only the `used` splits that hold keys are read. A warp per head first turns the splits' (max, sum) into weights
 // exp(m_s - max) / denominator in shared memory, with lanes across splits (independent loads, one round trip);
 // then each thread sums its output values' partials with those weights, so no thread runs a serial chain of
-// dependent loads and exponentials per split (the merge was most of a short-context decode call before).
+// dependent loads and exponentials per split (the merge was most of a short-context decode call before). A thread
+// takes 4 consecutive values (float4 loads) and issues ATT_MERGE_LOADS splits' loads before it adds any: a chunk of
+// 8 heads x 128 values is 2 rounds of loads a thread, where a value a thread and the compiler's 4-way unroll of the
+// split loop (its remainder one split at a time) made 8-24 round trips of L2 latency in the last block alone. The
+// sum still runs over the splits in order, masked splits adding fmaf(0, 0, num) = num: the same bits.
 template <int HD>
 __device__ __forceinline__ void attention_merge_last(const float* part_ml, const float* part_acc,
                                                      const float* __restrict__ sinks, int* __restrict__ tickets,
@@ -440,13 +447,27 @@ __device__ __forceinline__ void attention_merge_last(const float* part_ml, const
         for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) s_w[g][lane + 32 * i] = ms[i] * inv;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += blockDim.x) {
-        const int g = i / HD, d = i - g * HD;
+    constexpr int Q = HD / 4;    // float4 quads a head
+    for (int i = threadIdx.x; i < ng * Q; i += blockDim.x) {
+        const int g = i / Q, d = (i - g * Q) * 4;
         const size_t r = (size_t)n * nh + kvh * G + g0 + g;
-        const float* acc = part_acc + r * nsplit * HD + d;
-        float num = 0.0f;
-        for (int sp = 0; sp < used; ++sp) num = fmaf(__ldcg(acc + (size_t)sp * HD), s_w[g][sp], num);
-        out[r * HD + d] = num;
+        const float4* acc = reinterpret_cast<const float4*>(part_acc + r * nsplit * HD + d);
+        float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s0 = 0; s0 < used; s0 += ATT_MERGE_LOADS) {
+            float4 a[ATT_MERGE_LOADS];
+#pragma unroll
+            for (int b = 0; b < ATT_MERGE_LOADS; ++b)
+                a[b] = s0 + b < used ? __ldcg(acc + (size_t)(s0 + b) * Q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int b = 0; b < ATT_MERGE_LOADS; ++b) {
+                const float wt = s0 + b < used ? s_w[g][s0 + b] : 0.0f;
+                num.x = fmaf(a[b].x, wt, num.x);
+                num.y = fmaf(a[b].y, wt, num.y);
+                num.z = fmaf(a[b].z, wt, num.z);
+                num.w = fmaf(a[b].w, wt, num.w);
+            }
+        }
+        *reinterpret_cast<float4*>(out + r * HD + d) = num;
     }
     if (threadIdx.x == 0) tickets[ticket_id] = 0;
 }
