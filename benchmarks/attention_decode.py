@@ -78,7 +78,10 @@ def main() -> int:
     from colibri_format.runtime.cuda.kernels import ops
 
     overrides = override_defines("layers", args.define)   # a wrong --define is refused before CuPy is needed
-    import cupy as cp
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("attention_decode.py needs a CUDA GPU and CuPy; CuPy is not installed") from None
 
     rng = np.random.default_rng(0)
     copy = copy_bandwidth(cp)
