@@ -513,6 +513,21 @@ LAYERS_DRIVER = r"""
                                    window, scale, nsplit);                                                       \
         }, order);                                                                                               \
     }
+#define EMU_ATTENTION_SPLIT(SUF, TC)                                                                             \
+    extern "C" void emu_attention_split_##SUF(int gx, int gy, int gz, unsigned order, const float* q,           \
+                                              const TC::storage* kc, const TC::storage* vc, const int* q_seq,   \
+                                              const int* q_len, const float* sinks, float* ml, float* acc,      \
+                                              float* out, int nh, int nkv, int capacity, int window,            \
+                                              float scale, int nsplit) {                                        \
+        emu_launch({gx, gy, gz}, ATT_THREADS, 0, [&] {                                                           \
+            attention_split_##SUF(q, kc, vc, q_seq, q_len, sinks, ml, acc, out, nh, nkv, capacity, window, scale, \
+                                  nsplit);                                                                       \
+        }, order);                                                                                               \
+    }
+extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const float* ml, const float* acc,
+                                    const float* sinks, float* out, int hd, int nsplit, int nh) {
+    emu_launch({rows, 1, 1}, threads, 0, [&] { attention_merge(ml, acc, sinks, out, hd, nsplit, nh); }, order);
+}
 #define EMU_RMSNORM(SUF, TX, TO, TW)                                                                             \
     extern "C" void emu_rmsnorm_##SUF(int rows, int threads, const TX::storage* x, const TW::storage* w,          \
                                       TO::storage* out, int D, float eps, float w_offset) {                     \
@@ -525,6 +540,7 @@ LAYERS_DRIVER = r"""
                    order);                                                                                       \
     }
 """ + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
+    f"EMU_ATTENTION_SPLIT({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS) + "".join(
     f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\n" for c in ("f32", "bf16") for tok in limits.DG_PLANS)
 
@@ -536,10 +552,11 @@ def build_layers(tmp_path: Path, **defines: int) -> ctypes.CDLL:
                     [f"-D{k}={v}" for k, v in options.items()])
 
 
-class AttentionDecodeEmulator(LibraryEmulator):
-    """layers.cu's attention_decode kernels over host arrays, launched as `ops.attention` launches them for up to
-    ATT_DECODE_MAX_ROWS query rows; blocks run in a shuffled order (`order` seeds it, 0: grid order). max_splits:
-    the ATT_MAX_SPLITS the library was built with (build_layers' define, limits.py's by default)."""
+class AttentionEmulator(LibraryEmulator):
+    """layers.cu's attention kernels over host arrays, launched as `ops.attention` (flash_prefill off) launches
+    them: attention_decode for up to ATT_DECODE_MAX_ROWS query rows, attention_split (+ attention_merge) beyond;
+    blocks run in a shuffled order (`order` seeds it, 0: grid order). max_splits: the ATT_MAX_SPLITS the library was
+    built with (build_layers' define, limits.py's by default)."""
 
     def __init__(self, lib: ctypes.CDLL, max_splits: int = limits.ATT_MAX_SPLITS) -> None:
         super().__init__(lib)
@@ -555,8 +572,10 @@ class AttentionDecodeEmulator(LibraryEmulator):
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None,
                   nsplit: int = 1, workspace: dict | None = None, order: int = 1) -> np.ndarray:
+        """As `ops.attention` (flash_prefill off): up to ATT_DECODE_MAX_ROWS rows `attention_decode`, more
+        `attention_split` and, with splits, `attention_merge` (one block a (row, head), a thread a value)."""
         NQ, nh, hd = q.shape
-        assert NQ <= limits.ATT_DECODE_MAX_ROWS and 1 <= nsplit <= self.max_splits
+        assert 1 <= nsplit <= self.max_splits
         nkv, cap = k_cache.shape[2], k_cache.shape[1]
         code = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}[k_cache.dtype]
         out = np.full(q.shape, np.nan, np.float32)
@@ -567,9 +586,16 @@ class AttentionDecodeEmulator(LibraryEmulator):
             ml = acc = _ptr(out)
             tickets = ctypes.c_void_p(None)
         grid = (NQ, nkv, -(-(nh // nkv) // limits.ATT_GMAX) * nsplit)
-        getattr(self.lib, f"emu_attention_decode_{code}_hd{hd}")(
-            *grid, ctypes.c_uint(order), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len),
-            _nullable(sinks), ml, acc, tickets, _ptr(out), nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
+        rows = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len), _nullable(sinks), ml, acc)
+        tail = (nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
+        if NQ <= limits.ATT_DECODE_MAX_ROWS:
+            getattr(self.lib, f"emu_attention_decode_{code}_hd{hd}")(*grid, ctypes.c_uint(order), *rows, tickets,
+                                                                     _ptr(out), *tail)
+            return out
+        getattr(self.lib, f"emu_attention_split_{code}_hd{hd}")(*grid, ctypes.c_uint(order), *rows, _ptr(out), *tail)
+        if nsplit > 1:
+            self.lib.emu_attention_merge(NQ * nh, hd, ctypes.c_uint(order), ml, acc, _nullable(sinks), _ptr(out), hd,
+                                         nsplit, nh)
         return out
 
 

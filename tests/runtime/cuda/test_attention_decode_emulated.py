@@ -17,7 +17,7 @@ import pytest
 from colibri_format.dtypes import float32_to_bf16_bits
 from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda import limits
-from tests.runtime.cuda.cuda_host_emulation import GXX, AttentionDecodeEmulator, build_layers
+from tests.runtime.cuda.cuda_host_emulation import GXX, AttentionEmulator, build_layers
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -29,7 +29,7 @@ SPLITS = (1, 3, limits.ATT_MAX_SPLITS)
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_host")))
+    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_host")))
 
 
 def caches(rng, nkv: int, hd: int, cache: str, capacity: int = CAPACITY) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +51,7 @@ def check(emulator, rng, *, nh: int = 8, nkv: int = 1, hd: int = 128, cache: str
     q_len = np.asarray(lengths, np.int32)
     sinks = rng.standard_normal(nh).astype(np.float32) * 3 if with_sinks else None
     scale = 1 / math.sqrt(hd)
-    ws = workspace or AttentionDecodeEmulator.workspace(len(lengths), nh, hd, nsplit)
+    ws = workspace or AttentionEmulator.workspace(len(lengths), nh, hd, nsplit)
     out = emulator.attention(q, k, v, q_seq, q_len, scale, window=window, sinks=sinks, nsplit=nsplit,
                              workspace=ws, order=order)
     assert emulator.errors() == (0, "")
@@ -105,7 +105,7 @@ def test_repeated_launches_on_one_workspace(emulator):
     zero after every launch (check)."""
     rng = np.random.default_rng(5)
     ns = limits.ATT_MAX_SPLITS
-    ws = AttentionDecodeEmulator.workspace(2, 16, 128, ns)
+    ws = AttentionEmulator.workspace(2, 16, 128, ns)
     for i, length in enumerate((200, 40, 1, 17, 64)):
         check(emulator, rng, nh=16, lengths=(length, length % 37 + 1), nsplit=ns, workspace=ws, order=i + 1,
               with_sinks=i % 2 == 1)
@@ -116,7 +116,7 @@ WIDE_SPLITS = 4 * limits.ATT_MAX_SPLITS    # a candidate cap benchmarks/attentio
 
 @pytest.fixture(scope="module")
 def wide_emulator(tmp_path_factory):
-    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_wide"), ATT_MAX_SPLITS=WIDE_SPLITS),
+    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_wide"), ATT_MAX_SPLITS=WIDE_SPLITS),
                                    max_splits=WIDE_SPLITS)
 
 
@@ -133,7 +133,7 @@ def test_a_wider_split_cap_merges_alike(wide_emulator, nsplit):
 def one_split_at_a_time(tmp_path_factory):
     """layers.cu with ATT_MERGE_LOADS = 1: the last block's merge adds one split's partials at a time (the order
     before its loads were batched)."""
-    return AttentionDecodeEmulator(build_layers(tmp_path_factory.mktemp("layers_merge1"), ATT_MERGE_LOADS=1))
+    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_merge1"), ATT_MERGE_LOADS=1))
 
 
 @pytest.mark.parametrize("lengths,nsplit", [((100, 50), 7), ((300, 17), limits.ATT_MAX_SPLITS), ((16, 1), 5),
@@ -149,7 +149,7 @@ def test_batched_merge_loads_add_in_the_same_order(emulator, one_split_at_a_time
         q = rng.standard_normal((len(lengths), 8, 128)).astype(np.float32)
         q_seq = ((np.arange(len(lengths)) + 1) % 2).astype(np.int32)
         sinks = rng.standard_normal(8).astype(np.float32)
-        ws = AttentionDecodeEmulator.workspace(len(lengths), 8, 128, nsplit)
+        ws = AttentionEmulator.workspace(len(lengths), 8, 128, nsplit)
         outs.append(emu.attention(q, k, v, q_seq, np.asarray(lengths, np.int32), 1 / math.sqrt(128), sinks=sinks,
                                   nsplit=nsplit, workspace=ws, order=3))
         assert emu.errors() == (0, "")
