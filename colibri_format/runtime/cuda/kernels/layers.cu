@@ -272,6 +272,7 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #ifndef ATT_MERGE_LOADS
 #error "ATT_MERGE_LOADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+static_assert(ATT_MERGE_LOADS >= 1, "the merge takes at least one split a round");
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
 // One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
