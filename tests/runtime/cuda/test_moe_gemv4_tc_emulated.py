@@ -107,6 +107,15 @@ def check_fills(blobs, slots, layout, ids, num_experts: int) -> None:
                 assert not region.any(), f"expert {e} {a.name} written without a routed slot"
 
 
+def check_pair_rows(act, y, valid, exp_act, exp_y, tol: float) -> None:
+    """A by-pair launch's outputs (pair order): the rows of pairs whose id names no expert are zero, the others
+    within `tol` of the float64 expectations."""
+    live = valid.reshape(-1)
+    assert not act[~live].any() and not y[~live].any()
+    assert rel(act[live], exp_act[live]) < tol
+    assert rel(y[live], exp_y[live]) < tol
+
+
 def test_the_decode_is_exact(emulator):
     """With activations exact in bf16 (lo = 0), the outputs are the float64 products to fp32 summation error: every
     nibble decodes to its integer (a wrong one would show as an error of ~1e-2)."""

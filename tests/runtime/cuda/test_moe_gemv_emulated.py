@@ -13,7 +13,7 @@ import pytest
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GEMV_KINDS, GXX, GemvEmulator, GemvExtras, build_gemv
 from tests.runtime.cuda.synthetic_experts import host_experts, named_pairs, routed_pairs, valid_ids
-from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, host_dispatch, rel
+from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, check_pair_rows, host_dispatch, rel
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -141,12 +141,9 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
     y = np.full((T * k, H), np.nan, np.float32)
     emulator.down_pairs(act, ids, ptrs, fills if fill else None, layout, w, y, E, extras)
     assert emulator.errors() == (0, "")
-    live = valid.reshape(-1)
-    assert not act[~live].any() and not y[~live].any()
-    exp_act = expect.pair_act(x.astype(np.float64), named, experts, **act_kw)
-    assert rel(act[live], exp_act[live]) < TOL
-    exp_y = expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts, down_bias=down_bias)
-    assert rel(y[live], exp_y[live]) < TOL
+    check_pair_rows(act, y, valid, expect.pair_act(x.astype(np.float64), named, experts, **act_kw),
+                    expect.pair_down(act.astype(np.float64), named, w.astype(np.float64), experts, down_bias=down_bias),
+                    TOL)
     if fill:
         check_fills(blobs, slots, layout, ids[valid], E)
     if valid.all():     # the dispatch path's w4 kernels compute each pair's row alike, to the bit
