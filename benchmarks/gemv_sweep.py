@@ -97,9 +97,9 @@ def make_case(cp, family: str, name: str, T: int, group: int, pairs: bool) -> di
     act = cp.asarray(rng.standard_normal((T * k, I)).astype(np.float32))
     w = cp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
     case = {"name": name, "T": T, "tokc": ops.tokens_per_pass(T, k, E), "buf": buf, "layout": layout,
-            "ids_list": ids_list, "disps": ids_list if pairs else [ops.dispatch(ids, E) for ids in ids_list],
+            "ids_list": ids_list, "routings": ids_list if pairs else [ops.dispatch(ids, E) for ids in ids_list],
             "runs": stage_runners(cp, family, table, k, x, act, w, pairs)}
-    case["default"] = {stage: run(case["disps"][0]).get() for stage, run in case["runs"].items()}
+    case["default"] = {stage: run(case["routings"][0]).get() for stage, run in case["runs"].items()}
     return case
 
 
@@ -117,11 +117,11 @@ def sweep_family(cp, family: str, shapes: list[str], tokens: list[int], group: i
             rebuild_module(module, **defines(family, stage, plan))
             for c in cases:
                 run = c["runs"][stage]
-                same = bool(np.array_equal(run(c["disps"][0]).get(), c["default"][stage]))
+                same = bool(np.array_equal(run(c["routings"][0]).get(), c["default"][stage]))
                 if not same:
                     wrong.append(f"{family} {c['name']} T={c['T']} {stage} plan {plan}: output differs from the "
                                  "default plan's")
-                us = time_graph(cp, [lambda d=d: run(d) for d in c["disps"]], per_graph=LAUNCHES)
+                us = time_graph(cp, [lambda d=d: run(d) for d in c["routings"]], per_graph=LAUNCHES)
                 nbytes = expert_bytes(c["layout"], c["ids_list"], stage)
                 fn = ops.kernel(module, kernel_name(family, stage, c["tokc"], pairs))
                 row = {"family": family + (" pairs" if pairs else ""), "shape": c["name"], "T": c["T"], "tokens_a_pass": c["tokc"], "stage": stage,
