@@ -81,7 +81,7 @@ def warm(path: Path) -> float:
     return n / (time.perf_counter() - start) / 1e9
 
 
-# The child: the converter with `colibri convert`'s defaults (float16 dense, int8 experts, final verify pass),
+# The child: the converter with `colibri convert`'s defaults (float16 dense, int8 experts, no read-back),
 # its summary as JSON on stdout, its own VmHWM on stderr (after fork+exec, ru_maxrss also counts this parent).
 CHILD = ("import json, sys\n"
          "from colibri_format.convert.pipeline import convert\n"
@@ -177,7 +177,7 @@ PROFILE_NAMES = {"_quantize_blocks": "int8 quantizer (NumPy blocks)", "to_float3
                  # the compiled loops (convert/native.py) are ctypes calls, which cProfile counts in their caller
                  "quantize_into": "int8 quantizer (compiled loop, or NumPy's around its blocks)",
                  "posix.pwrite": "positional writes", "astype": "dense f32 -> f16 conversion",
-                 "acquire": "final verify pass (thread pool)", "madvise": "releasing mapped source pages",
+                 "acquire": "waits on the worker threads", "madvise": "releasing mapped source pages",
                  "reduce": "int8 quantizer (NumPy blocks)"}  # its ufunc reductions
 
 
@@ -254,7 +254,7 @@ def _run_rows(r: dict) -> list[str]:
                    f"quantization error relative to the row max: max {s['quant_error_max']:.2e}, mean "
                    f"{s['quant_error_mean']:.2e}. Memory budget (2 x largest source tensor {largest / 2**20:.0f} MiB "
                    f"+ 256 MiB) = {budget:.0f} MiB. Wall time includes interpreter start-up, planning, the batched "
-                   "fsyncs, the final whole-file verify pass and the rename.", ""]
+                   "fsyncs and the rename (no read-back: `colibri convert`'s default).", ""]
 
 
 def markdown(r: dict) -> str:

@@ -362,9 +362,9 @@ def main() -> None:
     ap.add_argument("--sha256", action="store_true",
                     help="hash every output (outside the child's figures) and check that all runs of all trees wrote "
                          "the same bytes (exit status 3 when they differ)")
-    ap.add_argument("--no-verify", dest="verify", action="store_false",
-                    help="convert with verify=False (`colibri convert --no-verify`: no read-back of the written pieces; "
-                         "the default verifies, as the CLI does)")
+    ap.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
+                    help="convert with verify=True (`colibri convert --verify`: every piece read back from the file "
+                         "and re-hashed before the rename); the default, as the CLI's, does not read back")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints at the end")
     ap.add_argument("--dry-run", action="store_true", help="tiny dimensions in a temporary --dir")
@@ -438,7 +438,7 @@ def main() -> None:
             tmp.cleanup()
     head = (f"{meta['date']}, nproc {meta['nproc']}, load average at start {meta['load_avg_at_start']}, "
               f"workers {args.workers}, int{args.quant_bits} experts, output on {out_dir}"
-              f"{'' if args.verify else ', no verify'}")
+              f"{', read back (--verify)' if args.verify else ''}")
     stage_rows = [cpu_stage_line(r["shape"], r["cpu_stages"]) for r in results if "cpu_stages" in r]
     if stage_rows:
         head_stages = ("| shape | CPU user + sys s per GB | CPU s per GB: " + " / ".join((*CPU_STAGES, "rest")) +

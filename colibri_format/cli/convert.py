@@ -39,8 +39,10 @@ def command(
     workers: Annotated[int, typer.Option("--workers", help="Conversion threads.")] = 2,
     resume: Annotated[bool, typer.Option("--resume/--restart",
                                          help="Continue an interrupted conversion, or discard it.")] = True,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify",
-                                         help="Re-hash the whole file before the final rename.")] = True,
+    verify: Annotated[bool, typer.Option(
+        "--verify/--no-verify",
+        help="Read every piece back from the file and re-hash it before the final rename (doubles the disk "
+             "traffic; `colibri validate` runs the same check later).")] = False,
     allow_pickle: Annotated[bool, typer.Option(
         "--allow-pickle", "--allow_pickle",
         help="Read pytorch_model*.bin when no safetensors exist (weights-only torch.load).")] = False,

@@ -151,7 +151,9 @@ def render_convert_summary(out: Console, summary: dict) -> None:
             ("dense tensors", f"{d['dense_tensors']:,}"), ("expert blobs", f"{d['experts']:,}"),
             ("resumed pieces", f"{d['pieces_resumed']:,}"),
             ("bytes in (this run)", f"{d['bytes_in']:,}"), ("bytes out", f"{d['bytes_out']:,}"),
-            ("time", f"{d['seconds']:.2f} s"), ("throughput", f"{d['gb_per_s']:.2f} GB/s of source")]
+            ("time", f"{d['seconds']:.2f} s"), ("throughput", f"{d['gb_per_s']:.2f} GB/s of source"),
+            ("read back", "yes: every piece re-hashed from the file" if d["read_back"]
+             else "no: colibri validate FILE re-hashes it (or --verify)")]
     if d["quant_error_max"] is not None:
         rows.append(("quant. error (rel.)", f"max {d['quant_error_max']:.3e}, mean {d['quant_error_mean']:.3e}"))
     t = Table(title="colibri convert", show_header=False, title_justify="left")

@@ -75,6 +75,7 @@ class ConversionSummary:
     workers: int
     quant_error_max: float | None
     quant_error_mean: float | None
+    read_back: bool                        # every piece re-read from the file and re-hashed before the rename
 
     @property
     def gb_per_s(self) -> float:
@@ -307,7 +308,7 @@ def _unused_tensors(src: Any, model: dict[str, Any], adapter: Any, pieces: list[
 def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dtype: str = "float16",
             quantize: str = "expert", quant_bits: int | None = None, group_size: int | None = None,
             num_experts: int | None = None, top_k: int | None = None, workers: int = 2, resume: bool = True,
-            verify: bool = True, progress: Progress | None = None, allow_pickle: bool = False, force: bool = False,
+            verify: bool = False, progress: Progress | None = None, allow_pickle: bool = False, force: bool = False,
             allow_unused_tensors: bool = False, allow_non_finite: bool = False,
             scale_search: bool = False) -> ConversionSummary:
     """Convert a checkpoint folder to `output_path`. `resume=False` discards a previous partial run.
@@ -319,7 +320,12 @@ def convert(model_path: str | os.PathLike, output_path: str | os.PathLike, *, dt
     (`torch.load(weights_only=True, mmap=True)`). An existing `.colibri` at `output_path` is replaced only
     with `force`; anything else there (another file, a checkpoint file, a symlink) is always refused.
     `allow_unused_tensors` converts a checkpoint holding tensors nothing uses (listed in the provenance);
-    `allow_non_finite` stores NaN/inf and float16 overflow in float tensors instead of refusing them."""
+    `allow_non_finite` stores NaN/inf and float16 overflow in float tensors instead of refusing them.
+    `verify` reads every piece back from the file and re-hashes it before the rename. It is off by default because
+    it doubles the disk traffic (with direct I/O the read-back goes to the device, which bounds the conversion) and
+    the same check runs later anyway: `colibri validate` re-hashes the whole file, and every engine checks each
+    expert's and tensor's checksum on first use (`verify="first-use"`). The checksums are computed from the bytes
+    handed to the writes either way, and a resume re-hashes every piece it reuses."""
     options = check_options(dtype, quantize, quant_bits, group_size, workers, allow_non_finite=allow_non_finite,
                             allow_unused_tensors=allow_unused_tensors, scale_search=scale_search)
     dest = Path(output_path)
@@ -374,7 +380,7 @@ def _convert_locked(job: Job, dest: Path, resume: bool, verify: bool, progress: 
         _finalize(writer, metadata, lambda: check_output_path(dest, job.sources, force=force))
         crashpoint.hit("journal-remove")
         journal.remove()
-        return _summary(job, dest, writer, run, len(kept), time.perf_counter() - start)
+        return _summary(job, dest, writer, run, len(kept), time.perf_counter() - start, verify)
     except ColibriFormatError as exc:
         _after_refusal(exc, job, writer, journal, state, journal_file)
         raise
@@ -526,7 +532,7 @@ def _metadata(job: Job, run: Progressive) -> dict[str, Any]:
 
 
 def _summary(job: Job, dest: Path, writer: ColibriWriter, run: Progressive, resumed: int,
-             seconds: float) -> ConversionSummary:
+             seconds: float, read_back: bool) -> ConversionSummary:
     rows = _per_expert(run)
     return ConversionSummary(
         output_path=str(dest), architecture=job.architecture,
@@ -534,4 +540,4 @@ def _summary(job: Job, dest: Path, writer: ColibriWriter, run: Progressive, resu
         dense_tensors=len(writer.plan.dense), experts=len(writer.plan.blob_keys()), pieces_resumed=resumed,
         bytes_in=run.bytes_in, bytes_out=os.stat(dest).st_size, seconds=seconds, workers=job.options.workers,
         quant_error_max=max(r[2] for r in rows) if rows else None,
-        quant_error_mean=sum(r[3] for r in rows) / len(rows) if rows else None)
+        quant_error_mean=sum(r[3] for r in rows) / len(rows) if rows else None, read_back=read_back)

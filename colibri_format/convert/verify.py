@@ -3,8 +3,8 @@
 Resume trusts nothing by size: a journal record counts only if the bytes at its planned slot still hash to
 the checksum it recorded, and the source bytes the piece was made from still hash to the source digest it
 recorded (an in-place edit of a shard that keeps its size and mtime is caught here: the piece is converted
-again). Before the rename every piece is re-hashed once more against the checksums the directory will
-carry (`verify_all`).
+again). With `verify` (off by default: `convert`'s docstring says why) every piece is re-hashed once more
+before the rename against the checksums the directory will carry (`verify_all`).
 
 With direct I/O most pieces are re-hashed early: each run's pieces once the run's writes are done (`flush`
 returns only then, helper threads' direct writes included; `ColibriWriter.read_back_later` then reads on a

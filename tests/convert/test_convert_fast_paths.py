@@ -41,6 +41,7 @@ from colibri_format.convert.rows import iter_span_chunks
 from colibri_format.convert.source import open_checkpoint
 from colibri_format.dtypes import to_float32, to_storage
 from colibri_format.errors import InvalidInput, NonFiniteWeight, WriteError
+from colibri_format.inspect.validate import validate_file
 from colibri_format.writer import ColibriWriter
 from tests.convert.synth_checkpoint import mixtral_config, write_checkpoint
 
@@ -631,8 +632,31 @@ def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_che
     monkeypatch.setattr(ColibriWriter, "_write_at", altered)
     out = tmp_path / "m.colibri"
     with pytest.raises(WriteError, match="does not read back as written"):
-        convert(bf16_moe_checkpoint, out, workers=2)
+        convert(bf16_moe_checkpoint, out, workers=2, verify=True)
     assert state["done"] and not out.exists()
+
+
+def test_without_the_read_back_an_altered_write_is_found_by_validate(bf16_moe_checkpoint, tmp_path, monkeypatch):
+    """The default (no read-back): the checksums come from the bytes handed to the writes, so a byte the device
+    altered on the way is not seen by the conversion, and `validate` (or an engine's first use) names its expert."""
+    real = ColibriWriter._write_at
+    state = {"done": False}
+
+    def altered(self, data, offset):
+        data = memoryview(data).cast("B")
+        if not state["done"] and len(data) > 4096 and offset >= self.plan.experts_offset:
+            state["done"] = True
+            data = bytearray(data)
+            data[100] ^= 1
+        real(self, data, offset)
+
+    monkeypatch.setattr(ColibriWriter, "_write_at", altered)
+    out = tmp_path / "m.colibri"
+    assert convert(bf16_moe_checkpoint, out, workers=2).read_back is False
+    monkeypatch.undo()
+    report = validate_file(out)
+    assert state["done"] and not report.valid
+    assert [f.error for f in report.faults] == ["CorruptExpert"], report.faults
 
 
 def test_an_early_read_back_that_fails_is_done_again_at_the_end(bf16_moe_checkpoint, tmp_path, monkeypatch):
@@ -651,7 +675,7 @@ def test_an_early_read_back_that_fails_is_done_again_at_the_end(bf16_moe_checkpo
 
     monkeypatch.setattr(ColibriWriter, "read_back_later", once_wrong)
     out = tmp_path / "m.colibri"
-    convert(bf16_moe_checkpoint, out, workers=2)
+    convert(bf16_moe_checkpoint, out, workers=2, verify=True)
     assert _digests(out) == PINNED[0][1:]
 
 

@@ -150,5 +150,5 @@ def test_pieces_read_back_early_are_not_read_again(bf16_moe_checkpoint, tmp_path
 
     monkeypatch.setattr(ColibriWriter, "read_back_results", results)
     monkeypatch.setattr(ColibriWriter, "checksum_on_disk", checksum_on_disk)
-    convert(bf16_moe_checkpoint, tmp_path / "m.colibri", workers=2)
+    convert(bf16_moe_checkpoint, tmp_path / "m.colibri", workers=2, verify=True)
     assert seen["early"] == seen["all"] and seen["late"] == []
