@@ -323,7 +323,8 @@ def table(results: list[dict]) -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         gb, c, p = r["source_bytes"] / 1e9, r["best"], r["profile"]
-        prof = " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES)
+        prof = ("not run" if p is None else
+                " / ".join(f"{p['stages_s'][s] / gb:.2f}" for s in STAGES) + f" (total {p['wall_s'] / gb:.2f})")
         rows.append(f"| {r['shape']} | {r['hidden']}x{r['inter']} ({r['matrix_bytes'] / 1e6:.1f} MB), "
                     f"{r['experts']} experts x {r['layers']} layers, vocab {r['vocab']:,} | {gb:.2f} | "
                     f"{c['wall_s']:.2f} | {gb / c['wall_s']:.2f} / {gb / r['median_wall_s']:.2f}, "
@@ -333,7 +334,7 @@ def table(results: list[dict]) -> str:
                     f"{_median(x['sys_s'] for x in r['runs']) / gb:.2f} | "
                     f"{c.get('others_cpu_s', float('nan')):.1f} | {_loads(r['runs'])} | "
                     f"{c['vm_hwm'] / 2**20:.0f} MiB | "
-                    f"{c['write_syscalls'] / gb:.0f} | {prof} (total {p['wall_s'] / gb:.2f}) |")
+                    f"{c['write_syscalls'] / gb:.0f} | {prof} |")
     return "\n".join(rows)
 
 
@@ -429,7 +430,7 @@ def main() -> None:
                     r["profile"] = profile_run(ckpt, out)
                     print(f"  profile: {r['profile']['wall_s']:.2f} s", file=sys.stderr, flush=True)
                 else:
-                    r["profile"] = {"wall_s": float("nan"), "stages_s": dict.fromkeys(STAGES, float("nan"))}
+                    r["profile"] = None          # --no-profile, or a baseline tree's rows
                 results.append(r)
             if args.clean:
                 shutil.rmtree(ckpt, ignore_errors=True)
