@@ -34,11 +34,6 @@ def unpack_nibbles(packed: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
-def pack_nibbles(low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """Nibble codes (0..15) of the even and odd inputs -> bytes; the inverse of `unpack_nibbles`' indexing."""
-    return (np.asarray(low, np.uint8) & 0x0F) | ((np.asarray(high, np.uint8) & 0x0F) << 4)
-
-
 def e8m0(scale: np.ndarray, dtype=np.float32) -> np.ndarray:
     """E8M0 bytes -> 2^(e - 127) in `dtype` (exact where `dtype` holds it; 0xFF -> NaN)."""
     e = np.asarray(scale, np.uint8)

@@ -195,9 +195,6 @@ class ColibriFile:
     def dense_names(self) -> list[str]:
         return [e.name for e in self.tables.dense]
 
-    def has_dense(self, name: str) -> bool:
-        return name in self._dense
-
     def _map(self) -> mmap.mmap:
         """The mapping, or InvalidInput once the file is closed (never a TypeError from a None map)."""
         if self._mm is None:

@@ -154,10 +154,6 @@ class Header:
         return cls(*cls.STRUCT.unpack(buf))
 
     @property
-    def is_quantized(self) -> bool:
-        return self.expert_format in C.QUANTIZED_FORMATS
-
-    @property
     def num_blobs(self) -> int:
         return self.num_moe_layers * self.num_experts
 

@@ -7,11 +7,6 @@ is never a free-form bag of names: every tensor has a meaning the runtime knows.
 from __future__ import annotations
 
 
-def dense_layer_indices(model: dict) -> list[int]:
-    moe = set(model["moe_layers"])
-    return [i for i in range(model["num_layers"]) if i not in moe]
-
-
 def linear_layers(model: dict) -> list[int]:
     """The Gated DeltaNet layers (model.layer_types), in order."""
     return [i for i, k in enumerate(model.get("layer_types") or ()) if k == "linear_attention"]

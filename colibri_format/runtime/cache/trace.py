@@ -82,10 +82,6 @@ class Trace:
     header: TraceHeader
     records: list[TraceRecord]
 
-    @property
-    def num_steps(self) -> int:
-        return len({r.t for r in self.records})
-
 
 @dataclass(frozen=True)
 class Accesses:
