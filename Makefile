@@ -27,8 +27,10 @@ install: $(CORE_STAMP)
 
 install-dev: $(DEV_STAMP)
 
+# The suite on up to 4 cores (pytest-xdist; worksteal: a worker that runs dry takes tests queued on another).
+# One process: `.venv/bin/python -m pytest -q -p no:xdist`. The GPU suite (benchmarks/gpu_suite.sh) runs serially.
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 demo: $(CORE_STAMP)
 	$(BIN)/python tools/demo.py
