@@ -28,9 +28,13 @@ install: $(CORE_STAMP)
 install-dev: $(DEV_STAMP)
 
 # The suite on up to 4 cores (pytest-xdist; worksteal: a worker that runs dry takes tests queued on another).
-# One process: `.venv/bin/python -m pytest -q -p no:xdist`. The GPU suite (benchmarks/gpu_suite.sh) runs serially.
+# `-n logical`, not `-n auto`: auto counts physical cores once psutil is installed (any dependency may pull it in),
+# which is one worker on a 2-vCPU VM of one hyperthreaded core; logical counts logical CPUs (without psutil, the
+# ones this process may run on: sched_getaffinity). PYTEST_XDIST_AUTO_NUM_WORKERS=N overrides the count.
+# One process: `.venv/bin/python -m pytest -q -p no:xdist` (or `-n 0`). The GPU suite (benchmarks/gpu_suite.sh)
+# runs serially.
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
+	$(BIN)/python -m pytest -q -n logical --maxprocesses 4 --dist worksteal
 
 demo: $(CORE_STAMP)
 	$(BIN)/python tools/demo.py
