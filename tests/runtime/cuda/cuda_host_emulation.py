@@ -632,6 +632,19 @@ FUSED_DRIVER = r"""
     }
 EMU_ADD_RMSNORM(f32, TF32)
 EMU_ADD_RMSNORM(bf16, TBF16)
+#define EMU_QKV_ROPE_KV(SUF, TC, TW)                                                                              \
+    extern "C" void emu_qkv_rope_kv_##SUF(int rows, int gy, const float* qkv, float* q_out, TC::storage* kc,      \
+                                          TC::storage* vc, const TW::storage* wq, const TW::storage* wk,          \
+                                          const int* seq, const int* pos, const int* rpos, const float* cos_t,    \
+                                          const float* sin_t, int nh, int nkv, int hd, int half, int capacity,    \
+                                          int norm_mode, float eps, float clip) {                                 \
+        emu_launch({rows, gy, 1}, QKV_THREADS, 0, [&] {                                                          \
+            qkv_rope_kv_##SUF(qkv, q_out, kc, vc, wq, wk, seq, pos, rpos, cos_t, sin_t, nh, nkv, hd, half,       \
+                              capacity, norm_mode, eps, clip);                                                    \
+        });                                                                                                      \
+    }
+EMU_QKV_ROPE_KV(f32_f32, TF32, TF32)
+EMU_QKV_ROPE_KV(f32_bf16, TF32, TBF16)
 """
 
 
@@ -668,6 +681,16 @@ class NormEmulator:
         rows, D = h.shape
         getattr(self.fused, f"emu_add_rmsnorm_{_code(w)}")(
             rows, _ptr(h), _ptr(b), _ptr(w), _ptr(x), D, ctypes.c_float(alpha), ctypes.c_float(eps))
+
+    def qkv_rope_kv(self, qkv, heads: int, kv_heads: int, k_cache, v_cache, seq, pos, rpos, cos, sin, q_out, *,
+                    norm: str, wq, wk, eps: float, clip: float | None) -> None:
+        """fused.cu's qkv_rope_kv (f32 caches) with ops.qkv_rope_kv's grid: a block per row and head group."""
+        rows, hd = qkv.shape[0], k_cache.shape[3]
+        gy = -(-(heads + kv_heads) // (limits.QKV_THREADS // 32))
+        getattr(self.fused, f"emu_qkv_rope_kv_f32_{_code(wq)}")(
+            rows, gy, _ptr(qkv), _ptr(q_out), _ptr(k_cache), _ptr(v_cache), _ptr(wq), _ptr(wk), _ptr(seq), _ptr(pos),
+            _ptr(rpos), _ptr(cos), _ptr(sin), heads, kv_heads, hd, cos.shape[1], k_cache.shape[1], limits.QK_NORM_MODES[norm],
+            ctypes.c_float(eps), ctypes.c_float(clip if clip is not None else 0.0))
 
 
 # ---- moe_gemv.cu (int8 experts, float inputs: the decode GEMVs) ------------------------------------------------------
