@@ -247,18 +247,24 @@ __device__ __forceinline__ void store_row_registers(typename T::storage* p, cons
     }
 }
 
+// this thread's share of the sum of squares of the held elements (in order: vector by vector)
+template <int NV>
+__device__ __forceinline__ float sum_squares_registers(const float (&v)[NV][4]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NV; ++u)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ss = fmaf(v[u][j], v[u][j], ss);
+    return ss;
+}
+
 // v [NV][4]: the held elements (zero past D); w [NV][4]: the norm weight; out = v * rsqrt(mean(v^2) + eps) * (w +
 // w_offset), stored to o (TO) where in the row (v is overwritten with it)
 template <typename TO, int NV>
 __device__ __forceinline__ void norm_row_registers(float (&v)[NV][4], const float (&w)[NV][4],
                                                    typename TO::storage* o, int D, float eps, float w_offset,
                                                    float* s_red) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int u = 0; u < NV; ++u)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) ss = fmaf(v[u][j], v[u][j], ss);
-    const float inv = rsqrtf(block_sum(ss, s_red) / (float)D + eps);
+    const float inv = rsqrtf(block_sum(sum_squares_registers<NV>(v), s_red) / (float)D + eps);
 #pragma unroll
     for (int u = 0; u < NV; ++u)
 #pragma unroll

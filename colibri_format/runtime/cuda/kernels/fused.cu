@@ -81,6 +81,24 @@ ADD_RMSNORM_KERNEL(f16, TF16)
 ADD_RMSNORM_KERNEL(bf16, TBF16)
 
 // ------------------------------------------------------------------------------------------------ q/k/v epilogue
+// This thread's shares of the sums of squares of a row's q (nq values) and k (the nk after them) for the full q/k
+// norm. Rows that fit NORM_VECS float4s a thread (aligned) are loaded whole before the first add: one memory latency
+// (a strided loop of dependent adds paid one a step: OLMoE's 2048 + 2048 values took ~9 µs a call on the H200).
+__device__ __forceinline__ void full_norm_sums(const float* __restrict__ row, int nq, int nk, float& sq, float& sk) {
+    if (row_fits_registers<NORM_VECS>(nq) && row_fits_registers<NORM_VECS>(nk) && vec4_aligned<TF32>(row) &&
+        vec4_aligned<TF32>(row + nq)) {
+        float q[NORM_VECS][4], k[NORM_VECS][4];
+        load_row_registers<TF32, NORM_VECS>(row, q, nq);
+        load_row_registers<TF32, NORM_VECS>(row + nq, k, nk);
+        sq = sum_squares_registers<NORM_VECS>(q);
+        sk = sum_squares_registers<NORM_VECS>(k);
+        return;
+    }
+    sq = sk = 0.0f;
+    for (int i = threadIdx.x; i < nq; i += blockDim.x) sq = fmaf(row[i], row[i], sq);
+    for (int i = threadIdx.x; i < nk; i += blockDim.x) sk = fmaf(row[nq + i], row[nq + i], sk);
+}
+
 // qkv [N, (nh + 2 nkv) hd] f32 (row n: q heads, then k heads, then v heads, as the fused projection writes them).
 // norm_mode: 0 none; 1 "full" (q over its nh*hd values with wq [nh*hd], k over nkv*hd with wk [nkv*hd]);
 // 2 "per_head" (each head over hd values, wq / wk [hd]). clip > 0: q, k, v clamped to [-clip, clip] after a full
@@ -88,29 +106,6 @@ ADD_RMSNORM_KERNEL(bf16, TBF16)
 // row rpos[n]) on q and k. Writes q_out [N, nh, hd] f32, and k, v to the caches [S, capacity, nkv, hd] at
 // (seq[n], pos[n]). Grid (N, ceil((nh + nkv) / QKV_HEADS_PER_BLOCK)): one warp per head, so that a single row
 // still spreads over several multiprocessors; with a full norm each block first reduces the row's q and k sums.
-// This thread's shares of the sums of squares of a row's q (nq values) and k (the nk after them) for the full q/k
-// norm. Rows that fit NORM_VECS float4s a thread (aligned) are loaded whole before the first add: one memory latency
-// (a strided loop of dependent adds paid one a step: OLMoE's 2048 + 2048 values took ~9 µs a call on the H200).
-__device__ __forceinline__ void full_norm_sums(const float* __restrict__ row, int nq, int nk, float& sq, float& sk) {
-    sq = sk = 0.0f;
-    if (row_fits_registers<NORM_VECS>(nq) && row_fits_registers<NORM_VECS>(nk) && vec4_aligned<TF32>(row) &&
-        vec4_aligned<TF32>(row + nq)) {
-        float q[NORM_VECS][4], k[NORM_VECS][4];
-        load_row_registers<TF32, NORM_VECS>(row, q, nq);
-        load_row_registers<TF32, NORM_VECS>(row + nq, k, nk);
-#pragma unroll
-        for (int u = 0; u < NORM_VECS; ++u)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                sq = fmaf(q[u][j], q[u][j], sq);
-                sk = fmaf(k[u][j], k[u][j], sk);
-            }
-        return;
-    }
-    for (int i = threadIdx.x; i < nq; i += blockDim.x) sq = fmaf(row[i], row[i], sq);
-    for (int i = threadIdx.x; i < nk; i += blockDim.x) sk = fmaf(row[nq + i], row[nq + i], sk);
-}
-
 template <typename TC, typename TW>
 __device__ __forceinline__ void qkv_rope_kv_impl(const float* __restrict__ qkv, float* __restrict__ q_out,
                                                  typename TC::storage* __restrict__ kc,
