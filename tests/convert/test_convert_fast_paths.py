@@ -615,9 +615,9 @@ def test_direct_and_buffered_writes_give_the_same_file(bf16_moe_checkpoint, tmp_
         assert _digests(out) == (data, errors)
 
 
-def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_checkpoint, tmp_path, monkeypatch):
-    """One byte of one write altered on its way to the file: the read-back (right after the run with direct I/O,
-    at the end otherwise) finds it, and nothing is renamed into place."""
+def alter_one_expert_write(monkeypatch) -> dict[str, bool]:
+    """Flip one bit of the first expert-region write of more than a page on its way to the file (what a faulty
+    device would do); the returned state's "done" says whether it happened."""
     real = ColibriWriter._write_at
     state = {"done": False}
 
@@ -630,6 +630,13 @@ def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_che
         real(self, data, offset)
 
     monkeypatch.setattr(ColibriWriter, "_write_at", altered)
+    return state
+
+
+def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_checkpoint, tmp_path, monkeypatch):
+    """One byte of one write altered on its way to the file: the read-back (right after the run with direct I/O,
+    at the end otherwise) finds it, and nothing is renamed into place."""
+    state = alter_one_expert_write(monkeypatch)
     out = tmp_path / "m.colibri"
     with pytest.raises(WriteError, match="does not read back as written"):
         convert(bf16_moe_checkpoint, out, workers=2, verify=True)
@@ -639,21 +646,9 @@ def test_a_piece_that_reads_back_wrong_is_refused_before_the_rename(bf16_moe_che
 def test_without_the_read_back_an_altered_write_is_found_by_validate(bf16_moe_checkpoint, tmp_path, monkeypatch):
     """The default (no read-back): the checksums come from the bytes handed to the writes, so a byte the device
     altered on the way is not seen by the conversion, and `validate` (or an engine's first use) names its expert."""
-    real = ColibriWriter._write_at
-    state = {"done": False}
-
-    def altered(self, data, offset):
-        data = memoryview(data).cast("B")
-        if not state["done"] and len(data) > 4096 and offset >= self.plan.experts_offset:
-            state["done"] = True
-            data = bytearray(data)
-            data[100] ^= 1
-        real(self, data, offset)
-
-    monkeypatch.setattr(ColibriWriter, "_write_at", altered)
+    state = alter_one_expert_write(monkeypatch)
     out = tmp_path / "m.colibri"
     assert convert(bf16_moe_checkpoint, out, workers=2).read_back is False
-    monkeypatch.undo()
     report = validate_file(out)
     assert state["done"] and not report.valid
     assert [f.error for f in report.faults] == ["CorruptExpert"], report.faults

@@ -658,8 +658,9 @@ def _code(a: np.ndarray) -> str:
 
 
 class NormEmulator:
-    """layers.cu's rmsnorm and fused.cu's add_rmsnorm over host arrays (16-bit bf16 as uint16 bits), launched one
-    block a row as ops.rmsnorm / ops.add_rmsnorm launch them; arrays may be views at any element offset."""
+    """layers.cu's rmsnorm and fused.cu's add_rmsnorm and qkv_rope_kv over host arrays (16-bit bf16 as uint16 bits),
+    launched as ops.rmsnorm / ops.add_rmsnorm / ops.qkv_rope_kv launch them; arrays may be views at any element
+    offset."""
 
     def __init__(self, layers: ctypes.CDLL, fused: ctypes.CDLL) -> None:
         self.layers, self.fused = layers, fused

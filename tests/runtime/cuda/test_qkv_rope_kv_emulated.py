@@ -11,7 +11,8 @@ import pytest
 from colibri_format.dtypes import float32_to_bf16_bits
 from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda import limits
-from tests.runtime.cuda.cuda_host_emulation import GXX, NormEmulator, build_fused, build_layers
+from tests.runtime.cuda.cuda_host_emulation import GXX
+from tests.runtime.cuda.test_norms_emulated import at_offset
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -31,26 +32,13 @@ CASES = [  # N, heads, kv_heads, hd, rot, norm, clip, qkv offset (elements; 1: n
 ]
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    return NormEmulator(build_layers(tmp_path_factory.mktemp("layers_host")),
-                        build_fused(tmp_path_factory.mktemp("fused_host")))
-
-
-def at_offset(a: np.ndarray, offset: int) -> np.ndarray:
-    buf = np.zeros(a.size + offset, a.dtype)
-    view = buf[offset:].reshape(a.shape)
-    view[...] = a
-    return view
-
-
 def rel(got, exp) -> float:
     return float(np.abs(np.asarray(got, np.float64) - exp).max() / max(np.abs(exp).max(), 1e-30))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("wdt", ["f32", "bf16"])
-def test_qkv_rope_kv_matches_float64(emulator, case, wdt):
+def test_qkv_rope_kv_matches_float64(norm_emulator, case, wdt):
     N, nh, nkv, hd, rot, norm, clip, offset = case
     rng = np.random.default_rng(N * 1000 + nh + hd + offset)
     S, cap, npos = 3, max(16, N + 2), max(N, 8)
@@ -74,9 +62,9 @@ def test_qkv_rope_kv_matches_float64(emulator, case, wdt):
     exp_q = nb.qkv_rope_kv(qkv.astype(np.float64), nh, nkv, exp_k, exp_v, seq, pos, rpos, cos, sin, norm=norm,
                            eps=1e-6, clip=clip, q_norm=wq32.astype(np.float64), k_norm=wk32.astype(np.float64))
     q_out = np.full((N, nh, hd), np.nan, np.float32)
-    emulator.qkv_rope_kv(qkv, nh, nkv, kc, vc, seq, pos, rpos, cos, sin, q_out, norm=norm, wq=wq, wk=wk, eps=1e-6,
+    norm_emulator.qkv_rope_kv(qkv, nh, nkv, kc, vc, seq, pos, rpos, cos, sin, q_out, norm=norm, wq=wq, wk=wk, eps=1e-6,
                          clip=clip)
-    assert emulator.errors() == (0, "")
+    assert norm_emulator.errors() == (0, "")
     assert rel(q_out, exp_q) < TOL
     assert rel(kc[seq, pos], exp_k[seq, pos]) < TOL       # the rows written (the rest is untouched input)
     assert rel(vc[seq, pos], exp_v[seq, pos]) < TOL
