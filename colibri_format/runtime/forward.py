@@ -198,13 +198,12 @@ class Decoder:
     def block(self, i: int, h, inp, kv, ws, T: int, max_len: int) -> None:
         a, p = self.a, f"layers.{i}"
         x = ws.buf("x", (T, a.hidden_size))
-        self.be.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
-        if i in a.linear_layers:
-            o = self.linear_attention(i, x, inp, kv, ws, T)
-        elif a.mla:
-            o = self.mla_attention(i, x, inp, kv, ws, T)
+        if i in a.linear_layers or a.mla:
+            self.be.rmsnorm(h, self.w[f"{p}.input_norm"], a.eps, out=x)
+            o = (self.linear_attention(i, x, inp, kv, ws, T) if i in a.linear_layers
+                 else self.mla_attention(i, x, inp, kv, ws, T))
         else:
-            o = self.attention(i, x, inp, kv, ws, T, max_len)
+            o = self.attention(i, h, x, inp, kv, ws, T, max_len)
         self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
         if i in a.moe_layers:
             self.moe(i, x, h, ws)
@@ -223,12 +222,14 @@ class Decoder:
         return logits
 
     # --- attention ----------------------------------------------------------------------------------------------
-    def attention(self, i: int, x, inp, kv, ws, T: int, max_len: int):
-        """o_proj(softmax(q k^T) v) after q/k norm, clip, RoPE and the KV append (one fused op)."""
+    def attention(self, i: int, h, x, inp, kv, ws, T: int, max_len: int):
+        """o_proj(softmax(q k^T) v) of x = the input norm of h (stored to x by the q/k/v product, which applies
+        it), after q/k norm, clip, RoPE and the KV append (one fused op)."""
         a, p = self.a, f"layers.{i}.attn"
         nh, nkv, hd = a.n_heads, a.n_kv_heads, a.head_dim
         qkv = ws.buf("qkv", (T, (nh + 2 * nkv) * hd))
-        self.w.linear(x, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None, qkv)
+        self.w.normed_linear(h, f"layers.{i}.input_norm", a.eps, f"{p}.qkv", f"{p}.qkv_bias" if a.qkv_bias else None,
+                             qkv, x)
         norms = {"q_norm": self.w[f"{p}.q_norm"], "k_norm": self.w[f"{p}.k_norm"]} if a.qk_norm != "none" else {}
         q = self.be.qkv_rope_kv(qkv, nh, nkv, kv.keys[i], kv.values[i], inp.seq[:T], inp.pos[:T], inp.rpos[:T],
                                 inp.cos[:T], inp.sin[:T], norm=a.qk_norm, eps=a.eps, clip=a.clip_qkv,

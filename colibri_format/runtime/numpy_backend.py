@@ -551,6 +551,11 @@ class NumpyDense:
     def linear(self, x, name: str, bias: str | None, out):
         return linear(x, self.arrays[name], bias=self.arrays[bias] if bias is not None else None, out=out)
 
+    def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
+        """out = rmsnorm(h; norm) @ W.T (+ bias), x_out = rmsnorm(h)."""
+        rmsnorm(h, self.arrays[norm], eps, out=x_out)
+        return self.linear(x_out, name, bias, out)
+
 
 class NumpyBackend:
     """Runs the decoder on the CPU; device memory is host memory (see the module docstring)."""

@@ -72,12 +72,31 @@ class DeviceDense:
             self._f32[name] = self.xp.ascontiguousarray(upcast(self.xp, self.arrays[name]))
         return self._f32[name]
 
+    def _gemv_rows(self, x, w) -> bool:
+        """Whether x's rows multiply through `dense_gemv` passes (decode-sized batches) rather than cuBLAS."""
+        T, K = x.shape
+        return T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4
+
+    def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
+        """out [T, N] f32 = rmsnorm(h; norm) @ W.T (+ bias) and x_out [T, K] f32 = rmsnorm(h): decode-sized batches
+        in one `dense_gemv_normed` launch a pass (the norm folded into the product), larger ones norm then `linear`."""
+        w = self.arrays[name]
+        if not self._gemv_rows(h, w):
+            self.be.rmsnorm(h, self.arrays[norm], eps, out=x_out)
+            return self.linear(x_out, name, bias, out)
+        b = self.f32(bias) if bias is not None else None
+        for t0 in range(0, h.shape[0], GEMV_PASS_ROWS):
+            t1 = min(h.shape[0], t0 + GEMV_PASS_ROWS)
+            self.be.ops.dense_gemv_normed(h[t0:t1], self.f32(norm), eps, w, x_out=x_out[t0:t1], bias=b,
+                                          out=out[t0:t1])
+        return out
+
     def linear(self, x, name: str, bias: str | None, out):
         """out [T, N] f32 = x [T, K] f32 @ W.T (+ bias)."""
         w = self.arrays[name]
         b = self.f32(bias) if bias is not None else None
-        T, K = x.shape
-        if T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4:
+        T = x.shape[0]
+        if self._gemv_rows(x, w):
             for t0 in range(0, T, GEMV_PASS_ROWS):
                 t1 = min(T, t0 + GEMV_PASS_ROWS)
                 self.be.ops.dense_gemv(x[t0:t1], w, bias=b, out=out[t0:t1])

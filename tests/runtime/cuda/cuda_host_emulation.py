@@ -539,10 +539,20 @@ extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const
         emu_launch({blocks, 1, 1}, DG_THREADS, 0, [&] { dense_gemv_##SUF##_t##TOK(x, w, bias, y, T, N, K, splits); }, \
                    order);                                                                                       \
     }
+#define EMU_DENSE_GEMV_NORMED(SUF, TW, TOK)                                                                      \
+    extern "C" void emu_dense_gemv_normed_##SUF##_t##TOK(int blocks, unsigned order, const float* x,              \
+                                                         const TW::storage* w, const float* bias, float* y, int T, \
+                                                         int N, int K, int splits, const float* gamma, float eps, \
+                                                         float* x_out) {                                          \
+        emu_launch({blocks, 1, 1}, DG_THREADS, 0,                                                                 \
+                   [&] { dense_gemv_normed_##SUF##_t##TOK(x, w, bias, y, T, N, K, splits, gamma, eps, x_out); },  \
+                   order);                                                                                        \
+    }
 """ + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_ATTENTION_SPLIT({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS) + "".join(
-    f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\n" for c in ("f32", "bf16") for tok in limits.DG_PLANS)
+    f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\nEMU_DENSE_GEMV_NORMED({c}, T{c.upper()}, {tok})\n"
+    for c in ("f32", "bf16") for tok in limits.DG_PLANS)
 
 
 def build_layers(tmp_path: Path, **defines: int) -> ctypes.CDLL:
@@ -612,14 +622,25 @@ class DenseGemvEmulator(LibraryEmulator):
         self.rows = rows or {t: plan[0] for t, plan in limits.DG_PLANS.items()}
 
     def gemv(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
+        return self._launch("dense_gemv", x, w, bias, splits, order, ())
+
+    def gemv_normed(self, x, gamma, eps: float, w, *, bias=None, splits: int | None = None,
+                    order: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(y, x_out) of `ops.dense_gemv_normed`: rmsnorm(x) @ w.T (+ bias) and rmsnorm(x)."""
+        x_out = np.full(x.shape, np.nan, np.float32)
+        y = self._launch("dense_gemv_normed", x, w, bias, splits, order,
+                         (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out)))
+        return y, x_out
+
+    def _launch(self, family: str, x, w, bias, splits: int | None, order: int, tail: tuple) -> np.ndarray:
         T, K = x.shape
         N = w.shape[0]
         tok = min(t for t in limits.DG_PLANS if t >= T)
         splits = ops.dense_gemv_splits(N, K, tok, w.dtype.itemsize, H200_SMS) if splits is None else splits
         blocks = -(-N // self.rows[tok] // (limits.DG_THREADS // 32 // splits))
         y = np.full((T, N), np.nan, np.float32)
-        getattr(self.lib, f"emu_dense_gemv_{_code(w)}_t{tok}")(
-            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits)
+        getattr(self.lib, f"emu_{family}_{_code(w)}_t{tok}")(
+            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits, *tail)
         return y
 
 

@@ -1,5 +1,6 @@
 """layers.cu's dense_gemv on the CPU (cuda_host_emulation.py) against float64 NumPy: every token plan, K split
-over 1, 2, 4 and 8 warps (and the split `ops.dense_gemv` picks), ragged K and N, bias, blocks in shuffled order.
+over 1, 2, 4 and 8 warps (and the split `ops.dense_gemv` picks), ragged K and N, bias, blocks in shuffled order;
+dense_gemv_normed (the input rmsnorm folded in) against rmsnorm then the product.
 Every plan benchmarks/dense_gemv_sweep.py times computes the default plan's outputs to the bit. The GPU test is
 test_gpu_kernels.py::test_dense_gemv."""
 
@@ -52,6 +53,25 @@ def test_dense_gemv_against_float64(emulator, T, N, K, splits, code):
     y = emulator.gemv(x, w, bias=bias, splits=splits, order=T + N)
     assert emulator.errors() == (0, "")
     assert relerr(y, nb.linear(x.astype(np.float64), w64, bias=bias)) < TOL
+
+
+@pytest.mark.parametrize("T", (1, 3, 8))
+@pytest.mark.parametrize("N,K", [(9, 520), (33, 2056), (6, 4104)])
+@pytest.mark.parametrize("splits", (None, 1, 4, 8))
+@pytest.mark.parametrize("code", ("f32", "bf16"))
+def test_the_normed_gemv_is_rmsnorm_then_the_product(emulator, T, N, K, splits, code):
+    """dense_gemv_normed = rmsnorm (float64) then the product, and its x_out the normed rows, at every split; rows
+    of different scales (a wrong row's or slice's norm would show)."""
+    x, w, w64 = case(T, N, K, code, seed=7 * T + N + K)
+    x *= np.geomspace(0.05, 20.0, T, dtype=np.float32)[:, None]
+    gamma = np.linspace(0.5, 1.5, K).astype(np.float32)
+    bias = np.linspace(-1, 1, N).astype(np.float32) if N % 2 else None
+    eps = 1e-6
+    y, x_out = emulator.gemv_normed(x, gamma, eps, w, bias=bias, splits=splits, order=T + N)
+    assert emulator.errors() == (0, "")
+    normed = nb.rmsnorm(x.astype(np.float64), gamma.astype(np.float64), eps)
+    assert relerr(x_out, normed) < TOL
+    assert relerr(y, nb.linear(normed, w64, bias=bias)) < TOL
 
 
 def test_the_split_fills_the_machine_without_oversplitting():

@@ -383,3 +383,23 @@ def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias, splits):
         ops.dense_gemv(cp.asarray(np.zeros((9, K), np.float32)), w)
     with pytest.raises(ValueError, match="splits must divide"):
         ops.dense_gemv(cp.asarray(x), w, splits=3)
+
+
+@pytest.mark.parametrize("wdt", ["f32", "bf16"])
+@pytest.mark.parametrize("T,N,K", [(1, 5120, 2048), (1, 2048, 4096), (3, 33, 4104), (8, 64, 2048)])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+def test_dense_gemv_normed(cp, rng, wdt, T, N, K, splits):
+    """The input rmsnorm folded into the product: rmsnorm then the product in float64, and x_out the normed rows;
+    rows of different scales; x_out overlapping x is refused."""
+    x = (rng.standard_normal((T, K)) * np.geomspace(0.05, 20.0, T)[:, None]).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
+    bias = rng.standard_normal(N).astype(np.float32)
+    xd, x_out = cp.asarray(x), nan_like(cp, (T, K))
+    y = ops.dense_gemv_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=x_out, bias=cp.asarray(bias),
+                              out=nan_like(cp, (T, N)), splits=splits)
+    normed = nb.rmsnorm(f64(x), f64(gamma), 1e-6)
+    assert rel(x_out.get(), normed) < F32_TOL
+    assert rel(y.get(), nb.linear(normed, f64(w.get()), bias=bias)) < F32_TOL
+    with pytest.raises(ValueError, match="must not overlap"):
+        ops.dense_gemv_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=xd)

@@ -647,16 +647,47 @@ __device__ __forceinline__ float dot16(uint4 v, const float* xv) {
     return s;
 }
 
+// n floats (n % 4 == 0) from a 16-byte aligned address, read-only path
+template <int N>
+__device__ __forceinline__ void load_floats(const float* __restrict__ p, float* v) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p + e));
+        v[e] = a.x; v[e + 1] = a.y; v[e + 2] = a.z; v[e + 3] = a.w;
+    }
+}
+
+// rsqrt(mean + eps) of a row from its slices' sums of squares (squares[p * stride], p < splits: added in slice order)
+__device__ __forceinline__ float inverse_norm(const float* squares, int stride, int splits, int K, float eps) {
+    float ss = 0.0f;
+    for (int p = 0; p < splits; ++p) ss += squares[p * stride];
+    return rsqrtf(ss / (float)K + eps);
+}
+
+// The input norm a normed dense_gemv applies to x's rows first (dense_gemv_normed_*): gamma [K] f32 (the norm
+// weight, any offset added), eps, and x_out [T, K] f32, where the normed rows are stored once.
+struct RowNorm {
+    const float* gamma;
+    float eps;
+    float* x_out;
+};
+
 // A block's DG_THREADS / 32 warps take DG_THREADS / 32 / splits items of ROWS rows, `splits` warps an item, each
 // over one slice of K (whole 32 * V-element chunks); the slices' partial sums meet in shared memory and the item's
 // first warp adds them in slice order (deterministic). Splitting K puts every weight load of a short GEMV in flight
 // at once: one warp walking a 4096-wide row alone waits for four memory round trips in turn.
-template <typename TW, int TOK, int ROWS, int UNROLL>
+// NORM: y = rmsnorm(x) @ W.T = rsqrt(mean(x^2) + eps) * ((x * gamma) @ W.T): the inverse norm is a factor of each
+// output, so every warp dots x * gamma while it sums x^2 over its slice (the x it loads anyway), and the item's first
+// warp scales the sum once the slices' squares have met. The rmsnorm launch before the product goes (a dependent
+// kernel of ~2 us a layer in a decode step's graph); item 0's first warp also stores the normed rows to x_out, as
+// `rmsnorm` would, for the products that read them later (a gated attention output).
+template <typename TW, int TOK, int ROWS, int UNROLL, bool NORM = false>
 __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
                                                 const float* __restrict__ bias, float* __restrict__ y, int T, int N,
-                                                int K, int splits) {
+                                                int K, int splits, const RowNorm norm = RowNorm{}) {
     constexpr int V = Vec16<TW>::N, STEP = 32 * V, WARPS = DG_THREADS / 32;
     __shared__ float s_part[WARPS][ROWS][TOK];
+    __shared__ float s_squares[NORM ? WARPS : 1][TOK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int slice = warp % splits;                            // splits divides WARPS (ops.dense_gemv)
     const int item = blockIdx.x * (WARPS / splits) + warp / splits;
@@ -664,11 +695,13 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
     const int r0 = min(item * ROWS, N - ROWS);                  // shifted in range (N >= ROWS)
     const int per_slice = ((K + STEP - 1) / STEP + splits - 1) / splits * STEP;
     const int k_lo = slice * per_slice, k_hi = min(K, k_lo + per_slice);
-    float acc[ROWS][TOK];
+    float acc[ROWS][TOK], squares[TOK];
 #pragma unroll
-    for (int q = 0; q < ROWS; ++q)
+    for (int j = 0; j < TOK; ++j) {
+        squares[j] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) acc[q][j] = 0.0f;
+        for (int q = 0; q < ROWS; ++q) acc[q][j] = 0.0f;
+    }
     for (int c0 = k_lo + lane * V; live && c0 < k_hi; c0 += STEP * UNROLL) {
         uint4 wv[UNROLL][ROWS];
 #pragma unroll
@@ -681,14 +714,19 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
         for (int u = 0; u < UNROLL; ++u) {
             const int c = c0 + u * STEP;
             if (c < k_hi) {
+                float gv[V];
+                if constexpr (NORM) load_floats<V>(norm.gamma + c, gv);
 #pragma unroll
                 for (int j = 0; j < TOK; ++j) {
                     if (j < T) {
                         float xv[V];      // loaded once, used by every row
+                        load_floats<V>(x + (size_t)j * K + c, xv);
+                        if constexpr (NORM) {
 #pragma unroll
-                        for (int e = 0; e < V; e += 4) {
-                            const float4 a = __ldg(reinterpret_cast<const float4*>(x + (size_t)j * K + c + e));
-                            xv[e] = a.x; xv[e + 1] = a.y; xv[e + 2] = a.z; xv[e + 3] = a.w;
+                            for (int e = 0; e < V; ++e) {
+                                squares[j] = fmaf(xv[e], xv[e], squares[j]);
+                                xv[e] *= gv[e];
+                            }
                         }
 #pragma unroll
                         for (int q = 0; q < ROWS; ++q) acc[q][j] += dot16<TW>(wv[u][q], xv);
@@ -704,6 +742,13 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
             const float s = warp_sum(acc[q][j]);
             if (lane == 0) s_part[warp][q][j] = s;
         }
+    if constexpr (NORM) {
+#pragma unroll
+        for (int j = 0; j < TOK; ++j) {
+            const float s = warp_sum(squares[j]);
+            if (lane == 0) s_squares[warp][j] = s;
+        }
+    }
     if (splits > 1) __syncthreads();                            // splits is the same in every thread
     else __syncwarp();
     if (slice != 0 || !live) return;
@@ -711,7 +756,21 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
         const int q = i / TOK, j = i - q * TOK;
         float s = 0.0f;
         for (int p = 0; p < splits; ++p) s += s_part[warp + p][q][j];
+        if constexpr (NORM) s *= inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
         if (j < T && r0 + q >= item * ROWS) y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
+    }
+    if constexpr (NORM) {
+        if (item != 0) return;
+        for (int j = 0; j < T; ++j) {
+            const float inv = inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
+            for (int c = lane * 4; c < K; c += 128) {       // K % 8 == 0 (ops.dense_gemv_normed)
+                float xv[4], gv[4];
+                load_floats<4>(x + (size_t)j * K + c, xv);
+                load_floats<4>(norm.gamma + c, gv);
+                *reinterpret_cast<float4*>(norm.x_out + (size_t)j * K + c) =
+                    make_float4(xv[0] * inv * gv[0], xv[1] * inv * gv[1], xv[2] * inv * gv[2], xv[3] * inv * gv[3]);
+            }
+        }
     }
 }
 #define DENSE_GEMV_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                          \
@@ -720,11 +779,22 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
                                   int N, int K, int splits) {                                                 \
         dense_gemv_impl<TW, TOK, ROWS, UNROLL>(x, w, bias, y, T, N, K, splits);                               \
     }
+#define DENSE_GEMV_NORMED_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                   \
+    extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                  \
+        dense_gemv_normed_##SUF##_t##TOK(const float* x, const TW::storage* w, const float* bias, float* y,      \
+                                         int T, int N, int K, int splits, const float* gamma, float eps,       \
+                                         float* x_out) {                                                       \
+        dense_gemv_impl<TW, TOK, ROWS, UNROLL, true>(x, w, bias, y, T, N, K, splits, RowNorm{gamma, eps, x_out}); \
+    }
 #define DENSE_GEMV_KERNELS(SUF, TW)                                 \
     DENSE_GEMV_KERNEL(SUF, TW, 1, DG_T1_ROWS, DG_T1_UNROLL)         \
     DENSE_GEMV_KERNEL(SUF, TW, 2, DG_T2_ROWS, DG_T2_UNROLL)         \
     DENSE_GEMV_KERNEL(SUF, TW, 4, DG_T4_ROWS, DG_T4_UNROLL)         \
-    DENSE_GEMV_KERNEL(SUF, TW, 8, DG_T8_ROWS, DG_T8_UNROLL)
+    DENSE_GEMV_KERNEL(SUF, TW, 8, DG_T8_ROWS, DG_T8_UNROLL)         \
+    DENSE_GEMV_NORMED_KERNEL(SUF, TW, 1, DG_T1_ROWS, DG_T1_UNROLL)  \
+    DENSE_GEMV_NORMED_KERNEL(SUF, TW, 2, DG_T2_ROWS, DG_T2_UNROLL)  \
+    DENSE_GEMV_NORMED_KERNEL(SUF, TW, 4, DG_T4_ROWS, DG_T4_UNROLL)  \
+    DENSE_GEMV_NORMED_KERNEL(SUF, TW, 8, DG_T8_ROWS, DG_T8_UNROLL)
 DENSE_GEMV_KERNELS(f32, TF32)
 DENSE_GEMV_KERNELS(f16, TF16)
 DENSE_GEMV_KERNELS(bf16, TBF16)

@@ -1341,6 +1341,30 @@ def dense_gemv(x, w, *, bias=None, out=None, splits: int | None = None):
     One kernel per token count (1, 2, 4, 8: `limits.DG_PLANS`); beyond 8 tokens use cuBLAS (cupy.matmul). splits:
     warps sharing an item's K (1, 2, 4 or 8; None: `dense_gemv_splits`), for benchmarks that time the others.
     """
+    return _dense_gemv_launch("dense_gemv", x, w, bias, out, splits, ())
+
+
+def dense_gemv_normed(x, gamma, eps: float, w, *, x_out, bias=None, out=None, splits: int | None = None):
+    """y [T, N] f32 = rmsnorm(x) @ w.T (+ bias) and x_out [T, K] f32 = rmsnorm(x) = x * rsqrt(mean(x^2) + eps) *
+    gamma (gamma [K] f32: the norm weight, any offset added), in one launch: `rmsnorm` then `dense_gemv` (same
+    shapes and plans), the norm's inverse applied to each output (layers.cu's NORM), ~1e-7 relative from them."""
+    _check("x", x, dtype=np.float32, ndim=2)
+    K = x.shape[1]
+    _check("gamma", gamma, dtype=np.float32, shape=(K,))
+    _check("x_out", x_out, dtype=np.float32, shape=x.shape)
+    if _overlaps(x_out, x):
+        raise ValueError("x_out must not overlap x (the product reads x while the norm's rows are stored)")
+    return _dense_gemv_launch("dense_gemv_normed", x, w, bias, out, splits,
+                              (gamma, np.float32(eps), x_out))
+
+
+def _overlaps(a, b) -> bool:
+    """Whether two contiguous device arrays share bytes."""
+    return bool(a.nbytes and b.nbytes and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes)
+
+
+def _dense_gemv_launch(family: str, x, w, bias, out, splits: int | None, tail: tuple):
+    """The checked launch of a `dense_gemv` kernel family (`tail`: the family's arguments after the shared ones)."""
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
     _check("w", w, ndim=2, codes=("f32", "f16", "bf16"))
@@ -1360,8 +1384,9 @@ def dense_gemv(x, w, *, bias=None, out=None, splits: int | None = None):
         tok = min(t for t in DG_PLANS if t >= T)
         splits = dense_gemv_splits(N, K, tok, w.dtype.itemsize, _sm_count()) if splits is None else splits
         blocks = -(-N // DG_PLANS[tok][0] // (warps // splits))           # `splits` warps per `rows` output rows
-        kernel("layers", f"dense_gemv_{dtype_code(w)}_t{tok}")(
-            (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)))
+        kernel("layers", f"{family}_{dtype_code(w)}_t{tok}")(
+            (blocks,), (DG_THREADS,),
+            (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)) + tail)
     return y
 
 
