@@ -42,6 +42,10 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
 # (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
 GEMV_W4_PLAN = ((4, 1), (4, 1))
+# the fused down + combine of one-token passes (moe_down_combine_pairs_w4_*: an item is a token's rows, not a pair's):
+# the pairs a warp issues its loads for before using any; at least top_k (8 for Qwen3-30B-A3B and OLMoE) keeps as many
+# bytes in flight as the by-pair down it replaces (moe_gemv.cu's reasoning); not measured yet
+DOWN_COMBINE_PAIRS = 8
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -212,7 +216,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
-    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, "DOWN_COMBINE_PAIRS": DOWN_COMBINE_PAIRS,
+                 **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,

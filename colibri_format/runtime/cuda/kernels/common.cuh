@@ -306,6 +306,15 @@ __device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex
     return EXTRAS && ex.bias ? y + __ldg(ex.bias + (size_t)e * nout + o) : y;
 }
 
+// A pair's routed output o from its down dot product and row scale (1 with group scales): w * (dot * scale (+ bias)),
+// each product and sum rounded on its own (__fmul_rn is never contracted into an fma with what follows), so that
+// the by-pair down kernels' stored ypair element and the fused down + combine kernels' addend are the same float.
+template <bool EXTRAS>
+__device__ __forceinline__ float routed_down_out(float w, float dot, float scale, const ExpertExtras& ex, int e,
+                                                 int nout, int o) {
+    return __fmul_rn(w, expert_down_out<EXTRAS>(__fmul_rn(dot, scale), ex, e, nout, o));
+}
+
 // ---- 4-bit decode GEMVs: the walk over warp items (moe_gemv4.cu float inputs, moe_gemv4_dp4a.cu int8 inputs) -------
 // The contract and the work items of moe_gemv.cu's kernels, over packed 4-bit rows (16-byte chunks of 32 weights,
 // one scale per group of `group` weights, [rows, groups]):
