@@ -551,6 +551,28 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtra
     return y
 
 
+def moe_down_combine_pairs(act, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
+                           extras: ExpertExtras | None = None, out=None):
+    """`moe_down_pairs` then `moe_combine` in one launch, to the bit: y [T, H] f32 = residual + alpha * sum over j
+    in slot order of weights[t, j] * (down_{ids[t, j]} @ act[t * k + j] (+ extras' down bias)), for act [T * k, I]
+    f32 in pair order; an id outside [0, E) adds nothing; out may be residual. Fills `table.fill_ptrs` as it reads."""
+    cp = _cupy()
+    H, I = table.hidden_size, table.intermediate_size
+    T, k = _check_pairs(table, ids, act, I, True)
+    _check("weights", weights, dtype=np.float32, shape=(T, k))
+    if residual is not None:
+        _check("residual", residual, dtype=np.float32, shape=(T, H))
+    _, gi, kind = table.groups()
+    tail = extras.down_args(table) if extras is not None else ()
+    y = _out("out", out, (T, H), cp.float32)
+    fn, grid = _gemv_launch(_with_extras(f"moe_down_combine_pairs_w4_{kind}", extras))
+    fn(grid, (GEMV_THREADS,),
+       (act, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
+        weights, _ptr(residual), y, np.int32(H), np.int32(I), np.int32(gi), np.int32(T), np.int32(k),
+        np.int32(table.num_experts), np.float32(alpha)) + tail)
+    return y
+
+
 def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
     if tensor_cores and kind != "r":
         raise ValueError("the tensor-core grouped GEMM supports per-row scales only")
@@ -1062,7 +1084,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
                 staging: FastGemmStaging | None = None, cublas: bool | None = None,
-                pairs: bool | None = None, out=None):
+                pairs: bool | None = None, fuse_combine: bool = True, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
@@ -1071,12 +1093,17 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
     so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only). pairs: a GEMV pass by pair without a
-    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so).
+    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so). fuse_combine: a pass by pair runs its down and
+    the combine in one launch (`moe_down_combine_pairs`); False: `moe_down_pairs` then `moe_combine` (the same bits,
+    a launch more: benchmarks/decode_profile.py --combine-ab times both).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if not use_gemm and (pairs_path(T) if pairs is None else pairs):
         act = moe_gate_up_pairs(x, ids, table, extras=extras, out=act)
+        if fuse_combine:
+            return moe_down_combine_pairs(act, ids, weights, table, residual=residual, alpha=alpha, extras=extras,
+                                          out=out)
         ypair = moe_down_pairs(act, ids, weights, table, extras=extras, out=ypair)
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
