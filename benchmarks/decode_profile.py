@@ -155,17 +155,19 @@ def engine_profile(path: Path, batches: list[int]) -> list[dict]:
     return out
 
 
-def engine_profile_with(path: Path, batches: list[int], name: str, replace: Callable) -> list[dict]:
-    """`engine_profile` with kernels/ops.py's `name` replaced by replace(the original) for the run: the B of an A/B
-    on one file (the engine calls ops' functions through the module)."""
+def engine_profile_with(path: Path, batches: list[int], replacements: dict[str, Callable]) -> list[dict]:
+    """`engine_profile` with each of kernels/ops.py's functions `name` replaced by replacements[name](the original)
+    for the run: the B of an A/B on one file (the engine calls ops' functions through the module)."""
     from colibri_format.runtime.cuda.kernels import ops
 
-    kept = getattr(ops, name)
-    setattr(ops, name, replace(kept))
+    kept = {name: getattr(ops, name) for name in replacements}
+    for name, replace in replacements.items():
+        setattr(ops, name, replace(kept[name]))
     try:
         return engine_profile(path, batches)
     finally:
-        setattr(ops, name, kept)
+        for name, original in kept.items():
+            setattr(ops, name, original)
 
 
 def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
@@ -228,8 +230,8 @@ def main() -> int:
     ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
     ap.add_argument("--combine-ab", action="store_true", help="each shape's engine runs twice on one file: "
-                    "one-token passes over int8 experts with the down and the combine in one launch (the default, "
-                    "moe_down_combine_pairs), then in two (moe_down_pairs, moe_combine: ops.moe_experts' "
+                    "one-token passes with the down and the combine in one launch (the default: int8 experts, and "
+                    "int4_g* on int8 activations), then in two (ops.moe_experts' and moe_experts_4bit's "
                     "fuse_combine=False)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
@@ -280,11 +282,12 @@ def main() -> int:
             if args.pairs_ab:
                 log(f"{shape} again with the dispatch (--pairs-ab)")
                 result["engine"][f"{shape} dispatch"] = engine_profile_with(
-                    path, batches, "pairs_path", lambda by_pair: lambda num_tokens: False)
+                    path, batches, {"pairs_path": lambda by_pair: lambda num_tokens: False})
             if args.combine_ab:
                 log(f"{shape} again with the down and the combine in two launches (--combine-ab)")
-                result["engine"][f"{shape} unfused combine"] = engine_profile_with(
-                    path, batches, "moe_experts", lambda fused: functools.partial(fused, fuse_combine=False))
+                unfused = {name: lambda fused: functools.partial(fused, fuse_combine=False)
+                           for name in ("moe_experts", "moe_experts_4bit")}
+                result["engine"][f"{shape} unfused combine"] = engine_profile_with(path, batches, unfused)
             if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))

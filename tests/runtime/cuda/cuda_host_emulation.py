@@ -436,13 +436,24 @@ extern "C" void emu_down_pairs(int blocks, const signed char* aq, const float* a
         moe4a8_down_pairs_int4(aq, as, ids, blobs, fills, off_w, off_s, pair_w, y, H, I, group, P, E);
     });
 }
+
+extern "C" void emu_down_combine_pairs(int blocks, const signed char* aq, const float* as, const int* ids,
+                                       const unsigned long long* blobs, const unsigned long long* fills,
+                                       long long off_w, long long off_s, const float* pair_w, const float* residual,
+                                       float* y, int H, int I, int group, int T, int k, int E, float alpha) {
+    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
+        moe4a8_down_combine_pairs_int4(aq, as, ids, blobs, fills, off_w, off_s, pair_w, residual, y, H, I, group, T,
+                                       k, E, alpha);
+    });
+}
 """
 
 
-def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None) -> ctypes.CDLL:
+def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None, combine_plan: tuple | None = None) -> ctypes.CDLL:
     """moe_gemv4_dp4a.cu for the CPU, with limits.py's constants (`plans`: other A8_PLANS, as gemv_sweep.py
-    builds them)."""
-    defines = {**limits.KERNEL_DEFINES["moe_gemv4_dp4a"], **limits.a8_plan_defines(plans or limits.A8_PLANS)}
+    builds them; `combine_plan`: another A8_DOWN_COMBINE_PLAN)."""
+    defines = {**limits.KERNEL_DEFINES["moe_gemv4_dp4a"], **limits.a8_plan_defines(plans or limits.A8_PLANS),
+               **limits.a8_combine_defines(combine_plan or limits.A8_DOWN_COMBINE_PLAN)}
     return _compile(tmp_path, "moe_gemv4_dp4a", host_module_source("moe_gemv4_dp4a") + GEMV4_DP4A_DRIVER,
                     [f"-D{k}={v}" for k, v in defines.items()])
 
@@ -494,6 +505,16 @@ class Gemv4Dp4aEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
             num_experts)
+
+    def down_combine_pairs(self, aq, as_, ids, ptrs, fills, layout, weights, residual, y, num_experts: int,
+                           alpha: float) -> None:
+        """moe4a8_down_combine_pairs_int4: y [T, H] (residual None: no residual; it may be y)."""
+        T, k = ids.shape
+        self.lib.emu_down_combine_pairs(
+            self.blocks, _ptr(aq), _ptr(as_), _ptr(ids), _ptr(ptrs), _nullable(fills),
+            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
+            _ptr(weights), _nullable(residual), _ptr(y), layout.hidden_size, layout.intermediate_size,
+            layout.group_size, T, k, num_experts, ctypes.c_float(alpha))
 
 
 # ---- layers.cu: attention_decode -------------------------------------------------------------------------------------

@@ -199,19 +199,30 @@ def check_down_combine(emulator: GemvEmulator, case, fill: bool, with_extras: bo
     down_bias = None if extras is None else extras.down_bias.astype(np.float64)
     routed = expect.pair_down(act.astype(np.float64), named, r.w.astype(np.float64) * valid, experts,
                               down_bias=down_bias)
-    resid = rng.standard_normal((T, H)).astype(np.float32)
     alpha = 0.75
-    for residual in (None, resid):
-        unfused = np.full((T, H), np.nan, np.float32)
-        emulator.combine(ypair, k, residual, unfused, alpha)
-        fused = np.full((T, H), np.nan, np.float32)
-        emulator.down_combine_pairs(act, r.ids, r.ptrs, fills, layout, r.w, residual, fused, E, alpha, extras)
-        assert emulator.errors() == (0, "")
-        np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
-        base = np.zeros((T, H)) if residual is None else residual.astype(np.float64)
-        assert rel(fused, expect.combine(routed, k, base, alpha)) < TOL
-    in_place = resid.copy()
-    emulator.down_combine_pairs(act, r.ids, r.ptrs, fills, layout, r.w, in_place, in_place, E, alpha, extras)
-    np.testing.assert_array_equal(in_place.view(np.uint32), unfused.view(np.uint32))
+    check_fused_combine(
+        lambda residual, y: emulator.down_combine_pairs(act, r.ids, r.ptrs, fills, layout, r.w, residual, y, E, alpha,
+                                                        extras),
+        lambda residual, y: emulator.combine(ypair, k, residual, y, alpha),
+        routed, rng.standard_normal((T, H)).astype(np.float32), alpha, TOL)
+    assert emulator.errors() == (0, "")
     if fill:
         check_fills(blobs, r.slots, layout, r.ids[valid], E)
+
+
+def check_fused_combine(fused, unfused, routed, resid, alpha: float, tol: float) -> None:
+    """fused(residual, y) and unfused(residual, y) fill y [T, H] (residual None or [T, H] f32; y may be residual):
+    the same bits with and without a residual and over the residual itself; fused within tol of the float64 block
+    (routed: the pairs' float64 outputs [T * k, H])."""
+    T, H = resid.shape
+    for residual in (None, resid):
+        want = np.full((T, H), np.nan, np.float32)
+        unfused(residual, want)
+        got = np.full((T, H), np.nan, np.float32)
+        fused(residual, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        base = np.zeros((T, H)) if residual is None else residual.astype(np.float64)
+        assert rel(got, expect.combine(routed, routed.shape[0] // T, base, alpha)) < tol
+    in_place = resid.copy()
+    fused(in_place, in_place)
+    np.testing.assert_array_equal(in_place.view(np.uint32), want.view(np.uint32))

@@ -248,22 +248,6 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // rows), act and ypair rows are in pair order, and an id outside [0, nexp) gives zero rows (perm, offsets and meta
 // unused). Each pair reads its expert's rows, so only passes whose pairs name distinct experts (one token) should.
 
-// The expert a warp item names: its blob, and its fill slot (null: fills null or fills[e] == 0). checked (the
-// by-pair kernels): named may lie outside [0, nexp); such an item is not valid, reads expert 0 and fills nothing.
-struct NamedExpert {
-    int e;
-    bool valid;
-    const char* blob;
-    char* fill;
-};
-__device__ __forceinline__ NamedExpert named_expert(int named, bool checked, int nexp,
-                                                    const unsigned long long* __restrict__ blobs,
-                                                    const unsigned long long* __restrict__ fills) {
-    const bool valid = !checked || (named >= 0 && named < nexp);
-    const int e = valid ? named : 0;
-    return {e, valid, reinterpret_cast<const char*>(blobs[e]), fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr};
-}
-
 // One lane's share of R dot products over one 16-byte chunk: the chunk's 16 int8 weights of each row (w) times the
 // 16 floats at `in`, summed 8 at a time from zero, then added to acc[q] (times the chunk's group scale sc[q] when
 // GROUPED): the one order of operations of every wide kernel, which the bit-for-bit tests between them rely on.
@@ -557,12 +541,8 @@ __device__ __forceinline__ void moe_down_combine_pairs(const float* __restrict__
         }
         if (lane == 0) {
 #pragma unroll
-            for (int q = 0; q < R; ++q) {
-                if (ob + q >= o0) {
-                    const size_t i = (size_t)t * H + ob + q;
-                    y[i] = residual ? fmaf(alpha, sum[q], residual[i]) : sum[q] * alpha;
-                }
-            }
+            for (int q = 0; q < R; ++q)
+                if (ob + q >= o0) combined_out(sum[q], residual, y, (size_t)t * H + ob + q, alpha);
         }
     }
 }
