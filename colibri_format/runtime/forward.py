@@ -204,10 +204,11 @@ class Decoder:
                  else self.mla_attention(i, x, inp, kv, ws, T))
         else:
             o = self.attention(i, h, x, inp, kv, ws, T, max_len)
-        self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
         if i in a.moe_layers:
-            self.moe(i, x, h, ws)
+            ids, weights = self.norm_route(i, h, o, x, ws)
+            self.moe(i, x, h, ws, ids, weights)
         else:
+            self.be.add_rmsnorm(h, o, self.w[f"{p}.post_attn_norm"], a.eps, alpha=float(a.residual_mult), out=x)
             self.be.residual_add(h, self.mlp(f"{p}.mlp", x, ws, "mlp"), alpha=float(a.residual_mult), out=h)
 
     def head(self, h, ws: Workspace):
@@ -292,10 +293,19 @@ class Decoder:
         return self.w.linear(att, f"{p}.o_proj", None, ws.buf("o", (T, a.hidden_size)))
 
     # --- feed-forward ----------------------------------------------------------------------------------------------
-    def moe(self, i: int, x, h, ws) -> None:
-        """h += residual_mult * (routed experts + shared expert)(x)."""
+    def norm_route(self, i: int, h, o, x, ws):
+        """h += residual_mult * o; x = post_attn_norm(h); the layer's router on x: (ids, weights), in one backend op
+        (the CUDA backend's one launch)."""
         a = self.a
-        ids, weights = self.route(i, x, ws, "r")
+        w, k, how = self.router_args(i, h.shape[0], ws, "r")
+        _, ids, weights = self.be.add_rmsnorm_route(h, o, self.w[f"layers.{i}.post_attn_norm"], a.eps, w, k,
+                                                    alpha=float(a.residual_mult), out=x, **how)
+        return ids, weights
+
+    def moe(self, i: int, x, h, ws, ids, weights) -> None:
+        """h += residual_mult * (routed experts + shared expert)(x): the experts of ids (the router's choice, or the
+        forced routes) with their weights."""
+        a = self.a
         if self.forced_routes is not None:
             self.be.xp.copyto(ids, self.forced_routes(i, x.shape[0]))
         if self.route_hook is not None:
@@ -324,16 +334,20 @@ class Decoder:
 
     def route(self, layer: int, x, ws, tag: str):
         """(expert ids [T, k] int32, weights [T, k]) of `layer`'s router applied to x."""
-        a, T, r = self.a, x.shape[0], self.a.router
+        w, k, how = self.router_args(layer, x.shape[0], ws, tag)
+        return self.be.router(x, w, k, **how)
+
+    def router_args(self, layer: int, T: int, ws, tag: str) -> tuple[Any, int, dict]:
+        """(weight, top_k, the rest) of `layer`'s router over T rows, its outputs in the workspace buffers `tag`."""
+        a, r = self.a, self.a.router
         p = f"layers.{layer}.moe"
         bias = self.w.f32(f"{p}.router_bias") if r.get("bias") else None
         groups = r.get("n_group", 1), r.get("topk_group", 1)
         grouped = {"groups": groups} if groups[1] < groups[0] else {}   # only when groups are masked
-        return self.be.router(x, self.w[f"{p}.router"], a.top_k, bias=bias, scoring=r.get("scoring", "softmax"),
-                              order=r.get("order", "softmax_topk"), normalize=bool(r.get("normalize_topk")),
-                              scale=float(r.get("scale", 1.0)), ws=ws, **grouped,
-                              out_ids=ws.buf(f"{tag}_ids", (T, a.top_k), np.int32),
-                              out_weights=ws.buf(f"{tag}_w", (T, a.top_k)))
+        return self.w[f"{p}.router"], a.top_k, dict(
+            bias=bias, scoring=r.get("scoring", "softmax"), order=r.get("order", "softmax_topk"),
+            normalize=bool(r.get("normalize_topk")), scale=float(r.get("scale", 1.0)), ws=ws, **grouped,
+            out_ids=ws.buf(f"{tag}_ids", (T, a.top_k), np.int32), out_weights=ws.buf(f"{tag}_w", (T, a.top_k)))
 
     def mlp(self, p: str, x, ws, tag: str):
         """down(silu(gate x) * up x) with the fused [2I, H] gate/up weight."""

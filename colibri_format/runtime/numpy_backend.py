@@ -610,6 +610,12 @@ class NumpyBackend:
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
         return router(x, w, k, out_ids=out_ids, out_weights=out_weights, **how)
 
+    def add_rmsnorm_route(self, h, b, norm_w, eps: float, w, k: int, *, alpha: float, out, ws, out_ids,
+                          out_weights, **how):
+        """add_rmsnorm, then the router on its output: (out, ids, weights) (the CUDA backend's one launch)."""
+        add_rmsnorm(h, b, norm_w, eps, alpha=alpha, out=out)
+        return (out, *router(out, w, k, out_ids=out_ids, out_weights=out_weights, **how))
+
     def moe(self, x, ids, weights, table: ExpertTable, *, residual, alpha: float, ws, **expert):
         if table.route_totals is not None:
             count_routes(ids, table.route_totals)

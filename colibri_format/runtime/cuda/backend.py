@@ -12,7 +12,8 @@ import contextlib
 import numpy as np
 
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, ATTENTION_HEAD_DIMS, check_cuda_support
+from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, ATTENTION_HEAD_DIMS, NORM_ROUTE_MAX_ROWS,
+                                                 check_cuda_support)
 from colibri_format.spec.constants import PACKED_FORMATS
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
@@ -207,10 +208,26 @@ class CupyBackend:
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
         """The fused router; `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
-        key = ("router", x.shape[0], w.shape[0])
+        return self.ops.router(x, w, k, workspace=self._router_workspace(ws, x.shape[0], w.shape[0]),
+                               out_ids=out_ids, out_weights=out_weights, **how)
+
+    def add_rmsnorm_route(self, h, b, norm_w, eps: float, w, k: int, *, alpha: float, out, ws, out_ids,
+                          out_weights, **how):
+        """add_rmsnorm, then the router on its output: (out, ids, weights). One launch (`ops.add_rmsnorm_route`)
+        for passes of up to NORM_ROUTE_MAX_ROWS rows whose norm weight has the router weight's dtype; the two ops
+        otherwise."""
+        if h.shape[0] > NORM_ROUTE_MAX_ROWS or self.ops.dtype_code(norm_w) != self.ops.dtype_code(w):
+            self.add_rmsnorm(h, b, norm_w, eps, alpha=alpha, out=out)
+            return (out, *self.router(out, w, k, ws=ws, out_ids=out_ids, out_weights=out_weights, **how))
+        return self.ops.add_rmsnorm_route(h, b, norm_w, eps, w, k, alpha=alpha, out=out,
+                                          workspace=self._router_workspace(ws, h.shape[0], w.shape[0]),
+                                          out_ids=out_ids, out_weights=out_weights, **how)
+
+    def _router_workspace(self, ws, rows: int, num_experts: int):
+        key = ("router", rows, num_experts)
         if key not in ws.extra:
-            ws.extra[key] = self.ops.RouterWorkspace(x.shape[0], w.shape[0])
-        return self.ops.router(x, w, k, workspace=ws.extra[key], out_ids=out_ids, out_weights=out_weights, **how)
+            ws.extra[key] = self.ops.RouterWorkspace(rows, num_experts)
+        return ws.extra[key]
 
     def moe(self, x, ids, weights, table, *, residual, alpha: float, ws, act=None, gate_up_bias=None,
             down_bias=None):

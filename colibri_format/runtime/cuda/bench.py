@@ -32,8 +32,8 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) { }
 }
 """
-PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "qkv_rope_kv", "dense_gemv", "attention", "residual_add",
-            "router", "moe_experts", "moe_experts_4bit", "silu_mul",
+PROFILED = ("embedding", "rmsnorm", "add_rmsnorm", "add_rmsnorm_route", "qkv_rope_kv", "dense_gemv", "attention",
+            "residual_add", "router", "moe_experts", "moe_experts_4bit", "silu_mul",
             "split_bf16", "mla_attention")      # the backend's calls into kernels/ops.py
 
 

@@ -28,9 +28,15 @@ WARP = 32
 ROUTER_THREADS = 256
 ROUTER_TPB = 4
 ROUTER_EPB = 8
-ROUTER_WIDTHS = (32, 64, 128, 256, 512)     # kernels moe_router_<dtype>_e<width> (width / 32 experts a lane)
+ROUTER_WIDTHS = (32, 64, 128, 256, 512)     # kernels moe_router_<dtype>_e<width> and add_rmsnorm_route_<dtype>_e<width>
+#                                             (width / 32 experts a lane)
 ROUTER_MAX_E = ROUTER_WIDTHS[-1]
 ROUTER_MAX_K = WARP
+# router.cu's add_rmsnorm_route (the post-attention add + norm and the router in one launch) runs passes of up to
+# this many rows, the decode steps a graph captures; larger passes (prefill) run add_rmsnorm then the router, as
+# each of a token group's ceil(E / ROUTER_EPB) blocks re-reads the rows of h and o that add_rmsnorm reads once. Its
+# h and x equal add_rmsnorm's bit for bit while ROUTER_THREADS == FUSED_THREADS (the same sums in the same order).
+NORM_ROUTE_MAX_ROWS = 32
 # dispatch.cu: one block; per-warp expert counts in shared memory
 DISPATCH_THREADS = 512
 DISPATCH_MAX_E = 512

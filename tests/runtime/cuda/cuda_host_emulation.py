@@ -3,7 +3,8 @@ pipelines, fragment layouts and cross-block protocols on machines without a GPU:
 (test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu
 (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode
 (test_attention_decode_emulated.py), the norms (layers.cu's rmsnorm, fused.cu's add_rmsnorm:
-test_norms_emulated.py) and moe_gemm_cublas.cu's element-wise kernels around cuBLAS (test_moe_gemm_cublas_emulated.py).
+test_norms_emulated.py), router.cu's router and add_rmsnorm_route (test_router_emulated.py) and moe_gemm_cublas.cu's
+element-wise kernels around cuBLAS (test_moe_gemm_cublas_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -734,6 +735,80 @@ class NormEmulator:
             rows, gy, _ptr(qkv), _ptr(q_out), _ptr(k_cache), _ptr(v_cache), _ptr(wq), _ptr(wk), _ptr(seq), _ptr(pos),
             _ptr(rpos), _ptr(cos), _ptr(sin), heads, kv_heads, hd, cos.shape[1], k_cache.shape[1], limits.QK_NORM_MODES[norm],
             ctypes.c_float(eps), ctypes.c_float(clip if clip is not None else 0.0))
+
+
+# ---- router.cu: the router and add_rmsnorm_route ---------------------------------------------------------------------
+ROUTER_DYNAMIC_SHARED = "extern __shared__ float s_dyn[];"
+ROUTER_SELECTION = ("const float* bias, float* logits, unsigned int* tickets, int* ids, float* weights, int T, int H, "
+                    "int E, int K, int scoring, int ord, int normalize, float scale, int n_group, int topk_group")
+ROUTER_SELECTION_ARGS = ("bias, logits, tickets, ids, weights, T, H, E, K, scoring, ord, normalize, scale, n_group, "
+                         "topk_group")
+ROUTER_DRIVER = rf"""
+#define EMU_ROUTER(SUF, TW)                                                                                      \
+    extern "C" void emu_router_##SUF(int gx, int gy, size_t smem, unsigned order, const float* x,                \
+                                     const TW::storage* w, {ROUTER_SELECTION}) {{                                  \
+        emu_launch({{gx, gy, 1}}, ROUTER_THREADS, smem, [&] {{ moe_router_##SUF(x, w, {ROUTER_SELECTION_ARGS}); }},  \
+                   order);                                                                                       \
+    }}                                                                                                           \
+    extern "C" void emu_add_rmsnorm_route_##SUF(int gx, int gy, size_t smem, unsigned order, float* h,           \
+                                                const float* o, const TW::storage* wn, float* x,                 \
+                                                const TW::storage* w, {ROUTER_SELECTION}, float alpha,           \
+                                                float eps) {{                                                    \
+        emu_launch({{gx, gy, 1}}, ROUTER_THREADS, smem, [&] {{                                                     \
+            add_rmsnorm_route_##SUF(h, o, wn, x, w, {ROUTER_SELECTION_ARGS}, alpha, eps);                         \
+        }}, order);                                                                                              \
+    }}
+""" + "".join(f"EMU_ROUTER({c}_e{width}, T{c.upper()})\n" for c in ("f32", "bf16") for width in limits.ROUTER_WIDTHS)
+
+
+def build_router(tmp_path: Path) -> ctypes.CDLL:
+    """router.cu for the CPU, with limits.py's constants; the selecting warps' dynamic shared memory is the block's."""
+    src = host_module_source("router")
+    assert ROUTER_DYNAMIC_SHARED in src
+    src = src.replace(ROUTER_DYNAMIC_SHARED, "float* s_dyn = reinterpret_cast<float*>(emu_block->shared.data());")
+    return _compile(tmp_path, "router", src + ROUTER_DRIVER, limits.define_options("router"))
+
+
+@dataclass
+class Routed:
+    """What a router launch wrote: ids [T, k], weights [T, k], logits [T, E] and the tickets (zero after a launch)."""
+    ids: np.ndarray
+    weights: np.ndarray
+    logits: np.ndarray
+    tickets: np.ndarray
+
+
+class RouterEmulator(LibraryEmulator):
+    """router.cu's moe_router and add_rmsnorm_route kernels over host arrays (bf16 as uint16 bits), launched on the
+    grid, kernel width and shared memory of `ops.router` / `ops.add_rmsnorm_route`; blocks run in a shuffled order
+    (`shuffle` seeds it, 0: grid order), so that various blocks of a token group take the last ticket. `how`: the
+    router's bias, scoring, order, normalize, scale and groups."""
+
+    def _launch(self, name: str, T: int, H: int, w: np.ndarray, k: int, shuffle: int, inputs: tuple, tail: tuple,
+                bias=None, scoring="softmax", order="softmax_topk", normalize=False, scale=1.0, groups=None) -> Routed:
+        E = w.shape[0]
+        out = Routed(np.full((T, k), -7, np.int32), np.full((T, k), np.nan, np.float32),
+                     np.full((T, E), np.nan, np.float32), np.zeros(-(-T // limits.ROUTER_TPB), np.uint32))
+        n_group, topk_group = groups or (1, 1)
+        width = next(c for c in limits.ROUTER_WIDTHS if c >= E)
+        getattr(self.lib, f"emu_{name}_{_code(w)}_e{width}")(
+            -(-T // limits.ROUTER_TPB), -(-E // limits.ROUTER_EPB), ctypes.c_size_t(ops.router_shared_bytes(E, groups)),
+            ctypes.c_uint(shuffle), *inputs, _nullable(bias), _ptr(out.logits), _ptr(out.tickets), _ptr(out.ids),
+            _ptr(out.weights), T, H, E, k, limits.ROUTER_SCORING[scoring], limits.ROUTER_ORDER[order], int(normalize),
+            ctypes.c_float(scale), n_group, topk_group, *tail)
+        return out
+
+    def router(self, x, w, k: int, *, shuffle: int = 1, **how) -> Routed:
+        T, H = x.shape
+        return self._launch("router", T, H, w, k, shuffle, (_ptr(x), _ptr(w)), (), **how)
+
+    def add_rmsnorm_route(self, h, b, norm_w, x, eps: float, w, k: int, *, alpha: float = 1.0, shuffle: int = 1,
+                          **how) -> Routed:
+        """h += alpha b in place; x = rmsnorm(h) * norm_w; the router on x."""
+        T, H = h.shape
+        inputs = (_ptr(h), _ptr(b), _ptr(norm_w), _ptr(x), _ptr(w))
+        return self._launch("add_rmsnorm_route", T, H, w, k, shuffle, inputs,
+                            (ctypes.c_float(alpha), ctypes.c_float(eps)), **how)
 
 
 # ---- moe_gemv.cu (int8 experts, float inputs: the decode GEMVs) ------------------------------------------------------

@@ -1,6 +1,6 @@
-// Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu, moe_gemv4_dp4a.cu and layers.cu use,
-// so that their kernels run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py removes those and
-// these stand in), on a CPU:
+// Host emulation of the CUDA features that moe_gemm_fast.cu, moe_gemv4_tc.cu, moe_gemv4_dp4a.cu, layers.cu and
+// router.cu use, so that their kernels run, unchanged but for the helpers that wrap PTX (cuda_host_emulation.py
+// removes those and these stand in), on a CPU:
 //   - one fiber (ucontext) per CUDA thread, all of a block's fibers on the calling OS thread, resumed in turn: a
 //     fiber runs until it waits at a barrier (or ends), so a block costs user-space switches, not OS threads and
 //     futex wake-ups; __syncthreads is a barrier of the block, __syncwarp of the warp; blocks run one at a time, in
@@ -9,8 +9,8 @@
 //     block abandoned;
 //   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
 //     previous block's values (not poisoned: GCC drops a section attribute on a template's static locals);
-//   - __shfl_xor_sync and __shfl_sync are warp-collective like mma.sync (below): post, meet, read the partner's,
-//     meet;
+//   - __shfl_xor_sync and __shfl_sync (of values up to 8 bytes) are warp-collective like mma.sync (below): post,
+//     meet, read the partner's, meet;
 //   - atomicAdd and __threadfence are the host's (blocks do not overlap: what the fences order is not exercised);
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
@@ -71,6 +71,7 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }   // g++ for x86-64 (no -mfma) contracts nothing
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -176,7 +177,7 @@ struct EmuBlock {
     struct Warp {
         std::unique_ptr<EmuBarrier> meet;
         unsigned int a[32][4], b[32][2];
-        float shuffled[32];
+        uint64_t shuffled[32];
     };
     std::vector<Warp> warps;
 };
@@ -257,16 +258,22 @@ struct TBF16 {
 };
 
 // ---- shfl.sync.bfly, shfl.sync.idx ---------------------------------------------------------------------------------
-inline float emu_shuffle(float v, int from) {
+// (floats, and the router's packed 64-bit selection keys)
+template <typename T>
+inline T emu_shuffle(T v, int from) {
+    static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffled value fits a lane's slot");
     EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
-    w.shuffled[threadIdx.x & 31] = v;
+    std::memcpy(&w.shuffled[threadIdx.x & 31], &v, sizeof(T));
     w.meet->arrive_and_wait();
-    const float r = w.shuffled[from & 31];
+    T r;
+    std::memcpy(&r, &w.shuffled[from & 31], sizeof(T));
     w.meet->arrive_and_wait();
     return r;
 }
-inline float __shfl_xor_sync(unsigned int, float v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
-inline float __shfl_sync(unsigned int, float v, int lane) { return emu_shuffle(v, lane); }
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
+template <typename T>
+inline T __shfl_sync(unsigned int, T v, int lane) { return emu_shuffle(v, lane); }
 
 // ---- mma.sync -----------------------------------------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }

@@ -1,4 +1,5 @@
-"""The fused decode-layer kernels (fused.cu) against the NumPy backend's ops in float64 (GPU only).
+"""The fused decode-layer kernels (fused.cu, and router.cu's add_rmsnorm_route) against the NumPy backend's ops in
+float64 or the unfused kernels (GPU only).
 
 Fresh random inputs every run (seed printed); outputs poisoned with NaN before each launch; relative errors.
 """
@@ -10,6 +11,7 @@ import pytest
 
 from colibri_format.dtypes import float32_to_bf16_bits
 from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 
@@ -57,6 +59,135 @@ def test_add_rmsnorm(cp, rng, wdt, shape, alpha):
     ops.residual_add(h2, bd, alpha=alpha, out=h2)
     ops.rmsnorm(h2, wd, 1e-5, out=x2)
     assert rel(out.get(), x2.get()) < 1e-6
+
+
+# ---- add_rmsnorm_route: the add + norm fused into the router (router.cu) -------------------------------------------
+NORM_ROUTE_CASES = [  # T, E, k, H
+    (1, 128, 8, 2048),      # Qwen3-30B-A3B decode
+    (8, 128, 8, 2048),
+    (1, 64, 8, 2048),       # OLMoE
+    (4, 8, 2, 4096),        # Mixtral: one block a token group
+    (3, 160, 8, 5120),      # GLM-4.5 widths (E not a power of two)
+    (32, 256, 8, 7168),     # DeepSeek-V3 widths at the largest graph batch
+    (9, 512, 32, 64),       # the widest kernel, k = ROUTER_MAX_K
+    (70, 128, 8, 1024),     # a prefill-sized pass (the backend runs the two ops there; the op takes any T)
+    (2, 32, 4, 8200),       # a row add_rmsnorm does not hold in registers: h and x equal within rounding only
+]
+NORM_ROUTE_MODES = {
+    "softmax-normalized": dict(scoring="softmax", order="softmax_topk", normalize=True),
+    "sigmoid-bias-scaled": dict(scoring="sigmoid", order="softmax_topk", normalize=True, scale=2.5, bias=True),
+    "topk_softmax-bias": dict(scoring="softmax", order="topk_softmax", bias=True),
+    "sigmoid-grouped": dict(scoring="sigmoid", order="softmax_topk", normalize=True, bias=True, groups=True),
+}
+REGISTER_ROW_MAX = 4 * limits.NORM_VECS * limits.FUSED_THREADS   # add_rmsnorm's widest row held in registers
+
+
+def _norm_route_inputs(cp, rng, T: int, E: int, H: int, mode: str, wdt: str):
+    """h, b, norm_w, w on the device, and the router options of `mode` (on the device, on the host)."""
+    h = cp.asarray((rng.standard_normal((T, H)) * 2).astype(np.float32))
+    b = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+    norm_w = on_device(cp, rng.uniform(0.5, 1.5, H), wdt)
+    w = on_device(cp, rng.standard_normal((E, H)) / np.sqrt(H), wdt)
+    host = dict(NORM_ROUTE_MODES[mode])
+    if host.pop("bias", False):
+        host["bias"] = (rng.standard_normal(E) * 0.5).astype(np.float32)
+    if host.pop("groups", False):
+        host["groups"] = (8, 3) if E >= 16 else (4, 2)
+    dev = {**host, "bias": cp.asarray(host["bias"])} if "bias" in host else host
+    return h, b, norm_w, w, dev, host
+
+
+def _clear_rows(logits, k: int, bias=None, scoring="softmax", order="softmax_topk", groups=None, **_) -> np.ndarray:
+    """Rows whose k + 1 best selection keys (numpy_backend.router's, from these logits) lie further apart than fp32
+    rounding of the logits could move them: rows whose ids cannot depend on that rounding."""
+    logits = np.asarray(logits, np.float64)
+    if order == "topk_softmax":
+        key = logits
+    else:
+        key = nb.softmax(logits) if scoring == "softmax" else 1.0 / (1.0 + np.exp(-logits))
+    key = key if bias is None else key + bias
+    if groups is not None and order != "topk_softmax":
+        key = nb.group_mask(key, groups)
+    top = -np.sort(-key, axis=-1)[:, :k + 1]
+    with np.errstate(invalid="ignore"):
+        gaps = np.nan_to_num(top[:, :-1] - top[:, 1:], nan=np.inf)     # -inf - -inf: masked keys, no tie
+    return gaps.min(axis=-1) > 1e-5
+
+
+@pytest.mark.parametrize("case", NORM_ROUTE_CASES, ids=lambda c: "T{}-E{}-k{}-H{}".format(*c))
+@pytest.mark.parametrize("mode", NORM_ROUTE_MODES)
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+def test_add_rmsnorm_route(cp, rng, case, mode, wdt):
+    """ops.add_rmsnorm_route against ops.add_rmsnorm then ops.router: h and x the same bits (within rounding for
+    rows add_rmsnorm does not hold in registers), logits and weights within fp32 rounding, the same ids (but for
+    rows whose best keys tie within that rounding); the selection exactly the oracle's on the kernel's own logits;
+    the tickets back at zero (twice on one workspace)."""
+    T, E, k, H = case
+    h0, b, norm_w, w, how, host_how = _norm_route_inputs(cp, rng, T, E, H, mode, wdt)
+    ws = ops.RouterWorkspace(T, E)
+    for _ in range(2):
+        h, x = h0.copy(), cp.full((T, H), np.nan, cp.float32)
+        got, ids, weights = ops.add_rmsnorm_route(h, b, norm_w, 1e-5, w, k, alpha=0.5, out=x, workspace=ws,
+                                                  out_ids=cp.full((T, k), -7, cp.int32),
+                                                  out_weights=cp.full((T, k), np.nan, cp.float32), **how)
+        assert got is x and int(ws.tickets.sum()) == 0
+    logits, ids, weights = ws.logits[:T].get(), ids.get(), weights.get()
+    h_ref, ref_ws = h0.copy(), ops.RouterWorkspace(T, E)
+    x_ref = ops.add_rmsnorm(h_ref, b, norm_w, 1e-5, alpha=0.5, out=cp.empty((T, H), cp.float32))
+    ref_ids, ref_weights = (a.get() for a in ops.router(x_ref, w, k, workspace=ref_ws, **how))
+    ref_logits = ref_ws.logits[:T].get()
+    if H <= REGISTER_ROW_MAX:
+        np.testing.assert_array_equal(h.get(), h_ref.get())
+        np.testing.assert_array_equal(x.get(), x_ref.get())
+    else:
+        assert rel(h.get(), h_ref.get()) < 1e-6 and rel(x.get(), x_ref.get()) < 1e-6
+    assert rel(logits, ref_logits) < F32_TOL
+    clear = _clear_rows(ref_logits, k, **host_how)
+    np.testing.assert_array_equal(ids[clear], ref_ids[clear])
+    assert rel(weights[clear], ref_weights[clear]) < F32_TOL
+    own_ids, own_weights = nb.router(np.eye(T), logits.T.astype(np.float64), k, **host_how)
+    np.testing.assert_array_equal(ids, own_ids)
+    assert rel(weights, own_weights) < F32_TOL
+
+
+def test_add_rmsnorm_route_rejects_what_it_cannot_run(cp):
+    h, b, w = cp.zeros((2, 64), cp.float32), cp.zeros((2, 64), cp.float32), cp.zeros((8, 64), cp.float32)
+    norm_w = cp.ones(64, cp.float32)
+    with pytest.raises(TypeError):      # the norm weight in another dtype than the router's
+        ops.add_rmsnorm_route(h, b, norm_w.astype(cp.float16), 1e-5, w, 2)
+    with pytest.raises(ValueError):     # out is h
+        ops.add_rmsnorm_route(h, b, norm_w, 1e-5, w, 2, out=h)
+    rows = cp.zeros(2 * 64 + 1, cp.float32)[1:].reshape(2, 64)
+    with pytest.raises(ValueError):     # rows off a 16-byte boundary
+        ops.add_rmsnorm_route(rows, b, norm_w, 1e-5, w, 2)
+
+
+@pytest.mark.parametrize("T,norm_dtype", [(1, "f32"), (limits.NORM_ROUTE_MAX_ROWS, "f32"),
+                                          (limits.NORM_ROUTE_MAX_ROWS + 1, "f32"), (3, "bf16")])
+def test_backend_add_rmsnorm_route_is_add_rmsnorm_then_the_router(cp, rng, T, norm_dtype):
+    """CupyBackend.add_rmsnorm_route (the fused launch; the two ops above NORM_ROUTE_MAX_ROWS rows and for a norm
+    weight in another dtype than the router's) writes the two ops' h and x and selects their ids."""
+    from colibri_format.runtime.cuda.backend import CupyBackend
+    from colibri_format.runtime.forward import Workspace
+
+    be = CupyBackend(cp.cuda.Device().id)
+    E, k, H = 64, 6, 512
+    h0, b, _, w, how, host_how = _norm_route_inputs(cp, rng, T, E, H, "sigmoid-bias-scaled", "f32")
+    norm_w = on_device(cp, rng.uniform(0.5, 1.5, H), norm_dtype)
+    h, x = h0.copy(), cp.full((T, H), np.nan, cp.float32)
+    outs = dict(out_ids=cp.full((T, k), -7, cp.int32), out_weights=cp.full((T, k), np.nan, cp.float32))
+    got, ids, weights = be.add_rmsnorm_route(h, b, norm_w, 1e-5, w, k, alpha=0.5, out=x, ws=Workspace(be), **outs,
+                                             **how)
+    assert got is x and ids is outs["out_ids"] and weights is outs["out_weights"]
+    h_ref = h0.copy()
+    x_ref = ops.add_rmsnorm(h_ref, b, norm_w, 1e-5, alpha=0.5)
+    ref_ws = ops.RouterWorkspace(T, E)
+    ref_ids, ref_weights = (a.get() for a in ops.router(x_ref, w, k, workspace=ref_ws, **how))
+    np.testing.assert_array_equal(h.get(), h_ref.get())
+    np.testing.assert_array_equal(x.get(), x_ref.get())
+    clear = _clear_rows(ref_ws.logits[:T].get(), k, **host_how)
+    np.testing.assert_array_equal(ids.get()[clear], ref_ids[clear])
+    assert rel(weights.get()[clear], ref_weights[clear]) < F32_TOL
 
 
 QKV_CASES = [  # N, heads, kv_heads, hd, rot, norm, clip

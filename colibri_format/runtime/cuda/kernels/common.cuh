@@ -82,14 +82,29 @@ __device__ __forceinline__ bool vec4_aligned(const typename T::storage* p) {
 }
 
 template <typename T>
+__device__ __forceinline__ void widen4_f32(const uint2& v, float* out) {   // four 16-bit values
+    out[0] = T::to_f32((u16)(v.x & 0xffffu)); out[1] = T::to_f32((u16)(v.x >> 16));
+    out[2] = T::to_f32((u16)(v.y & 0xffffu)); out[3] = T::to_f32((u16)(v.y >> 16));
+}
+
+template <typename T>
 __device__ __forceinline__ void load4_f32(const typename T::storage* p, float* out) {
     if constexpr (sizeof(typename T::storage) == 4) {
         const float4 v = *reinterpret_cast<const float4*>(p);
         out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
     } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        out[0] = T::to_f32((u16)(v.x & 0xffffu)); out[1] = T::to_f32((u16)(v.x >> 16));
-        out[2] = T::to_f32((u16)(v.y & 0xffffu)); out[3] = T::to_f32((u16)(v.y >> 16));
+        widen4_f32<T>(*reinterpret_cast<const uint2*>(p), out);
+    }
+}
+
+// load4_f32 through the read-only data cache: for inputs that no kernel writes while it runs (weights)
+template <typename T>
+__device__ __forceinline__ void ldg4_f32(const typename T::storage* p, float* out) {
+    if constexpr (sizeof(typename T::storage) == 4) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    } else {
+        widen4_f32<T>(__ldg(reinterpret_cast<const uint2*>(p)), out);
     }
 }
 
@@ -258,6 +273,12 @@ __device__ __forceinline__ float sum_squares_registers(const float (&v)[NV][4]) 
     return ss;
 }
 
+// one normed element: v * inv * (w + w_offset), inv = rsqrt(mean(v^2) + eps) of its row (the norms' one expression:
+// router.cu's add_rmsnorm_route writes the x of fused.cu's add_rmsnorm with it, bit for bit)
+__device__ __forceinline__ float rms_scaled(float v, float inv, float w, float w_offset) {
+    return v * inv * (w + w_offset);
+}
+
 // v [NV][4]: the held elements (zero past D); w [NV][4]: the norm weight; out = v * rsqrt(mean(v^2) + eps) * (w +
 // w_offset), stored to o (TO) where in the row (v is overwritten with it)
 template <typename TO, int NV>
@@ -268,7 +289,7 @@ __device__ __forceinline__ void norm_row_registers(float (&v)[NV][4], const floa
 #pragma unroll
     for (int u = 0; u < NV; ++u)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[u][j] = v[u][j] * inv * (w[u][j] + w_offset);
+        for (int j = 0; j < 4; ++j) v[u][j] = rms_scaled(v[u][j], inv, w[u][j], w_offset);
     store_row_registers<TO, NV>(o, v, D);
 }
 

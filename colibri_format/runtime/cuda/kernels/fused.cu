@@ -5,7 +5,8 @@
 //                             rotate_half RoPE of q and k, q to its own buffer, k and v into the KV cache
 //
 // One block per row; the per-row results equal those of the unfused kernels (rmsnorm, residual_add, rope,
-// kv_append) up to fp32 summation order.
+// kv_append) up to fp32 summation order. A MoE layer's decode pass runs add_rmsnorm fused into its router instead
+// (router.cu's add_rmsnorm_route, which writes the same h and x).
 #include "common.cuh"
 
 #ifndef FUSED_THREADS

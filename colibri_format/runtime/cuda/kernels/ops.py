@@ -178,19 +178,21 @@ def router_shared_bytes(num_experts: int, groups: tuple[int, int] | None) -> int
     return ROUTER_TPB * (num_experts + 2 * groups[0]) * 4
 
 
-def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
-           normalize: bool = False, scale: float = 1.0, groups: tuple[int, int] | None = None,
-           workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None):
-    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32).
+class _RouterCall(NamedTuple):
+    """A checked router launch: its outputs, grid, kernel suffix, selection arguments and shared memory."""
+    ids: Any
+    weights: Any
+    grid: tuple[int, int]
+    suffix: str                 # <weight dtype>_e<width>
+    selection: tuple            # (bias, logits, tickets, ids, weights) pointers, then T, H, E, k and the modes
+    shared_bytes: int
 
-    bias [E] f32: with order softmax_topk it is added to the selection keys only; with topk_softmax it is part of
-    the logits (top-k and softmax of logits + bias). groups (n_group, topk_group), softmax_topk only: grouped
-    top-k on the selection keys (`numpy_backend.group_mask`); None or topk_group >= n_group: a plain top-k.
-    """
+
+def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, normalize: bool, scale: float,
+                 groups, workspace, out_ids, out_weights) -> _RouterCall:
+    """The checks and launch arguments that `router` and `add_rmsnorm_route` share (rows of H values, T of them)."""
     cp = _cupy()
-    _check("x", x, dtype=np.float32, ndim=2)
     _check("w", w, ndim=2, codes=("f32", "f16", "bf16"))
-    T, H = x.shape
     E = w.shape[0]
     if w.shape[1] != H:
         raise ValueError(f"router weight is {tuple(w.shape)}, expected [E, {H}]")
@@ -214,17 +216,63 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
         raise ValueError("router workspace too small for this call")
     ids = _out("out_ids", out_ids, (T, k), cp.int32)
     weights = _out("out_weights", out_weights, (T, k), cp.float32)
-    if T == 0:
-        return ids, weights
-    grid = (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB))
     width = next(c for c in ROUTER_WIDTHS if c >= E)
-    kernel("router", f"moe_router_{dtype_code(w)}_e{width}")(
-        grid, (ROUTER_THREADS,),
-        (x, w, _ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
-         np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale),
-         np.int32(n_group), np.int32(topk_group)),
-        shared_mem=router_shared_bytes(E, (n_group, topk_group)))
-    return ids, weights
+    selection = (_ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
+                 np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale),
+                 np.int32(n_group), np.int32(topk_group))
+    return _RouterCall(ids, weights, (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB)), f"{dtype_code(w)}_e{width}",
+                       selection, router_shared_bytes(E, (n_group, topk_group)))
+
+
+def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
+           normalize: bool = False, scale: float = 1.0, groups: tuple[int, int] | None = None,
+           workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None):
+    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32).
+
+    bias [E] f32: with order softmax_topk it is added to the selection keys only; with topk_softmax it is part of
+    the logits (top-k and softmax of logits + bias). groups (n_group, topk_group), softmax_topk only: grouped
+    top-k on the selection keys (`numpy_backend.group_mask`); None or topk_group >= n_group: a plain top-k.
+    """
+    _check("x", x, dtype=np.float32, ndim=2)
+    call = _router_call(*x.shape, w, k, bias, scoring, order, normalize, scale, groups, workspace, out_ids,
+                        out_weights)
+    if x.shape[0]:
+        kernel("router", f"moe_router_{call.suffix}")(call.grid, (ROUTER_THREADS,), (x, w, *call.selection),
+                                                      shared_mem=call.shared_bytes)
+    return call.ids, call.weights
+
+
+def _aligned16(a) -> bool:
+    return a.data.ptr % 16 == 0
+
+
+def add_rmsnorm_route(h, b, norm_w, eps: float, w, k: int, *, alpha: float = 1.0, out=None, bias=None,
+                      scoring: str = "softmax", order: str = "softmax_topk", normalize: bool = False,
+                      scale: float = 1.0, groups: tuple[int, int] | None = None,
+                      workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None):
+    """`add_rmsnorm` then `router` on its output, in one launch (router.cu's add_rmsnorm_route kernels): h [T, H]
+    f32 += alpha * b (in place), out [T, H] f32 = rmsnorm(h) * norm_w, then (ids, weights) of the router w on out;
+    returns (out, ids, weights). norm_w [H] has w's dtype (f32/f16/bf16: a file's dense_dtype); every array starts
+    on a 16-byte boundary. h and out equal add_rmsnorm's bit for bit for H <= 4 NORM_VECS FUSED_THREADS; the
+    router's options and workspace are `router`'s."""
+    cp = _cupy()
+    _check("h", h, dtype=np.float32, ndim=2)
+    T, H = h.shape
+    _check("b", b, dtype=np.float32, shape=h.shape)
+    _check("norm_w", norm_w, shape=(H,), codes=("f32", "f16", "bf16"))
+    x = _out("out", out, h.shape, cp.float32)
+    if x is h or x is b:
+        raise ValueError("out must be a buffer of its own (not h or b)")
+    call = _router_call(T, H, w, k, bias, scoring, order, normalize, scale, groups, workspace, out_ids, out_weights)
+    if dtype_code(norm_w) != dtype_code(w):
+        raise TypeError(f"norm_w ({norm_w.dtype}) must have the router weight's dtype ({w.dtype})")
+    if not all(_aligned16(a) for a in (h, b, x, norm_w, w)):
+        raise ValueError("h, b, out, norm_w and w must start on 16-byte boundaries")
+    if T:
+        kernel("router", f"add_rmsnorm_route_{call.suffix}")(
+            call.grid, (ROUTER_THREADS,), (h, b, norm_w, x, w, *call.selection, np.float32(alpha), np.float32(eps)),
+            shared_mem=call.shared_bytes)
+    return x, call.ids, call.weights
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------

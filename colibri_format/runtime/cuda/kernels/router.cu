@@ -21,6 +21,15 @@
 // -inf before the top-k; the weights stay the unbiased scores. The selecting warp stages its keys and group scores
 // in dynamic shared memory: ROUTER_TPB * (E + 2 * n_group) * 4 bytes a block, given at launch only for grouped
 // calls (router_shared_bytes in ops.py; 0 otherwise). n_group 1 (or topk_group >= n_group) is a plain top-k.
+//
+// add_rmsnorm_route_<w>_e<width>: fused.cu's add_rmsnorm (h += alpha * o in place, x = rmsnorm(h) * w_norm) and
+// the router on x in one launch, on the router's grid. Every block recomputes v = h + alpha * o and the row's sum
+// of squares for its tokens (router_norm_logits). The last block of a token group, the one that selects, writes
+// the group's h and x: not a fixed block, as every other block of the group must have read the old h first. h and x
+// equal add_rmsnorm's bit for bit where add_rmsnorm holds the row in registers (H <= 4 NORM_VECS FUSED_THREADS,
+// aligned rows) and ROUTER_THREADS == FUSED_THREADS: the same per-thread sums, added in the same order. w_norm has
+// the router weight's dtype (a file's dense_dtype). The logits are those of x up to fp32 rounding (inv scales the
+// sums, not x: see router_norm_logits).
 #include "common.cuh"
 
 #ifndef ROUTER_THREADS
@@ -246,28 +255,35 @@ __device__ void router_select(const float* __restrict__ logits, const float* __r
     }
 }
 
-template <typename TW, int EPL>
-__device__ __forceinline__ void router_impl(const float* x, const typename TW::storage* w, const float* bias,
-                                            float* logits, unsigned int* tickets, int* topk_ids, float* topk_w,
-                                            int T, int H, int E, int K, int scoring, int order, int normalize,
-                                            float scale, int n_group, int topk_group) {
-    extern __shared__ float s_dyn[];  // grouped top-k only: ROUTER_TPB * (E + 2 * n_group) words
+// Whether this block selects for its token group: the only block of the group, or the last to finish (a ticket
+// taken with atomicAdd after a fence, the group's counter reset to zero for the next launch; the fence after it lets
+// the block see the other blocks' logits). Starts with a barrier: every logit and shared value of the block is
+// written.
+__device__ __forceinline__ bool router_last_block(unsigned int* tickets) {
     __shared__ int s_last;
-    router_logits<TW>(x, w, logits, T, H, E);
-    if (gridDim.y > 1) {  // several blocks share a token group: the last one to finish selects
-        __threadfence();
+    if (gridDim.y == 1) {
         __syncthreads();
-        if (threadIdx.x == 0) {
-            const unsigned int ticket = atomicAdd(tickets + blockIdx.x, 1u);
-            s_last = (ticket == gridDim.y - 1);
-            if (s_last) tickets[blockIdx.x] = 0u;  // ready for the next launch
-        }
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
-    } else {
-        __syncthreads();  // this block wrote every logit of its tokens
+        return true;
     }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int ticket = atomicAdd(tickets + blockIdx.x, 1u);
+        s_last = (ticket == gridDim.y - 1);
+        if (s_last) tickets[blockIdx.x] = 0u;  // ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return false;
+    __threadfence();
+    return true;
+}
+
+// The selection of the block's tokens, a warp each (the last block of the group).
+template <int EPL>
+__device__ __forceinline__ void router_select_tokens(const float* logits, const float* bias, int* topk_ids,
+                                                     float* topk_w, int T, int E, int K, int scoring, int order,
+                                                     int normalize, float scale, int n_group, int topk_group) {
+    extern __shared__ float s_dyn[];  // grouped top-k only: ROUTER_TPB * (E + 2 * n_group) words
     const int warp = threadIdx.x >> 5;
     const int t = blockIdx.x * ROUTER_TPB + warp;
     if (warp < ROUTER_TPB && t < T)
@@ -275,7 +291,143 @@ __device__ __forceinline__ void router_impl(const float* x, const typename TW::s
                            topk_group, s_dyn + (size_t)warp * (E + 2 * n_group));
 }
 
-// suffix: <router weight dtype>_e<32 * EPL: largest expert count>
+template <typename TW, int EPL>
+__device__ __forceinline__ void router_impl(const float* x, const typename TW::storage* w, const float* bias,
+                                            float* logits, unsigned int* tickets, int* topk_ids, float* topk_w,
+                                            int T, int H, int E, int K, int scoring, int order, int normalize,
+                                            float scale, int n_group, int topk_group) {
+    router_logits<TW>(x, w, logits, T, H, E);
+    if (!router_last_block(tickets)) return;
+    router_select_tokens<EPL>(logits, bias, topk_ids, topk_w, T, E, K, scoring, order, normalize, scale, n_group,
+                              topk_group);
+}
+
+// ------------------------------------------------------------------------- add_rmsnorm_route: the norm fused in
+// The logits of add_rmsnorm_route: each block recomputes, for its ROUTER_TPB tokens, v = h + alpha * o over its
+// threads' share of the hidden dimension, in add_rmsnorm's layout (4-element vectors, thread t holding vectors t,
+// t + ROUTER_THREADS, ...: norm_row_registers' order) and sums v^2 as add_rmsnorm does. The logits are linear in
+// x = v * inv * w_norm, inv = rsqrt(mean(v^2) + eps) a scalar a token, so the block accumulates W (v w_norm) and
+// scales the sums by inv at the end: every router weight load and multiply-add is issued before the norm's
+// reduction completes (none depends on it), and the tokens' sums of squares ride in the block reduction of the
+// partial logits instead of barriers of their own. Stores this block's logits [T, E] and each token's inv in s_inv.
+template <typename TW>
+__device__ __forceinline__ void router_norm_logits(const float* h, const float* __restrict__ o,
+                                                   const typename TW::storage* __restrict__ wn,
+                                                   const typename TW::storage* __restrict__ w,
+                                                   float* __restrict__ logits, float* s_inv, int T, int H, int E,
+                                                   float alpha, float eps) {
+    constexpr int SQUARES = ROUTER_EPB * ROUTER_TPB;  // s_part: the partial logits, then the sums of squares
+    __shared__ float s_part[ROUTER_WARPS][SQUARES + ROUTER_TPB];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t0 = blockIdx.x * ROUTER_TPB;
+    const int e0 = blockIdx.y * ROUTER_EPB;
+    float acc[ROUTER_EPB][ROUTER_TPB], ss[ROUTER_TPB];
+#pragma unroll
+    for (int j = 0; j < ROUTER_TPB; ++j) {
+        ss[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROUTER_EPB; ++i) acc[i][j] = 0.0f;
+    }
+
+#pragma unroll 2
+    for (int c = 4 * threadIdx.x; c < H; c += 4 * ROUTER_THREADS) {
+        float wv[ROUTER_EPB][4], g[4];
+#pragma unroll
+        for (int i = 0; i < ROUTER_EPB; ++i) {
+            const int e = min(e0 + i, E - 1);  // clamped: experts past E are computed and discarded
+            ldg4_f32<TW>(w + (size_t)e * H + c, wv[i]);
+        }
+        ldg4_f32<TW>(wn + c, g);
+#pragma unroll
+        for (int j = 0; j < ROUTER_TPB; ++j) {
+            const size_t row = (size_t)min(t0 + j, T - 1) * H;  // clamped likewise
+            float hv[4], ov[4];
+            load4_f32<TF32>(h + row + c, hv);  // coherent: the group's last block rewrites h in this launch
+            load4_f32<TF32>(o + row + c, ov);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float v = fmaf(alpha, ov[q], hv[q]);
+                ss[j] = fmaf(v, v, ss[j]);
+                const float vg = v * g[q];
+#pragma unroll
+                for (int i = 0; i < ROUTER_EPB; ++i) acc[i][j] = fmaf(wv[i][q], vg, acc[i][j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTER_TPB; ++j) {
+#pragma unroll
+        for (int i = 0; i < ROUTER_EPB; ++i) {
+            const float sum = warp_sum(acc[i][j]);
+            if (lane == 0) s_part[warp][i * ROUTER_TPB + j] = sum;
+        }
+        const float sum = warp_sum(ss[j]);
+        if (lane == 0) s_part[warp][SQUARES + j] = sum;
+    }
+    __syncthreads();
+    if (warp * 32 < SQUARES) {  // whole warps: the sums of squares are reduced warp-collectively
+        const int i = threadIdx.x / ROUTER_TPB, j = threadIdx.x % ROUTER_TPB;
+        float inv_j = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < ROUTER_TPB; ++jj) {  // block_sum's second stage: add_rmsnorm's inv, bit for bit
+            const float total = warp_sum(lane < ROUTER_WARPS ? s_part[lane][SQUARES + jj] : 0.0f);
+            const float inv = rsqrtf(total / (float)H + eps);
+            if (jj == j) inv_j = inv;
+            if (threadIdx.x == jj) s_inv[jj] = inv;
+        }
+        if (threadIdx.x < SQUARES) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int q = 0; q < ROUTER_WARPS; ++q) sum += s_part[q][threadIdx.x];
+            if (t0 + j < T && e0 + i < E) logits[(size_t)(t0 + j) * E + e0 + i] = sum * inv_j;
+        }
+    }
+}
+
+// The last block of a token group writes its tokens' h (in place) and x as add_rmsnorm does (the same v, inv and
+// expression: the same bits). Only it writes h: the group's other blocks have read theirs before taking a ticket.
+// Each thread reads every element before it writes it (o may be h).
+template <typename TW>
+__device__ __forceinline__ void router_norm_store(float* h, const float* o, const typename TW::storage* wn,
+                                                  float* __restrict__ x, const float* s_inv, int T, int H,
+                                                  float alpha) {
+    const int t0 = blockIdx.x * ROUTER_TPB;
+    for (int c = 4 * threadIdx.x; c < H; c += 4 * ROUTER_THREADS) {
+        float g[4];
+        ldg4_f32<TW>(wn + c, g);
+#pragma unroll
+        for (int j = 0; j < ROUTER_TPB; ++j) {
+            if (t0 + j >= T) break;
+            const size_t at = (size_t)(t0 + j) * H + c;
+            float v[4], ov[4];
+            load4_f32<TF32>(h + at, v);
+            load4_f32<TF32>(o + at, ov);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = fmaf(alpha, ov[q], v[q]);
+            store4_f32<TF32>(h + at, v);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = rms_scaled(v[q], s_inv[j], g[q], 0.0f);  // add_rmsnorm's w_offset
+            store4_f32<TF32>(x + at, v);
+        }
+    }
+}
+
+template <typename TW, int EPL>
+__device__ __forceinline__ void add_rmsnorm_route_impl(float* h, const float* o, const typename TW::storage* wn,
+                                                       float* x, const typename TW::storage* w, const float* bias,
+                                                       float* logits, unsigned int* tickets, int* topk_ids,
+                                                       float* topk_w, int T, int H, int E, int K, int scoring,
+                                                       int order, int normalize, float scale, int n_group,
+                                                       int topk_group, float alpha, float eps) {
+    __shared__ float s_inv[ROUTER_TPB];
+    router_norm_logits<TW>(h, o, wn, w, logits, s_inv, T, H, E, alpha, eps);
+    if (!router_last_block(tickets)) return;
+    router_norm_store<TW>(h, o, wn, x, s_inv, T, H, alpha);
+    router_select_tokens<EPL>(logits, bias, topk_ids, topk_w, T, E, K, scoring, order, normalize, scale, n_group,
+                              topk_group);
+}
+
+// suffix: <router (and norm) weight dtype>_e<32 * EPL: largest expert count>
 #define ROUTER_KERNEL(SUFFIX, TW, EPL)                                                                         \
     extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)                                              \
         moe_router_##SUFFIX(const float* x, const TW::storage* w, const float* bias, float* logits,           \
@@ -283,6 +435,15 @@ __device__ __forceinline__ void router_impl(const float* x, const typename TW::s
                             int scoring, int order, int normalize, float scale, int n_group, int topk_group) {\
         router_impl<TW, EPL>(x, w, bias, logits, tickets, topk_ids, topk_w, T, H, E, K, scoring, order,       \
                              normalize, scale, n_group, topk_group);                                          \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)                                              \
+        add_rmsnorm_route_##SUFFIX(float* h, const float* o, const TW::storage* wn, float* x,                 \
+                                   const TW::storage* w, const float* bias, float* logits,                    \
+                                   unsigned int* tickets, int* topk_ids, float* topk_w, int T, int H, int E,  \
+                                   int K, int scoring, int order, int normalize, float scale, int n_group,    \
+                                   int topk_group, float alpha, float eps) {                                  \
+        add_rmsnorm_route_impl<TW, EPL>(h, o, wn, x, w, bias, logits, tickets, topk_ids, topk_w, T, H, E, K,  \
+                                        scoring, order, normalize, scale, n_group, topk_group, alpha, eps);   \
     }
 #define ROUTER_KERNELS(SUF, TW)          \
     ROUTER_KERNEL(SUF##_e32, TW, 1)      \
