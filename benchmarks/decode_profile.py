@@ -18,13 +18,11 @@ Writes decode_profile.json and prints the tables.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -155,21 +153,6 @@ def engine_profile(path: Path, batches: list[int]) -> list[dict]:
     return out
 
 
-def engine_profile_with(path: Path, batches: list[int], replacements: dict[str, Callable]) -> list[dict]:
-    """`engine_profile` with each of kernels/ops.py's functions `name` replaced by replacements[name](the original)
-    for the run: the B of an A/B on one file (the engine calls ops' functions through the module)."""
-    from colibri_format.runtime.cuda.kernels import ops
-
-    kept = {name: getattr(ops, name) for name in replacements}
-    for name, replace in replacements.items():
-        setattr(ops, name, replace(kept[name]))
-    try:
-        return engine_profile(path, batches)
-    finally:
-        for name, original in kept.items():
-            setattr(ops, name, original)
-
-
 def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
     from colibri_format.runtime.cuda.kernels import ops
 
@@ -229,10 +212,6 @@ def main() -> int:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
-    ap.add_argument("--combine-ab", action="store_true", help="each shape's engine runs twice on one file: "
-                    "one-token passes with the down and the combine in one launch (the default: int8 experts, and "
-                    "int4_g* on int8 activations), then in two (ops.moe_experts' and moe_experts_4bit's "
-                    "fuse_combine=False)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
@@ -280,14 +259,13 @@ def main() -> int:
             batches = [int(b) for b in args.batches.split(",")]
             result["engine"][shape] = engine_profile(path, batches)
             if args.pairs_ab:
+                from colibri_format.runtime.cuda.kernels import ops
+
+                by_pair = ops.pairs_path
+                ops.pairs_path = lambda num_tokens: False
                 log(f"{shape} again with the dispatch (--pairs-ab)")
-                result["engine"][f"{shape} dispatch"] = engine_profile_with(
-                    path, batches, {"pairs_path": lambda by_pair: lambda num_tokens: False})
-            if args.combine_ab:
-                log(f"{shape} again with the down and the combine in two launches (--combine-ab)")
-                unfused = {name: lambda fused: functools.partial(fused, fuse_combine=False)
-                           for name in ("moe_experts", "moe_experts_4bit")}
-                result["engine"][f"{shape} unfused combine"] = engine_profile_with(path, batches, unfused)
+                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches)
+                ops.pairs_path = by_pair
             if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))

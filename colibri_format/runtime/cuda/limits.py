@@ -48,10 +48,6 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
 # (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
 GEMV_W4_PLAN = ((4, 1), (4, 1))
-# the fused down + combine of one-token passes (moe_down_combine_pairs_w4_*: an item is a token's rows, not a pair's):
-# the pairs a warp issues its loads for before using any; at least top_k (8 for Qwen3-30B-A3B and OLMoE) keeps as many
-# bytes in flight as the by-pair down it replaces (moe_gemv.cu's reasoning); not measured yet
-DOWN_COMBINE_PAIRS = 8
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -172,14 +168,6 @@ A8_QUANT_THREADS = 256
 # and eight were not; at one token down (8, 1) tied (4, 2) on Mixtral there and took 731 µs against 663 a step in
 # the engine, so (4, 2) stays).
 A8_PLANS = {1: ((4, 2), (4, 2)), 2: ((4, 2), (4, 2)), 4: ((8, 1), (4, 1)), 8: ((2, 2), (2, 2))}
-# moe4a8_down_combine_pairs_int4 (the dp4a by-pair down with the combine fused in, an item a token's rows): (rows a
-# warp item, 16-byte chunks of each row a lane loads at once, pairs whose loads a warp issues before using any). A
-# lane's chunks are summed in the same order whatever the chunks a round, so this plan need not be A8_PLANS[1]'s
-# down. 8 pairs (top_k of Qwen3-30B-A3B and OLMoE) keep the by-pair down's bytes in flight (moe_gemv.cu's
-# reasoning); one chunk a round covers their rows (768 / 1024 4-bit weights: 24 / 32 chunks) in one; 2 rows an item
-# (twice the items of 4) hold the kernel to ~148 registers with no spill on sm_90, where 4 rows took 255 and
-# spilled. Not measured yet
-A8_DOWN_COMBINE_PLAN = (2, 1, 8)
 A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 
@@ -221,11 +209,6 @@ def a8_plan_defines(plans: dict) -> dict[str, int]:
     return plan_defines("A8", {f"T{tok}": stages for tok, stages in plans.items()})
 
 
-def a8_combine_defines(plan: tuple) -> dict[str, int]:
-    """The fused dp4a down + combine's plan (A8_DOWN_COMBINE_PLAN's form) as A8_DC_{ROWS,CPL,PAIRS}."""
-    return dict(zip(("A8_DC_ROWS", "A8_DC_CPL", "A8_DC_PAIRS"), plan))
-
-
 def w4_plan_defines(plan: tuple) -> dict[str, int]:
     """The w4 GEMVs' plan (GEMV_W4_PLAN's form) as WIDE_{GU,DN}_W4_{ROWS,CPL}."""
     return plan_defines("WIDE", {"W4": plan})
@@ -235,8 +218,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
-    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, "DOWN_COMBINE_PAIRS": DOWN_COMBINE_PAIRS,
-                 **w4_plan_defines(GEMV_W4_PLAN)},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
@@ -253,8 +235,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemv4": {"GEMV4_THREADS": GEMV4_THREADS, "EXPAND_THREADS": EXPAND_THREADS},
     "moe_gemv4_tc": {"TC4_THREADS": TC4_THREADS, "TC4_KSTEP": TC4_KSTEP},
     "moe_gemv4_dp4a": {"A8_THREADS": A8_THREADS, "A8_QUANT_THREADS": A8_QUANT_THREADS,
-                       **a8_plan_defines(A8_PLANS),
-                       **a8_combine_defines(A8_DOWN_COMBINE_PLAN)},
+                       **a8_plan_defines(A8_PLANS)},
     "attention_prefill": {"FA_THREADS": FA_THREADS, "FA_BN": FA_BN, "FA_BN_F32": FA_BN_F32, "FA_BN_HD256": FA_BN_HD256,
                           "FA_PAD": FA_PAD, "FA_PLAN_FIELDS": FA_PLAN_FIELDS},
     "deltanet": {"DELTANET_THREADS": DELTANET_THREADS, "DELTANET_MAX_VALUE_DIM": DELTANET_MAX_VALUE_DIM},

@@ -437,24 +437,13 @@ extern "C" void emu_down_pairs(int blocks, const signed char* aq, const float* a
         moe4a8_down_pairs_int4(aq, as, ids, blobs, fills, off_w, off_s, pair_w, y, H, I, group, P, E);
     });
 }
-
-extern "C" void emu_down_combine_pairs(int blocks, const signed char* aq, const float* as, const int* ids,
-                                       const unsigned long long* blobs, const unsigned long long* fills,
-                                       long long off_w, long long off_s, const float* pair_w, const float* residual,
-                                       float* y, int H, int I, int group, int T, int k, int E, float alpha) {
-    emu_launch({blocks, 1, 1}, A8_THREADS, 0, [&] {
-        moe4a8_down_combine_pairs_int4(aq, as, ids, blobs, fills, off_w, off_s, pair_w, residual, y, H, I, group, T,
-                                       k, E, alpha);
-    });
-}
 """
 
 
-def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None, combine_plan: tuple | None = None) -> ctypes.CDLL:
+def build_gemv4_dp4a(tmp_path: Path, plans: dict | None = None) -> ctypes.CDLL:
     """moe_gemv4_dp4a.cu for the CPU, with limits.py's constants (`plans`: other A8_PLANS, as gemv_sweep.py
-    builds them; `combine_plan`: another A8_DOWN_COMBINE_PLAN)."""
-    defines = {**limits.KERNEL_DEFINES["moe_gemv4_dp4a"], **limits.a8_plan_defines(plans or limits.A8_PLANS),
-               **limits.a8_combine_defines(combine_plan or limits.A8_DOWN_COMBINE_PLAN)}
+    builds them)."""
+    defines = {**limits.KERNEL_DEFINES["moe_gemv4_dp4a"], **limits.a8_plan_defines(plans or limits.A8_PLANS)}
     return _compile(tmp_path, "moe_gemv4_dp4a", host_module_source("moe_gemv4_dp4a") + GEMV4_DP4A_DRIVER,
                     [f"-D{k}={v}" for k, v in defines.items()])
 
@@ -506,16 +495,6 @@ class Gemv4Dp4aEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(weights), _ptr(y), layout.hidden_size, layout.intermediate_size, layout.group_size, ids.size,
             num_experts)
-
-    def down_combine_pairs(self, aq, as_, ids, ptrs, fills, layout, weights, residual, y, num_experts: int,
-                           alpha: float) -> None:
-        """moe4a8_down_combine_pairs_int4: y [T, H] (residual None: no residual; it may be y)."""
-        T, k = ids.shape
-        self.lib.emu_down_combine_pairs(
-            self.blocks, _ptr(aq), _ptr(as_), _ptr(ids), _ptr(ptrs), _nullable(fills),
-            ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
-            _ptr(weights), _nullable(residual), _ptr(y), layout.hidden_size, layout.intermediate_size,
-            layout.group_size, T, k, num_experts, ctypes.c_float(alpha))
 
 
 # ---- layers.cu: attention_decode -------------------------------------------------------------------------------------
@@ -876,27 +855,6 @@ extern "C" void emu_down_pairs(int grouped, int extras, int blocks, const float*
     });
 }
 
-// the fused by-pair down + combine (residual may be null or y itself), and the combine it replaces
-extern "C" void emu_down_combine_pairs(int grouped, int extras, int blocks, const float* a, const int* ids,
-                                       const unsigned long long* blobs, const unsigned long long* fills,
-                                       long long off_w, long long off_s, const float* pair_w, const float* residual,
-                                       float* y, int H, int I, int group, int T, int k, int E, float alpha,
-                                       const float* bias) {
-    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
-        if (extras)
-            (grouped ? moe_down_combine_pairs_w4_g_extras : moe_down_combine_pairs_w4_r_extras)(
-                a, ids, blobs, fills, off_w, off_s, pair_w, residual, y, H, I, group, T, k, E, alpha, bias);
-        else
-            (grouped ? moe_down_combine_pairs_w4_g : moe_down_combine_pairs_w4_r)(
-                a, ids, blobs, fills, off_w, off_s, pair_w, residual, y, H, I, group, T, k, E, alpha);
-    });
-}
-
-extern "C" void emu_combine(int blocks, const float* ypair, const float* residual, float* y, int T, int H, int k,
-                            float alpha) {
-    emu_launch({blocks, 1, 1}, 256, 0, [&] { moe_combine(ypair, residual, y, T, H, k, alpha); });
-}
-
 extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, const unsigned long long* blobs,
                          const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
@@ -912,11 +870,10 @@ extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, con
 """
 
 
-def build_gemv(tmp_path: Path, plan: tuple | None = None, combine_pairs: int | None = None) -> ctypes.CDLL:
+def build_gemv(tmp_path: Path, plan: tuple | None = None) -> ctypes.CDLL:
     """moe_gemv.cu for the CPU, with limits.py's constants (`plan`: another GEMV_W4_PLAN, as gemv_sweep.py builds
-    it; `combine_pairs`: another DOWN_COMBINE_PAIRS)."""
-    defines = {**limits.KERNEL_DEFINES["moe_gemv"], **limits.w4_plan_defines(plan or limits.GEMV_W4_PLAN),
-               "DOWN_COMBINE_PAIRS": combine_pairs or limits.DOWN_COMBINE_PAIRS}
+    it)."""
+    defines = {**limits.KERNEL_DEFINES["moe_gemv"], **limits.w4_plan_defines(plan or limits.GEMV_W4_PLAN)}
     return _compile(tmp_path, "moe_gemv", host_module_source("moe_gemv") + GEMV_DRIVER,
                     [f"-D{k}={v}" for k, v in defines.items()])
 
@@ -977,22 +934,6 @@ class GemvEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("down_scale").offset), _ptr(weights), _ptr(y), layout.hidden_size,
             layout.intermediate_size, layout.group_size, ids.size, num_experts,
             _nullable(None if extras is None else extras.down_bias))
-
-    def down_combine_pairs(self, a, ids, ptrs, fills, layout, weights, residual, y, num_experts: int, alpha: float,
-                           extras: GemvExtras | None = None) -> None:
-        """moe_down_combine_pairs_w4_*: y [T, H] (residual None: no residual; it may be y)."""
-        T, k = ids.shape
-        self.lib.emu_down_combine_pairs(
-            int(bool(layout.group_size)), int(extras is not None), self.blocks, _ptr(a), _ptr(ids), _ptr(ptrs),
-            _nullable(fills), ctypes.c_longlong(layout.array("down").offset),
-            ctypes.c_longlong(layout.array("down_scale").offset), _ptr(weights), _nullable(residual), _ptr(y),
-            layout.hidden_size, layout.intermediate_size, layout.group_size, T, k, num_experts, ctypes.c_float(alpha),
-            _nullable(None if extras is None else extras.down_bias))
-
-    def combine(self, ypair, k: int, residual, y, alpha: float) -> None:
-        """moe_combine: y [T, H] from ypair [T * k, H] (residual None: no residual)."""
-        T, H = y.shape
-        self.lib.emu_combine(self.blocks, _ptr(ypair), _nullable(residual), _ptr(y), T, H, k, ctypes.c_float(alpha))
 
 
 # ---- moe_gemm_cublas.cu ---------------------------------------------------------------------------------------------

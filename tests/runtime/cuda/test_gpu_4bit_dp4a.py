@@ -189,42 +189,6 @@ def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, name):
         ops.moe_gate_up_4bit_a8_pairs(xq, xs, cp.asarray(np.concatenate([ids, ids])), table)
 
 
-@pytest.mark.parametrize("name", sorted(INT4))
-def test_one_token_down_and_combine_fused_alike_to_the_bit(cp, rng, name):
-    """On int8 activations, a one-token pass runs its down and the combine in one launch
-    (ops.moe_down_4bit_a8_combine_pairs): the bits of moe_down_4bit_a8_pairs then moe_combine (fuse_combine=False),
-    with and without a residual; called directly on two tokens, one naming an id outside [0, E), over its own
-    residual (out = residual), the bits of the two launches too."""
-    E, k, H, I = 16, 8, 256, 128       # k = the pairs of a batch (limits.A8_DOWN_COMBINE_PLAN)
-    layout, experts, blobs = packed_blobs(rng, S.ExpertFormat.INT4_GROUP, INT4[name], E, H, I)
-    buf, table = upload(cp, blobs, E, layout)
-    ids, w = routes(rng, 1, E, k, False)
-    x = rng.standard_normal((1, H)).astype(np.float32)
-    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
-    for residual in (None, rng.standard_normal((1, H)).astype(np.float32)):
-        kw = {"gemm": False, "int8_activations": True}
-        if residual is not None:
-            kw.update(residual=cp.asarray(residual), alpha=0.5)
-        fused = ops.moe_experts_4bit(*args, **kw).get()
-        unfused = ops.moe_experts_4bit(*args, fuse_combine=False, **kw).get()
-        np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
-        base = np.zeros((1, H)) if residual is None else f64(residual)
-        want = nb.moe(f64(x), ids, f64(w), experts, residual=base.copy(), alpha=kw.get("alpha", 1.0),
-                      round_input=nb.round_int8_groups)
-        plain = nb.moe(f64(x), ids, f64(w), experts, residual=base.copy(), alpha=kw.get("alpha", 1.0))
-        assert_rounded_like_the_oracle(fused, want, plain)
-    ids2, w2 = routes(rng, 2, E, 3, False)
-    ids2[1, 0] = E + 2
-    ids2, w2 = cp.asarray(ids2), cp.asarray(w2)
-    xq, xs = ops.quantize_activations_a8(cp.asarray(rng.standard_normal((2, H)).astype(np.float32)))
-    aq, as_ = ops.quantize_activations_a8(ops.moe_gate_up_4bit_a8_pairs(xq, xs, ids2, table))
-    resid = cp.asarray(rng.standard_normal((2, H)).astype(np.float32))
-    want = ops.moe_combine(ops.moe_down_4bit_a8_pairs(aq, as_, ids2, w2, table), 3, residual=resid, alpha=0.75).get()
-    y = resid.copy()
-    assert ops.moe_down_4bit_a8_combine_pairs(aq, as_, ids2, w2, table, residual=y, alpha=0.75, out=y) is y
-    np.testing.assert_array_equal(y.get().view(np.uint32), want.view(np.uint32))
-
-
 def test_a8_wrappers_reject_bad_inputs(cp, rng):
     layout, experts, blobs = packed_blobs(rng, S.ExpertFormat.INT4_GROUP, 32, 4, 128, 64)
     buf, table = upload(cp, blobs, 4, layout)

@@ -139,24 +139,6 @@ def test_one_token_passes_with_extras_run_by_pair_alike_to_the_bit(cp, rng, grou
     assert rel(y, exp) < F32_TOL
 
 
-@pytest.mark.parametrize("group", [0, 32])
-@pytest.mark.parametrize("extras_id", ["gpt-oss", "act-only"])      # with a down bias and without one
-def test_one_token_down_and_combine_with_extras_fused_alike_to_the_bit(cp, rng, group, extras_id):
-    """A one-token pass of gpt-oss's experts runs its down and combine in one launch (ops.moe_down_combine_pairs
-    with extras): the bits of moe_down_pairs then moe_combine (fuse_combine=False), with and without a residual."""
-    E, k, H, I = 16, 4, 256, 128
-    (buf, table), experts, x, ids, w, host, dev = _case(cp, rng, 1, E, k, H, I, group, extras_id)
-    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
-    for residual in (None, rng.standard_normal((1, H)).astype(np.float32)):
-        kw = {} if residual is None else {"residual": cp.asarray(residual), "alpha": 0.5}
-        y = ops.moe_experts(*args, extras=dev, **kw).get()
-        unfused = ops.moe_experts(*args, extras=dev, fuse_combine=False, **kw).get()
-        np.testing.assert_array_equal(y.view(np.uint32), unfused.view(np.uint32))
-        base = np.zeros((1, H)) if residual is None else nb.widen(residual)
-        exp = nb.moe(nb.widen(x), ids, nb.widen(w), experts, residual=base, alpha=kw.get("alpha", 1.0), **host)
-        assert rel(y, exp) < F32_TOL
-
-
 def test_extras_wrappers_check_the_bias_shapes(cp, rng):
     (buf, table), _, x, ids, w, host, _ = _case(cp, rng, 2, 8, 2, 64, 32, 0, "gpt-oss")
     d = ops.dispatch(cp.asarray(ids), 8)

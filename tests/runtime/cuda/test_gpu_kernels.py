@@ -223,56 +223,6 @@ def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, group):
         ops.moe_down_pairs(cp.zeros((k, I), cp.float32), cp.asarray(ids), cp.zeros((1, k + 1), cp.float32), table)
 
 
-@pytest.mark.parametrize("group", [0, 32])
-def test_one_token_down_and_combine_fused_alike_to_the_bit(cp, rng, group):
-    """moe_experts runs a one-token pass's down and combine in one launch (ops.moe_down_combine_pairs): the bits of
-    moe_down_pairs then moe_combine (fuse_combine=False), with and without a residual (alpha 1.5), and the float64
-    block."""
-    E, k, H, I = 16, 8, 256, 128       # k = limits.DOWN_COMBINE_PAIRS: one full batch of pairs
-    buf, table, experts, x, ids, w = _moe_case(cp, rng, 1, E, k, H, I, group)
-    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
-    for residual in (None, rng.standard_normal((1, H)).astype(np.float32)):
-        kw = {} if residual is None else {"residual": cp.asarray(residual), "alpha": 1.5}
-        fused = ops.moe_experts(*args, **kw).get()
-        unfused = ops.moe_experts(*args, fuse_combine=False, **kw).get()
-        np.testing.assert_array_equal(fused.view(np.uint32), unfused.view(np.uint32))
-        assert rel(fused, _moe(x, ids, w, experts, residual=residual, alpha=kw.get("alpha", 1.0))) < F32_TOL
-
-
-@pytest.mark.parametrize("group", [0, 32])
-def test_fused_down_combine_over_the_residual_fills_as_it_reads(cp, rng, group):
-    """ops.moe_down_combine_pairs on two tokens, one naming an id outside [0, E) (it adds nothing), written over its
-    own residual (out = residual), with fill slots: the bits of moe_down_pairs then moe_combine, the float64 block,
-    and each routed expert with a slot holds its down arrays there (the other bytes untouched)."""
-    E, k, H, I = 8, 3, 256, 128
-    layout, experts, blobs = host_experts(rng, E, H, I, group)
-    buf, table = upload(blobs, E, layout)
-    slots = cp.full(blobs.nbytes, 0xAB, cp.uint8)
-    fills = cp.asarray(np.array([slots.data.ptr + e * layout.size if e % 2 == 0 else 0 for e in range(E)], np.uint64))
-    filling = ops.ExpertTable.from_layout(table.blob_ptrs, layout, fill_ptrs=fills)
-    ids_h = np.array([[5, 0, 2], [E + 1, 3, 4]], np.int32)
-    x = rng.standard_normal((2, H)).astype(np.float32)
-    w = rng.uniform(0.1, 1.0, (2, k)).astype(np.float32)
-    resid = rng.standard_normal((2, H)).astype(np.float32)
-    ids, w_d = cp.asarray(ids_h), cp.asarray(w)
-    act = ops.moe_gate_up_pairs(cp.asarray(x), ids, table)
-    want = ops.moe_combine(ops.moe_down_pairs(act, ids, w_d, table), k, residual=cp.asarray(resid), alpha=0.75)
-    y = cp.asarray(resid)
-    assert ops.moe_down_combine_pairs(act, ids, w_d, filling, residual=y, alpha=0.75, out=y) is y
-    np.testing.assert_array_equal(y.get().view(np.uint32), want.get().view(np.uint32))
-    valid = ids_h < E
-    assert rel(y.get(), _moe(x, np.where(valid, ids_h, 0), w * valid, experts, residual=resid, alpha=0.75)) < F32_TOL
-    got = slots.get().reshape(E, layout.size)
-    for e in range(E):
-        for a in layout.arrays:
-            span = slice(a.offset, a.offset + a.nbytes)
-            filled = e % 2 == 0 and e in ids_h and a.name in ("down", "down_scale")
-            want_bytes = blobs.reshape(E, layout.size)[e, span] if filled else np.full(a.nbytes, 0xAB, np.uint8)
-            np.testing.assert_array_equal(got[e, span], want_bytes, err_msg=f"expert {e} array {a.name}")
-    with pytest.raises(ValueError, match="residual"):
-        ops.moe_down_combine_pairs(act, ids, w_d, table, residual=cp.zeros((1, H), cp.float32))
-
-
 def test_moe_wrappers_reject_bad_inputs(cp, rng):
     buf, table, experts, x, ids, w = _moe_case(cp, rng, 2, 8, 2, 64, 32, 0)
     d = ops.dispatch(cp.asarray(ids), 8)

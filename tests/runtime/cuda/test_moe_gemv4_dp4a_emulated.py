@@ -2,8 +2,8 @@
 shuffles and dp4a emulated): the activation quantizer against its NumPy twin bit for bit (ties to even, zero groups,
 the staged byte order), and the dp4a GEMVs against `numpy_backend`'s int4_group expert math in float64 on the same
 rounded activations (q * s): the nibble split into even and odd dp4a operands, the per-chunk group scales (weight
-groups of 32/64/128), token passes, the last-item shift and the fill on read; the by-pair down with the combine fused
-into it against the two launches it replaces (to the bit). The GPU tests are in test_gpu_4bit_dp4a.py.
+groups of 32/64/128), token passes, the last-item shift and the fill on read. The GPU tests are in
+test_gpu_4bit_dp4a.py.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from colibri_format import spec as S
 from colibri_format.runtime import numpy_backend as nb
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
-from tests.runtime.cuda.cuda_host_emulation import GXX, Gemv4Dp4aEmulator, GemvEmulator, build_gemv, build_gemv4_dp4a
+from tests.runtime.cuda.cuda_host_emulation import GXX, Gemv4Dp4aEmulator, build_gemv4_dp4a
 from tests.runtime.cuda.synthetic_experts import packed_experts, named_pairs, routed_pairs, valid_ids
 from tests.runtime.cuda.test_moe_gemv4_tc_emulated import check_fills, check_pair_rows, host_dispatch, rel
-from tests.runtime.cuda.test_moe_gemv_emulated import check_fused_combine
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 
@@ -186,50 +185,3 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
         y_d = np.full((T * k, H), np.nan, np.float32)
         emulator.down(1, aq_d, as_d, ptrs, None, layout, d, w, y_d)
         np.testing.assert_array_equal(y, y_d)
-
-
-@pytest.fixture(scope="module")
-def combine(tmp_path_factory):
-    """moe_gemv.cu's moe_combine (the launch the fused kernel replaces), emulated."""
-    return GemvEmulator(build_gemv(tmp_path_factory.mktemp("moe_gemv_host")))
-
-
-@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-T{len(c[4])}")
-@pytest.mark.parametrize("fill", [False, True])
-def test_fused_down_combine_is_down_pairs_then_combine_to_the_bit(emulator, combine, case, fill):
-    check_down_combine(emulator, combine, case, fill)
-
-
-def test_fused_down_combine_over_several_batches_of_pairs(tmp_path, combine):
-    """Fewer pairs a batch than a token has, and two chunks a round (A8_DOWN_COMBINE_PLAN (4, 2, 3)): the same bits."""
-    other = Gemv4Dp4aEmulator(build_gemv4_dp4a(tmp_path, combine_plan=(4, 2, 3)))
-    for case in PAIR_CASES:
-        check_down_combine(other, combine, case, fill=True)
-
-
-def check_down_combine(emulator: Gemv4Dp4aEmulator, combine: GemvEmulator, case, fill: bool) -> None:
-    """moe4a8_down_combine_pairs_int4 against moe4a8_down_pairs_int4 then moe_combine (test_moe_gemv_emulated's
-    check_fused_combine); with fill on read, the slots hold the down arrays only the fused kernel could copy."""
-    group, E, H, I, ids = case
-    rng = np.random.default_rng(17)
-    layout, experts, blobs = packed_experts(rng, S.ExpertFormat.INT4_GROUP, group, E, H, I)
-    r = named_pairs(rng, blobs, layout.size, E, ids, H)
-    T, k = r.ids.shape
-    valid, named = valid_ids(r.ids, E)
-    fills = r.fills if fill else None
-    xq, xs = emulator.quantize(r.x)
-    act = np.full((T * k, I), np.nan, np.float32)
-    emulator.gate_up_pairs(xq, xs, r.ids, r.ptrs, fills, layout, act, E)
-    aq, as_ = emulator.quantize(act)
-    ypair = np.full((T * k, H), np.nan, np.float32)
-    emulator.down_pairs(aq, as_, r.ids, r.ptrs, None, layout, r.w, ypair, E)
-    routed = expect.pair_down(dequantized(aq, as_), named, r.w.astype(np.float64) * valid, experts)
-    alpha = 0.75
-    check_fused_combine(
-        lambda residual, y: emulator.down_combine_pairs(aq, as_, r.ids, r.ptrs, fills, layout, r.w, residual, y, E,
-                                                        alpha),
-        lambda residual, y: combine.combine(ypair, k, residual, y, alpha),
-        routed, rng.standard_normal((T, H)).astype(np.float32), alpha, TOL)
-    assert emulator.errors() == (0, "") and combine.errors() == (0, "")
-    if fill:
-        check_fills(blobs, r.slots, layout, r.ids[valid], E)

@@ -1,7 +1,6 @@
 """moe_gemv.cu on the CPU (cuda_host_emulation.py: its kernels built with g++, a thread per CUDA thread, warp
 shuffles emulated): the int8 decode GEMVs (tokens a pass t1-t8, the one-token plans w2 and w4 = limits.GEMV_W4_PLAN,
-row and group scales, gpt-oss's extras, fill on read) against `numpy_backend`'s expert math in float64, the by-pair
-down with the combine fused into it against the two launches it replaces (to the bit), and other
+row and group scales, gpt-oss's extras, fill on read) against `numpy_backend`'s expert math in float64, and other
 GEMV_W4_PLAN candidates (what benchmarks/gemv_sweep.py times) computing the same products. The GPU tests are in
 test_gpu_kernels.py and test_gpu_gpt_oss.py.
 """
@@ -62,15 +61,11 @@ def test_fill_on_read_copies_what_it_reads(emulator, case, kind):
 def test_extras_match_float64(emulator, case, kind):
     """gpt-oss's variants: biases before the activation and the routing weight, the clamped SwiGLU (a limit that
     clamps some products)."""
-    check_against_float64(emulator, case, kind, fill=False,
-                          extras=random_extras(np.random.default_rng(11), case[1], case[3], case[4]))
-
-
-def random_extras(rng: np.random.Generator, num_experts: int, hidden: int, inter: int) -> GemvExtras:
-    """gpt-oss's extras: biases of std 0.5 and the clamped SwiGLU with a limit that clamps some products."""
-    return GemvExtras(rng.standard_normal((num_experts, 2 * inter)).astype(np.float32) * 0.5,
-                      rng.standard_normal((num_experts, hidden)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5,
-                      up_offset=1.0)
+    rng = np.random.default_rng(11)
+    E, I, H = case[1], case[4], case[3]
+    extras = GemvExtras(rng.standard_normal((E, 2 * I)).astype(np.float32) * 0.5,
+                        rng.standard_normal((E, H)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5, up_offset=1.0)
+    check_against_float64(emulator, case, kind, fill=False, extras=extras)
 
 
 # other one-token plans ((rows a warp item, 16-byte loads a lane issues at once) for gate_up, down)
@@ -121,11 +116,7 @@ PAIR_CASES = [(0, 6, 224, 96, [[3, 0, 5, 1]]),
               (64, 4, 512, 128, [[0, 7, 2], [-1, 3, 2]])]
 
 
-def pair_case_id(c) -> str:
-    return f"g{c[0]}-H{c[2]}-T{len(c[4])}"
-
-
-@pytest.mark.parametrize("case", PAIR_CASES, ids=pair_case_id)
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-H{c[2]}-T{len(c[4])}")
 @pytest.mark.parametrize("fill", [False, True])
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fill, with_extras):
@@ -137,7 +128,9 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
     ptrs, ids, x, w, slots, fills = r.ptrs, r.ids, r.x, r.w, r.slots, r.fills
     T, k = ids.shape
     valid, named = valid_ids(ids, E)
-    extras = random_extras(rng, E, H, I) if with_extras else None
+    extras = GemvExtras(rng.standard_normal((E, 2 * I)).astype(np.float32) * 0.5,
+                        rng.standard_normal((E, H)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5,
+                        up_offset=1.0) if with_extras else None
     act_kw = {} if extras is None else {"act": {"alpha": extras.alpha, "limit": extras.limit,
                                                 "up_offset": extras.up_offset},
                                         "gate_up_bias": extras.gate_up_bias.astype(np.float64)}
@@ -161,68 +154,3 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
         emulator.down("w4", act_d, ptrs, None, layout, d, w, y_d, extras)
         np.testing.assert_array_equal(act, act_d[d["inv"]])
         np.testing.assert_array_equal(y, y_d)
-
-
-# moe_down_combine_pairs_w4_* (ops.moe_experts' one-token passes: the down and the combine in one launch)
-
-@pytest.mark.parametrize("case", PAIR_CASES, ids=pair_case_id)
-@pytest.mark.parametrize("fill", [False, True])
-@pytest.mark.parametrize("with_extras", [False, True])
-def test_fused_down_combine_is_down_pairs_then_combine_to_the_bit(emulator, case, fill, with_extras):
-    check_down_combine(emulator, case, fill, with_extras)
-
-
-def test_fused_down_combine_over_several_batches_of_pairs(tmp_path):
-    """Fewer pairs a batch than a token has (DOWN_COMBINE_PAIRS = 3: k = 4 takes a full batch then one of one pair,
-    k = 2 one batch part full): the same bits."""
-    other = GemvEmulator(build_gemv(tmp_path, combine_pairs=3))
-    for case in PAIR_CASES:
-        check_down_combine(other, case, fill=True, with_extras=case is PAIR_CASES[2])
-
-
-def check_down_combine(emulator: GemvEmulator, case, fill: bool, with_extras: bool) -> None:
-    """The fused kernel's y, with and without a residual (alpha 0.75), and written over the residual itself: the bits
-    of moe_down_pairs then moe_combine (emulated too), and the float64 block within TOL; with fill on read, the
-    slots hold the down arrays that only the fused kernel was given the fills to copy."""
-    group, E, H, I, ids = case
-    rng = np.random.default_rng(13)
-    layout, experts, blobs = host_experts(rng, E, H, I, group)
-    r = named_pairs(rng, blobs, layout.size, E, ids, H)
-    T, k = r.ids.shape
-    valid, named = valid_ids(r.ids, E)
-    extras = random_extras(rng, E, H, I) if with_extras else None
-    fills = r.fills if fill else None
-    act = np.full((T * k, I), np.nan, np.float32)
-    emulator.gate_up_pairs(r.x, r.ids, r.ptrs, fills, layout, act, E, extras)
-    ypair = np.full((T * k, H), np.nan, np.float32)
-    emulator.down_pairs(act, r.ids, r.ptrs, None, layout, r.w, ypair, E, extras)
-    down_bias = None if extras is None else extras.down_bias.astype(np.float64)
-    routed = expect.pair_down(act.astype(np.float64), named, r.w.astype(np.float64) * valid, experts,
-                              down_bias=down_bias)
-    alpha = 0.75
-    check_fused_combine(
-        lambda residual, y: emulator.down_combine_pairs(act, r.ids, r.ptrs, fills, layout, r.w, residual, y, E, alpha,
-                                                        extras),
-        lambda residual, y: emulator.combine(ypair, k, residual, y, alpha),
-        routed, rng.standard_normal((T, H)).astype(np.float32), alpha, TOL)
-    assert emulator.errors() == (0, "")
-    if fill:
-        check_fills(blobs, r.slots, layout, r.ids[valid], E)
-
-
-def check_fused_combine(fused, unfused, routed, resid, alpha: float, tol: float) -> None:
-    """fused(residual, y) and unfused(residual, y) fill y [T, H] (residual None or [T, H] f32; y may be residual):
-    the same bits with and without a residual and over the residual itself; fused within tol of the float64 block
-    (routed: the pairs' float64 outputs [T * k, H])."""
-    T, H = resid.shape
-    for residual in (None, resid):
-        want = np.full((T, H), np.nan, np.float32)
-        unfused(residual, want)
-        got = np.full((T, H), np.nan, np.float32)
-        fused(residual, got)
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-        base = np.zeros((T, H)) if residual is None else residual.astype(np.float64)
-        assert rel(got, expect.combine(routed, routed.shape[0] // T, base, alpha)) < tol
-    in_place = resid.copy()
-    fused(in_place, in_place)
-    np.testing.assert_array_equal(in_place.view(np.uint32), want.view(np.uint32))

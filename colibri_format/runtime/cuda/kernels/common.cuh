@@ -327,37 +327,6 @@ __device__ __forceinline__ float expert_down_out(float y, const ExpertExtras& ex
     return EXTRAS && ex.bias ? y + __ldg(ex.bias + (size_t)e * nout + o) : y;
 }
 
-// A pair's routed output o from its down dot product and row scale (1 with group scales): w * (dot * scale (+ bias)),
-// each product and sum rounded on its own (__fmul_rn is never contracted into an fma with what follows), so that
-// the by-pair down kernels' stored ypair element and the fused down + combine kernels' addend are the same float.
-template <bool EXTRAS>
-__device__ __forceinline__ float routed_down_out(float w, float dot, float scale, const ExpertExtras& ex, int e,
-                                                 int nout, int o) {
-    return __fmul_rn(w, expert_down_out<EXTRAS>(__fmul_rn(dot, scale), ex, e, nout, o));
-}
-
-// The expert a warp item names: its blob, and its fill slot (null: fills null or fills[e] == 0). checked (the
-// by-pair kernels): named may lie outside [0, nexp); such an item is not valid, reads expert 0 and fills nothing.
-struct NamedExpert {
-    int e;
-    bool valid;
-    const char* blob;
-    char* fill;
-};
-__device__ __forceinline__ NamedExpert named_expert(int named, bool checked, int nexp,
-                                                    const unsigned long long* __restrict__ blobs,
-                                                    const unsigned long long* __restrict__ fills) {
-    const bool valid = !checked || (named >= 0 && named < nexp);
-    const int e = valid ? named : 0;
-    return {e, valid, reinterpret_cast<const char*>(blobs[e]), fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr};
-}
-
-// Output i of a fused down + combine from its sum s of pair outputs (slots in order, from 0), as moe_combine (moe_gemv.cu)
-// writes it: residual[i] + alpha * s in one fma, or alpha * s without a residual. residual may be y.
-__device__ __forceinline__ void combined_out(float s, const float* residual, float* y, size_t i, float alpha) {
-    y[i] = residual ? fmaf(alpha, s, residual[i]) : s * alpha;
-}
-
 // ---- 4-bit decode GEMVs: the walk over warp items (moe_gemv4.cu float inputs, moe_gemv4_dp4a.cu int8 inputs) -------
 // The contract and the work items of moe_gemv.cu's kernels, over packed 4-bit rows (16-byte chunks of 32 weights,
 // one scale per group of `group` weights, [rows, groups]):
@@ -392,12 +361,13 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
         const int slot = item / n_rg;
         const int o0 = (item - slot * n_rg) * ROUT;
-        const NamedExpert ne = named_expert(active[slot], BYPAIR, nexp, blobs, fills);
-        const int e = ne.e;
-        const bool valid = ne.valid;
-        const int4* wbase = reinterpret_cast<const int4*>(ne.blob + off_w);
-        const scale_t* sbase = reinterpret_cast<const scale_t*>(ne.blob + off_s);
-        char* fill = ne.fill;
+        const int named = active[slot];
+        const bool valid = !BYPAIR || (named >= 0 && named < nexp);
+        const int e = valid ? named : 0;                 // an invalid pair reads expert 0 and writes zeros
+        const char* blob = reinterpret_cast<const char*>(blobs[e]);
+        const int4* wbase = reinterpret_cast<const int4*>(blob + off_w);
+        const scale_t* sbase = reinterpret_cast<const scale_t*>(blob + off_s);
+        char* fill = fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr;
         // the last item of an expert is shifted down to stay inside the matrix (nout >= ROUT); it then writes
         // only the outputs at or past its own o0
         const int ob = min(o0, nout - ROUT);
@@ -463,119 +433,11 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
                                 out[(size_t)pos * nout + ob + q] = valid ? silu_f32(a) * b : 0.0f;
                         } else if (lane == 0 && ob + q >= o0) {
                             const int pair = BYPAIR ? pos : perm[pos];
-                            out[(size_t)pair * nout + ob + q] =
-                                valid ? routed_down_out<false>(__ldg(pair_w + pair), a, 1.0f, ExpertExtras{}, e, nout,
-                                                               ob + q)
-                                      : 0.0f;
+                            out[(size_t)pair * nout + ob + q] = valid ? __ldg(pair_w + pair) * a : 0.0f;
                         }
                     }
                 }
             }
-        }
-    }
-}
-
-// The by-pair down with moe_combine fused in, over packed 4-bit rows (moe_gemv.cu's moe_down_combine_pairs):
-// y[t, o] = residual[t, o] (if given) + alpha * sum over j = 0..k-1 of packed4_gemv's by-pair ypair[t k + j, o], to
-// the bit. A warp item is (token t, R rows); each pair's dot products are packed4_gemv's (each lane's chunks in the
-// same order, dot.chunk, warp_sum), its addend the element packed4_gemv stores (routed_down_out; 0.0f for an id
-// outside [0, nexp)), the addends summed from 0 in slot order, then combined_out. y may alias residual. Fill on read
-// as packed4_gemv's: each pair's rows and scales are read once, by its token's items. A warp issues the loads (and
-// scales) of PB pairs x R rows x CPL chunks a lane before using any: moe_gemv.cu's reasoning on loads in flight.
-template <typename Dot, int R, int CPL, int PB>
-__device__ __forceinline__ void packed4_down_combine(const Dot& dot, const int* __restrict__ ids,
-                                                     const unsigned long long* __restrict__ blobs,
-                                                     const unsigned long long* __restrict__ fills, long long off_w,
-                                                     long long off_s, const float* __restrict__ pair_w,
-                                                     const float* residual, float* y, int H, int I, int group, int T,
-                                                     int k, int nexp, float alpha) {
-    typedef typename Dot::scale_t scale_t;
-    const int lane = threadIdx.x & 31;
-    const int n_rg = (H + R - 1) / R;
-    const int nchunk = I >> 5;  // 16-byte chunks (32 weights) per row
-    const int ngroups = I / group;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
-
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < T * n_rg; item += warps_total) {
-        const int t = item / n_rg;
-        const int o0 = (item - t * n_rg) * R;
-        const int ob = min(o0, H - R);      // the last item shifted down as in packed4_gemv: writes from o0 on
-        float sum[R];
-#pragma unroll
-        for (int q = 0; q < R; ++q) sum[q] = 0.0f;
-#pragma unroll 1
-        for (int j0 = 0; j0 < k; j0 += PB) {
-            float acc[PB][R][1];
-#pragma unroll
-            for (int b = 0; b < PB; ++b)
-#pragma unroll
-                for (int q = 0; q < R; ++q) acc[b][q][0] = 0.0f;
-#pragma unroll 1
-            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
-                int4 raw[PB][CPL][R];
-                scale_t sraw[PB][CPL][R];
-#pragma unroll
-                for (int b = 0; b < PB; ++b) {
-                    if (j0 + b < k) {
-                        const NamedExpert ne = named_expert(ids[t * k + j0 + b], true, nexp, blobs, fills);
-                        const int4* wbase = reinterpret_cast<const int4*>(ne.blob + off_w);
-                        const scale_t* sbase = reinterpret_cast<const scale_t*>(ne.blob + off_s);
-#pragma unroll
-                        for (int f = 0; f < CPL; ++f) {
-                            const int cc = cb + 32 * f + lane;
-                            if (cc < nchunk) {
-                                const int g = (cc << 5) / group;
-#pragma unroll
-                                for (int q = 0; q < R; ++q) {
-                                    raw[b][f][q] = __ldg(wbase + (size_t)(ob + q) * nchunk + cc);
-                                    sraw[b][f][q] = sbase[(size_t)(ob + q) * ngroups + g];
-                                }
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int b = 0; b < PB; ++b) {
-                    if (j0 + b < k) {
-                        const int trow[1] = {t * k + j0 + b};
-                        const NamedExpert ne = named_expert(ids[trow[0]], true, nexp, blobs, fills);
-#pragma unroll
-                        for (int f = 0; f < CPL; ++f) {
-                            const int cc = cb + 32 * f + lane;
-                            if (cc < nchunk) {
-                                if (ne.fill) {  // fill on read: the chunk and its scale, at the same offsets
-                                    const int g = (cc << 5) / group;
-#pragma unroll
-                                    for (int q = 0; q < R; ++q) {
-                                        reinterpret_cast<int4*>(ne.fill + off_w)[(size_t)(ob + q) * nchunk + cc] = raw[b][f][q];
-                                        reinterpret_cast<scale_t*>(ne.fill + off_s)[(size_t)(ob + q) * ngroups + g] = sraw[b][f][q];
-                                    }
-                                }
-                                dot.template chunk<1, R>(acc[b], raw[b][f], sraw[b][f], trow, 1, cc);
-                            }
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < PB; ++b) {
-                if (j0 + b < k) {
-                    const int p = t * k + j0 + b;
-                    const NamedExpert ne = named_expert(ids[p], true, nexp, blobs, fills);
-#pragma unroll
-                    for (int q = 0; q < R; ++q) {
-                        const float a = warp_sum(acc[b][q][0]);
-                        sum[q] = __fadd_rn(sum[q], ne.valid ? routed_down_out<false>(__ldg(pair_w + p), a, 1.0f,
-                                                                                     ExpertExtras{}, ne.e, H, ob + q)
-                                                            : 0.0f);
-                    }
-                }
-            }
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (int q = 0; q < R; ++q)
-                if (ob + q >= o0) combined_out(sum[q], residual, y, (size_t)t * H + ob + q, alpha);
         }
     }
 }

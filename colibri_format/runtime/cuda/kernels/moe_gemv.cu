@@ -15,9 +15,6 @@
 //                  written by exactly one warp, so the later combine is deterministic.
 //   *_pairs_w4_*:  one token a pass without a dispatch: items by pair straight from the router's ids, act in pair
 //                  order (ops.moe_experts runs them for one-token passes: a launch fewer a MoE layer).
-//   moe_down_combine_pairs_w4_*: the by-pair down and moe_combine in one launch, to the bit: y[t, h] =
-//                  residual[t, h] + alpha * sum over slots j of the by-pair down's ypair[t k + j, h]; an item is a
-//                  token's rows, not a pair's (ops.moe_experts' one-token passes: gate_up by pair, then this).
 //   *_extras:      the same with gpt-oss's per-expert biases (gate_up before the activation, down before the routing
 //                  weight) and clamped SwiGLU instead of silu(gate) * up (common.cuh ExpertExtras).
 //
@@ -42,9 +39,6 @@
 #endif
 #ifndef WIDE_DN_W4_CPL
 #error "WIDE_DN_W4_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef DOWN_COMBINE_PAIRS
-#error "DOWN_COMBINE_PAIRS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 
 template <int TOKC, int R, int PF, bool GROUPED, bool GATEUP, bool EXTRAS = false>
@@ -240,6 +234,7 @@ DOWN_KERNEL(moe_down_t2_g, 2, 8, 1, true)
 DOWN_KERNEL(moe_down_t4_g, 4, 4, 1, true)
 DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 
+// y[t, h] = residual[t, h] (if given) + alpha * sum over slots j in order 0..k-1 of ypair[t * k + j, h]
 // ---- one token per pass, all loads of a block of CPL chunks issued at once ("wide") ------------------------------
 // For short rows (small experts) the double-buffered loop above spends most of an item waiting on its first loads;
 // here a warp item of R rows issues the 16-byte loads of CPL chunks per lane for all its rows together, then
@@ -247,31 +242,6 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // BYPAIR (the *_pairs kernels below): no dispatch; active is the pass's ids [npairs] in pair order, an item is (pair,
 // rows), act and ypair rows are in pair order, and an id outside [0, nexp) gives zero rows (perm, offsets and meta
 // unused). Each pair reads its expert's rows, so only passes whose pairs name distinct experts (one token) should.
-
-// One lane's share of R dot products over one 16-byte chunk: the chunk's 16 int8 weights of each row (w) times the
-// 16 floats at `in`, summed 8 at a time from zero, then added to acc[q] (times the chunk's group scale sc[q] when
-// GROUPED): the one order of operations of every wide kernel, which the bit-for-bit tests between them rely on.
-template <int R, bool GROUPED>
-__device__ __forceinline__ void wide_chunk_dot(const int4 (&w)[R], const float (&sc)[R], const float* __restrict__ in,
-                                               float (&acc)[R]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float4* p = reinterpret_cast<const float4*>(in + (h << 3));
-        const float4 a = __ldg(p), b = __ldg(p + 1);
-        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-            float wf[8];
-            i8x4_to_f32((unsigned int)(h ? w[q].z : w[q].x), wf);
-            i8x4_to_f32((unsigned int)(h ? w[q].w : w[q].y), wf + 4);
-            float part = 0.0f;
-#pragma unroll
-            for (int u = 0; u < 8; ++u) part = fmaf(wf[u], xv[u], part);
-            acc[q] = GROUPED ? fmaf(part, sc[q], acc[q]) : acc[q] + part;
-        }
-    }
-}
-
 template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false, bool BYPAIR = false>
 __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
                                               const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
@@ -290,13 +260,15 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
     for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
         const int slot = item / n_rg;
         const int o0 = (item - slot * n_rg) * ROUT;
-        const NamedExpert ne = named_expert(active[slot], BYPAIR, nexp, blobs, fills);
-        const int e = ne.e;
-        const bool valid = ne.valid;
-        const signed char* wbase = reinterpret_cast<const signed char*>(ne.blob + off_w);
-        const float* sbase = reinterpret_cast<const float*>(ne.blob + off_s);
-        int4* fw = ne.fill ? reinterpret_cast<int4*>(ne.fill + off_w) : nullptr;      // this item's copy of the matrix
-        float* fs = ne.fill ? reinterpret_cast<float*>(ne.fill + off_s) : nullptr;    // and of its scales
+        const int named = active[slot];
+        const bool valid = !BYPAIR || (named >= 0 && named < nexp);
+        const int e = valid ? named : 0;                 // an invalid pair reads expert 0 and writes zeros
+        const char* blob = reinterpret_cast<const char*>(blobs[e]);
+        const signed char* wbase = reinterpret_cast<const signed char*>(blob + off_w);
+        const float* sbase = reinterpret_cast<const float*>(blob + off_s);
+        char* fill = fills && valid ? reinterpret_cast<char*>(fills[e]) : nullptr;
+        int4* fw = fill ? reinterpret_cast<int4*>(fill + off_w) : nullptr;      // this item's copy of the matrix
+        float* fs = fill ? reinterpret_cast<float*>(fill + off_s) : nullptr;    // and of its scales
         const int ob = min(o0, nout - ROUT);
         const int4* wrow = reinterpret_cast<const int4*>(wbase + (size_t)ob * ncols);
         const int4* wrow2 = reinterpret_cast<const int4*>(wbase + (size_t)(ob + (GATEUP ? nout : 0)) * ncols);
@@ -341,7 +313,22 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
                                     fs[(size_t)(ob + (q % ROUT) + (q >= ROUT ? nout : 0)) * ngroups + g] = sc[q];
                             }
                         }
-                        wide_chunk_dot<R, GROUPED>(wv[f], sc, xrow + (cc << 4), acc);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float4* p = reinterpret_cast<const float4*>(xrow + (cc << 4) + (h << 3));
+                            const float4 a = __ldg(p), b = __ldg(p + 1);
+                            const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                            for (int q = 0; q < R; ++q) {
+                                float wf[8];
+                                i8x4_to_f32((unsigned int)(h ? wv[f][q].z : wv[f][q].x), wf);
+                                i8x4_to_f32((unsigned int)(h ? wv[f][q].w : wv[f][q].y), wf + 4);
+                                float part = 0.0f;
+#pragma unroll
+                                for (int u = 0; u < 8; ++u) part = fmaf(wf[u], xv[u], part);
+                                acc[q] = GROUPED ? fmaf(part, sc[q], acc[q]) : acc[q] + part;
+                            }
+                        }
                     }
                 }
             }
@@ -349,17 +336,17 @@ __device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, cons
             for (int q = 0; q < ROUT; ++q) {
                 const float sa = GROUPED ? 1.0f : __ldg(sbase + ob + q);
                 if (!GROUPED && fs && c0 == 0 && lane == 0) fs[ob + q] = sa;
-                const float dot = warp_sum(acc[q]);
+                const float a = warp_sum(acc[q]) * sa;
                 if (GATEUP) {
                     const float sb = GROUPED ? 1.0f : __ldg(sbase + nout + ob + q);
                     if (!GROUPED && fs && c0 == 0 && lane == 0) fs[nout + ob + q] = sb;
                     const float b = warp_sum(acc[q + ROUT]) * sb;
                     if (lane == 0 && ob + q >= o0)
                         out[(size_t)pos * nout + ob + q] =
-                            valid ? expert_activation<EXTRAS>(dot * sa, b, ex, e, nout, ob + q) : 0.0f;
+                            valid ? expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q) : 0.0f;
                 } else if (lane == 0 && ob + q >= o0) {
                     out[(size_t)pair * nout + ob + q] =
-                        valid ? routed_down_out<EXTRAS>(__ldg(pair_w + pair), dot, sa, ex, e, nout, ob + q) : 0.0f;
+                        valid ? __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q) : 0.0f;
                 }
             }
         }
@@ -427,140 +414,6 @@ GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g_extras, true, true, GATE_UP_EXTRA_PA
 DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r_extras, false, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
 DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g_extras, true, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
 
-// ---- one token, no dispatch, the combine fused into the down ------------------------------------------------------
-// y[t, o] = residual[t, o] (if given) + alpha * sum over j = 0..k-1 of w[t, j] * (down_{ids[t, j]} @ act[t k + j])[o]
-// in one launch: moe_down_pairs_w4 then moe_combine, to the bit. A warp item is (token t, R rows); the warp walks
-// the token's k pairs, each pair's dot products in the w4 down's order (the same lanes' chunks, wide_chunk_dot,
-// warp_sum), its addend the ypair element moe_down_pairs stores (routed_down_out; 0.0f for an id outside [0, E), as
-// its zero row), the addends summed from 0 in slot order and then scaled as moe_combine does. Each output element
-// is read (residual) and written by one lane, so y may alias residual. Fill on read as the by-pair down: each pair's
-// rows and scales are read once, by the items of its token, which store them as they go.
-// Loads in flight: a launch has k times fewer items than the by-pair down's (a token's, not a pair's, R rows), so a
-// warp issues the loads of PB pairs (DOWN_COMBINE_PAIRS) x R rows x CPL chunks a lane before using any. With PB >= k
-// a launch has as many bytes in flight as moe_down_pairs_w4 with its P ceil(H / R) items resident at once, and each
-// warp as many round trips (ceil(I / (512 CPL)) from 16-byte chunks, 32 lanes): Qwen3-30B-A3B at one token (k = 8,
-// [2048, 768] experts) 512 items of 8 x 4 x 1 chunks (16 KB) a warp, 8 MB together, two round trips; OLMoE (k = 8,
-// [2048, 1024]) the same with two full rounds; Mixtral (k = 2, [4096, 14336]) 1024 items of 2 x 4 chunks, 4 MB, 28
-// rounds. A pair of a batch past k issues nothing. Registers: the PB x R x CPL int4 a lane holds are 128 of the ~244
-// nvcc gives the kernel for sm_90 (no spill; 2 blocks, 8 warps, a multiprocessor: more warps than the items of any
-// pass above), so a wider down plan (R x CPL > 4) wants a smaller DOWN_COMBINE_PAIRS.
-template <int R, int CPL, int PB, bool GROUPED, bool EXTRAS>
-__device__ __forceinline__ void moe_down_combine_pairs(const float* __restrict__ act, const int* __restrict__ ids,
-                                                       const unsigned long long* __restrict__ blobs,
-                                                       const unsigned long long* __restrict__ fills, long long off_w,
-                                                       long long off_s, const float* __restrict__ pair_w,
-                                                       const float* residual, float* y, int H, int I, int group,
-                                                       int T, int k, int nexp, float alpha, const ExpertExtras ex) {
-    const int lane = threadIdx.x & 31;
-    const int n_rg = (H + R - 1) / R;
-    const int nchunk = I >> 4;
-    const int ngroups = GROUPED ? I / group : 1;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
-
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < T * n_rg; item += warps_total) {
-        const int t = item / n_rg;
-        const int o0 = (item - t * n_rg) * R;
-        const int ob = min(o0, H - R);      // the last item shifted down as in moe_gemv_wide: writes from o0 on
-        float sum[R];
-#pragma unroll
-        for (int q = 0; q < R; ++q) sum[q] = 0.0f;
-#pragma unroll 1
-        for (int j0 = 0; j0 < k; j0 += PB) {
-            float acc[PB][R];
-#pragma unroll
-            for (int b = 0; b < PB; ++b)
-#pragma unroll
-                for (int q = 0; q < R; ++q) acc[b][q] = 0.0f;
-#pragma unroll 1
-            for (int cb = 0; cb < nchunk; cb += 32 * CPL) {
-                int4 wv[PB][CPL][R];
-#pragma unroll
-                for (int b = 0; b < PB; ++b) {
-                    if (j0 + b < k) {
-                        const NamedExpert ne = named_expert(ids[t * k + j0 + b], true, nexp, blobs, fills);
-                        const int4* wrow = reinterpret_cast<const int4*>(ne.blob + off_w + (size_t)ob * I);
-#pragma unroll
-                        for (int f = 0; f < CPL; ++f) {
-                            const int cc = cb + f * 32 + lane;
-                            if (cc < nchunk) {
-#pragma unroll
-                                for (int q = 0; q < R; ++q) wv[b][f][q] = __ldg(wrow + q * nchunk + cc);
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int b = 0; b < PB; ++b) {
-                    if (j0 + b < k) {
-                        const int p = t * k + j0 + b;
-                        const NamedExpert ne = named_expert(ids[p], true, nexp, blobs, fills);
-                        const float* sbase = reinterpret_cast<const float*>(ne.blob + off_s);
-#pragma unroll
-                        for (int f = 0; f < CPL; ++f) {
-                            const int cc = cb + f * 32 + lane;
-                            if (cc < nchunk) {
-                                if (ne.fill) {
-                                    int4* fw = reinterpret_cast<int4*>(ne.fill + off_w);
-#pragma unroll
-                                    for (int q = 0; q < R; ++q) fw[(size_t)(ob + q) * nchunk + cc] = wv[b][f][q];
-                                }
-                                float sc[R];
-                                if (GROUPED) {
-                                    const int g = (cc << 4) / group;
-#pragma unroll
-                                    for (int q = 0; q < R; ++q) sc[q] = __ldg(sbase + (size_t)(ob + q) * ngroups + g);
-                                    if (ne.fill) {
-                                        float* fs = reinterpret_cast<float*>(ne.fill + off_s);
-#pragma unroll
-                                        for (int q = 0; q < R; ++q) fs[(size_t)(ob + q) * ngroups + g] = sc[q];
-                                    }
-                                }
-                                wide_chunk_dot<R, GROUPED>(wv[b][f], sc, act + (size_t)p * I + (cc << 4), acc[b]);
-                            }
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < PB; ++b) {
-                if (j0 + b < k) {
-                    const int p = t * k + j0 + b;
-                    const NamedExpert ne = named_expert(ids[p], true, nexp, blobs, fills);
-                    const float* sbase = reinterpret_cast<const float*>(ne.blob + off_s);
-#pragma unroll
-                    for (int q = 0; q < R; ++q) {
-                        const float sa = GROUPED ? 1.0f : __ldg(sbase + ob + q);
-                        if (!GROUPED && ne.fill && lane == 0) reinterpret_cast<float*>(ne.fill + off_s)[ob + q] = sa;
-                        const float dot = warp_sum(acc[b][q]);
-                        sum[q] = __fadd_rn(sum[q], ne.valid ? routed_down_out<EXTRAS>(__ldg(pair_w + p), dot, sa, ex,
-                                                                                      ne.e, H, ob + q)
-                                                            : 0.0f);
-                    }
-                }
-            }
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (int q = 0; q < R; ++q)
-                if (ob + q >= o0) combined_out(sum[q], residual, y, (size_t)t * H + ob + q, alpha);
-        }
-    }
-}
-
-#define DOWN_COMBINE_PAIRS_KERNEL(NAME, GROUPED, EXTRAS, EXTRA_PARAMS, EXTRA_VALUE)                             \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        NAME(const float* act, const int* ids, const unsigned long long* blobs, const unsigned long long* fills, \
-             long long off_w, long long off_s, const float* pair_w, const float* residual, float* y, int H,     \
-             int I, int group, int T, int k, int E, float alpha EXTRA_PARAMS) {                                \
-        moe_down_combine_pairs<WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, DOWN_COMBINE_PAIRS, GROUPED, EXTRAS>(          \
-            act, ids, blobs, fills, off_w, off_s, pair_w, residual, y, H, I, group, T, k, E, alpha,            \
-            EXTRA_VALUE);                                                                                      \
-    }
-DOWN_COMBINE_PAIRS_KERNEL(moe_down_combine_pairs_w4_r, false, false, , NO_EXTRAS)
-DOWN_COMBINE_PAIRS_KERNEL(moe_down_combine_pairs_w4_g, true, false, , NO_EXTRAS)
-DOWN_COMBINE_PAIRS_KERNEL(moe_down_combine_pairs_w4_r_extras, false, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
-DOWN_COMBINE_PAIRS_KERNEL(moe_down_combine_pairs_w4_g_extras, true, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
-
 // ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
 // bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.
 #define GATE_UP_EXTRAS_KERNEL(NAME, BOUNDS, CALL)                                                                   \
@@ -608,8 +461,7 @@ DOWN_EXTRAS_KERNEL(moe_down_w4_r_extras, (GEMV_THREADS), WIDE_X(WIDE_DN_W4_ROWS,
 DOWN_EXTRAS_KERNEL(moe_down_w2_g_extras, (GEMV_THREADS), WIDE_X(4, 2, true, false))
 DOWN_EXTRAS_KERNEL(moe_down_w4_g_extras, (GEMV_THREADS), WIDE_X(WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, true, false))
 
-// y[t, h] = residual[t, h] (if given) + alpha * sum over slots j in order 0..k-1 of ypair[t * k + j, h], the sum
-// from 0 (y may alias residual). alpha is the residual multiplier of the block output.
+// (y may alias residual.) alpha is the residual multiplier of the block output.
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const float* residual, float* y, int T,
                                        int H, int k, float alpha) {
     const int n4 = (T * H) >> 2;  // H % 4 == 0

@@ -3,10 +3,6 @@
 // the work items, the last-item shift and the fill on read are moe_gemv4.cu's: both walk common.cuh's packed4_gemv:
 //   moe4a8_gate_up_int4_t<TOKC>: act[pos, i] = silu(x[tok] . gate[i]) * (x[tok] . up[i]), tok = perm[pos] / k
 //   moe4a8_down_int4_t<TOKC>:    y[pair, h] = w[pair] * (act[pos] . down[h]), pair = perm[pos]
-//   moe4a8_*_pairs_int4:         the same by pair, one token a pass, no dispatch (ids straight from the router)
-//   moe4a8_down_combine_pairs_int4: y[t, h] = residual[t, h] + alpha * sum over slots j of the by-pair down's
-//                                ypair[t k + j, h]: its down and moe_combine in one launch, to the bit
-//                                (common.cuh's packed4_down_combine)
 // with each input row x[tok] (act[pos]) replaced by its int8 rounding (EngineConfig.int8_activations):
 //
 // Activations: moe4a8_quantize rounds each group of 32 consecutive inputs of a row, once per launch, to
@@ -77,16 +73,6 @@
 #endif
 #ifndef A8_DN_T8_CPL
 #error "A8_DN_T8_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-// A8_DC_{ROWS,CPL,PAIRS}: limits.py's A8_DOWN_COMBINE_PLAN
-#ifndef A8_DC_ROWS
-#error "A8_DC_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef A8_DC_CPL
-#error "A8_DC_CPL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef A8_DC_PAIRS
-#error "A8_DC_PAIRS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 static_assert(A8_THREADS % 32 == 0 && A8_QUANT_THREADS % 32 == 0, "whole warps");
 
@@ -189,15 +175,4 @@ extern "C" __global__ void __launch_bounds__(A8_THREADS)
     packed4_gemv<A8Dot, 1, A8_DN_T1_ROWS, A8_DN_T1_CPL, false, true>(A8Dot{aq, as, I}, blobs, fills, off_w, off_s,
                                                                      nullptr, nullptr, ids, nullptr, pair_w, y, I, H,
                                                                      1, group, P, E);
-}
-
-// the by-pair down with moe_combine fused in (common.cuh's packed4_down_combine), to the bit: y [T, H] =
-// residual (may be null, or y itself) + alpha * the token's pairs' down outputs summed in slot order
-extern "C" __global__ void __launch_bounds__(A8_THREADS)
-    moe4a8_down_combine_pairs_int4(const signed char* aq, const float* as, const int* ids,
-                                   const unsigned long long* blobs, const unsigned long long* fills, long long off_w,
-                                   long long off_s, const float* pair_w, const float* residual, float* y, int H,
-                                   int I, int group, int T, int k, int E, float alpha) {
-    packed4_down_combine<A8Dot, A8_DC_ROWS, A8_DC_CPL, A8_DC_PAIRS>(A8Dot{aq, as, I}, ids, blobs, fills, off_w, off_s,
-                                                                    pair_w, residual, y, H, I, group, T, k, E, alpha);
 }

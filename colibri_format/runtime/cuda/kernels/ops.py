@@ -599,28 +599,6 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtra
     return y
 
 
-def moe_down_combine_pairs(act, ids, weights, table: ExpertTable, *, residual=None, alpha: float = 1.0,
-                           extras: ExpertExtras | None = None, out=None):
-    """`moe_down_pairs` then `moe_combine` in one launch, to the bit: y [T, H] f32 = residual + alpha * sum over j
-    in slot order of weights[t, j] * (down_{ids[t, j]} @ act[t * k + j] (+ extras' down bias)), for act [T * k, I]
-    f32 in pair order; an id outside [0, E) adds nothing; out may be residual. Fills `table.fill_ptrs` as it reads."""
-    cp = _cupy()
-    H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, act, I, True)
-    _check("weights", weights, dtype=np.float32, shape=(T, k))
-    if residual is not None:
-        _check("residual", residual, dtype=np.float32, shape=(T, H))
-    _, gi, kind = table.groups()
-    tail = extras.down_args(table) if extras is not None else ()
-    y = _out("out", out, (T, H), cp.float32)
-    fn, grid = _gemv_launch(_with_extras(f"moe_down_combine_pairs_w4_{kind}", extras))
-    fn(grid, (GEMV_THREADS,),
-       (act, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
-        weights, _ptr(residual), y, np.int32(H), np.int32(I), np.int32(gi), np.int32(T), np.int32(k),
-        np.int32(table.num_experts), np.float32(alpha)) + tail)
-    return y
-
-
 def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
     if tensor_cores and kind != "r":
         raise ValueError("the tensor-core grouped GEMM supports per-row scales only")
@@ -1132,7 +1110,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
                 staging: FastGemmStaging | None = None, cublas: bool | None = None,
-                pairs: bool | None = None, fuse_combine: bool = True, out=None):
+                pairs: bool | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
@@ -1141,17 +1119,12 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
     so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only). pairs: a GEMV pass by pair without a
-    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so). fuse_combine: a pass by pair runs its down and
-    the combine in one launch (`moe_down_combine_pairs`); False: `moe_down_pairs` then `moe_combine` (the same bits,
-    a launch more: benchmarks/decode_profile.py --combine-ab times both).
+    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if not use_gemm and (pairs_path(T) if pairs is None else pairs):
         act = moe_gate_up_pairs(x, ids, table, extras=extras, out=act)
-        if fuse_combine:
-            return moe_down_combine_pairs(act, ids, weights, table, residual=residual, alpha=alpha, extras=extras,
-                                          out=out)
         ypair = moe_down_pairs(act, ids, weights, table, extras=extras, out=ypair)
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     disp = dispatch(ids, table.num_experts, tile_m=GEMM_BM, out=disp)
@@ -2108,25 +2081,6 @@ def moe_down_4bit_a8_pairs(aq, as_, ids, weights, table: PackedExpertTable, *, o
     return y
 
 
-def moe_down_4bit_a8_combine_pairs(aq, as_, ids, weights, table: PackedExpertTable, *, residual=None,
-                                   alpha: float = 1.0, out=None):
-    """`moe_down_4bit_a8_pairs` then `moe_combine` in one launch, to the bit: y [T, H] f32 = residual + alpha * sum
-    over j in slot order of weights[t, j] * (down_{ids[t, j]} @ act[t * k + j]) from act's
-    `quantize_activations_a8`; an id outside [0, E) adds nothing; out may be residual. Fills `table.fill_ptrs`."""
-    H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_a8_pairs(aq, as_, ids, table, True, I)
-    _check("weights", weights, dtype=np.float32, shape=(T, k))
-    if residual is not None:
-        _check("residual", residual, dtype=np.float32, shape=(T, H))
-    y = _out("out", out, (T, H), _cupy().float32)
-    fn, grid = _a8_launch(f"moe4a8_down_combine_pairs_{table.tag}")
-    fn(grid, (A8_THREADS,),
-       (aq, as_, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_down), np.int64(table.off_down_scale),
-        weights, _ptr(residual), y, np.int32(H), np.int32(I), np.int32(table.group_size), np.int32(T), np.int32(k),
-        np.int32(table.num_experts), np.float32(alpha)))
-    return y
-
-
 class Int8Expansion:
     """Device int8_group blobs of the same shape and group size for every expert of a 4-bit table (the prefill
     GEMM's input, written by `expand_to_int8` for a pass's routed experts): num_experts x ~1.125 bytes a weight."""
@@ -2175,16 +2129,13 @@ def expand_to_int8(table: PackedExpertTable, disp: Dispatch, expansion: Int8Expa
 
 
 def _moe_experts_4bit_pairs(x, ids, weights, table: PackedExpertTable, int8_activations: bool, bufs: dict, act,
-                            ypair, *, residual, alpha: float, fuse_combine: bool, out):
+                            ypair, *, residual, alpha: float, out):
     """`moe_experts_4bit`'s `pairs_path` passes: the by-pair GEMVs (dp4a on x and act rounded to int8 where
-    int8_activations, its down with the combine fused in where fuse_combine), then the combine; no dispatch."""
+    int8_activations), then the combine; no dispatch."""
     if int8_activations:
         xq, xs = quantize_activations_a8(x, q=bufs.get("xq"), scales=bufs.get("xs"))
         act = moe_gate_up_4bit_a8_pairs(xq, xs, ids, table, out=act)
         aq, as_ = quantize_activations_a8(act, q=bufs.get("aq"), scales=bufs.get("as"))
-        if fuse_combine:
-            return moe_down_4bit_a8_combine_pairs(aq, as_, ids, weights, table, residual=residual, alpha=alpha,
-                                                  out=out)
         ypair = moe_down_4bit_a8_pairs(aq, as_, ids, weights, table, out=ypair)
     else:
         act = moe_gate_up_4bit_pairs(x, ids, table, out=act)
@@ -2196,7 +2147,7 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
                      gemm: bool | None = None, disp: Dispatch | None = None, act=None, ypair=None,
                      expansions: dict | None = None, tensor_cores: bool | None = None, staged=(None, None),
                      int8_activations: bool = False, a8_buffers: dict | None = None, pairs: bool | None = None,
-                     fuse_combine: bool = True, out=None):
+                     out=None):
     """`moe_experts` over 4-bit experts: the moe_gemv4.cu GEMVs, or (gemm_path: prefill) the routed experts
     expanded to int8_group (`expand_to_int8`) and the grouped int8 GEMM (fp32 SIMT, group scales).
 
@@ -2207,9 +2158,7 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
     decode passes run moe_gemv4_dp4a.cu (tensor_cores ignored), prefill passes the same GEMM on the rounded inputs
     (`round_activations_a8`). a8_buffers: its buffers, preallocated for graph capture (keys xq, xs, aq, as for
     decode, x_rounded for prefill; missing ones are allocated). pairs: a GEMV pass off the tensor cores by pair
-    without a dispatch (`moe_gate_up_4bit_pairs`, `moe_gate_up_4bit_a8_pairs`; None: where `pairs_path` says so).
-    fuse_combine: such a pass on int8 activations runs its down and the combine in one launch
-    (`moe_down_4bit_a8_combine_pairs`); False: `moe_down_4bit_a8_pairs` then `moe_combine` (the same bits)."""
+    without a dispatch (`moe_gate_up_4bit_pairs`, `moe_gate_up_4bit_a8_pairs`; None: where `pairs_path` says so)."""
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if int8_activations and table.expert_format not in A8_FORMATS:
@@ -2218,7 +2167,7 @@ def moe_experts_4bit(x, ids, weights, table: PackedExpertTable, *, residual=None
     by_pair = pairs_path(T) if pairs is None else pairs
     if not use_gemm and by_pair and (int8_activations or not uses_tc4(tensor_cores, table, T)):
         return _moe_experts_4bit_pairs(x, ids, weights, table, int8_activations, bufs, act, ypair, residual=residual,
-                                       alpha=alpha, fuse_combine=fuse_combine, out=out)
+                                       alpha=alpha, out=out)
     a8_decode = int8_activations and not use_gemm
     if a8_decode:        # x rounded to int8 by the dispatch launch
         cp = _cupy()
