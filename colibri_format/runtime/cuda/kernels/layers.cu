@@ -679,8 +679,9 @@ struct RowNorm {
 // NORM: y = rmsnorm(x) @ W.T = rsqrt(mean(x^2) + eps) * ((x * gamma) @ W.T): the inverse norm is a factor of each
 // output, so every warp dots x * gamma while it sums x^2 over its slice (the x it loads anyway), and the item's first
 // warp scales the sum once the slices' squares have met. The rmsnorm launch before the product goes (a dependent
-// kernel of ~2 us a layer in a decode step's graph); item 0's first warp also stores the normed rows to x_out, as
-// `rmsnorm` would, for the products that read them later (a gated attention output).
+// kernel of ~2 us a layer in a decode step's graph); the items' first warps also store the normed rows to x_out (a
+// float4 a lane, spread over the items: one warp storing them all took ~16 dependent rounds of loads at the tail),
+// as `rmsnorm` would, for the products that read them later (a gated attention output).
 template <typename TW, int TOK, int ROWS, int UNROLL, bool NORM = false>
 __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, const typename TW::storage* __restrict__ w,
                                                 const float* __restrict__ bias, float* __restrict__ y, int T, int N,
@@ -759,17 +760,16 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
         if constexpr (NORM) s *= inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
         if (j < T && r0 + q >= item * ROWS) y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
     }
-    if constexpr (NORM) {
-        if (item != 0) return;
-        for (int j = 0; j < T; ++j) {
+    if constexpr (NORM) {   // the normed rows, a float4 a lane over the items' first warps (one round of loads)
+        const int quads = K / 4, stride = (N + ROWS - 1) / ROWS * 32;     // K % 8 == 0 (ops.dense_gemv_normed)
+        for (int i = item * 32 + lane; i < T * quads; i += stride) {
+            const int j = i / quads, c = (i - j * quads) * 4;
             const float inv = inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
-            for (int c = lane * 4; c < K; c += 128) {       // K % 8 == 0 (ops.dense_gemv_normed)
-                float xv[4], gv[4];
-                load_floats<4>(x + (size_t)j * K + c, xv);
-                load_floats<4>(norm.gamma + c, gv);
-                *reinterpret_cast<float4*>(norm.x_out + (size_t)j * K + c) =
-                    make_float4(xv[0] * inv * gv[0], xv[1] * inv * gv[1], xv[2] * inv * gv[2], xv[3] * inv * gv[3]);
-            }
+            float xv[4], gv[4];
+            load_floats<4>(x + (size_t)j * K + c, xv);
+            load_floats<4>(norm.gamma + c, gv);
+            *reinterpret_cast<float4*>(norm.x_out + (size_t)j * K + c) =
+                make_float4(xv[0] * inv * gv[0], xv[1] * inv * gv[1], xv[2] * inv * gv[2], xv[3] * inv * gv[3]);
         }
     }
 }
