@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS, NORMED_GEMV_MAX_ROWS
 from colibri_format.runtime.dense import fused_dense_tensors
 
 GEMV_PASS_ROWS = max(DG_PLANS)         # rows of one dense_gemv launch (it reads each weight once per pass)
@@ -78,18 +78,15 @@ class DeviceDense:
         return T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4
 
     def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
-        """out [T, N] f32 = rmsnorm(h; norm) @ W.T (+ bias) and x_out [T, K] f32 = rmsnorm(h): decode-sized batches
-        in one `dense_gemv_normed` launch a pass (the norm folded into the product), larger ones norm then `linear`."""
+        """out [T, N] f32 = rmsnorm(h; norm) @ W.T (+ bias) and x_out [T, K] f32 = rmsnorm(h): up to
+        `NORMED_GEMV_MAX_ROWS` rows in one `dense_gemv_normed` launch (the norm folded into the product), more
+        rows norm then `linear`."""
         w = self.arrays[name]
-        if not self._gemv_rows(h, w):
+        if h.shape[0] > NORMED_GEMV_MAX_ROWS or not self._gemv_rows(h, w):
             self.be.rmsnorm(h, self.arrays[norm], eps, out=x_out)
             return self.linear(x_out, name, bias, out)
         b = self.f32(bias) if bias is not None else None
-        for t0 in range(0, h.shape[0], GEMV_PASS_ROWS):
-            t1 = min(h.shape[0], t0 + GEMV_PASS_ROWS)
-            self.be.ops.dense_gemv_normed(h[t0:t1], self.f32(norm), eps, w, x_out=x_out[t0:t1], bias=b,
-                                          out=out[t0:t1])
-        return out
+        return self.be.ops.dense_gemv_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
 
     def linear(self, x, name: str, bias: str | None, out):
         """out [T, N] f32 = x [T, K] f32 @ W.T (+ bias)."""

@@ -33,10 +33,15 @@ ROUTER_WIDTHS = (32, 64, 128, 256, 512)     # kernels moe_router_<dtype>_e<width
 ROUTER_MAX_E = ROUTER_WIDTHS[-1]
 ROUTER_MAX_K = WARP
 # router.cu's add_rmsnorm_route (the post-attention add + norm and the router in one launch) runs passes of up to
-# this many rows, the decode steps a graph captures; larger passes (prefill) run add_rmsnorm then the router, as
-# each of a token group's ceil(E / ROUTER_EPB) blocks re-reads the rows of h and o that add_rmsnorm reads once. Its
+# this many rows; larger passes run add_rmsnorm then the router, as each of a token group's ceil(E / ROUTER_EPB)
+# blocks re-reads the rows of h and o that add_rmsnorm reads once: on Qwen3-30B-A3B it saved ~27 us a step at one
+# token and cost ~29 more at eight (docs/benchmarks.md, session 20). Its
 # h and x equal add_rmsnorm's bit for bit while ROUTER_THREADS == FUSED_THREADS (the same sums in the same order).
-NORM_ROUTE_MAX_ROWS = 32
+NORM_ROUTE_MAX_ROWS = 1
+# DeviceDense.normed_linear folds the input norm into the q|k|v product (dense_gemv_normed) for passes of up to this
+# many rows: at one token it saves ~16 us a Qwen3-30B-A3B step, at eight its x^2 and gamma work cost 426 us more
+# than the rmsnorm launches it removed (docs/benchmarks.md, session 20)
+NORMED_GEMV_MAX_ROWS = 1
 # dispatch.cu: one block; per-warp expert counts in shared memory
 DISPATCH_THREADS = 512
 DISPATCH_MAX_E = 512
