@@ -647,14 +647,11 @@ __device__ __forceinline__ float dot16(uint4 v, const float* xv) {
     return s;
 }
 
-// n floats (n % 4 == 0) from a 16-byte aligned address, read-only path
+// n floats (n % 4 == 0) from a 16-byte aligned address, read-only path (common.cuh's ldg4_f32, n / 4 times)
 template <int N>
 __device__ __forceinline__ void load_floats(const float* __restrict__ p, float* v) {
 #pragma unroll
-    for (int e = 0; e < N; e += 4) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(p + e));
-        v[e] = a.x; v[e + 1] = a.y; v[e + 2] = a.z; v[e + 3] = a.w;
-    }
+    for (int e = 0; e < N; e += 4) ldg4_f32<TF32>(p + e, v + e);
 }
 
 // rsqrt(mean + eps) of a row from its slices' sums of squares (squares[p * stride], p < splits: added in slice order)
@@ -768,8 +765,9 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
             float xv[4], gv[4];
             load_floats<4>(x + (size_t)j * K + c, xv);
             load_floats<4>(norm.gamma + c, gv);
-            *reinterpret_cast<float4*>(norm.x_out + (size_t)j * K + c) =
-                make_float4(xv[0] * inv * gv[0], xv[1] * inv * gv[1], xv[2] * inv * gv[2], xv[3] * inv * gv[3]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xv[q] = rms_scaled(xv[q], inv, gv[q], 0.0f);   // rmsnorm's expression
+            store4_f32<TF32>(norm.x_out + (size_t)j * K + c, xv);
         }
     }
 }
