@@ -39,8 +39,9 @@ ROUTER_MAX_K = WARP
 # h and x equal add_rmsnorm's bit for bit while ROUTER_THREADS == FUSED_THREADS (the same sums in the same order).
 NORM_ROUTE_MAX_ROWS = 1
 # DeviceDense.normed_linear folds the input norm into the q|k|v product (dense_gemv_normed) for passes of up to this
-# many rows: at one token it saves ~16 us a Qwen3-30B-A3B step, at eight its x^2 and gamma work cost 426 us more
-# than the rmsnorm launches it removed (docs/benchmarks.md, session 20)
+# many rows: at one token it saves ~16 us a Qwen3-30B-A3B step; at eight it took 1158.5 us against ~733 for the plain
+# product, ~322 us more than the product and the rmsnorm launches (103.4 us) it replaced (docs/benchmarks.md,
+# session 20)
 NORMED_GEMV_MAX_ROWS = 1
 # dispatch.cu: one block; per-warp expert counts in shared memory
 DISPATCH_THREADS = 512
