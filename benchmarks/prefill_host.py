@@ -1,0 +1,151 @@
+"""Where a prefill's wall time goes on the CUDA engine: the host issuing the pass, the device running it, and the
+same pass replayed from a CUDA graph (the device alone, no host in the way) (issue 15).
+
+    PYTHONPATH=. python benchmarks/prefill_host.py --out OUT_DIR [--shapes qwen3,olmoe,mixtral] [--tokens 512]
+
+Per shape (decode_profile.SHAPES at full depth, real vocabularies): a synthetic file (`write_synthetic(
+reuse_expert=True)`, bf16 dense, int8 experts) in --dir, one Engine with EngineConfig's defaults, and per prompt
+length, after a warm-up (medians of --repeats):
+- wall: `Engine.infer` (host logits, so it includes the sync);
+- issue: the host's time to queue the same pass (`Engine._prefill_fresh`, which returns device logits) and the
+  wall of that pass once synchronized: issue ~ wall means the host is what the device waits for;
+- graph: the pass (`Decoder.run` on one workspace, its buffers made by an eager run first) captured as a CUDA graph
+  and replayed, timed with events: the device's own time for the pass (capture fails on routes that read counts on
+  the host, e.g. the cuBLAS W8A8 expert products; the reason is printed);
+- a cProfile of one more `infer`: the functions with the most time of their own.
+The file is deleted after its shape. Writes prefill_host.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile import SHAPES  # noqa: E402
+from prefill_engine import model_of  # noqa: E402
+from synthetic_decode import write_timed  # noqa: E402
+
+PROFILE_ROWS = 25
+
+
+def log(msg: str) -> None:
+    print(f"[prefill_host {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def issue_and_wall(eng, prompt: list[int], repeats: int) -> tuple[float, float]:
+    """Medians (ms) of the host's time to queue one fresh prefill and of that prefill's wall once synchronized."""
+    chunks = [np.asarray(prompt, np.int64)]
+    issue, wall = [], []
+    for _ in range(repeats):
+        eng.be.synchronize()
+        t0 = time.perf_counter()
+        eng._prefill_fresh(chunks)
+        t1 = time.perf_counter()
+        eng.be.synchronize()
+        issue.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(issue), 1e3 * statistics.median(wall)
+
+
+def graph_replay(eng, prompt: list[int], repeats: int) -> dict:
+    """The pass captured and replayed: the device's time alone (ms), or why it cannot be captured."""
+    from colibri_format.runtime.forward import StepInputs, Workspace, host_step, make_kv
+
+    be, T = eng.be, len(prompt)
+    host = host_step(eng.args, [np.asarray(prompt, np.int64)], [0], [0], False)
+    with eng.stream:
+        kv = make_kv(be, eng.args, 1, T)
+        inp = StepInputs(be, T, eng.half)
+        inp.fill(host, eng.stream)
+        rows = be.to_device(host.out_rows)
+        ws = Workspace(be)
+
+        def run():
+            return eng.decoder.run(inp, kv, ws, T, rows, max_len=T)
+
+        run()                       # makes every workspace buffer and plan
+        be.synchronize()
+        ws.frozen = True
+        try:
+            graph = be.capture(eng.stream, run)
+        except Exception as exc:  # noqa: BLE001 -- report why and go on
+            return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        finally:
+            ws.frozen = False
+        times = []
+        for _ in range(repeats + 1):
+            start = be.timing_event(eng.stream)
+            be.launch(graph, eng.stream)
+            end = be.timing_event(eng.stream)
+            times.append(be.elapsed_ms(start, end))
+    return {"ms": statistics.median(times[1:])}
+
+
+def host_profile(eng, prompt: list[int]) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.runcall(eng.infer, [prompt])
+    stats = pstats.Stats(prof).stats
+    rows = sorted(({"function": f"{Path(f).name}:{line}:{fn}", "calls": nc, "own_ms": 1e3 * tt, "cum_ms": 1e3 * ct}
+                   for (f, line, fn), (_, nc, tt, ct, _) in stats.items()), key=lambda r: -r["own_ms"])
+    return rows[:60]
+
+
+def measure(path: Path, tokens: list[int], repeats: int) -> dict:
+    from colibri_format.runtime import Engine, EngineConfig
+
+    out = {}
+    with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 8, verify="never")) as eng:
+        for n in tokens:
+            prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
+            eng.infer([prompt])
+            walls = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                eng.infer([prompt])
+                walls.append(time.perf_counter() - t0)
+            issue, wall = issue_and_wall(eng, prompt, repeats)
+            r = {"infer_ms": 1e3 * statistics.median(walls), "issue_ms": issue, "pass_wall_ms": wall,
+                 "graph": graph_replay(eng, prompt, repeats), "profile": host_profile(eng, prompt)}
+            out[str(n)] = r
+            g = r["graph"]
+            log(f"{n} tokens: infer {r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, done in {wall:.1f}; "
+                + (f"graph replay {g['ms']:.1f} ms" if "ms" in g else f"graph: {g['error']}"))
+            for row in r["profile"][:PROFILE_ROWS]:
+                log(f"  {row['function'][:64]:<64}{row['calls']:>7}{row['own_ms']:>9.2f} ms{row['cum_ms']:>9.2f} ms")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="qwen3,olmoe,mixtral", help=f"comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--tokens", default="512")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
+    a = ap.parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    results = {}
+    for name in a.shapes.split(","):
+        path = Path(a.dir) / f"prefill_host_{name}.colibri"
+        try:
+            write_timed(path, model_of(SHAPES[name]), log)
+            results[name] = measure(path, tokens, a.repeats)
+        finally:
+            path.unlink(missing_ok=True)
+        (out_dir / "prefill_host.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
