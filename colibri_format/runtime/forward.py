@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from colibri_format.runtime.rope import cos_sin_half, inv_frequencies
+from colibri_format.runtime.rope import cos_sin_rows
 
 
 class Workspace:
@@ -117,8 +117,7 @@ class HostStep:
 
 def rope_rows(args, positions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [T, rot/2] for the rows of each sequence (frequencies at each sequence's total length)."""
-    tables = [cos_sin_half(p, *inv_frequencies(args.rope, args.rope_head_dim, args.max_pos, int(p[-1]) + 1))
-              for p in positions]
+    tables = [cos_sin_rows(args.rope, args.rope_head_dim, args.max_pos, p) for p in positions]
     cos = np.concatenate([t[0] for t in tables])
     sin = np.concatenate([t[1] for t in tables])
     return np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)

@@ -9,7 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from colibri_format.errors import UnsupportedModel
 from colibri_format.runtime.numpy_backend import rope
-from colibri_format.runtime.rope import cos_sin_half, inv_frequencies
+from colibri_format.runtime import rope as rope_module
+from colibri_format.runtime.rope import cos_sin_half, cos_sin_rows, inv_frequencies
 
 HEAD_DIM, MAX_POS = 16, 64
 CASES = {
@@ -83,3 +84,28 @@ def test_partial_rotary_passes_the_tail_through():
     cos, sin = cos_sin_half(np.arange(4), *inv_frequencies(partial, HEAD_DIM, MAX_POS, 4))
     assert cos.shape == (4, HEAD_DIM // 4)        # a value a rotated pair: a quarter of the head
     np.testing.assert_array_equal(rope(x.copy(), np.arange(4), cos, sin)[..., HEAD_DIM // 2:], x[..., HEAD_DIM // 2:])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("start, rows", [(0, 1), (0, 5), (0, 300), (3, 200), (130, 1), (5000, 1), (4096, 40)])
+def test_cos_sin_rows_equal_the_direct_computation_bit_for_bit(case, start, rows):
+    rope = colibri_rope(CASES[case])
+    positions = start + np.arange(rows)
+    cos, sin = cos_sin_rows(rope, HEAD_DIM, MAX_POS, positions)
+    ref_cos, ref_sin = cos_sin_half(positions, *inv_frequencies(rope, HEAD_DIM, MAX_POS, start + rows))
+    assert cos.dtype == sin.dtype == np.float32
+    np.testing.assert_array_equal(cos, ref_cos)
+    np.testing.assert_array_equal(sin, ref_sin)
+    cos[...] = 0.0                                              # a copy: the table behind it is untouched
+    np.testing.assert_array_equal(cos_sin_rows(rope, HEAD_DIM, MAX_POS, positions)[0], ref_cos)
+
+
+def test_a_prefill_reads_one_table_and_a_far_decode_row_builds_none():
+    rope_module._table.cache_clear()
+    rope = colibri_rope(CASES["default"])
+    cos_sin_rows(rope, HEAD_DIM, MAX_POS, np.arange(512))
+    cos_sin_rows(rope, HEAD_DIM, MAX_POS, np.arange(500))       # the same table again
+    assert rope_module._table.cache_info().currsize == 1 and rope_module._table.cache_info().hits == 1
+    cos_sin_rows(rope, HEAD_DIM, MAX_POS, np.array([100_000]))  # a table of 2^17 rows for one row: computed directly
+    cos_sin_rows(colibri_rope(CASES["dynamic"]), HEAD_DIM, MAX_POS, np.arange(512))   # length-dependent frequencies
+    assert rope_module._table.cache_info().currsize == 1
