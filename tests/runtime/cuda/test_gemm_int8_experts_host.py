@@ -21,6 +21,7 @@ class HostArray:
     def __init__(self, a: np.ndarray) -> None:
         self.host = np.ascontiguousarray(a)
         self.dtype, self.shape, self.ndim, self.flags = self.host.dtype, self.host.shape, self.host.ndim, self.host.flags
+        self._c_contiguous = self.host.flags.c_contiguous      # what ops._check reads (CuPy's own attribute)
         self.data = types.SimpleNamespace(ptr=self.host.ctypes.data, device_id=0)
 
     @property
