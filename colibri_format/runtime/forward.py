@@ -46,15 +46,25 @@ class KVBuffers:
 
     def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int,
                  linear: frozenset = frozenset(), linear_dims: dict | None = None, latent: int = 0) -> None:
-        shape = (seqs, capacity, kv_heads, head_dim)
         self.seqs, self.capacity = seqs, capacity
         if latent:
-            self.keys = [be.zeros((seqs, capacity, latent)) for _ in range(num_layers)]
+            self.keys = self._layers(be, range(num_layers), num_layers, (seqs, capacity, latent))
             self.values = [None] * num_layers
         else:
-            self.keys = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
-            self.values = [None if i in linear else be.zeros(shape) for i in range(num_layers)]
+            attn = [i for i in range(num_layers) if i not in linear]
+            shape = (seqs, capacity, kv_heads, head_dim)
+            self.keys = self._layers(be, attn, num_layers, shape)
+            self.values = self._layers(be, attn, num_layers, shape)
         self.state = RecurrentState(be, sorted(linear), seqs, linear_dims) if linear else None
+
+    @staticmethod
+    def _layers(be, layers, num_layers: int, shape: tuple) -> list:
+        """Zeroed [shape] arrays of `layers` (None for the others): views of one allocation, zeroed at once (a
+        fresh prefill makes these buffers: one zeroing launch instead of two a layer)."""
+        layers = list(layers)
+        block = be.zeros((len(layers), *shape))
+        views = dict(zip(layers, block))
+        return [views.get(i) for i in range(num_layers)]
 
     def move(self, src: int, dst: int, length: int | None = None) -> None:
         """Sequence `src` copied into sequence `dst` (colibri serve compacting its slots): its cache rows of positions
