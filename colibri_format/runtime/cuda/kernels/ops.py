@@ -88,6 +88,21 @@ def kernel(module_name: str, function: str):
     return _FUNCTIONS[key]
 
 
+_SHARED_OPT_IN: dict[int, tuple[Any, int]] = {}     # id(fn) -> (fn, the dynamic shared bytes it was opted in to);
+                                                    # holding fn keeps its id from naming another function
+
+
+def _opted_in(fn, shared_bytes: int):
+    """fn, allowed `shared_bytes` of dynamic shared memory (beyond 48 KB a kernel must opt in): the driver is asked
+    once per function and size, not at every launch (a cuFuncGetAttribute call each time)."""
+    known = _SHARED_OPT_IN.get(id(fn))
+    if known is None or known[1] < shared_bytes:
+        if fn.max_dynamic_shared_size_bytes < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = shared_bytes
+        _SHARED_OPT_IN[id(fn)] = (fn, shared_bytes)
+    return fn
+
+
 # used only by eager passes (prefill), compiled at their first call
 EAGER_MODULES = ("attention_prefill", "moe_gemm_cublas")
 
@@ -695,10 +710,8 @@ def _check_fast(activations: str, table: ExpertTable, disp: Dispatch) -> None:
 
 def _fast_launch(stage: str, activations: str, disp: Dispatch, grid_x: int, args: tuple) -> None:
     """Launches a moe_gemm_fast.cu kernel with its dynamic shared memory (opted in beyond 48 KB)."""
-    fn = kernel("moe_gemm_fast", f"moe_gemm_fast_{stage}_{activations}")
     smem = fast_gemm_shared_bytes(activations)
-    if fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
+    fn = _opted_in(kernel("moe_gemm_fast", f"moe_gemm_fast_{stage}_{activations}"), smem)
     fn((grid_x, int(disp.tile_expert.size)), (FAST_THREADS,), args, shared_mem=smem)
 
 
@@ -1329,10 +1342,8 @@ def attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window
     _check("plan", plan, dtype=np.int32, ndim=2)
     if plan.shape[1] != limits.FA_PLAN_FIELDS:
         raise ValueError(f"plan must be [tiles, {limits.FA_PLAN_FIELDS}], got {tuple(plan.shape)}")
-    fn = kernel("attention_prefill", f"attention_prefill_{dtype_code(k_cache)}_hd{hd}")
     smem = limits.prefill_attention_shared_bytes(hd, dtype_code(k_cache))
-    if fn.max_dynamic_shared_size_bytes < smem:     # above 48 KB a kernel must opt in
-        fn.max_dynamic_shared_size_bytes = smem
+    fn = _opted_in(kernel("attention_prefill", f"attention_prefill_{dtype_code(k_cache)}_hd{hd}"), smem)
     if plan.shape[0]:
         fn((plan.shape[0], nkv), (limits.FA_THREADS,),
            (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), plan, o, np.int32(nh), np.int32(nkv), np.int32(cap),
