@@ -119,11 +119,14 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _sm_count() -> int:
+    """The current device's multiprocessors (a Device object is built only on a device's first call: most launches
+    size their grid with it)."""
     cp = _cupy()
-    dev = cp.cuda.Device()
-    if dev.id not in _SM_COUNT:
-        _SM_COUNT[dev.id] = int(dev.attributes["MultiProcessorCount"])
-    return _SM_COUNT[dev.id]
+    dev = cp.cuda.runtime.getDevice()
+    count = _SM_COUNT.get(dev)
+    if count is None:
+        count = _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return count
 
 
 def _grid_stride_blocks(n: int, threads: int = 256) -> int:
