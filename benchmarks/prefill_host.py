@@ -9,11 +9,16 @@ length, after a warm-up (medians of --repeats):
 - wall: `Engine.infer` (host logits, so it includes the sync);
 - issue: the host's time to queue the same pass (`Engine._prefill_fresh`, which returns device logits) and the
   wall of that pass once synchronized: issue ~ wall means the host is what the device waits for;
+- device: the same pass queued behind a kernel that holds the stream for SPIN_MS, timed with events from the end of
+  that kernel to the end of the pass: the device's own time, the host out of the way (valid when the host queued
+  the whole pass within SPIN_MS, which is printed: a pass that reads counts on the host, e.g. the cuBLAS W8A8
+  expert products, waits for the device and is flagged);
 - graph: the pass (`Decoder.run` on one workspace, its buffers made by an eager run first) captured as a CUDA graph
-  and replayed, timed with events: the device's own time for the pass (capture fails on routes that read counts on
-  the host, e.g. the cuBLAS W8A8 expert products; the reason is printed);
-- a cProfile of one more `infer`: the functions with the most time of their own.
-The file is deleted after its shape. Writes prefill_host.json to --out.
+  and replayed (capture fails where the pass calls cuBLAS, the dense products of a prefill; the reason is printed);
+- unless --no-profile, a cProfile of one more `infer`: the functions with the most time of their own.
+--fast-gemm names the backend's `fast_expert_gemm` values to time (each switched on the open engine; "defaults":
+EngineConfig's). The file is deleted after its shape unless --keep (an existing file of that name is then reused:
+two trees can be timed on one file, each in its own process). Writes prefill_host.json to --out.
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ from prefill_engine import model_of  # noqa: E402
 from synthetic_decode import write_timed  # noqa: E402
 
 PROFILE_ROWS = 25
+SPIN_MS = 300        # how long the stream is held while the host queues the pass (longer than any queueing here)
+SPIN_SOURCE = r'''
+extern "C" __global__ void hold_stream(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+'''
 
 
 def log(msg: str) -> None:
@@ -54,6 +67,27 @@ def issue_and_wall(eng, prompt: list[int], repeats: int) -> tuple[float, float]:
         issue.append(t1 - t0)
         wall.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(issue), 1e3 * statistics.median(wall)
+
+
+def device_time(eng, prompt: list[int], repeats: int) -> dict:
+    """Medians (ms) of the pass's device time with the host out of the way, and of the host's queueing time then."""
+    import cupy
+
+    hold = cupy.RawKernel(SPIN_SOURCE, "hold_stream")
+    chunks = [np.asarray(prompt, np.int64)]
+    device, queued = [], []
+    for _ in range(repeats):
+        eng.be.synchronize()
+        with eng.stream:
+            hold((1,), (1,), (np.uint64(SPIN_MS * 1_000_000),))
+            start = eng.be.timing_event(eng.stream)
+        t0 = time.perf_counter()
+        eng._prefill_fresh(chunks)
+        queued.append(time.perf_counter() - t0)
+        end = eng.be.timing_event(eng.stream)
+        device.append(eng.be.elapsed_ms(start, end))
+    q = 1e3 * statistics.median(queued)
+    return {"ms": statistics.median(device), "queued_ms": q, "host_waited": q > 0.8 * SPIN_MS}
 
 
 def graph_replay(eng, prompt: list[int], repeats: int) -> dict:
@@ -99,28 +133,40 @@ def host_profile(eng, prompt: list[int]) -> list[dict]:
     return rows[:60]
 
 
-def measure(path: Path, tokens: list[int], repeats: int) -> dict:
+def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool) -> dict:
     from colibri_format.runtime import Engine, EngineConfig
 
     out = {}
     with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 8, verify="never")) as eng:
-        for n in tokens:
-            prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
+        default = eng.be.fast_expert_gemm
+        for fast in fast_gemms:
+            eng.be.fast_expert_gemm = default if fast == "defaults" else fast
+            out[fast] = measure_engine(eng, tokens, repeats, profile)
+    return out
+
+
+def measure_engine(eng, tokens: list[int], repeats: int, profile: bool) -> dict:
+    out = {}
+    for n in tokens:
+        prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
+        eng.infer([prompt])
+        walls = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
             eng.infer([prompt])
-            walls = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                eng.infer([prompt])
-                walls.append(time.perf_counter() - t0)
-            issue, wall = issue_and_wall(eng, prompt, repeats)
-            r = {"infer_ms": 1e3 * statistics.median(walls), "issue_ms": issue, "pass_wall_ms": wall,
-                 "graph": graph_replay(eng, prompt, repeats), "profile": host_profile(eng, prompt)}
-            out[str(n)] = r
-            g = r["graph"]
-            log(f"{n} tokens: infer {r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, done in {wall:.1f}; "
-                + (f"graph replay {g['ms']:.1f} ms" if "ms" in g else f"graph: {g['error']}"))
-            for row in r["profile"][:PROFILE_ROWS]:
-                log(f"  {row['function'][:64]:<64}{row['calls']:>7}{row['own_ms']:>9.2f} ms{row['cum_ms']:>9.2f} ms")
+            walls.append(time.perf_counter() - t0)
+        issue, wall = issue_and_wall(eng, prompt, repeats)
+        r = {"infer_ms": 1e3 * statistics.median(walls), "issue_ms": issue, "pass_wall_ms": wall,
+             "device": device_time(eng, prompt, repeats), "graph": graph_replay(eng, prompt, repeats),
+             "profile": host_profile(eng, prompt) if profile else []}
+        out[str(n)] = r
+        g, d = r["graph"], r["device"]
+        log(f"{eng.be.fast_expert_gemm} {n} tokens: infer {r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, "
+            f"done in {wall:.1f}; device alone {d['ms']:.1f} ms (queued in {d['queued_ms']:.1f}"
+            f"{', the host waited on the device' if d['host_waited'] else ''}); "
+            + (f"graph replay {g['ms']:.1f} ms" if "ms" in g else f"graph: {g['error'][:60]}"))
+        for row in r["profile"][:PROFILE_ROWS]:
+            log(f"  {row['function'][:64]:<64}{row['calls']:>7}{row['own_ms']:>9.2f} ms{row['cum_ms']:>9.2f} ms")
     return out
 
 
@@ -131,6 +177,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
+    ap.add_argument("--fast-gemm", default="defaults", help="comma list of fast_expert_gemm values, or 'defaults'")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
+    ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,10 +188,12 @@ def main() -> int:
     for name in a.shapes.split(","):
         path = Path(a.dir) / f"prefill_host_{name}.colibri"
         try:
-            write_timed(path, model_of(SHAPES[name]), log)
-            results[name] = measure(path, tokens, a.repeats)
+            if not (a.keep and path.exists()):
+                write_timed(path, model_of(SHAPES[name]), log)
+            results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile)
         finally:
-            path.unlink(missing_ok=True)
+            if not a.keep:
+                path.unlink(missing_ok=True)
         (out_dir / "prefill_host.json").write_text(json.dumps(results, indent=1))
     return 0
 
