@@ -62,7 +62,7 @@ class EngineConfig:
                                               # than 32 rows ('split' below); 'auto': 'int8'
                                               # where an expert's mean work reaches limits.
                                               # W8A8_MIN_EXPERT_MACS (Mixtral from ~20 tokens, Qwen3 from
-                                              # ~3000, OLMoE from ~1200), else 'split'; None: moe_gemm.cu's
+                                              # ~410, OLMoE from ~160), else 'split'; None: moe_gemm.cu's
                                               # 64x64 tc kernel
     cublas_expert_gemm: bool | None = None    # CUDA: that GEMM as cuBLAS bf16 products of widened int8 experts
                                               # (moe_gemm_cublas.cu, same activations); None: for experts

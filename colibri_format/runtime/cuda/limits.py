@@ -86,11 +86,13 @@ CUBLAS_MIN_EXPERT_MACS = 12_000_000_000
 # 'int8' pass below it runs moe_gemm_fast.cu's s8 MMAs (Qwen3 512 tokens: 31.9 ms; not yet placed against them).
 CUBLAS_INT8_MIN_EXPERT_MACS = 3_700_000_000
 # 'auto' rounds a pass to W8A8 (below CUBLAS_INT8_MIN_EXPERT_MACS: the pipelined kernel's s8 MMAs) from this mean
-# work an expert matrix. Full-depth prefill on the H200, 'int8' against 'split', ms (docs/benchmarks.md, session 15):
+# work an expert matrix. Full-depth prefill on the H200 (docs/benchmarks.md): session 15, 'int8' against 'split', ms:
 # Mixtral 128 tokens (1.9e9 a matrix) 27.8 vs 49.7; Qwen3 4096 (4.0e8) 211.0 vs 283.4; OLMoE 4096 (1.1e9) 76.4 vs
-# 107.1; below it no gain: OLMoE 512 (1.3e8) 17.2 vs 15.5, 128 (3.4e7) 14.8 vs 14.1, Qwen3 512 (5.0e7) 52.5 vs 50.7.
+# 107.1. Below ~3e8 those walls showed no gain because the host, not the device, set them; session 21 timed the
+# device alone (benchmarks/prefill_host.py): Qwen3 512 tokens (5.0e7) 27.3 vs 40.5 ms (wall 33.6 vs 43.2), OLMoE 512
+# (1.3e8) 7.5 vs 12.8 (wall 15.5 vs 15.1: host-bound either way). Smaller passes are not timed: kept on 'split'.
 # Tiny test models (H I ~ 1e4) never reach it, so their float parity tests keep 'split' (W8A8 has its own tests).
-W8A8_MIN_EXPERT_MACS = 300_000_000
+W8A8_MIN_EXPERT_MACS = 40_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at

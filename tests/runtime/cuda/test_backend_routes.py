@@ -65,11 +65,13 @@ def test_auto_takes_w8a8_from_the_measured_mean_work():
 
 
 def test_auto_keeps_small_experts_grouped_scales_and_extras_on_the_pipelined_kernel():
-    """Qwen3's 128 small experts: W8A8 (the pipelined kernel's s8 MMAs) at 4096 tokens, where it was measured
-    faster, float activations at 512, where it was not; the cuBLAS route would need ~300k pairs (its per-expert
-    calls cost more than they save there). Grouped scales and gpt-oss's extras have no W8A8 route."""
+    """Qwen3's 128 small experts: W8A8 (the pipelined kernel's s8 MMAs) at 4096 and 512 tokens, where its device
+    time was measured shorter, float activations at 256 and below (not timed); the cuBLAS route would need ~300k
+    pairs (its per-expert calls cost more than they save there). Grouped scales and gpt-oss's extras have no W8A8
+    route."""
     assert route("auto", None, 4096, pairs=4096 * 8, experts=table(**QWEN3)) == ("int8", None)
-    assert route("auto", None, 512, pairs=512 * 8, experts=table(**QWEN3)) == ("split", None)
+    assert route("auto", None, 512, pairs=512 * 8, experts=table(**QWEN3)) == ("int8", None)
+    assert route("auto", None, 256, pairs=256 * 8, experts=table(**QWEN3)) == ("split", None)
     assert pairs_at_threshold(QWEN3) > 200_000
     grouped = table(**MIXTRAL, group_size=128)
     assert route("auto", None, 4096, pairs=8192, experts=grouped) == ("split", None)
