@@ -1,5 +1,5 @@
-"""Where a prefill's wall time goes on the CUDA engine: the host issuing the pass, the device running it, and the
-same pass replayed from a CUDA graph (the device alone, no host in the way) (issue 15).
+"""Where a prefill's wall time goes on the CUDA engine: the host issuing the pass and the device running it, alone
+and with the host in the way (issue 15).
 
     PYTHONPATH=. python benchmarks/prefill_host.py --out OUT_DIR [--shapes qwen3,olmoe,mixtral] [--tokens 512]
 
@@ -13,9 +13,10 @@ length, after a warm-up (medians of --repeats):
   that kernel to the end of the pass: the device's own time, the host out of the way (valid when the host queued
   the whole pass within SPIN_MS, which is printed: a pass that reads counts on the host, e.g. the cuBLAS W8A8
   expert products, waits for the device and is flagged);
-- graph: the pass (`Decoder.run` on one workspace, its buffers made by an eager run first) captured as a CUDA graph
-  and replayed (capture fails where the pass calls cuBLAS, the dense products of a prefill; the reason is printed);
-- unless --no-profile, a cProfile of one more `infer`: the functions with the most time of their own.
+- unless --no-profile, a cProfile of one more `infer` (`prefill_engine.prefill_host_profile`): the functions with
+  the most time of their own.
+(A prefill cannot be captured as a CUDA graph to time the device alone: CuPy refuses the cuBLAS calls of its dense
+products during a capture.)
 --fast-gemm names the backend's `fast_expert_gemm` values to time (each switched on the open engine; "defaults":
 EngineConfig's). The file is deleted after its shape unless --keep (an existing file of that name is then reused:
 two trees can be timed on one file, each in its own process). Writes prefill_host.json to --out.
@@ -24,9 +25,7 @@ two trees can be timed on one file, each in its own process). Writes prefill_hos
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -36,10 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import SHAPES  # noqa: E402
-from prefill_engine import model_of  # noqa: E402
+from prefill_engine import model_of, prefill_host_profile  # noqa: E402
 from synthetic_decode import write_timed  # noqa: E402
 
-PROFILE_ROWS = 25
 SPIN_MS = 300        # how long the stream is held while the host queues the pass (longer than any queueing here)
 SPIN_SOURCE = r'''
 extern "C" __global__ void hold_stream(unsigned long long ns) {
@@ -90,49 +88,6 @@ def device_time(eng, prompt: list[int], repeats: int) -> dict:
     return {"ms": statistics.median(device), "queued_ms": q, "host_waited": q > 0.8 * SPIN_MS}
 
 
-def graph_replay(eng, prompt: list[int], repeats: int) -> dict:
-    """The pass captured and replayed: the device's time alone (ms), or why it cannot be captured."""
-    from colibri_format.runtime.forward import StepInputs, Workspace, host_step, make_kv
-
-    be, T = eng.be, len(prompt)
-    host = host_step(eng.args, [np.asarray(prompt, np.int64)], [0], [0], False)
-    with eng.stream:
-        kv = make_kv(be, eng.args, 1, T)
-        inp = StepInputs(be, T, eng.half)
-        inp.fill(host, eng.stream)
-        rows = be.to_device(host.out_rows)
-        ws = Workspace(be)
-
-        def run():
-            return eng.decoder.run(inp, kv, ws, T, rows, max_len=T)
-
-        run()                       # makes every workspace buffer and plan
-        be.synchronize()
-        ws.frozen = True
-        try:
-            graph = be.capture(eng.stream, run)
-        except Exception as exc:  # noqa: BLE001 -- report why and go on
-            return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        finally:
-            ws.frozen = False
-        times = []
-        for _ in range(repeats + 1):
-            start = be.timing_event(eng.stream)
-            be.launch(graph, eng.stream)
-            end = be.timing_event(eng.stream)
-            times.append(be.elapsed_ms(start, end))
-    return {"ms": statistics.median(times[1:])}
-
-
-def host_profile(eng, prompt: list[int]) -> list[dict]:
-    prof = cProfile.Profile()
-    prof.runcall(eng.infer, [prompt])
-    stats = pstats.Stats(prof).stats
-    rows = sorted(({"function": f"{Path(f).name}:{line}:{fn}", "calls": nc, "own_ms": 1e3 * tt, "cum_ms": 1e3 * ct}
-                   for (f, line, fn), (_, nc, tt, ct, _) in stats.items()), key=lambda r: -r["own_ms"])
-    return rows[:60]
-
-
 def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool) -> dict:
     from colibri_format.runtime import Engine, EngineConfig
 
@@ -157,16 +112,13 @@ def measure_engine(eng, tokens: list[int], repeats: int, profile: bool) -> dict:
             walls.append(time.perf_counter() - t0)
         issue, wall = issue_and_wall(eng, prompt, repeats)
         r = {"infer_ms": 1e3 * statistics.median(walls), "issue_ms": issue, "pass_wall_ms": wall,
-             "device": device_time(eng, prompt, repeats), "graph": graph_replay(eng, prompt, repeats),
-             "profile": host_profile(eng, prompt) if profile else []}
-        out[str(n)] = r
-        g, d = r["graph"], r["device"]
+             "device": device_time(eng, prompt, repeats)}
+        d = r["device"]
         log(f"{eng.be.fast_expert_gemm} {n} tokens: infer {r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, "
             f"done in {wall:.1f}; device alone {d['ms']:.1f} ms (queued in {d['queued_ms']:.1f}"
-            f"{', the host waited on the device' if d['host_waited'] else ''}); "
-            + (f"graph replay {g['ms']:.1f} ms" if "ms" in g else f"graph: {g['error'][:60]}"))
-        for row in r["profile"][:PROFILE_ROWS]:
-            log(f"  {row['function'][:64]:<64}{row['calls']:>7}{row['own_ms']:>9.2f} ms{row['cum_ms']:>9.2f} ms")
+            f"{', the host waited on the device' if d['host_waited'] else ''})")
+        r["profile"] = prefill_host_profile(eng, n) if profile else []
+        out[str(n)] = r
     return out
 
 

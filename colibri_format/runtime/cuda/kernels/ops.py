@@ -1275,7 +1275,7 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         ml = acc = o  # unused
         tickets = None
     if NQ <= ATT_DECODE_MAX_ROWS:        # merges in its last block of each (row, kv head, head chunk)
-        if o.data.ptr % 16:
+        if not _aligned16(o):
             raise ValueError("out must start on a 16-byte boundary (attention_decode's merge stores float4)")
         kernel("layers", f"attention_decode_{dtype_code(k_cache)}_hd{hd}")(
             (NQ, nkv, gchunks * ns), (ATT_THREADS,),
