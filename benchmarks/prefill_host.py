@@ -15,10 +15,11 @@ length, after a warm-up (medians of --repeats):
   expert products, waits for the device and is flagged);
 - unless --no-profile, a cProfile of one more `infer` (`prefill_engine.prefill_host_profile`): the functions with
   the most time of their own.
-(A prefill cannot be captured as a CUDA graph to time the device alone: CuPy refuses the cuBLAS calls of its dense
-products during a capture.)
+With EngineConfig's defaults a fresh prompt's prefill is replayed as a CUDA graph from its bucket's second use
+(`runner.PrefillRunner`): the first two calls (eager, then capture and replay) are reported apart, the medians are
+of replays where the pass could be captured (`prefill_graphs` says which).
 --fast-gemm names the backend's `fast_expert_gemm` values to time (each switched on the open engine; "defaults":
-EngineConfig's). The file is deleted after its shape unless --keep (an existing file of that name is then reused:
+EngineConfig's), --graphs whether prefill graphs are on, off or both (each variant's JSON key says). The file is deleted after its shape unless --keep (an existing file of that name is then reused:
 two trees can be timed on one file, each in its own process). Writes prefill_host.json to --out.
 """
 
@@ -88,15 +89,21 @@ def device_time(eng, prompt: list[int], repeats: int) -> dict:
     return {"ms": statistics.median(device), "queued_ms": q, "host_waited": q > 0.8 * SPIN_MS}
 
 
-def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool) -> dict:
+def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool,
+            graphs: list[str]) -> dict:
+    import dataclasses
+
     from colibri_format.runtime import Engine, EngineConfig
 
     out = {}
-    with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 8, verify="never")) as eng:
-        default = eng.be.fast_expert_gemm
+    with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 64, verify="never")) as eng:
+        default, config = eng.be.fast_expert_gemm, eng.config
         for fast in fast_gemms:
-            eng.be.fast_expert_gemm = default if fast == "defaults" else fast
-            out[fast] = measure_engine(eng, tokens, repeats, profile)
+            for graph in graphs:        # the engine's config swapped whole (it is frozen): graphs on or off
+                eng.be.fast_expert_gemm = default if fast == "defaults" else fast
+                eng.config = dataclasses.replace(config, use_graphs=graph == "on")
+                log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}")
+                out[fast if graph == "on" else f"{fast}, graphs off"] = measure_engine(eng, tokens, repeats, profile)
     return out
 
 
@@ -104,19 +111,26 @@ def measure_engine(eng, tokens: list[int], repeats: int, profile: bool) -> dict:
     out = {}
     for n in tokens:
         prompt = np.random.default_rng(n).integers(0, eng.vocab_size, n).tolist()
-        eng.infer([prompt])
+        first = []              # the first two calls: a prefill graph's eager pass, then its capture and first replay
+        for _ in range(2):
+            t0 = time.perf_counter()
+            eng.infer([prompt])
+            first.append(1e3 * (time.perf_counter() - t0))
         walls = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             eng.infer([prompt])
             walls.append(time.perf_counter() - t0)
         issue, wall = issue_and_wall(eng, prompt, repeats)
-        r = {"infer_ms": 1e3 * statistics.median(walls), "issue_ms": issue, "pass_wall_ms": wall,
-             "device": device_time(eng, prompt, repeats)}
+        r = {"infer_ms": 1e3 * statistics.median(walls), "first_two_ms": first, "issue_ms": issue,
+             "pass_wall_ms": wall, "device": device_time(eng, prompt, repeats),
+             "prefill_graphs": eng.stats()["prefill_graphs"]}
         d = r["device"]
-        log(f"{eng.be.fast_expert_gemm} {n} tokens: infer {r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, "
+        log(f"{eng.be.fast_expert_gemm} {n} tokens: first two {first[0]:.1f}, {first[1]:.1f} ms, then infer "
+            f"{r['infer_ms']:.1f} ms; pass issued in {issue:.1f} ms, "
             f"done in {wall:.1f}; device alone {d['ms']:.1f} ms (queued in {d['queued_ms']:.1f}"
             f"{', the host waited on the device' if d['host_waited'] else ''})")
+        log(f"prefill graphs: {r['prefill_graphs']}")
         r["profile"] = prefill_host_profile(eng, n) if profile else []
         out[str(n)] = r
     return out
@@ -130,6 +144,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
     ap.add_argument("--fast-gemm", default="defaults", help="comma list of fast_expert_gemm values, or 'defaults'")
+    ap.add_argument("--graphs", default="on", help="comma list of on / off: prefill graphs (EngineConfig.use_graphs)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
     ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
@@ -142,7 +157,8 @@ def main() -> int:
         try:
             if not (a.keep and path.exists()):
                 write_timed(path, model_of(SHAPES[name]), log)
-            results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile)
+            results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile,
+                                    a.graphs.split(","))
         finally:
             if not a.keep:
                 path.unlink(missing_ok=True)

@@ -32,7 +32,8 @@ from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, 
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
 from colibri_format.runtime.inputs import check_batch, prompt_ids
 from colibri_format.runtime.rope import rotary_dim
-from colibri_format.runtime.runner import CHAIN_STEPS, DecodeRunner, capacity_for
+from colibri_format.runtime.runner import (CHAIN_STEPS, PREFILL_GRAPH_MAX_ROWS, PREFILL_GRAPHS_KEPT, DecodeRunner,
+                                           PrefillRunner, capacity_for, prefill_bucket)
 from colibri_format.runtime.sampling import Sampler, StopStrings
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
@@ -334,6 +335,7 @@ class Engine:
         self.decoder = Decoder(self.args, self.dense, self.experts, self.be)
         self.routes = _RouteLog(self.reader.model, cfg.trace_path, str(self.metadata.get("architecture", "unknown")))
         self._runners: dict[tuple[int, int], DecodeRunner] = {}
+        self._prefill_runners: dict[tuple, PrefillRunner] = {}   # (rows, id of the KV buffers or None), by recency
         self._tokenizer: Any = None
         self._step = 0
         # greedy decode steps queued at once (`DecodeRunner.chain`): 1 where the backend runs each op as it is
@@ -376,12 +378,16 @@ class Engine:
     def stats(self) -> dict:
         """Engine-level state: expert residency and paging counters, graph status, memory."""
         graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason) for (b, c), r in self._runners.items()}
+        prefill = [(f"{r.rows}" if own is None else f"{r.rows} into a decode runner",
+                    "captured" if r.graph is not None else r.reason or "eager (first use)")
+                   for (_, own), r in self._prefill_runners.items()]
         ex = self.experts
         ex.flush()
         out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
                "capacity": ex.capacity, "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
                "host_source": ex.source.mode, "host_source_note": ex.source.reason, "expert_loading": ex.loading,
-               "load_seconds": self.load_seconds, "graphs": graphs, "paging": ex.counters.as_dict()}
+               "load_seconds": self.load_seconds, "graphs": graphs, "prefill_graphs": dict(prefill),
+               "paging": ex.counters.as_dict()}
         if self.cache is not None:
             s = self.cache.stats()
             out["cache"] = {"hits": s.hits, "misses": s.misses, "evictions": s.evictions, "hit_rate": s.hit_rate}
@@ -507,6 +513,9 @@ class Engine:
 
     # --- passes -------------------------------------------------------------------------------------------
     def _prefill_fresh(self, chunks: list[np.ndarray], all_logits: bool = False):
+        runner = self._prefill_runner(chunks, None, [0] * len(chunks), [0] * len(chunks), all_logits)
+        if runner is not None:
+            return self._run_prefill_runner(runner, chunks)
         with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
             kv = make_kv(self.be, self.args, len(chunks), max(len(c) for c in chunks))
         return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
@@ -530,7 +539,11 @@ class Engine:
         return self.be.xp.concatenate([part for parts in kept for part in parts])
 
     def _prefill_pass(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):
-        """Device logits [R, V] of one packed, eager pass (R: every row, or each sequence's last)."""
+        """Device logits [R, V] of one packed pass (R: every row, or each sequence's last): a prefill runner's
+        (padded, replayed as a graph) where it may take the pass, else eager."""
+        runner = self._prefill_runner(chunks, kv, seqs, starts, all_logits)
+        if runner is not None:
+            return self._run_prefill_runner(runner, chunks)
         host = host_step(self.args, chunks, starts, seqs, all_logits)
         T = len(host.ids)
         with self.stream:
@@ -542,6 +555,37 @@ class Engine:
                 logits = self.decoder.run(inp, kv, Workspace(self.be), T, rows, max_len=int(host.pos.max()) + 1)
             finally:
                 self.decoder.route_hook = None
+            self.experts.after_pass(T)
+            return logits
+
+    def _prefill_runner(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool):
+        """The prefill runner for a pass (`runner.PrefillRunner`; kv None: one with KV of its own), or None where a
+        pass cannot take one: not one fresh sequence in slot 0, every row's logits wanted, routes read on the host
+        (traces), recurrent layers (padding would pass through their state), experts paged, no graphs, or padded
+        rows beyond PREFILL_GRAPH_MAX_ROWS, max_prefill_rows or the KV capacity."""
+        if (len(chunks) != 1 or starts != [0] or seqs != [0] or all_logits or self.args.linear_layers
+                or not self.experts.resident or self.routes.writer is not None or self.routes.observers
+                or self.graph_blocker(1) is not None):
+            return None
+        rows = prefill_bucket(len(chunks[0]))
+        limit = min(PREFILL_GRAPH_MAX_ROWS, self.config.max_prefill_rows, self.config.max_seq_len)
+        if rows > (limit if kv is None else min(limit, kv.capacity)):
+            return None
+        key = (rows, None if kv is None else id(kv))
+        runner = self._prefill_runners.pop(key, None)     # re-inserted last: the dict keeps recency order
+        if runner is None:
+            with self.stream:       # its KV zeroed on the compute stream, before any pass writes it
+                runner = PrefillRunner(self, rows, kv, None)
+        self._prefill_runners[key] = runner
+        while len(self._prefill_runners) > PREFILL_GRAPHS_KEPT:
+            del self._prefill_runners[next(iter(self._prefill_runners))]
+        return runner
+
+    def _run_prefill_runner(self, runner: PrefillRunner, chunks):
+        T = len(chunks[0])
+        with self.stream:
+            self._begin([0], chunks, [0], T)
+            logits = runner.run(np.asarray(chunks[0]))
             self.experts.after_pass(T)
             return logits
 
@@ -659,6 +703,7 @@ class Engine:
         self.closed = True
         self.routes.close()
         self._runners.clear()
+        self._prefill_runners.clear()
         self.experts.close()
         self.dense = self.decoder = None
         self.reader.close()

@@ -200,8 +200,8 @@ class Decoder:
         self.be.embedding(inp.ids[:T], self.w["embed_tokens"], mult=float(a.embedding_mult), out=h)
         for i in range(a.num_layers):
             self.block(i, h, inp, kv, ws, T, max_len or kv.capacity)
-        if out_rows is not None:
-            h = self.be.xp.take(h, out_rows, axis=0)
+        if out_rows is not None:    # into the workspace: a pass inside a graph capture allocates nothing
+            h = self.be.xp.take(h, out_rows, axis=0, out=ws.buf("h_out", (len(out_rows), a.hidden_size)))
         return self.head(h, ws)
 
     def block(self, i: int, h, inp, kv, ws, T: int, max_len: int) -> None:

@@ -1,6 +1,7 @@
 """Step runners: a decode step for B sequences over their own KV buffers (or the first B sequences of buffers shared
 with other runners), eager once, then (on a backend with graphs, when nothing in the step needs the host) captured
-as a CUDA graph and replayed with static buffers."""
+as a CUDA graph and replayed with static buffers; and a fresh prompt's prefill padded to a bucket of rows, captured
+the same way on its bucket's second use."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ from typing import Callable
 
 import numpy as np
 
-from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, make_kv, rope_rows
+from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, host_step, make_kv, rope_rows
 
 MIN_CAPACITY = 64     # KV positions of the smallest runner
 CHAIN_STEPS = 16      # greedy decode steps the engine queues at once (`DecodeRunner.chain`): the device runs them
                       # back to back; a stop token inside a chain wastes at most CHAIN_STEPS - 1 steps
+
+
+PREFILL_BUCKET_ROWS = 64       # a graphed prefill's rows: the prompt padded to a multiple of this, so prompts of
+                               # nearby lengths replay one graph (at most 63 rows of padding computed)
+PREFILL_GRAPH_MAX_ROWS = 2048  # longer prompts run eager passes: the device's work dwarfs the host's there
+PREFILL_GRAPHS_KEPT = 4        # prefill runners an engine keeps (each holds a workspace), the least recent dropped
 
 
 def capacity_for(length: int, max_seq_len: int) -> int:
@@ -116,6 +123,67 @@ class DecodeRunner:
         self.ws.frozen = True
         try:
             self.graph = eng.be.capture(eng.stream, self.run_eager)
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
+            self.graph = None
+            self.reason = f"capture failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.ws.frozen = False
+
+
+def prefill_bucket(length: int) -> int:
+    """The rows a graphed prefill of `length` prompt tokens runs on."""
+    return -(-length // PREFILL_BUCKET_ROWS) * PREFILL_BUCKET_ROWS
+
+
+class PrefillRunner:
+    """A fresh prompt's prefill (one sequence, from position 0) on `rows` rows, into sequence 0 of `kv` (capacity
+    >= rows) or into KV buffers of its own: eager on its first use, captured as a CUDA graph on the second (when
+    `reason` is None) and replayed after. The prompt is padded with token 0 at the positions after it: causal
+    attention keeps the padding out of every prompt row, its keys and values land past the prompt (where decode
+    writes before it reads), and only the last prompt row's logits are read. Models with recurrent layers are not
+    padded (the padding would run through their state): the engine does not use this runner for them."""
+
+    def __init__(self, eng, rows: int, kv: KVBuffers | None, reason: str | None) -> None:
+        be = eng.be
+        if kv is not None and (kv.capacity < rows or kv.state is not None):
+            raise ValueError(f"KV buffers of {kv.capacity} positions (recurrent state: {kv.state is not None}) "
+                             f"cannot take a padded prefill of {rows} rows")
+        self.eng, self.rows, self.reason = eng, rows, reason
+        self.kv = make_kv(be, eng.args, 1, rows) if kv is None else kv
+        self.inp = StepInputs(be, rows, eng.half)
+        self.ws = Workspace(be)
+        self.out_row = be.zeros(1, np.int32)
+        self.graph = None
+        self.logits = None
+        self.passes = 0
+
+    def run(self, prompt: np.ndarray):
+        """Device logits [1, V] of the prompt's last token (a buffer the next run overwrites)."""
+        eng, R, T = self.eng, self.rows, len(prompt)
+        if not 0 < T <= R:
+            raise ValueError(f"a prompt of {T} tokens does not fit a prefill runner of {R} rows")
+        ids = np.zeros(R, np.int32)
+        ids[:T] = prompt
+        with eng.stream:
+            self.inp.fill(host_step(eng.args, [ids], [0], [0], False), eng.stream)
+            eng.be.set_from_host(self.out_row, np.array([T - 1], np.int32), eng.stream)
+            if self.graph is None and self.passes and self.reason is None:
+                self._capture()
+            if self.graph is not None:
+                eng.be.launch(self.graph, eng.stream)
+            else:
+                self.logits = self._pass()
+            self.passes += 1
+            return self.logits
+
+    def _pass(self):
+        return self.eng.decoder.run(self.inp, self.kv, self.ws, self.rows, self.out_row, max_len=self.rows)
+
+    def _capture(self) -> None:
+        eng = self.eng
+        self.ws.frozen = True
+        try:
+            self.graph = eng.be.capture(eng.stream, self._pass)
         except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
             self.graph = None
             self.reason = f"capture failed: {type(exc).__name__}: {exc}"

@@ -123,6 +123,45 @@ def test_graph_replay_equals_eager(mixtral_file, device):
         assert np.array_equal(la, lb)                   # same kernels, same order: bit-identical
 
 
+def test_prefill_graphs_replay_the_padded_pass(mixtral_file, device, monkeypatch):
+    """A fresh prompt's prefill runs padded to its bucket of rows: eager on its first use, captured as a graph on
+    the second (CUDA) and replayed after, into KV of its own (infer) or a decode runner's (generate); the padding
+    changes none of the prompt's logits. The NumPy backend, which has no graphs, is told it could take them so that
+    it runs the padded pass (its capture fails, and it stays eager)."""
+    prompt = [(5 * i + 1) % 128 for i in range(37)]
+    with Engine(mixtral_file, EngineConfig(device=device)) as g, \
+            Engine(mixtral_file, EngineConfig(device=device, use_graphs=False)) as e:
+        if device == "cpu":
+            monkeypatch.setattr(g, "graph_blocker", lambda batch: None)
+        want = e.logits([prompt])[0][-1]                # every row's logits: never padded
+        for _ in range(3):
+            got = g.be.to_host(g._prefill_fresh([np.asarray(prompt)]))[0]
+            assert rel(got, want) < TOLERANCE[device]
+        status = g.stats()["prefill_graphs"]["64"]
+        assert status == "captured" if device == "cuda" else status.startswith("capture failed")
+        assert g.infer([prompt]) == e.infer([prompt])
+        for _ in range(2):
+            assert g.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids == \
+                e.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids
+        assert "64 into a decode runner" in g.stats()["prefill_graphs"]
+        assert e.stats()["prefill_graphs"] == {}
+
+
+def test_prefill_graphs_take_one_fresh_sequence_of_resident_experts(mixtral_file, device, monkeypatch):
+    with Engine(mixtral_file, EngineConfig(device=device)) as eng, \
+            Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=4)) as paged, \
+            Engine(mixtral_file, EngineConfig(device=device, max_prefill_rows=32)) as narrow:
+        for engine in (eng, paged, narrow):
+            monkeypatch.setattr(engine, "graph_blocker", lambda batch: None)
+        eng.infer([[1, 2, 3], [4, 5]])          # two sequences
+        eng.logits([[1, 2, 3]])                 # every row's logits
+        paged.infer([[1, 2, 3]])                # experts paged
+        narrow.infer([list(range(40))])         # 64 padded rows > max_prefill_rows
+        assert [x.stats()["prefill_graphs"] for x in (eng, paged, narrow)] == [{}, {}, {}]
+        eng.infer([[1, 2, 3]])
+        assert list(eng.stats()["prefill_graphs"]) == ["64"]
+
+
 def test_decode_steps_of_up_to_32_rows_are_graphs(mixtral_file, device):
     # 20 rows: the dense products run dense_gemv in passes of 8 + 8 + 4 rows, so the CUDA step is captured
     prompts = [[1 + (5 * i + j) % 30 for j in range(1 + i % 4)] for i in range(20)]

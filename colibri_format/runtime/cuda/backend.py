@@ -359,10 +359,13 @@ class CupyBackend:
 
     # --- graphs ---------------------------------------------------------------------------------------------
     def capture(self, stream, fn):
-        """Record fn()'s launches on `stream` into a graph; on any error the capture is ended and re-raised."""
+        """Record fn()'s launches on `stream` into a graph; on any error the capture is ended and re-raised. An
+        allocation during the capture raises: the graph would keep writing memory that CuPy's pool hands out again
+        once the array that held it is gone."""
         stream.begin_capture()
         try:
-            fn()
+            with self.xp.cuda.using_allocator(_refuse_allocation):
+                fn()
         except BaseException:
             try:
                 stream.end_capture()
@@ -373,6 +376,11 @@ class CupyBackend:
 
     def launch(self, graph, stream) -> None:
         graph.launch(stream)
+
+
+def _refuse_allocation(nbytes: int):
+    raise RuntimeError(f"a {nbytes}-byte device allocation inside a graph capture (buffers must come from the "
+                       "workspace, made by the eager pass before the capture)")
 
 
 class _TimedOps:

@@ -34,26 +34,18 @@ def _view(ptr: int, dtype, count: int) -> np.ndarray:
 
 
 class RecordingCublas:
-    """gemmEx computing C = alpha op(A) op(B) + beta C (column-major, int8 in, int32 out) on host memory."""
+    """cublas_direct.Handle's gemm_ex computing C = alpha op(A) op(B) + beta C (column-major, int8 in, int32 out)
+    on host memory."""
 
     def __init__(self) -> None:
-        self.calls, self.mode, self.stream = [], 0, None
+        self.calls = []
 
-    def getPointerMode(self, handle):
-        return self.mode
-
-    def setPointerMode(self, handle, mode):
-        self.mode = mode
-
-    def setStream(self, handle, stream):
-        self.stream = stream
-
-    def gemmEx(self, handle, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb, beta, c, c_type, ldc,
-               compute, algo):
+    def gemm_ex(self, stream, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb, beta, c, c_type, ldc,
+                compute, algo):
         assert (transa, transb, a_type, b_type, c_type, compute) == (ops.CUBLAS_OP_T, ops.CUBLAS_OP_N, ops.CUDA_R_8I,
                                                                      ops.CUDA_R_8I, ops.CUDA_R_32I,
                                                                      ops.CUBLAS_COMPUTE_32I)
-        assert self.mode == ops.CUBLAS_POINTER_MODE_HOST and self.stream == 77
+        assert stream == 77                         # the current stream's
         self.calls.append((m, n, k))
         op_a = _view(a, np.int8, lda * m).reshape(m, lda)[:, :k].astype(np.int64)     # A^T: A is k x m, lda
         b_mat = _view(b, np.int8, ldb * n).reshape(n, ldb)[:, :k].T.astype(np.int64)  # k x n
@@ -69,10 +61,9 @@ def host_cuda(monkeypatch):
     fake = types.SimpleNamespace(
         ndarray=HostArray,
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                   device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
                                    get_current_stream=lambda: types.SimpleNamespace(ptr=77)))
     monkeypatch.setattr(ops, "_cupy", lambda: fake)
-    monkeypatch.setattr(ops, "_cublas", lambda: cublas)
+    monkeypatch.setattr(ops.cublas_direct, "handle", lambda cp: cublas)
     return cublas
 
 
@@ -88,7 +79,6 @@ def test_each_routed_expert_multiplies_its_rows_by_its_blob(host_cuda, matrix):
     routed = [(2, 0, 4), (0, 4, 6), (1, 10, 1)]
     ops.gemm_int8_experts(HostArray(a), out, table, addresses, matrix, routed)
     assert host_cuda.calls == [(N, n, K) for _, _, n in routed]
-    assert host_cuda.mode == 0                      # the handle's pointer mode restored
     for e, s, n in routed:
         want = a[s:s + n].astype(np.int64) @ blob_array(blobs, layout, e, matrix, np.int8).T.astype(np.int64)
         np.testing.assert_array_equal(out.host[s:s + n], want)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.kernels import cublas_direct
 from colibri_format.runtime.cuda.limits import (
     A8_FORMATS, A8_GROUP, A8_QUANT_THREADS, A8_THREADS, EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS)
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
@@ -768,8 +769,8 @@ CUBLAS_ACTIVATIONS = FAST_ACTIVATIONS   # int8: W8A8, each product's input rows 
                                         # multiplied on cuBLAS's int8 tensor cores
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
-CUBLAS_POINTER_MODE_HOST = 0
-# alpha and beta, read by cuBLAS from host memory during the call (host pointer mode): made once, never written
+# alpha and beta, read by cuBLAS from host memory during the call (host pointer mode, a new handle's default):
+# made once, never written
 _ONE_F32, _ZERO_F32 = np.array(1.0, np.float32), np.array(0.0, np.float32)
 _ONE_I32, _ZERO_I32 = np.array(1, np.int32), np.array(0, np.int32)
 # their addresses, read once (ndarray.ctypes builds an object a call: ~2 us of host time a product)
@@ -777,30 +778,15 @@ _ONE_F32_AT, _ZERO_F32_AT, _ONE_I32_AT, _ZERO_I32_AT = (a.ctypes.data for a in (
                                                                                    _ZERO_I32))
 
 
-def _cublas():
-    try:
-        from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
-    except ImportError:  # older layouts
-        from cupy.cuda import cublas  # noqa: PLC0415
-    return cublas
-
-
 def _gemm_ex(a, w, out, a_type: int, out_type: int, compute: int, alpha: int, beta: int) -> None:
-    """cublasGemmEx out [T, N] = alpha a [T, K] @ w [N, K].T + beta out (row-major), on the current stream; alpha
-    and beta: host addresses of the scalars (host pointer mode)."""
-    cp, cublas = _cupy(), _cublas()
+    """cublasGemmEx out [T, N] = alpha a [T, K] @ w [N, K].T + beta out (row-major), on the current stream, through
+    `cublas_direct` (capturable); alpha and beta: host addresses of the scalars (host pointer mode)."""
+    cp = _cupy()
     (T, K), N = a.shape, w.shape[0]
-    handle = cp.cuda.device.get_cublas_handle()
-    mode = cublas.getPointerMode(handle)
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    try:
-        # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
-        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, alpha, w.data.ptr, a_type, K,
-                      a.data.ptr, a_type, K, beta, out.data.ptr, out_type, N, compute,
-                      CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, mode)
+    # column-major view: out^T [N, T] = w [N, K] (row-major = col-major K x N, transposed) @ a^T [K, T]
+    cublas_direct.handle(cp).gemm_ex(cp.cuda.get_current_stream().ptr, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, alpha,
+                                     w.data.ptr, a_type, K, a.data.ptr, a_type, K, beta, out.data.ptr, out_type, N,
+                                     compute, CUBLAS_GEMM_DEFAULT)
 
 
 def _check_product(a, w, out, in_dtype, out_dtype) -> int:
@@ -958,10 +944,10 @@ def gemm_int8_experts(a, out, table: ExpertTable, blob_addresses, matrix: str, r
     """out[s:s+n] = a[s:s+n] @ W_e.T (exact int32 sums) for every routed (e, s, n), W_e expert e's int8 `matrix`
     ('gate_up' [2I, H] or 'down' [H, I]) read in place from its blob (blob_addresses: the host copy of
     table.blob_ptrs), on the current stream: a [P, K] int8 rows in the dispatch's sorted order, out [P, N] int32.
-    One cuBLAS GemmEx an expert, with the handle's stream and pointer mode set once for all and the arguments
-    checked once: a GemmEx costs ~20 µs of host time by itself, and gemm_int8's checks and blob views as much again
+    One cuBLAS GemmEx an expert (`cublas_direct`: the handle's stream set once for all) and the arguments checked
+    once: a GemmEx costs ~20 µs of host time by itself, and gemm_int8's checks and blob views as much again
     (docs/benchmarks.md, session 14)."""
-    cp, cublas = _cupy(), _cublas()
+    cp = _cupy()
     (N, K), off = expert_matrix(table, matrix, "gemm_int8_experts")
     _check("a", a, dtype=np.int8, ndim=2)
     _check("out", out, dtype=np.int32, shape=(a.shape[0], N))
@@ -971,18 +957,11 @@ def gemm_int8_experts(a, out, table: ExpertTable, blob_addresses, matrix: str, r
         raise ValueError(f"{len(blob_addresses)} blob addresses for {table.num_experts} experts")
     if any(not 0 <= e < table.num_experts or s < 0 or n < 1 or s + n > a.shape[0] for e, s, n in routed):
         raise ValueError(f"routed rows {routed} do not fit {table.num_experts} experts and {a.shape[0]} rows")
-    handle = cp.cuda.device.get_cublas_handle()
-    mode = cublas.getPointerMode(handle)
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-    one, zero = _ONE_I32_AT, _ZERO_I32_AT
-    try:
-        for e, s, n in routed:  # column-major view, as _gemm_ex: out^T [N, n] = W_e [N, K] (transposed) @ a^T
-            cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, n, K, one, int(blob_addresses[e]) + off, CUDA_R_8I, K,
-                          a.data.ptr + s * K, CUDA_R_8I, K, zero, out.data.ptr + s * N * 4, CUDA_R_32I, N,
-                          CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, mode)
+    blas, stream = cublas_direct.handle(cp), cp.cuda.get_current_stream().ptr
+    for e, s, n in routed:  # column-major view, as _gemm_ex: out^T [N, n] = W_e [N, K] (transposed) @ a^T
+        blas.gemm_ex(stream, CUBLAS_OP_T, CUBLAS_OP_N, N, n, K, _ONE_I32_AT, int(blob_addresses[e]) + off, CUDA_R_8I,
+                     K, a.data.ptr + s * K, CUDA_R_8I, K, _ZERO_I32_AT, out.data.ptr + s * N * 4, CUDA_R_32I, N,
+                     CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT)
 
 
 def _check_sorted_rows(name: str, a, dtype, shape, row_scales, offsets) -> None:
