@@ -693,8 +693,11 @@ class NumpyBackend:
     def event_done(self, event) -> bool:
         return True
 
-    def capture(self, stream, fn):
+    def capture(self, stream, fn, memory=None):
         raise NotImplementedError("the NumPy backend has no graphs")
+
+    def graph_memory(self) -> None:
+        return None
 
     def launch(self, graph, stream) -> None:
         raise NotImplementedError("the NumPy backend has no graphs")

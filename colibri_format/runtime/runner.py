@@ -154,6 +154,7 @@ class PrefillRunner:
         self.ws = Workspace(be)
         self.out_row = be.zeros(1, np.int32)
         self.graph = None
+        self.memory = None      # the graph's own pool: the temporaries its kernel wrappers allocate while captured
         self.logits = None
         self.passes = 0
 
@@ -180,12 +181,15 @@ class PrefillRunner:
         return self.eng.decoder.run(self.inp, self.kv, self.ws, self.rows, self.out_row, max_len=self.rows)
 
     def _capture(self) -> None:
+        """The pass as a graph. Unlike a decode step's, a prefill's kernel wrappers make temporaries (the bf16
+        halves of the dense products' inputs, the W8A8 rows, ...): they come from a pool of the graph's own."""
         eng = self.eng
         self.ws.frozen = True
+        self.memory = eng.be.graph_memory()
         try:
-            self.graph = eng.be.capture(eng.stream, self._pass)
+            self.graph = eng.be.capture(eng.stream, self._pass, memory=self.memory)
         except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
-            self.graph = None
+            self.graph = self.memory = None
             self.reason = f"capture failed: {type(exc).__name__}: {exc}"
         finally:
             self.ws.frozen = False

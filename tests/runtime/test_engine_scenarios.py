@@ -162,6 +162,17 @@ def test_prefill_graphs_take_one_fresh_sequence_of_resident_experts(mixtral_file
         assert list(eng.stats()["prefill_graphs"]) == ["64"]
 
 
+def test_a_prefill_that_reads_counts_on_the_host_stays_eager(mixtral_file, device):
+    if device == "cpu":
+        pytest.skip("the cuBLAS expert route (host-read counts) is the CUDA backend's")
+    prompt = [(3 * i + 2) % 128 for i in range(40)]
+    cfg = dict(device=device, cublas_expert_gemm=True)
+    with Engine(mixtral_file, EngineConfig(**cfg)) as g, Engine(mixtral_file, EngineConfig(use_graphs=False, **cfg)) as e:
+        want = e.infer([prompt])
+        assert [g.infer([prompt]) for _ in range(3)] == [want] * 3
+        assert "synchronizes with the host" in g.stats()["prefill_graphs"]["64"]
+
+
 def test_decode_steps_of_up_to_32_rows_are_graphs(mixtral_file, device):
     # 20 rows: the dense products run dense_gemv in passes of 8 + 8 + 4 rows, so the CUDA step is captured
     prompts = [[1 + (5 * i + j) % 30 for j in range(1 + i % 4)] for i in range(20)]

@@ -89,7 +89,7 @@ class CupyBackend:
 
         x is split into bf16 hi + lo (`ops.split_bf16`) and the two products are accumulated in fp32 by cuBLAS
         (`ops.gemm_bf16`): w is exact in bf16, x keeps ~16 mantissa bits, so the result matches the fp32 product to
-        ~1e-5 relative. Not capturable in a graph through CuPy (eager passes only).
+        ~1e-5 relative. Capturable (`ops._gemm_ex`); hi and lo are allocated unless passed in.
         """
         T, K = x.shape
         if w.dtype != np.uint16 or w.ndim != 2 or w.shape[1] != K or out.shape != (T, w.shape[0]):
@@ -109,7 +109,8 @@ class CupyBackend:
         if args.head_dim not in ATTENTION_HEAD_DIMS and not args.mla:    # MLA runs mla.cu whatever its widths
             return f"head_dim {args.head_dim} uses the array-operation attention fallback"
         if batch > GEMV_MAX_ROWS:
-            return f"batch {batch} > {GEMV_MAX_ROWS} uses cuBLAS, which cannot be captured"
+            return (f"batch {batch} > {GEMV_MAX_ROWS} runs prefill-shaped passes (cuBLAS products, temporaries): "
+                    f"decode graphs take up to {GEMV_MAX_ROWS} rows")
         return None
 
     def dense(self, reader):
@@ -358,13 +359,14 @@ class CupyBackend:
                                          stream.ptr)
 
     # --- graphs ---------------------------------------------------------------------------------------------
-    def capture(self, stream, fn):
-        """Record fn()'s launches on `stream` into a graph; on any error the capture is ended and re-raised. An
-        allocation during the capture raises: the graph would keep writing memory that CuPy's pool hands out again
-        once the array that held it is gone."""
+    def capture(self, stream, fn, memory=None):
+        """Record fn()'s launches on `stream` into a graph; on any error the capture is ended and re-raised. Device
+        memory fn allocates comes from `memory` (a `graph_memory()`, which the caller keeps as long as the graph:
+        the graph's own, never handed to anyone else); without it an allocation raises, since the graph would keep
+        writing memory that CuPy's pool hands out again once the array that held it is gone."""
         stream.begin_capture()
         try:
-            with self.xp.cuda.using_allocator(_refuse_allocation):
+            with self.xp.cuda.using_allocator(_refuse_allocation if memory is None else memory.malloc):
                 fn()
         except BaseException:
             try:
@@ -374,13 +376,17 @@ class CupyBackend:
             raise
         return stream.end_capture()
 
+    def graph_memory(self):
+        """A memory pool of its own for one graph's temporaries (`capture(memory=)`)."""
+        return self.xp.cuda.MemoryPool()
+
     def launch(self, graph, stream) -> None:
         graph.launch(stream)
 
 
 def _refuse_allocation(nbytes: int):
-    raise RuntimeError(f"a {nbytes}-byte device allocation inside a graph capture (buffers must come from the "
-                       "workspace, made by the eager pass before the capture)")
+    raise RuntimeError(f"a {nbytes}-byte device allocation inside a graph capture without memory of its own "
+                       "(buffers must come from the workspace, made by the eager pass before the capture)")
 
 
 class _TimedOps:

@@ -156,6 +156,29 @@ def test_refused_inside_a_graph_capture(cp, rng):
             stream.end_capture()
 
 
+def test_dense_products_replay_in_a_graph(cp, rng):
+    """cuBLAS products through cublas_direct are captured (CuPy's own wrappers refuse a capturing stream) and the
+    replay writes what the eager call wrote."""
+    a, _ = ops.split_bf16(cp.asarray(rng.standard_normal((40, 64)).astype(np.float32)))
+    w, _ = ops.split_bf16(cp.asarray(rng.standard_normal((24, 64)).astype(np.float32)))
+    out = cp.zeros((40, 24), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        ops.gemm_bf16(a, w, out)                    # eager first: the stream's cuBLAS workspace is made
+        want = out.get()
+        out.fill(0)
+        stream.begin_capture()
+        try:
+            ops.gemm_bf16(a, w, out)
+        finally:
+            graph = stream.end_capture()
+        assert not out.get().any()                  # captured, not run
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(out.get(), want)
+    assert np.allclose(want, to_float32(a.get()) @ to_float32(w.get()).T, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("activations,tol", [("split", 2e-3), ("bf16", 3e-2)])
 def test_engine_prefill_on_cublas(tmp_path, monkeypatch, activations, tol):
     calls = []

@@ -801,8 +801,7 @@ def _check_product(a, w, out, in_dtype, out_dtype) -> int:
 
 def gemm_bf16(a, w, out, *, accumulate: bool = False):
     """out [T, N] f32 (+)= a [T, K] @ w.T for a and w [N, K] bf16 bits (uint16), on cuBLAS's tensor cores with fp32
-    accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Not capturable through CuPy
-    (eager passes only)."""
+    accumulation, on the current stream; row views of a and out (a[s:s+n]) are fine. Capturable (`_gemm_ex`)."""
     if _check_product(a, w, out, np.uint16, np.float32):
         beta = _ONE_F32_AT if accumulate else _ZERO_F32_AT
         _gemm_ex(a, w, out, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F, _ONE_F32_AT, beta)
@@ -811,7 +810,7 @@ def gemm_bf16(a, w, out, *, accumulate: bool = False):
 
 def gemm_int8(a, w, out):
     """out [T, N] int32 = a [T, K] @ w.T for a and w [N, K] int8 (exact int32 sums), on cuBLAS's int8 tensor cores,
-    on the current stream (K a multiple of 16, as DIM_MULTIPLE makes every expert width). Eager passes only."""
+    on the current stream (K a multiple of 16, as DIM_MULTIPLE makes every expert width). Capturable (`_gemm_ex`)."""
     if a.ndim == 2 and a.shape[1] % 16:
         raise ValueError(f"K = {a.shape[1]} must be a multiple of 16 for the int8 product")
     if _check_product(a, w, out, np.int8, np.int32):
