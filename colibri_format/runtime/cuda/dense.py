@@ -3,8 +3,10 @@
 Matrices stay f32, f16 or bf16 (bf16 as raw uint16 bits) as the file stores them. Decode-sized batches (at most
 `GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel in passes of `GEMV_PASS_ROWS` rows; it
 reads the stored dtype and can be captured in a CUDA graph, so decode steps of up to 32 sequences (colibri serve's
-larger batch buckets) replay as graphs. Larger batches (prefill) upcast the weight into a scratch f32 matrix and
-use cuBLAS through `xp.matmul`, which is not captured but reads each weight once however many rows. Vectors (norms are read
+larger batch buckets) replay as graphs. Larger batches (prefill) multiply bf16 matrices on
+the tensor cores (x split into bf16 hi + lo) and others as f32 (upcast into a scratch matrix unless mirrored) on
+cuBLAS through `ops.gemm_bf16` / `ops.gemm_f32`, which read each weight once however many rows and can be captured
+(a prefill graph, `runner.PrefillRunner`). Vectors (norms are read
 as stored by the kernels; biases, the router bias and the shared-expert gate) are kept as f32 as well.
 """
 
@@ -104,7 +106,11 @@ class DeviceDense:
                 out += b
             return out
         w32 = self.mirror.get(name)
-        self.xp.matmul(x, (w32 if w32 is not None else upcast(self.xp, w)).T, out=out)
+        w32 = w32 if w32 is not None else upcast(self.xp, w)
+        if x._c_contiguous and out._c_contiguous:
+            self.be.ops.gemm_f32(x, w32, out)       # capturable
+        else:                                       # strided views: CuPy's matmul (a capture then fails: eager)
+            self.xp.matmul(x, w32.T, out=out)
         if b is not None:
             out += b
         return out

@@ -63,8 +63,9 @@ def test_graph_replays_while_table_entries_flip(tmp_path_factory):
     rng = np.random.default_rng(0)
     with Engine(path, EngineConfig(device="cuda")) as resident:
         total = len(resident.experts.layers) * resident.experts.E
-    with Engine(path, EngineConfig(device="cuda")) as resident, \
-            Engine(path, EngineConfig(device="cuda", max_cached_experts=total - 1)) as paged:
+    # prefill passes of up to 32 rows on both (a resident engine's padded prefill graph runs other kernels)
+    with Engine(path, EngineConfig(device="cuda", max_prefill_rows=32)) as resident, \
+            Engine(path, EngineConfig(device="cuda", max_cached_experts=total - 1, max_prefill_rows=32)) as paged:
         prompt = [[3, 4, 5, 6]]
         r_run, p_run = resident.decode_runner(1, 40), paged.decode_runner(1, 40)
         r_tok = resident.argmax(resident.prefill_into(r_run, [np.array(prompt[0])]))

@@ -808,6 +808,14 @@ def gemm_bf16(a, w, out, *, accumulate: bool = False):
     return out
 
 
+def gemm_f32(a, w, out):
+    """out [T, N] f32 = a [T, K] @ w.T for a and w [N, K] float32, on cuBLAS with fp32 math, on the current stream
+    (capturable, unlike CuPy's matmul); row views of a and out are fine."""
+    if _check_product(a, w, out, np.float32, np.float32):
+        _gemm_ex(a, w, out, CUDA_R_32F, CUDA_R_32F, CUBLAS_COMPUTE_32F, _ONE_F32_AT, _ZERO_F32_AT)
+    return out
+
+
 def gemm_int8(a, w, out):
     """out [T, N] int32 = a [T, K] @ w.T for a and w [N, K] int8 (exact int32 sums), on cuBLAS's int8 tensor cores,
     on the current stream (K a multiple of 16, as DIM_MULTIPLE makes every expert width). Capturable (`_gemm_ex`)."""
