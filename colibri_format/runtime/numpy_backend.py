@@ -580,6 +580,9 @@ class NumpyBackend:
     def graph_blocker(self, args, batch: int) -> str | None:
         return "the NumPy backend has no graphs"
 
+    def prefill_graph_blocker(self, blob_layout) -> str | None:
+        return None      # graph_blocker already says it: nothing to add
+
     # --- weights and ops the decoder calls -------------------------------------------------------------------
     def dense(self, reader) -> NumpyDense:
         return NumpyDense(reader, self.dtype)
