@@ -150,14 +150,18 @@ def test_prefill_graphs_replay_the_padded_pass(mixtral_file, device, monkeypatch
 def test_prefill_graphs_take_one_fresh_sequence_of_resident_experts(mixtral_file, device, monkeypatch):
     with Engine(mixtral_file, EngineConfig(device=device)) as eng, \
             Engine(mixtral_file, EngineConfig(device=device, max_cached_experts=4)) as paged, \
-            Engine(mixtral_file, EngineConfig(device=device, max_prefill_rows=32)) as narrow:
-        for engine in (eng, paged, narrow):
+            Engine(mixtral_file, EngineConfig(device=device, max_prefill_rows=32)) as narrow, \
+            Engine(mixtral_file, EngineConfig(device=device, max_seq_len=50)) as short:
+        for engine in (eng, paged, narrow, short):
             monkeypatch.setattr(engine, "graph_blocker", lambda batch: None)
         eng.infer([[1, 2, 3], [4, 5]])          # two sequences
         eng.logits([[1, 2, 3]])                 # every row's logits
         paged.infer([[1, 2, 3]])                # experts paged
         narrow.infer([list(range(40))])         # 64 padded rows > max_prefill_rows
-        assert [x.stats()["prefill_graphs"] for x in (eng, paged, narrow)] == [{}, {}, {}]
+        short.infer([list(range(40))])          # 64 padded positions > max_seq_len
+        runner = eng.decode_runner(1, 64)
+        eng.prefill_into(runner, [np.arange(3)], seqs=[0], starts=[5])     # a continuation
+        assert [x.stats()["prefill_graphs"] for x in (eng, paged, narrow, short)] == [{}, {}, {}, {}]
         eng.infer([[1, 2, 3]])
         assert list(eng.stats()["prefill_graphs"]) == ["64"]
 
