@@ -709,6 +709,7 @@ class Engine:
         self.experts.close()
         self.dense = self.decoder = None
         self.reader.close()
+        self.be.release_stream(self.stream)     # last: whatever it meets, the file and the pool are released
 
     def __enter__(self) -> "Engine":
         return self

@@ -676,6 +676,9 @@ class NumpyBackend:
     def new_stream(self) -> Any:
         return contextlib.nullcontext()
 
+    def release_stream(self, stream) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 

@@ -258,11 +258,14 @@ def test_static_cache_pins_experts(path):
         assert touched and all(eng.cache.contains(*p) for p in pinned if p in touched)
 
 
-def test_c_style_aliases_and_close(path):
+def test_c_style_aliases_and_close(path, monkeypatch):
     eng = colibri_init(path, max_batch_size=2, max_seq_len=16, verbose=False)
     assert eng.config.max_batch_size == 2
     assert colibri_infer(eng, [[1, 2]]) == eng.infer([[1, 2]])
+    released = []
+    monkeypatch.setattr(eng.be, "release_stream", released.append)
     colibri_free(eng)
+    assert released == [eng.stream]         # what the stream holds (CUDA: its cuBLAS workspace) is freed
     with pytest.raises(InvalidInput, match="closed"):
         eng.infer([[1]])
 

@@ -329,6 +329,13 @@ class CupyBackend:
     def record(self, stream):
         return stream.record()
 
+    def release_stream(self, stream) -> None:
+        """What `stream` holds beyond the engine's own buffers (its cuBLAS workspace, `cublas_direct`), freed once
+        its work is done (Engine.close)."""
+        with self.device:
+            stream.synchronize()
+            self.ops.cublas_direct.release(self.xp, stream.ptr)
+
     def timing_event(self, stream):
         ev = self.xp.cuda.Event()
         ev.record(stream)

@@ -76,6 +76,13 @@ class Handle:
                "cublasSetWorkspace")
         self._stream = stream_ptr
 
+    def release(self, stream_ptr: int) -> None:
+        """Free `stream_ptr`'s workspace: the caller has synchronized that stream and runs no more products on it
+        (an engine closing). The handle is set again, stream and workspace, before its next product."""
+        self._workspaces.pop(stream_ptr, None)
+        if stream_ptr == self._stream:
+            self._stream = None
+
     def gemm_ex(self, stream_ptr: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
                 a_type: int, lda: int, b: int, b_type: int, ldb: int, beta: int, c: int, c_type: int, ldc: int,
                 compute: int, algo: int) -> None:
@@ -96,3 +103,10 @@ def handle(cp) -> Handle:
     if h is None:
         h = _HANDLES[dev] = Handle(cp)
     return h
+
+
+def release(cp, stream_ptr: int) -> None:
+    """`Handle.release` on the current device's handle, if it has one."""
+    h = _HANDLES.get(cp.cuda.runtime.getDevice())
+    if h is not None:
+        h.release(stream_ptr)
