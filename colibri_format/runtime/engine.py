@@ -513,7 +513,7 @@ class Engine:
 
     # --- passes -------------------------------------------------------------------------------------------
     def _prefill_fresh(self, chunks: list[np.ndarray], all_logits: bool = False):
-        runner = self._prefill_runner(chunks, None, [0] * len(chunks), [0] * len(chunks), all_logits)
+        runner = self._prefill_runner(chunks, None, list(range(len(chunks))), [0] * len(chunks), all_logits)
         if runner is not None:
             return self._run_prefill_runner(runner, chunks)
         with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
@@ -577,7 +577,7 @@ class Engine:
         runner = self._prefill_runners.pop(key, None)     # re-inserted last: the dict keeps recency order
         if runner is None:
             with self.stream:       # its KV zeroed on the compute stream, before any pass writes it
-                runner = PrefillRunner(self, rows, kv, None)
+                runner = PrefillRunner(self, rows, kv)
         self._prefill_runners[key] = runner
         while len(self._prefill_runners) > PREFILL_GRAPHS_KEPT:
             del self._prefill_runners[next(iter(self._prefill_runners))]

@@ -119,15 +119,19 @@ class DecodeRunner:
             state.strict = True
 
     def _capture(self) -> None:
-        eng = self.eng
-        self.ws.frozen = True
-        try:
-            self.graph = eng.be.capture(eng.stream, self.run_eager)
-        except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
-            self.graph = None
-            self.reason = f"capture failed: {type(exc).__name__}: {exc}"
-        finally:
-            self.ws.frozen = False
+        self.graph, self.reason = capture_pass(self.eng, self.ws, self.run_eager)
+
+
+def capture_pass(eng, ws: Workspace, fn, memory=None) -> tuple:
+    """(graph, None) of fn's launches on the engine's stream, its workspace frozen (a new buffer then is a bug), or
+    (None, why) when the capture fails: the runner stays eager. memory: the graph's own pool (`capture`)."""
+    ws.frozen = True
+    try:
+        return eng.be.capture(eng.stream, fn, memory=memory), None
+    except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
+        return None, f"capture failed: {type(exc).__name__}: {exc}"
+    finally:
+        ws.frozen = False
 
 
 def prefill_bucket(length: int) -> int:
@@ -137,20 +141,22 @@ def prefill_bucket(length: int) -> int:
 
 class PrefillRunner:
     """A fresh prompt's prefill (one sequence, from position 0) on `rows` rows, into sequence 0 of `kv` (capacity
-    >= rows) or into KV buffers of its own: eager on its first use, captured as a CUDA graph on the second (when
-    `reason` is None) and replayed after. The prompt is padded with token 0 at the positions after it: causal
-    attention keeps the padding out of every prompt row, its keys and values land past the prompt (where decode
-    writes before it reads), and only the last prompt row's logits are read. Models with recurrent layers are not
-    padded (the padding would run through their state): the engine does not use this runner for them."""
+    >= rows) or into KV buffers of its own: eager on its first use, captured as a CUDA graph on the second and
+    replayed after (`reason` says why not, when the capture failed). The prompt is padded with token 0 at the
+    positions after it: causal attention keeps the padding out of every prompt row, its keys and values land past
+    the prompt (where decode writes before it reads), and only the last prompt row's logits are read. Models with
+    recurrent layers are not padded (the padding would run through their state): the engine does not use this runner
+    for them. Positions, rope rows and sequence ids are the same on every run: uploaded once, a run uploads its ids."""
 
-    def __init__(self, eng, rows: int, kv: KVBuffers | None, reason: str | None) -> None:
+    def __init__(self, eng, rows: int, kv: KVBuffers | None) -> None:
         be = eng.be
         if kv is not None and (kv.capacity < rows or kv.state is not None):
             raise ValueError(f"KV buffers of {kv.capacity} positions (recurrent state: {kv.state is not None}) "
                              f"cannot take a padded prefill of {rows} rows")
-        self.eng, self.rows, self.reason = eng, rows, reason
+        self.eng, self.rows, self.reason = eng, rows, None
         self.kv = make_kv(be, eng.args, 1, rows) if kv is None else kv
         self.inp = StepInputs(be, rows, eng.half)
+        self.inp.fill(host_step(eng.args, [np.zeros(rows, np.int32)], [0], [0], False), eng.stream)
         self.ws = Workspace(be)
         self.out_row = be.zeros(1, np.int32)
         self.graph = None
@@ -166,7 +172,7 @@ class PrefillRunner:
         ids = np.zeros(R, np.int32)
         ids[:T] = prompt
         with eng.stream:
-            self.inp.fill(host_step(eng.args, [ids], [0], [0], False), eng.stream)
+            eng.be.set_from_host(self.inp.ids, ids, eng.stream)
             eng.be.set_from_host(self.out_row, np.array([T - 1], np.int32), eng.stream)
             if self.graph is None and self.passes and self.reason is None:
                 self._capture()
@@ -183,13 +189,7 @@ class PrefillRunner:
     def _capture(self) -> None:
         """The pass as a graph. Unlike a decode step's, a prefill's kernel wrappers make temporaries (the bf16
         halves of the dense products' inputs, the W8A8 rows, ...): they come from a pool of the graph's own."""
-        eng = self.eng
-        self.ws.frozen = True
-        self.memory = eng.be.graph_memory()
-        try:
-            self.graph = eng.be.capture(eng.stream, self._pass, memory=self.memory)
-        except Exception as exc:  # noqa: BLE001 -- any capture failure: stay eager, say why
-            self.graph = self.memory = None
-            self.reason = f"capture failed: {type(exc).__name__}: {exc}"
-        finally:
-            self.ws.frozen = False
+        self.memory = self.eng.be.graph_memory()
+        self.graph, self.reason = capture_pass(self.eng, self.ws, self._pass, self.memory)
+        if self.graph is None:
+            self.memory = None
