@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
     ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
+    if not set(a.graphs.split(",")) <= {"on", "off"}:
+        ap.error(f"--graphs takes on, off or both (comma list), not {a.graphs!r}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in a.tokens.split(",")]
