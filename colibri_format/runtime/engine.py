@@ -334,8 +334,9 @@ class Engine:
         self.cache = self.experts.cache
         self.decoder = Decoder(self.args, self.dense, self.experts, self.be)
         self.routes = _RouteLog(self.reader.model, cfg.trace_path, str(self.metadata.get("architecture", "unknown")))
-        self._runners: dict[tuple[int, int], DecodeRunner] = {}
-        self._prefill_runners: dict[tuple, PrefillRunner] = {}   # (rows, id of the KV buffers or None), by recency
+        # keys end with be.kernel_choices(): a graph captured under other kernel switches is not replayed
+        self._runners: dict[tuple, DecodeRunner] = {}             # (batch, capacity, choices)
+        self._prefill_runners: dict[tuple, PrefillRunner] = {}   # (rows, id of the KV buffers or None, choices), by recency
         self._tokenizer: Any = None
         self._step = 0
         # greedy decode steps queued at once (`DecodeRunner.chain`): 1 where the backend runs each op as it is
@@ -377,10 +378,11 @@ class Engine:
     @_serialized
     def stats(self) -> dict:
         """Engine-level state: expert residency and paging counters, graph status, memory."""
-        graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason) for (b, c), r in self._runners.items()}
+        graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason)
+                  for (b, c, _), r in self._runners.items()}
         prefill = [(f"{r.rows}" if own is None else f"{r.rows} into a decode runner",
                     "captured" if r.graph is not None else r.reason or "eager (first use)")
-                   for (_, own), r in self._prefill_runners.items()]
+                   for (_, own, _), r in self._prefill_runners.items()]
         ex = self.experts
         ex.flush()
         out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
@@ -473,7 +475,7 @@ class Engine:
             with self.stream:
                 return DecodeRunner(self, batch, kv.capacity, kv)
         capacity = capacity_for(length, self.config.max_seq_len)
-        key = (batch, capacity)
+        key = (batch, capacity, self.be.kernel_choices())
         if key not in self._runners:
             while len(self._runners) >= MAX_RUNNERS:
                 self._runners.pop(next(iter(self._runners)))
@@ -573,7 +575,7 @@ class Engine:
         limit = min(PREFILL_GRAPH_MAX_ROWS, self.config.max_prefill_rows, self.config.max_seq_len)
         if rows > (limit if kv is None else min(limit, kv.capacity)):
             return None
-        key = (rows, None if kv is None else id(kv))
+        key = (rows, None if kv is None else id(kv), self.be.kernel_choices())
         runner = self._prefill_runners.pop(key, None)     # re-inserted last: the dict keeps recency order
         if runner is None:
             with self.stream:       # its KV zeroed on the compute stream, before any pass writes it

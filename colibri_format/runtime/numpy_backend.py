@@ -580,6 +580,9 @@ class NumpyBackend:
     def graph_blocker(self, args, batch: int) -> str | None:
         return "the NumPy backend has no graphs"
 
+    def kernel_choices(self) -> tuple:
+        return ()        # no graphs: nothing is replayed
+
     def prefill_graph_blocker(self, blob_layout) -> str | None:
         return None      # graph_blocker already says it: nothing to add
 

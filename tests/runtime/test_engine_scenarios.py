@@ -169,6 +169,28 @@ def test_prefill_graphs_take_one_fresh_sequence_of_resident_experts(mixtral_file
         assert list(eng.stats()["prefill_graphs"]) == ["64"]
 
 
+def test_kept_graphs_follow_the_backends_kernel_choices(mixtral_file, device, monkeypatch):
+    """Runners (and their graphs) are kept per `be.kernel_choices()`: a kernel switched on the open backend, as the
+    prefill benchmarks do between variants, gets runners of its own instead of replaying a graph captured under the
+    old choice; switching back finds the old ones."""
+    prompt = [(7 * i + 3) % 128 for i in range(37)]
+    with Engine(mixtral_file, EngineConfig(device=device)) as g:
+        if device == "cpu":
+            monkeypatch.setattr(g, "graph_blocker", lambda batch: None)
+        choices = g.be.kernel_choices()
+        for _ in range(3):
+            g._prefill_fresh([np.asarray(prompt)])
+        (before,) = g._prefill_runners.values()
+        decode = g.decode_runner(1, 64)
+        monkeypatch.setattr(g.be, "kernel_choices", lambda: (*choices, "switched"))
+        g._prefill_fresh([np.asarray(prompt)])
+        assert len(g._prefill_runners) == 2 and list(g._prefill_runners.values())[-1] is not before
+        assert list(g._prefill_runners.values())[-1].graph is None      # eager: its first use under these choices
+        assert g.decode_runner(1, 64) is not decode
+        monkeypatch.setattr(g.be, "kernel_choices", lambda: choices)
+        assert g.decode_runner(1, 64) is decode
+
+
 def test_a_prefill_that_reads_counts_on_the_host_stays_eager(mixtral_file, device):
     if device == "cpu":
         pytest.skip("the cuBLAS expert route (host-read counts) is the CUDA backend's")
