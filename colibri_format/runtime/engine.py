@@ -336,7 +336,7 @@ class Engine:
         self.routes = _RouteLog(self.reader.model, cfg.trace_path, str(self.metadata.get("architecture", "unknown")))
         # keys end with be.kernel_choices(): a graph captured under other kernel switches is not replayed
         self._runners: dict[tuple, DecodeRunner] = {}             # (batch, capacity, choices)
-        self._prefill_runners: dict[tuple, PrefillRunner] = {}   # (rows, id of the KV buffers or None, choices), by recency
+        self._prefill_runners: dict[tuple, PrefillRunner] = {}   # (rows, id of the KV or None, choices), by recency
         self._tokenizer: Any = None
         self._step = 0
         # greedy decode steps queued at once (`DecodeRunner.chain`): 1 where the backend runs each op as it is
