@@ -737,7 +737,21 @@ ROUTER_DRIVER = rf"""
             add_rmsnorm_route_##SUF(h, o, wn, x, w, {ROUTER_SELECTION_ARGS}, alpha, eps);                         \
         }}, order);                                                                                              \
     }}
-""" + "".join(f"EMU_ROUTER({c}_e{width}, T{c.upper()})\n" for c in ("f32", "bf16") for width in limits.ROUTER_WIDTHS)
+#define EMU_SELECT(WIDTH)                                                                                        \
+    extern "C" void emu_router_select_e##WIDTH(int gx, size_t smem, unsigned order, const float* logits,          \
+                                               const float* bias, int* ids, float* weights, int T, int E, int K,    \
+                                               int scoring, int ord, int normalize, float scale, int n_group,      \
+                                               int topk_group) {{                                                  \
+        emu_launch({{gx, 1, 1}}, ROUTER_THREADS, smem, [&] {{                                                       \
+            moe_router_select_e##WIDTH(logits, bias, ids, weights, T, E, K, scoring, ord, normalize, scale,        \
+                                       n_group, topk_group);                                                     \
+        }}, order);                                                                                              \
+    }}
+extern "C" void emu_router_widen_bf16(int blocks, const u16* w, float* out, long long n) {{
+    emu_launch({{blocks, 1, 1}}, 256, 0, [&] {{ router_widen_bf16(w, out, n); }}, 0u);
+}}
+""" + "".join(f"EMU_ROUTER({c}_e{width}, T{c.upper()})\n" for c in ("f32", "bf16") for width in limits.ROUTER_WIDTHS) \
+    + "".join(f"EMU_SELECT({width})\n" for width in limits.ROUTER_WIDTHS)
 
 
 def build_router(tmp_path: Path) -> ctypes.CDLL:
@@ -780,6 +794,26 @@ class RouterEmulator(LibraryEmulator):
     def router(self, x, w, k: int, *, shuffle: int = 1, **how) -> Routed:
         T, H = x.shape
         return self._launch("router", T, H, w, k, shuffle, (_ptr(x), _ptr(w)), (), **how)
+
+    def select(self, logits, k: int, *, shuffle: int = 1, bias=None, scoring="softmax", order="softmax_topk",
+               normalize=False, scale=1.0, groups=None) -> Routed:
+        """moe_router_select on given logits [T, E] (the GEMM route's second launch), on ops.router's grid."""
+        T, E = logits.shape
+        out = Routed(np.full((T, k), -7, np.int32), np.full((T, k), np.nan, np.float32), logits,
+                     np.zeros(0, np.uint32))
+        n_group, topk_group = groups or (1, 1)
+        width = next(c for c in limits.ROUTER_WIDTHS if c >= E)
+        getattr(self.lib, f"emu_router_select_e{width}")(
+            -(-T // limits.ROUTER_TPB), ctypes.c_size_t(ops.router_shared_bytes(E, groups)), ctypes.c_uint(shuffle),
+            _ptr(logits), _nullable(bias), _ptr(out.ids), _ptr(out.weights), T, E, k, limits.ROUTER_SCORING[scoring],
+            limits.ROUTER_ORDER[order], int(normalize), ctypes.c_float(scale), n_group, topk_group)
+        return out
+
+    def widen_bf16(self, w: np.ndarray, blocks: int = 3) -> np.ndarray:
+        """router_widen_bf16: bf16 bits [E, H] as float32 (a grid of `blocks`: the grid-stride loop wraps)."""
+        out = np.full(w.shape, np.nan, np.float32)
+        self.lib.emu_router_widen_bf16(blocks, _ptr(w), _ptr(out), ctypes.c_longlong(w.size))
+        return out
 
     def add_rmsnorm_route(self, h, b, norm_w, x, eps: float, w, k: int, *, alpha: float = 1.0, shuffle: int = 1,
                           **how) -> Routed:

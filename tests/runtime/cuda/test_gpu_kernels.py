@@ -50,7 +50,7 @@ def f64(a) -> np.ndarray:
 # ---- router -------------------------------------------------------------------------------------------------------
 ROUTER_CASES = [  # T, E, k, H
     (32, 128, 8, 2048), (1, 8, 2, 4096), (5, 64, 8, 256), (3, 300, 6, 128), (9, 512, 32, 64), (4, 1, 1, 16),
-    (2, 256, 8, 128), (6, 20, 4, 2048)]
+    (2, 256, 8, 128), (6, 20, 4, 2048), (200, 128, 8, 2048)]
 ROUTER_MODES = [
     dict(scoring="softmax", order="softmax_topk", normalize=True, scale=1.0, bias=False),
     dict(scoring="softmax", order="softmax_topk", normalize=False, scale=1.0, bias=False),
@@ -62,7 +62,9 @@ ROUTER_MODES = [
 @pytest.mark.parametrize("case", ROUTER_CASES)
 @pytest.mark.parametrize("mode", ROUTER_MODES, ids=lambda m: f"{m['scoring']}-{m['order']}-n{int(m['normalize'])}")
 @pytest.mark.parametrize("wdt", ["f32", "bf16", "f16"])
-def test_router(cp, rng, case, mode, wdt):
+@pytest.mark.parametrize("by_gemm", [False, True], ids=["fused", "gemm"])
+def test_router(cp, rng, case, mode, wdt, by_gemm):
+    """Both routes of ops.router: the fused kernel, and cuBLAS's fp32 logits then the selection launch."""
     T, E, k, H = case
     x = rng.standard_normal((T, H)).astype(np.float32)
     w_host = (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32)
@@ -72,7 +74,7 @@ def test_router(cp, rng, case, mode, wdt):
     for _ in range(2):  # twice: the ticket counters must be back at zero after a launch
         ids, weights = ops.router(cp.asarray(x), w, k, bias=None if bias is None else cp.asarray(bias),
                                   scoring=mode["scoring"], order=mode["order"], normalize=mode["normalize"],
-                                  scale=mode["scale"], workspace=ws,
+                                  scale=mode["scale"], workspace=ws, by_gemm=by_gemm,
                                   out_ids=cp.full((T, k), -7, cp.int32), out_weights=nan_like(cp, (T, k)))
         assert int(ws.tickets.sum()) == 0
     logits_gpu = ws.logits[:T].get()

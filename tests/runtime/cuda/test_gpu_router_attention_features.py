@@ -59,7 +59,8 @@ GROUP_MODES = [
 @pytest.mark.parametrize("case", GROUP_CASES)
 @pytest.mark.parametrize("mode", GROUP_MODES, ids=lambda m: f"{m['scoring']}-n{int(m['normalize'])}-b{int(m['bias'])}")
 @pytest.mark.parametrize("wdt", ["f32", "bf16"])
-def test_grouped_router(cp, rng, case, mode, wdt):
+@pytest.mark.parametrize("by_gemm", [False, True], ids=["fused", "gemm"])
+def test_grouped_router(cp, rng, case, mode, wdt, by_gemm):
     T, E, k, H, n_group, topk_group = case
     x = rng.standard_normal((T, H)).astype(np.float32)
     w = to_device_dtype(cp, (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32), wdt)
@@ -67,7 +68,7 @@ def test_grouped_router(cp, rng, case, mode, wdt):
     how = dict(scoring=mode["scoring"], order="softmax_topk", normalize=mode["normalize"], scale=mode["scale"])
     ws = ops.RouterWorkspace(T, E)
     ids, weights = _route(cp, x, w, k, ws, bias=None if bias is None else cp.asarray(bias),
-                          groups=(n_group, topk_group), **how)
+                          groups=(n_group, topk_group), by_gemm=by_gemm, **how)
     logits = ws.logits[:T].get().astype(np.float64)
     assert rel(logits, nb.linear(f64(x), w.get())) < F32_TOL
     exp_ids, exp_w = _expected(logits, k, bias, groups=(n_group, topk_group), **how)

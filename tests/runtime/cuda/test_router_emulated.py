@@ -90,6 +90,28 @@ def test_router(router_emulator, shape, mode, code):
     check_selection(routed, k, how, nb.router(x64, w, k, **how)[0])
 
 
+@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (9, 128, 8), (70, 64, 8), (6, 8, 2), (5, 320, 6), (7, 512, 32)])
+@pytest.mark.parametrize("mode", MODES)
+def test_select_on_given_logits(router_emulator, T, E, k, mode):
+    """The GEMM route's selection launch (moe_router_select) on logits it is given: the oracle's choice on those
+    logits, exactly; blocks in shuffled orders; rows of tied logits go to the lower expert."""
+    rng = np.random.default_rng(T * E + k)
+    how = routing(mode, E, rng)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    logits[0, E // 2:] = logits[0, : E - E // 2]                      # exact ties in row 0
+    routed = router_emulator.select(logits, k, shuffle=T, **how)
+    assert router_emulator.errors() == (0, "")
+    own = nb.router(np.eye(T), logits.T.astype(np.float64), k, **how)
+    np.testing.assert_array_equal(routed.ids, own[0])
+    assert relerr(routed.weights, own[1]) < TOL
+
+
+def test_widen_bf16_is_exact(router_emulator):
+    w = float32_to_bf16_bits((np.random.default_rng(4).standard_normal((24, 40)) * 3).astype(np.float32))
+    np.testing.assert_array_equal(router_emulator.widen_bf16(w), nb.widen(w, np.float32))
+    assert router_emulator.errors() == (0, "")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}-H{}".format(*s))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("code", ("f32", "bf16"))

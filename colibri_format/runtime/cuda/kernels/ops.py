@@ -28,8 +28,9 @@ from colibri_format.runtime.cuda.limits import (  # also what callers read as op
     ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
     CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E,
     DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
-    GLUE_THREADS, GROUP_MULTIPLE, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_MAX_E,
-    ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes, scale_groups)
+    GLUE_THREADS, GROUP_MULTIPLE, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_GEMM_MIN_ROWS, ROUTER_MAX_E,
+    ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes,
+    scale_groups)
 from colibri_format.spec.constants import INT4_GROUP_SIZES, MXFP4_GROUP_SIZE, ExpertFormat
 from colibri_format.spec.layout import blob_layout
 
@@ -186,13 +187,27 @@ def _ptr(a) -> Any:
 
 # ---- router -------------------------------------------------------------------------------------------------------
 class RouterWorkspace:
-    """Scratch of the fused router: logits [T, E] and per-token-group tickets (zero between launches)."""
+    """Scratch of the router: logits [T, E], per-token-group tickets (zero between launches) and, for the GEMM
+    route's product, the router weight widened to float32 (allocated on the first 16-bit weight it widens: an
+    engine's first pass of a size runs eagerly, before any capture)."""
 
     def __init__(self, max_tokens: int, num_experts: int) -> None:
         cp = _cupy()
         self.max_tokens, self.num_experts = max_tokens, num_experts
         self.logits = cp.empty((max_tokens, num_experts), dtype=cp.float32)
         self.tickets = cp.zeros((-(-max_tokens // ROUTER_TPB),), dtype=cp.uint32)
+        self.wide = None
+
+    def widened(self, w):
+        """w [E, H] as float32: w itself, or its values widened into `wide` (router.cu's router_widen kernels)."""
+        if dtype_code(w) == "f32":
+            return w
+        if self.wide is None or self.wide.shape != w.shape:
+            self.wide = _cupy().empty(w.shape, dtype=np.float32)
+        n = w.size      # a multiple of 8 (the router's H % 8): whole 16-byte loads
+        kernel("router", f"router_widen_{dtype_code(w)}")((_grid_stride_blocks(n // 8),), (256,),
+                                                          (w, self.wide, np.int64(n)))
+        return self.wide
 
 
 def router_shared_bytes(num_experts: int, groups: tuple[int, int] | None) -> int:
@@ -211,6 +226,8 @@ class _RouterCall(NamedTuple):
     suffix: str                 # <weight dtype>_e<width>
     selection: tuple            # (bias, logits, tickets, ids, weights) pointers, then T, H, E, k and the modes
     shared_bytes: int
+    workspace: RouterWorkspace
+    modes: tuple                # scoring, order, normalize, scale, n_group, topk_group as the kernels take them
 
 
 def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, normalize: bool, scale: float,
@@ -242,26 +259,40 @@ def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, norm
     ids = _out("out_ids", out_ids, (T, k), cp.int32)
     weights = _out("out_weights", out_weights, (T, k), cp.float32)
     width = next(c for c in ROUTER_WIDTHS if c >= E)
+    modes = (np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale),
+             np.int32(n_group), np.int32(topk_group))
     selection = (_ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
-                 np.int32(SCORING[scoring]), np.int32(ORDER[order]), np.int32(bool(normalize)), np.float32(scale),
-                 np.int32(n_group), np.int32(topk_group))
+                 *modes)
     return _RouterCall(ids, weights, (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB)), f"{dtype_code(w)}_e{width}",
-                       selection, router_shared_bytes(E, (n_group, topk_group)))
+                       selection, router_shared_bytes(E, (n_group, topk_group)), ws, modes)
 
 
 def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
            normalize: bool = False, scale: float = 1.0, groups: tuple[int, int] | None = None,
-           workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None):
-    """Fused router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32).
+           workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None, by_gemm: bool | None = None):
+    """Router: x [T, H] f32, w [E, H] f32/f16/bf16 -> (ids [T, k] int32, weights [T, k] f32); the logits x @ w.T
+    are left in the workspace.
 
     bias [E] f32: with order softmax_topk it is added to the selection keys only; with topk_softmax it is part of
     the logits (top-k and softmax of logits + bias). groups (n_group, topk_group), softmax_topk only: grouped
     top-k on the selection keys (`numpy_backend.group_mask`); None or topk_group >= n_group: a plain top-k.
+    Passes of ROUTER_GEMM_MIN_ROWS rows or more take their logits from cuBLAS's fp32 product and launch the
+    selection alone (capturable); fewer run the fused kernel (one launch); by_gemm True / False forces either.
     """
     _check("x", x, dtype=np.float32, ndim=2)
-    call = _router_call(*x.shape, w, k, bias, scoring, order, normalize, scale, groups, workspace, out_ids,
+    T = x.shape[0]
+    call = _router_call(T, x.shape[1], w, k, bias, scoring, order, normalize, scale, groups, workspace, out_ids,
                         out_weights)
-    if x.shape[0]:
+    if not T:
+        return call.ids, call.weights
+    if T >= ROUTER_GEMM_MIN_ROWS if by_gemm is None else by_gemm:
+        logits = call.workspace.logits[:T]
+        gemm_f32(x, call.workspace.widened(w), logits)
+        kernel("router", f"moe_router_select_{call.suffix.split('_')[-1]}")(
+            (call.grid[0],), (ROUTER_THREADS,), (logits, _ptr(bias), call.ids, call.weights, np.int32(T),
+                                                 np.int32(w.shape[0]), np.int32(k), *call.modes),
+            shared_mem=call.shared_bytes)
+    else:
         kernel("router", f"moe_router_{call.suffix}")(call.grid, (ROUTER_THREADS,), (x, w, *call.selection),
                                                       shared_mem=call.shared_bytes)
     return call.ids, call.weights

@@ -455,3 +455,42 @@ __device__ __forceinline__ void add_rmsnorm_route_impl(float* h, const float* o,
 ROUTER_KERNELS(f32, TF32)
 ROUTER_KERNELS(f16, TF16)
 ROUTER_KERNELS(bf16, TBF16)
+
+// ---------------------------------------------------------------- passes of many rows: the logits from cuBLAS
+// For passes of limits.ROUTER_GEMM_MIN_ROWS rows or more, ops.router takes the logits from cuBLAS's fp32 product
+// (ops.gemm_f32: fp32 products of the same values as router_logits, summed in another order) and launches the
+// selection alone: router_logits re-reads each row of x once per block of ROUTER_EPB experts and each expert row
+// once per block of ROUTER_TPB tokens, which costs ~51 us at 512 rows of Qwen3-30B-A3B (docs/benchmarks.md,
+// session 14) where the product is a few microseconds.
+
+// router_widen_<dtype>: the router weight [E, H] (n = E * H values, a multiple of 8) as float32, for that product.
+#define ROUTER_WIDEN(SUF, TW)                                                                                   \
+    extern "C" __global__ void router_widen_##SUF(const TW::storage* __restrict__ w, float* __restrict__ out,  \
+                                                  long long n) {                                               \
+        constexpr int V = Vec16<TW>::N;                                                                        \
+        const long long stride = (long long)gridDim.x * blockDim.x * V;                                        \
+        for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V; i < n; i += stride) {       \
+            float v[V];                                                                                        \
+            load16_f32<TW>(w + i, v);                                                                          \
+            _Pragma("unroll") for (int q = 0; q < V; ++q) out[i + q] = v[q];                                   \
+        }                                                                                                      \
+    }
+ROUTER_WIDEN(f16, TF16)
+ROUTER_WIDEN(bf16, TBF16)
+
+// moe_router_select_e<width>: the selection of router_select_tokens on logits [T, E] already written; grid
+// ceil(T / ROUTER_TPB) blocks of ROUTER_THREADS threads (warp j < ROUTER_TPB selects token blockIdx.x * ROUTER_TPB
+// + j), the dynamic shared memory of the fused kernel (router_shared_bytes).
+#define ROUTER_SELECT(WIDTH, EPL)                                                                               \
+    extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)                                              \
+        moe_router_select_e##WIDTH(const float* logits, const float* bias, int* topk_ids, float* topk_w, int T,  \
+                                   int E, int K, int scoring, int order, int normalize, float scale, int n_group,  \
+                                   int topk_group) {                                                           \
+        router_select_tokens<EPL>(logits, bias, topk_ids, topk_w, T, E, K, scoring, order, normalize, scale,    \
+                                  n_group, topk_group);                                                        \
+    }
+ROUTER_SELECT(32, 1)
+ROUTER_SELECT(64, 2)
+ROUTER_SELECT(128, 4)
+ROUTER_SELECT(256, 8)
+ROUTER_SELECT(512, 16)
