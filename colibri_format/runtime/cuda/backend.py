@@ -119,15 +119,6 @@ class CupyBackend:
         return (self.bf16_tensor_cores, self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill,
                 self.int8_activations)
 
-    def prefill_graph_blocker(self, blob_layout) -> str | None:
-        """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit
-        experts: on the H200 (session 22) their replayed prefills, run beside a second engine with paged experts,
-        gave other greedy tokens than that engine (tests/runtime/cuda/test_gpu_4bit*.py, paged against resident),
-        while alone they gave the NumPy engine's; until that is understood their prefills stay eager."""
-        if blob_layout is not None and blob_layout.expert_format in PACKED_FORMATS:
-            return "4-bit experts: prefill graphs are not yet validated for them"
-        return None
-
     def dense(self, reader):
         from colibri_format.runtime.cuda.dense import DeviceDense  # noqa: PLC0415
 

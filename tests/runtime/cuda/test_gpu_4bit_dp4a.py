@@ -275,7 +275,9 @@ def test_mxfp4_ignores_the_switch(tmp_path):
 def test_paged_dp4a_experts_compute_what_resident_ones_do(tmp_path, graphs):
     """A cache of 3 of the 8 experts on the dp4a path: misses read blobs over PCIe, admissions fill on read."""
     path = _file(tmp_path, "int4-g64")
-    base = dict(device="cuda", max_seq_len=128, use_graphs=graphs)
+    # passes of at most 48 rows on both (LONG: 48 + 32, the first on the grouped GEMM): a padded prefill graph of
+    # 64 rows on the resident engine would run the GEMM where the paged one runs a short prompt on the GEMVs
+    base = dict(device="cuda", max_seq_len=128, use_graphs=graphs, max_prefill_rows=48)
     with Engine(path, EngineConfig(**base)) as resident, \
             Engine(path, EngineConfig(**base, max_cached_experts=3)) as paged:
         for _ in range(2):
