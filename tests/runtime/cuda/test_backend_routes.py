@@ -97,3 +97,13 @@ def test_the_cuda_routes_round_where_the_numpy_twin_does(mode, shape, group, ext
                     and ops.uses_fast_gemm(fast, experts, extras))
             numpy_twin = limits.rounds_rows_int8(mode, rows, pairs, shape["num_experts"], layout, extras is not None)
             assert cuda == numpy_twin, (rows, pairs)
+
+
+@pytest.mark.parametrize("fmt", list(S.ExpertFormat))
+def test_prefill_graphs_skip_4bit_experts_only(fmt):
+    """Fresh prefills replay as graphs (runner.PrefillRunner) over int8 experts and dense-only models; 4-bit experts
+    stay eager (CupyBackend.prefill_graph_blocker says why)."""
+    layout = SimpleNamespace(expert_format=fmt)
+    blocker = CupyBackend.prefill_graph_blocker(None, layout)
+    assert (blocker is not None) == (fmt in (S.ExpertFormat.INT4_GROUP, S.ExpertFormat.MXFP4))
+    assert CupyBackend.prefill_graph_blocker(None, None) is None
