@@ -289,6 +289,19 @@ def _serialized(method):
     return call
 
 
+def _labelled(items) -> dict:
+    """{label: status} of kept runners; a label met again (runners of the same rows into other KV, or kept under
+    other kernel choices) gets " #2", " #3", ... so that every runner shows."""
+    out: dict = {}
+    for label, status in items:
+        n, name = 1, label
+        while name in out:
+            n += 1
+            name = f"{label} #{n}"
+        out[name] = status
+    return out
+
+
 class Engine:
     """generate / infer / logits / stats / tokenizer / close over a `.colibri` file (a path)."""
 
@@ -378,17 +391,17 @@ class Engine:
     @_serialized
     def stats(self) -> dict:
         """Engine-level state: expert residency and paging counters, graph status, memory."""
-        graphs = {f"{b}x{c}": ("captured" if r.graph is not None else r.reason)
-                  for (b, c, _), r in self._runners.items()}
-        prefill = [(f"{r.rows}" if own is None else f"{r.rows} into a decode runner",
-                    "captured" if r.graph is not None else r.reason or "eager (first use)")
-                   for (_, own, _), r in self._prefill_runners.items()]
+        graphs = _labelled((f"{b}x{c}", "captured" if r.graph is not None else r.reason)
+                           for (b, c, _), r in self._runners.items())
+        prefill = _labelled((f"{r.rows}" if own is None else f"{r.rows} into a decode runner",
+                             "captured" if r.graph is not None else r.reason or "eager (first use)")
+                            for (_, own, _), r in self._prefill_runners.items())
         ex = self.experts
         ex.flush()
         out = {"backend": self.be.name, "resident": ex.resident, "slots": ex.slots, "blob_bytes": ex.blob_size,
                "capacity": ex.capacity, "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
                "host_source": ex.source.mode, "host_source_note": ex.source.reason, "expert_loading": ex.loading,
-               "load_seconds": self.load_seconds, "graphs": graphs, "prefill_graphs": dict(prefill),
+               "load_seconds": self.load_seconds, "graphs": graphs, "prefill_graphs": prefill,
                "paging": ex.counters.as_dict()}
         if self.cache is not None:
             s = self.cache.stats()

@@ -186,7 +186,9 @@ def test_kept_graphs_follow_the_backends_kernel_choices(mixtral_file, device, mo
         g._prefill_fresh([np.asarray(prompt)])
         assert len(g._prefill_runners) == 2 and list(g._prefill_runners.values())[-1] is not before
         assert list(g._prefill_runners.values())[-1].graph is None      # eager: its first use under these choices
+        assert list(g.stats()["prefill_graphs"]) == ["64", "64 #2"]     # both shown
         assert g.decode_runner(1, 64) is not decode
+        assert list(g.stats()["graphs"]) == ["1x64", "1x64 #2"]
         monkeypatch.setattr(g.be, "kernel_choices", lambda: choices)
         assert g.decode_runner(1, 64) is decode
 
