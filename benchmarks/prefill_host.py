@@ -19,8 +19,11 @@ With EngineConfig's defaults a fresh prompt's prefill is replayed as a CUDA grap
 (`runner.PrefillRunner`): the first two calls (eager, then capture and replay) are reported apart, the medians are
 of replays where the pass could be captured (`prefill_graphs` says which).
 --fast-gemm names the backend's `fast_expert_gemm` values to time (each switched on the open engine; "defaults":
-EngineConfig's), --graphs whether prefill graphs are on, off or both (each variant's JSON key says). The file is deleted after its shape unless --keep (an existing file of that name is then reused:
-two trees can be timed on one file, each in its own process). Writes prefill_host.json to --out.
+EngineConfig's), --graphs whether prefill graphs are on, off or both, --router the router's route for long passes
+("gemm": cuBLAS from limits.ROUTER_GEMM_MIN_ROWS rows, the default; "fused": the fused kernel at every length) (each
+variant's JSON key says; kept graphs follow the switches, `Engine` keys them on `be.kernel_choices()`). The file is
+deleted after its shape unless --keep (an existing file of that name is then reused: two trees can be timed on one
+file, each in its own process). Writes prefill_host.json to --out.
 """
 
 from __future__ import annotations
@@ -89,21 +92,25 @@ def device_time(eng, prompt: list[int], repeats: int) -> dict:
     return {"ms": statistics.median(device), "queued_ms": q, "host_waited": q > 0.8 * SPIN_MS}
 
 
+ROUTER_MIN_ROWS = {"gemm": None, "fused": 1 << 30}     # --router: the backend's router_gemm_min_rows (None: its own)
+
+
 def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool,
-            graphs: list[str]) -> dict:
+            graphs: list[str], routers: list[str]) -> dict:
     import dataclasses
 
     from colibri_format.runtime import Engine, EngineConfig
 
     out = {}
     with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 64, verify="never")) as eng:
-        default, config = eng.be.fast_expert_gemm, eng.config
-        for fast in fast_gemms:
-            for graph in graphs:        # the engine's config swapped whole (it is frozen): graphs on or off
-                eng.be.fast_expert_gemm = default if fast == "defaults" else fast
-                eng.config = dataclasses.replace(config, use_graphs=graph == "on")
-                log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}")
-                out[fast if graph == "on" else f"{fast}, graphs off"] = measure_engine(eng, tokens, repeats, profile)
+        default, config, min_rows = eng.be.fast_expert_gemm, eng.config, eng.be.router_gemm_min_rows
+        for fast, graph, router in ((f, g, r) for f in fast_gemms for g in graphs for r in routers):
+            eng.be.fast_expert_gemm = default if fast == "defaults" else fast
+            eng.be.router_gemm_min_rows = ROUTER_MIN_ROWS[router] or min_rows
+            eng.config = dataclasses.replace(config, use_graphs=graph == "on")   # frozen: swapped whole
+            log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}, router {router}")
+            key = fast + ("" if graph == "on" else ", graphs off") + ("" if router == "gemm" else ", fused router")
+            out[key] = measure_engine(eng, tokens, repeats, profile)
     return out
 
 
@@ -145,11 +152,14 @@ def main() -> int:
     ap.add_argument("--dir", default="/dev/shm", help="where the files are written (and deleted)")
     ap.add_argument("--fast-gemm", default="defaults", help="comma list of fast_expert_gemm values, or 'defaults'")
     ap.add_argument("--graphs", default="on", help="comma list of on / off: prefill graphs (EngineConfig.use_graphs)")
+    ap.add_argument("--router", default="gemm", help="comma list of gemm / fused: the long passes' router route")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
     ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
     if not set(a.graphs.split(",")) <= {"on", "off"}:
         ap.error(f"--graphs takes on, off or both (comma list), not {a.graphs!r}")
+    if not set(a.router.split(",")) <= set(ROUTER_MIN_ROWS):
+        ap.error(f"--router takes gemm, fused or both (comma list), not {a.router!r}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -160,7 +170,7 @@ def main() -> int:
             if not (a.keep and path.exists()):
                 write_timed(path, model_of(SHAPES[name]), log)
             results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile,
-                                    a.graphs.split(","))
+                                    a.graphs.split(","), a.router.split(","))
         finally:
             if not a.keep:
                 path.unlink(missing_ok=True)

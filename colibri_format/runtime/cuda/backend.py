@@ -13,7 +13,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, ATTENTION_HEAD_DIMS, NORM_ROUTE_MAX_ROWS,
-                                                 check_cuda_support)
+                                                 ROUTER_GEMM_MIN_ROWS, check_cuda_support)
 from colibri_format.spec.constants import PACKED_FORMATS
 
 HOST_REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: lets a PROT_READ file mapping be pinned
@@ -53,6 +53,7 @@ class CupyBackend:
         self.cublas_expert_gemm = cublas_expert_gemm   # EngineConfig.cublas_expert_gemm (ops.uses_cublas_gemm)
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
+        self.router_gemm_min_rows = ROUTER_GEMM_MIN_ROWS   # passes of this many rows route through cuBLAS (ops.router)
         self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
@@ -117,7 +118,7 @@ class CupyBackend:
         """The switches the ops read per call (EngineConfig's, or set on the open backend by a benchmark): part of
         a kept graph's key, so that a graph captured under other choices is never replayed."""
         return (self.bf16_tensor_cores, self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill,
-                self.int8_activations)
+                self.int8_activations, self.router_gemm_min_rows)
 
     def prefill_graph_blocker(self, blob_layout) -> str | None:
         """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit
@@ -225,9 +226,11 @@ class CupyBackend:
                                       out=out, workspace=ws.extra[key])
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
-        """The fused router; `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
+        """The router (`ops.router`: through cuBLAS from `router_gemm_min_rows` rows, else the fused kernel);
+        `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
         return self.ops.router(x, w, k, workspace=self._router_workspace(ws, x.shape[0], w.shape[0]),
-                               out_ids=out_ids, out_weights=out_weights, **how)
+                               out_ids=out_ids, out_weights=out_weights,
+                               by_gemm=x.shape[0] >= self.router_gemm_min_rows, **how)
 
     def add_rmsnorm_route(self, h, b, norm_w, eps: float, w, k: int, *, alpha: float, out, ws, out_ids,
                           out_weights, **how):
