@@ -107,3 +107,18 @@ def test_prefill_graphs_skip_4bit_experts_only(fmt):
     blocker = CupyBackend.prefill_graph_blocker(None, layout)
     assert (blocker is not None) == (fmt in (S.ExpertFormat.INT4_GROUP, S.ExpertFormat.MXFP4))
     assert CupyBackend.prefill_graph_blocker(None, None) is None
+
+
+def test_the_router_route_follows_the_backends_switch():
+    """CupyBackend.router sends passes of router_gemm_min_rows rows or more through cuBLAS (ops.router's by_gemm),
+    the switch prefill_host.py --router sets on an open engine (and kernel_choices carries, so graphs follow it)."""
+    seen = []
+    stub_ops = SimpleNamespace(router=lambda x, w, k, **kw: seen.append(kw["by_gemm"]))
+    backend = SimpleNamespace(ops=stub_ops, router_gemm_min_rows=limits.ROUTER_GEMM_MIN_ROWS,
+                              _router_workspace=lambda ws, rows, experts: None)
+    w = np.zeros((8, 16), np.float32)
+    for rows in (1, limits.ROUTER_GEMM_MIN_ROWS - 1, limits.ROUTER_GEMM_MIN_ROWS, 4096):
+        CupyBackend.router(backend, np.zeros((rows, 16), np.float32), w, 2, ws=None, out_ids=None, out_weights=None)
+    backend.router_gemm_min_rows = 1 << 30
+    CupyBackend.router(backend, np.zeros((4096, 16), np.float32), w, 2, ws=None, out_ids=None, out_weights=None)
+    assert seen == [False, False, True, True, False]
