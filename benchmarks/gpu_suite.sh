@@ -9,7 +9,8 @@
 # paging (benchmarks/paging.py), gemm (benchmarks/wgmma_probe.py, then benchmarks/prefill_gemm.py on Mixtral's 512-token
 # expert products: the wgmma candidates beside the engine's prefill GEMMs in one call), router
 # (benchmarks/router_prefill.py: the fused router kernel against its GEMM route at 16-4096 rows, to place
-# limits.ROUTER_GEMM_MIN_ROWS), prefill (benchmarks/prefill_gemm.py
+# limits.ROUTER_GEMM_MIN_ROWS), ncu (Nsight Compute over benchmarks/ncu_prefill_kernels.py: what limits the W8A8
+# expert GEMM and the router at 512 rows of Qwen3, OLMoE and Mixtral; ncu.csv), prefill (benchmarks/prefill_gemm.py
 # on Mixtral, Qwen3 and OLMoE expert blocks, then benchmarks/prefill_engine.py: full-depth Mixtral, Qwen3 and OLMoE
 # prefill, the defaults beside the split and W8A8 ('int8') options and transformers bf16).
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
-T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120}
+T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -67,6 +68,13 @@ for step in $STEPS; do
       if [ -n "${DRY:-}" ]; then summary+=("router skipped: it times CUDA kernels"); continue; fi
       timeout "$T_ROUTER" python3 benchmarks/router_prefill.py --out "$OUT/router" > "$OUT/router.log" 2>&1
       rc=$?; summary+=("router rc=$rc ($((SECONDS - t0)) s)") ;;
+    ncu)
+      if [ -n "${DRY:-}" ]; then summary+=("ncu skipped: it profiles CUDA kernels"); continue; fi
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      timeout "$T_NCU" "$NCU" --clock-control none --kernel-name "regex:moe_gemm_fast|moe_router|router_widen|gemm" \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+          --csv --page details python3 benchmarks/ncu_prefill_kernels.py > "$OUT/ncu.csv" 2> "$OUT/ncu.log"
+      rc=$?; summary+=("ncu rc=$rc $(grep -c '"' "$OUT/ncu.csv") csv lines ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_PREFILL" python3 benchmarks/prefill_engine.py --out "$OUT/prefill_engine" --tiny --device cpu \
@@ -89,5 +97,7 @@ echo "==== gpu_vs_hf"; grep -E "^\||FAILED|Error" "$OUT/gpu_vs_hf.log" 2>/dev/nu
 echo "==== paging"; grep -E "^\||FAILED|Error|Traceback" "$OUT/paging.log" 2>/dev/null | tail -40
 echo "==== gemm"; grep -E "TFLOP|error|Error|built|\|" "$OUT/gemm.log" 2>/dev/null | tail -40
 echo "==== router"; grep -E "^\||Error|Traceback" "$OUT/router.log" 2>/dev/null | tail -45
+echo "==== ncu"; grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|ncu_prefill_kernels\]" \
+    "$OUT/ncu.csv" 2>/dev/null | cut -c1-220 | head -60
 echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback" "$OUT/prefill.log" 2>/dev/null | tail -40
 echo "==== summary"; printf '%s\n' "${summary[@]}"
