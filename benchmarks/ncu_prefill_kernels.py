@@ -9,9 +9,9 @@ warm-up, so that `ncu` reports what limits them (memory, tensor pipes, stalls) i
 (`STEPS=ncu bash benchmarks/gpu_suite.sh` runs it so.) Per case (prefill_gemm.CASES: random int8 experts of the
 real widths, random top-k routing, x ~ N(0, 1)): the pipelined grouped GEMM's W8A8 gate_up and down
 (`ops.moe_gemm_*_fast(activations="int8")`, the route 'auto' takes at 512 rows), then both routes of the router
-(`ops.router`, the case's expert count, bf16 weights). The warm-up launches come first, so the kernels profiled are the
-second launch of each (ncu serializes and replays each launch it profiles: the reported durations are the kernels'
-own). Prints each launch's name and case in order, to pair with ncu's rows.
+(`ops.router`, the case's expert count, bf16 weights). Each is launched twice, a warm-up (module load, allocations)
+then the one to read; ncu profiles both (it serializes and replays each launch it profiles: the durations are the
+kernels' own). Prints each second launch's name and case before it, to pair with ncu's rows.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def workload(cp, name: str) -> None:
         "router gemm": lambda: ops.router(x, router_w, k, workspace=ws, by_gemm=True),
     }
     for what, launch in launches.items():
-        launch()                            # warm-up: module load, allocations
+        launch()                            # warm-up
         cp.cuda.Device().synchronize()
         print(f"[ncu_prefill_kernels] {name}: {what}", flush=True)
         launch()
