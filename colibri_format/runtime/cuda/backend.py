@@ -226,11 +226,12 @@ class CupyBackend:
                                       out=out, workspace=ws.extra[key])
 
     def router(self, x, w, k: int, *, ws, out_ids, out_weights, **how):
-        """The router (`ops.router`: through cuBLAS from `router_gemm_min_rows` rows, else the fused kernel);
-        `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
+        """The router (`ops.router`: through cuBLAS where `ops.router_by_gemm` says so for `router_gemm_min_rows`,
+        else the fused kernel); `how`: bias, scoring, order, normalize, scale and groups of `ops.router`."""
         return self.ops.router(x, w, k, workspace=self._router_workspace(ws, x.shape[0], w.shape[0]),
                                out_ids=out_ids, out_weights=out_weights,
-                               by_gemm=x.shape[0] >= self.router_gemm_min_rows, **how)
+                               by_gemm=self.ops.router_by_gemm(x.shape[0], w.shape[0], self.router_gemm_min_rows),
+                               **how)
 
     def add_rmsnorm_route(self, h, b, norm_w, eps: float, w, k: int, *, alpha: float, out, ws, out_ids,
                           out_weights, **how):

@@ -38,10 +38,11 @@ ROUTER_MAX_K = WARP
 # token and cost ~29 more at eight (docs/benchmarks.md, session 20). Its
 # h and x equal add_rmsnorm's bit for bit while ROUTER_THREADS == FUSED_THREADS (the same sums in the same order).
 NORM_ROUTE_MAX_ROWS = 1
-# ops.router takes the logits of passes of at least this many rows from cuBLAS's fp32 product and launches the
-# selection alone (router.cu's moe_router_select kernels); fewer rows run the fused kernel, whose blocks of
-# ROUTER_TPB tokens x ROUTER_EPB experts re-read the rows of x and of the weight (~51 us at 512 rows of
-# Qwen3-30B-A3B, docs/benchmarks.md session 14)
+# ops.router takes the logits of passes of at least this many rows (of routers of more than ROUTER_EPB experts:
+# ops.router_by_gemm) from cuBLAS's fp32 product and launches the selection alone (router.cu's moe_router_select
+# kernels); fewer rows run the fused kernel, whose blocks of ROUTER_TPB tokens x ROUTER_EPB experts re-read the rows
+# of x and of the weight (~51 us at 512 rows of Qwen3-30B-A3B, docs/benchmarks.md session 14). Not yet timed:
+# benchmarks/router_prefill.py places it
 ROUTER_GEMM_MIN_ROWS = 64
 # DeviceDense.normed_linear folds the input norm into the q|k|v product (dense_gemv_normed) for passes of up to this
 # many rows: at one token it saves ~16 us a Qwen3-30B-A3B step; at eight it took 1158.5 us against ~733 for the plain

@@ -113,12 +113,23 @@ def test_the_router_route_follows_the_backends_switch():
     """CupyBackend.router sends passes of router_gemm_min_rows rows or more through cuBLAS (ops.router's by_gemm),
     the switch prefill_host.py --router sets on an open engine (and kernel_choices carries, so graphs follow it)."""
     seen = []
-    stub_ops = SimpleNamespace(router=lambda x, w, k, **kw: seen.append(kw["by_gemm"]))
+    stub_ops = SimpleNamespace(router=lambda x, w, k, **kw: seen.append(kw["by_gemm"]),
+                               router_by_gemm=ops.router_by_gemm)
     backend = SimpleNamespace(ops=stub_ops, router_gemm_min_rows=limits.ROUTER_GEMM_MIN_ROWS,
                               _router_workspace=lambda ws, rows, experts: None)
-    w = np.zeros((8, 16), np.float32)
+    w = np.zeros((64, 16), np.float32)      # several blocks of ROUTER_EPB experts
     for rows in (1, limits.ROUTER_GEMM_MIN_ROWS - 1, limits.ROUTER_GEMM_MIN_ROWS, 4096):
         CupyBackend.router(backend, np.zeros((rows, 16), np.float32), w, 2, ws=None, out_ids=None, out_weights=None)
     backend.router_gemm_min_rows = 1 << 30
     CupyBackend.router(backend, np.zeros((4096, 16), np.float32), w, 2, ws=None, out_ids=None, out_weights=None)
     assert seen == [False, False, True, True, False]
+
+
+@pytest.mark.parametrize("experts", [1, limits.ROUTER_EPB, limits.ROUTER_EPB + 1, 128])
+def test_only_routers_of_several_expert_blocks_take_the_gemm_route(experts):
+    """A router of at most ROUTER_EPB experts (Mixtral's 8) keeps the fused kernel at every length: its one block a
+    token group reads x once, and the GEMM route would add two launches to an eager pass's host time."""
+    several = experts > limits.ROUTER_EPB
+    assert ops.router_by_gemm(4096, experts) is several
+    assert ops.router_by_gemm(limits.ROUTER_GEMM_MIN_ROWS, experts) is several
+    assert ops.router_by_gemm(limits.ROUTER_GEMM_MIN_ROWS - 1, experts) is False

@@ -267,6 +267,13 @@ def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, norm
                        selection, router_shared_bytes(E, (n_group, topk_group)), ws, modes)
 
 
+def router_by_gemm(num_tokens: int, num_experts: int, min_rows: int = ROUTER_GEMM_MIN_ROWS) -> bool:
+    """Whether `router` takes the GEMM route: passes of min_rows rows or more whose experts span several blocks of
+    ROUTER_EPB (where the fused kernel re-reads each row of x once per block; a router of at most ROUTER_EPB experts,
+    Mixtral's, reads it once and would only gain two launches, which an eager pass pays in host time)."""
+    return num_tokens >= min_rows and num_experts > ROUTER_EPB
+
+
 def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "softmax_topk",
            normalize: bool = False, scale: float = 1.0, groups: tuple[int, int] | None = None,
            workspace: RouterWorkspace | None = None, out_ids=None, out_weights=None, by_gemm: bool | None = None):
@@ -276,8 +283,8 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
     bias [E] f32: with order softmax_topk it is added to the selection keys only; with topk_softmax it is part of
     the logits (top-k and softmax of logits + bias). groups (n_group, topk_group), softmax_topk only: grouped
     top-k on the selection keys (`numpy_backend.group_mask`); None or topk_group >= n_group: a plain top-k.
-    Passes of ROUTER_GEMM_MIN_ROWS rows or more take their logits from cuBLAS's fp32 product and launch the
-    selection alone (capturable); fewer run the fused kernel (one launch); by_gemm True / False forces either.
+    Where `router_by_gemm` says so (by_gemm None) the logits come from cuBLAS's fp32 product and the selection is
+    launched alone (capturable); otherwise the fused kernel runs (one launch); by_gemm True / False forces either.
     """
     _check("x", x, dtype=np.float32, ndim=2)
     T = x.shape[0]
@@ -285,7 +292,7 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
                         out_weights)
     if not T:
         return call.ids, call.weights
-    if T >= ROUTER_GEMM_MIN_ROWS if by_gemm is None else by_gemm:
+    if router_by_gemm(T, w.shape[0]) if by_gemm is None else by_gemm:
         logits = call.workspace.logits[:T]
         gemm_f32(x, call.workspace.widened(w), logits)
         kernel("router", f"moe_router_select_{call.suffix.split('_')[-1]}")(
