@@ -1,6 +1,6 @@
 """The prefill grouped expert GEMM (issue 15): today's tensor-core kernel against the pipelined one, in one process.
 
-    PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out OUT_DIR [--cases mixtral-512 ...] [--sweep]
+    PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out OUT_DIR [--cases mixtral-512 ...] [--sweep [CASE ...]]
 
 Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)):
 - `tc`: moe_gemm.cu's moe_gemm_tc_{gate_up,down}_r (64 x 64 tiles, hi + lo activations, today's prefill);
@@ -18,7 +18,9 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
---sweep: afterwards, the pipelined kernels alone at Mixtral 512 rows rebuilt with other (FAST_STAGES,
+--sweep [CASE ...]: afterwards, the pipelined kernels alone on those cases (none named: mixtral-512; the small
+experts of qwen3-30b-a3b-512, 32 rows an expert and 12 K steps in down, are where the pipeline's fill and drain
+weigh most) rebuilt with other (FAST_STAGES,
 FAST_MIN_BLOCKS) than limits.py's, to pick those constants (rows marked with the pair in `variant`).
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
@@ -51,7 +53,7 @@ CASES = {  # name: (H, I, E, k, T)
 DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
-SWEEP = ((2, 2), (4, 2), (3, 1), (4, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
+SWEEP = ((2, 2), (4, 2), (5, 2), (3, 1), (4, 1), (6, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
 
 
 def log(*a):
@@ -175,7 +177,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
-    ap.add_argument("--sweep", action="store_true", help="also other FAST_STAGES / FAST_MIN_BLOCKS at mixtral-512")
+    ap.add_argument("--sweep", nargs="*", choices=list(CASES), default=None,
+                    help="also other FAST_STAGES / FAST_MIN_BLOCKS on these cases (none named: mixtral-512)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
             "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
             "cupy": cp.__version__, "command": "PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out $OUT"
             + ("" if args.cases == list(DEFAULT_CASES) else " --cases " + " ".join(args.cases))
-            + (" --sweep" if args.sweep else ""), "fast_stages": limits.FAST_STAGES,
+            + ("" if args.sweep is None else " --sweep " + " ".join(args.sweep)), "fast_stages": limits.FAST_STAGES,
             "fast_min_blocks": limits.FAST_MIN_BLOCKS}
     log(f"modules compiled in {time.time() - t0:.1f} s")
     rows = []
@@ -197,11 +200,13 @@ def main(argv=None) -> int:
         log(f"== {name} (H, I, E, k, T) = {CASES[name]}")
         rows += bench_case(cp, be, name, *CASES[name])
         cp.get_default_memory_pool().free_all_blocks()
-    for stages, min_blocks in SWEEP if args.sweep else ():
-        log(f"== mixtral-512, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}")
+    sweep_cases = [] if args.sweep is None else args.sweep or ["mixtral-512"]
+    for stages, min_blocks in SWEEP if sweep_cases else ():
         rebuild_fast_kernel(stages, min_blocks)
-        rows += bench_case(cp, be, "mixtral-512", *CASES["mixtral-512"], fast_only=f" s{stages} b{min_blocks}")
-        cp.get_default_memory_pool().free_all_blocks()
+        for name in sweep_cases:
+            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}")
+            rows += bench_case(cp, be, name, *CASES[name], fast_only=f" s{stages} b{min_blocks}")
+            cp.get_default_memory_pool().free_all_blocks()
     meta["seconds"] = time.time() - t0
     (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(meta, rows)
