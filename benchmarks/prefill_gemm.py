@@ -20,8 +20,8 @@ TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
 --sweep [CASE ...]: afterwards, the pipelined kernels alone on those cases (none named: mixtral-512; the small
 experts of qwen3-30b-a3b-512, 32 rows an expert and 12 K steps in down, are where the pipeline's fill and drain
-weigh most) rebuilt with other (FAST_STAGES,
-FAST_MIN_BLOCKS) than limits.py's, to pick those constants (rows marked with the pair in `variant`).
+weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M) than limits.py's (rows marked
+"s<stages> b<blocks>[ skip]" in `variant`), to pick those constants.
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
 
@@ -53,7 +53,8 @@ CASES = {  # name: (H, I, E, k, T)
 DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
-SWEEP = ((2, 2), (4, 2), (5, 2), (3, 1), (4, 1), (6, 1))   # (FAST_STAGES, FAST_MIN_BLOCKS) besides limits.py's
+SWEEP = ((2, 2, 0), (4, 2, 0), (5, 2, 0), (3, 1, 0), (4, 1, 0), (6, 1, 0),   # (FAST_STAGES, FAST_MIN_BLOCKS,
+         (3, 2, 1), (4, 2, 1))                                                # FAST_SKIP_EMPTY_M) besides limits.py's
 
 
 def log(*a):
@@ -91,10 +92,11 @@ def timed_plain(cp, fn) -> float:
     return float(np.median(times))
 
 
-def rebuild_fast_kernel(stages: int, min_blocks: int) -> None:
-    """moe_gemm_fast.cu compiled anew with other pipeline depth and register bound (this process only)."""
+def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int) -> None:
+    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound and empty-row-tile skipping (this
+    process only)."""
     limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
-    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks)
+    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks, FAST_SKIP_EMPTY_M=skip_empty_m)
 
 
 def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "") -> list[dict]:
@@ -201,11 +203,11 @@ def main(argv=None) -> int:
         rows += bench_case(cp, be, name, *CASES[name])
         cp.get_default_memory_pool().free_all_blocks()
     sweep_cases = [] if args.sweep is None else args.sweep or ["mixtral-512"]
-    for stages, min_blocks in SWEEP if sweep_cases else ():
-        rebuild_fast_kernel(stages, min_blocks)
+    for stages, min_blocks, skip in SWEEP if sweep_cases else ():
+        rebuild_fast_kernel(stages, min_blocks, skip)
         for name in sweep_cases:
-            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}")
-            rows += bench_case(cp, be, name, *CASES[name], fast_only=f" s{stages} b{min_blocks}")
+            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}, FAST_SKIP_EMPTY_M {skip}")
+            rows += bench_case(cp, be, name, *CASES[name], fast_only=f" s{stages} b{min_blocks}" + " skip" * skip)
             cp.get_default_memory_pool().free_all_blocks()
     meta["seconds"] = time.time() - t0
     (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

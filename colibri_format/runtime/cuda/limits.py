@@ -77,6 +77,10 @@ FAST_BN = 256
 FAST_BK = 64
 FAST_STAGES = 3
 FAST_MIN_BLOCKS = 2
+# 1: a block's warps skip the MMAs (and A fragment loads) of m16 row tiles past its expert's rows, which are zeros
+# and never stored (the same results bit for bit): Qwen3-30B-A3B's 512-token prefill routes ~32 rows to an expert,
+# so about a third of a 64-row tile's MMAs are such. 0 until prefill_gemm.py --sweep has timed it on a GPU.
+FAST_SKIP_EMPTY_M = 0
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
 # matrix, reaches this: each routed expert costs a widening and ~6 launches from the host, which only large products
@@ -236,7 +240,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
-                      "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS},
+                      "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS,
+                      "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M},
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,

@@ -113,9 +113,10 @@ def host_source() -> str:
     return src.replace(DYNAMIC_SHARED, "unsigned char* fast_smem = emu_block->shared.data();") + DRIVER
 
 
-def _defines(stages: int) -> list[str]:
-    return [o for o in limits.define_options("moe_gemm_fast") if not o.startswith("-DFAST_STAGES=")] + [
-        f"-DFAST_STAGES={stages}"]
+def _defines(stages: int, skip_empty_m: int) -> list[str]:
+    changed = ("-DFAST_STAGES=", "-DFAST_SKIP_EMPTY_M=")
+    return [o for o in limits.define_options("moe_gemm_fast") if not o.startswith(changed)] + [
+        f"-DFAST_STAGES={stages}", f"-DFAST_SKIP_EMPTY_M={skip_empty_m}"]
 
 
 def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
@@ -129,9 +130,11 @@ def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def build(tmp_path: Path, stages: int = limits.FAST_STAGES) -> ctypes.CDLL:
-    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`."""
-    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages))
+def build(tmp_path: Path, stages: int = limits.FAST_STAGES,
+          skip_empty_m: int = limits.FAST_SKIP_EMPTY_M) -> ctypes.CDLL:
+    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages` and
+    FAST_SKIP_EMPTY_M."""
+    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages, skip_empty_m))
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

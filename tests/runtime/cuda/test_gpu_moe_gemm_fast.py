@@ -98,6 +98,41 @@ def test_gate_up_and_down_match_float64(cp, rng, name, activations):
     assert rel(ypair.get(), expect.pair_down(act_in, ids, f64(w), experts)) < TOL[activations]
 
 
+@pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
+def test_skipping_empty_row_tiles_changes_no_bit(cp, rng, monkeypatch, activations):
+    """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out:
+    benchmarks/prefill_gemm.py --sweep times it) write the same bits; the module is rebuilt for this test only."""
+    from colibri_format.runtime.cuda import limits
+
+    buf, table, _, x, ids, w = _case(cp, rng, "ragged")
+    (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size
+    d = ops.dispatch(cp.asarray(ids), table.num_experts)
+
+    def products():
+        act = ops.moe_gemm_gate_up_fast(cp.asarray(x), table, d, k, activations=activations,
+                                        out=nan_array(cp, (T * k, I)))
+        y = ops.moe_gemm_down_fast(act, table, d, cp.asarray(w), activations=activations,
+                                   out=nan_array(cp, (T * k, H)))
+        return act.get(), y.get()
+
+    def forget_module():
+        for cache in (ops._MODULES, ops._FUNCTIONS):
+            for key in [key for key in cache if key[0] == "moe_gemm_fast"]:
+                del cache[key]
+
+    default = products()
+    defines = dict(limits.KERNEL_DEFINES["moe_gemm_fast"], FAST_SKIP_EMPTY_M=1 - limits.FAST_SKIP_EMPTY_M)
+    monkeypatch.setitem(limits.KERNEL_DEFINES, "moe_gemm_fast", defines)
+    forget_module()
+    try:
+        other = products()
+    finally:
+        monkeypatch.undo()
+        forget_module()
+    for a, b in zip(default, other):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("activations", ["split", "bf16"])
 def test_split_activations_are_more_accurate_than_bf16(cp, rng, activations):
     """The two modes really differ: 'split' lands well under bf16's error, 'bf16' well over split's."""

@@ -41,6 +41,9 @@
 #ifndef FAST_MIN_BLOCKS
 #error "FAST_MIN_BLOCKS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef FAST_SKIP_EMPTY_M
+#error "FAST_SKIP_EMPTY_M undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(FAST_THREADS == 256 && FAST_BM == 64 && FAST_BN == 256,
               "8 warps along the weight rows, each owning 64 rows x 32 weight rows (4 x 4 m16n8 tiles)");
 static_assert(FAST_BK == 64, "the shared-memory swizzles assume 8 bf16 chunks (A) and 4 int8 chunks (B) a row");
@@ -177,9 +180,13 @@ __device__ __forceinline__ int warp_b_row(int warp, int nt) {
 // The MMAs of one stage: for each 32-column slice s, lane (g, t) takes columns 32s + 8t .. + 7 (see the header):
 // B: weight row g of each n8 tile, 8 bytes -> fragments of MMA 0 (columns +0..+3) and MMA 1 (+4..+7);
 // A: rows g and g + 8 of each m16 tile, 16 bytes each -> a0..a3 of MMA 0 (.x, .y) and MMA 1 (.z, .w).
+// An m16 row tile of the block's FAST_BM rows whose MMAs can be left out: past the expert's `rows` (zeros, never
+// stored), where FAST_SKIP_EMPTY_M asks for it (rows is block-uniform: the branch does not split a warp).
+__device__ __forceinline__ bool empty_m_tile(int mi, int rows) { return FAST_SKIP_EMPTY_M && mi * 16 >= rows; }
+
 template <bool GATEUP, int IN>
 __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&acc)[FAST_MT][FAST_NT][4], int warp,
-                                          int lane) {
+                                          int lane, int rows) {
     const int g = lane >> 2, t = lane & 3;
     const unsigned char* bstage = stage + FastStage<IN>::A_PARTS * FAST_A_BYTES;
     // not unrolled: with both slices' fragments in flight the kernel spills under the 128-register bound
@@ -197,6 +204,7 @@ __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&ac
         }
 #pragma unroll
         for (int mi = 0; mi < FAST_MT; ++mi) {
+            if (empty_m_tile(mi, rows)) continue;
             const int r0 = mi * 16 + g, r1 = r0 + 8, c = 4 * s + t;
 #pragma unroll
             for (int part = 0; part < FastStage<IN>::A_PARTS; ++part) {
@@ -218,7 +226,7 @@ __device__ __forceinline__ void mma_stage(const unsigned char* stage, float (&ac
 // 4-7 its k 16 + 4t.. (a2, a3, b1). A rows sit in shared memory as the B rows do (b_slot).
 template <bool GATEUP>
 __device__ __forceinline__ void mma_stage_int8(const unsigned char* stage, int (&acc)[FAST_MT][FAST_NT][4], int warp,
-                                               int lane) {
+                                               int lane, int rows) {
     const int g = lane >> 2, t = lane & 3;
     const unsigned char* bstage = stage + FastStage<FAST_IN_INT8>::A_BYTES;
 #pragma unroll
@@ -232,6 +240,7 @@ __device__ __forceinline__ void mma_stage_int8(const unsigned char* stage, int (
         }
 #pragma unroll
         for (int mi = 0; mi < FAST_MT; ++mi) {
+            if (empty_m_tile(mi, rows)) continue;
             const int r0 = mi * 16 + g, r1 = r0 + 8;
             const uint2 a0 = *reinterpret_cast<const uint2*>(stage + (r0 * FAST_B_CHUNKS + b_slot(r0, c)) * 16 + half);
             const uint2 a1 = *reinterpret_cast<const uint2*>(stage + (r1 * FAST_B_CHUNKS + b_slot(r1, c)) * 16 + half);
@@ -306,13 +315,13 @@ __device__ __forceinline__ void store_down(const Acc (&acc)[FAST_MT][FAST_NT][4]
 // A stage's MMAs for the kernel's activations (the accumulator type picks the int8 ones)
 template <bool GATEUP, int IN>
 __device__ __forceinline__ void mma_step(const unsigned char* stage, float (&acc)[FAST_MT][FAST_NT][4], int warp,
-                                         int lane) {
-    mma_stage<GATEUP, IN>(stage, acc, warp, lane);
+                                         int lane, int rows) {
+    mma_stage<GATEUP, IN>(stage, acc, warp, lane, rows);
 }
 template <bool GATEUP, int IN>
 __device__ __forceinline__ void mma_step(const unsigned char* stage, int (&acc)[FAST_MT][FAST_NT][4], int warp,
-                                         int lane) {
-    mma_stage_int8<GATEUP>(stage, acc, warp, lane);
+                                         int lane, int rows) {
+    mma_stage_int8<GATEUP>(stage, acc, warp, lane, rows);
 }
 
 // ---- the kernel body --------------------------------------------------------------------------------------------
@@ -376,7 +385,7 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
             load_stage<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
                            next * FAST_BK);
         commit_copies();
-        mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES, acc, warp, lane);
+        mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES, acc, warp, lane, cnt);
     }
     wait_copies<0>();   // only empty groups remain; leave none outstanding at exit
 
