@@ -10,7 +10,9 @@
 # expert products: the wgmma candidates beside the engine's prefill GEMMs in one call), router
 # (benchmarks/router_prefill.py: the fused router kernel against its GEMM route at 16-4096 rows, to place
 # limits.ROUTER_GEMM_MIN_ROWS), ncu (Nsight Compute over benchmarks/ncu_prefill_kernels.py: what limits the W8A8
-# expert GEMM and the router at 512 rows of Qwen3, OLMoE and Mixtral; ncu.csv), prefill (benchmarks/prefill_gemm.py
+# expert GEMM and the router at 512 rows of Qwen3, OLMoE and Mixtral; ncu.csv), ncu_decode (Nsight Compute over one
+# full-depth Qwen3 decode step, benchmarks/ncu_decode_step.py: every kernel of the step; ncu_decode.csv; NCU_DECODE_ARGS
+# picks another shape, batch or context), prefill (benchmarks/prefill_gemm.py
 # on Mixtral, Qwen3 and OLMoE expert blocks, then benchmarks/prefill_engine.py: full-depth Mixtral, Qwen3 and OLMoE
 # prefill, the defaults beside the split and W8A8 ('int8') options and transformers bf16).
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
@@ -23,7 +25,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
-T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240}
+T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -75,6 +77,16 @@ for step in $STEPS; do
           --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
           --csv --page details python3 benchmarks/ncu_prefill_kernels.py > "$OUT/ncu.csv" 2> "$OUT/ncu.log"
       rc=$?; summary+=("ncu rc=$rc $(grep -c '"' "$OUT/ncu.csv") csv lines ($((SECONDS - t0)) s)") ;;
+    ncu_decode)
+      if [ -n "${DRY:-}" ]; then
+        timeout "$T_NCU_DECODE" python3 benchmarks/ncu_decode_step.py --tiny --dir /tmp > "$OUT/ncu_decode.log" 2>&1
+        rc=$?; summary+=("ncu_decode (--tiny, CPU) rc=$rc"); continue
+      fi
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      timeout "$T_NCU_DECODE" "$NCU" --clock-control none --nvtx --nvtx-include "ncu_step/" --section SpeedOfLight \
+          --section Occupancy --section WarpStateStats --section LaunchStats --csv --page details \
+          python3 benchmarks/ncu_decode_step.py ${NCU_DECODE_ARGS:-} > "$OUT/ncu_decode.csv" 2> "$OUT/ncu_decode.log"
+      rc=$?; summary+=("ncu_decode rc=$rc $(grep -c '"' "$OUT/ncu_decode.csv") csv lines ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_PREFILL" python3 benchmarks/prefill_engine.py --out "$OUT/prefill_engine" --tiny --device cpu \
@@ -99,5 +111,7 @@ echo "==== gemm"; grep -E "TFLOP|error|Error|built|\|" "$OUT/gemm.log" 2>/dev/nu
 echo "==== router"; grep -E "^\||Error|Traceback" "$OUT/router.log" 2>/dev/null | tail -45
 echo "==== ncu"; grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|ncu_prefill_kernels\]" \
     "$OUT/ncu.csv" 2>/dev/null | cut -c1-220 | head -60
+echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$OUT/ncu_decode.csv" 2>/dev/null \
+    | cut -c1-200 | head -40
 echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback" "$OUT/prefill.log" 2>/dev/null | tail -40
 echo "==== summary"; printf '%s\n' "${summary[@]}"
