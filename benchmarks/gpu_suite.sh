@@ -3,18 +3,26 @@
 # Run from the repository root (it exports PYTHONPATH=. for the benchmarks, which import the library only, and keeps
 # CuPy's kernel cache in build/cupy_cache: carry that path into later device calls):
 #   STEPS="tests sanitizer hf paging" bash benchmarks/gpu_suite.sh
-# Steps: tests (`pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included; ~300 s warm,
-# ~400 s on a fresh machine whose kernels all compile first),
-# sanitizer (compute-sanitizer memcheck on benchmarks/sanitize_tiny.py), hf (benchmarks/gpu_vs_hf.py),
-# paging (benchmarks/paging.py), gemm (benchmarks/wgmma_probe.py, then benchmarks/prefill_gemm.py on Mixtral's 512-token
-# expert products: the wgmma candidates beside the engine's prefill GEMMs in one call), router
-# (benchmarks/router_prefill.py: the fused router kernel against its GEMM route at 16-4096 rows, to place
-# limits.ROUTER_GEMM_MIN_ROWS), ncu (Nsight Compute over benchmarks/ncu_prefill_kernels.py: what limits the W8A8
-# expert GEMM and the router at 512 rows of Qwen3, OLMoE and Mixtral; ncu.csv), ncu_decode (Nsight Compute over one
-# full-depth Qwen3 decode step, benchmarks/ncu_decode_step.py: every kernel of the step; ncu_decode.csv; NCU_DECODE_ARGS
-# picks another shape, batch or context), prefill (benchmarks/prefill_gemm.py
-# on Mixtral, Qwen3 and OLMoE expert blocks, then benchmarks/prefill_engine.py: full-depth Mixtral, Qwen3 and OLMoE
-# prefill, the defaults beside the split and W8A8 ('int8') options and transformers bf16).
+# Steps:
+#   tests        `pytest -m gpu tests`: every GPU test, the engine scenarios on device="cuda" included; ~300 s warm,
+#                ~400 s on a fresh machine whose kernels all compile first
+#   sanitizer    compute-sanitizer memcheck on benchmarks/sanitize_tiny.py
+#   hf           benchmarks/gpu_vs_hf.py
+#   paging       benchmarks/paging.py
+#   gemm         benchmarks/wgmma_probe.py, then benchmarks/prefill_gemm.py on Mixtral's 512-token expert products
+#   router       benchmarks/router_prefill.py: the fused router against its GEMM route at 16-4096 rows
+#                (limits.ROUTER_GEMM_MIN_ROWS)
+#   ncu          Nsight Compute over benchmarks/ncu_prefill_kernels.py: what limits the W8A8 expert GEMM and the
+#                router at 512 rows of Qwen3, OLMoE and Mixtral (ncu.csv)
+#   ncu_decode   Nsight Compute over one full-depth decode step, benchmarks/ncu_decode_step.py (ncu_decode.csv;
+#                NCU_DECODE_ARGS picks another shape, batch or context)
+#   prefill_host benchmarks/prefill_host.py on Qwen3 and OLMoE at 512 and 128 tokens with prefill graphs, both
+#                router routes (PREFILL_HOST_ARGS adds options)
+#   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
+#                FAST_SKIP_EMPTY_M
+#   prefill      benchmarks/prefill_gemm.py on Mixtral, Qwen3 and OLMoE expert blocks, then
+#                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
+#                options and transformers bf16
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
@@ -26,6 +34,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
+T_PREFILL_HOST=${T_PREFILL_HOST:-240} T_SWEEP=${T_SWEEP:-240}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -87,6 +96,17 @@ for step in $STEPS; do
           --section Occupancy --section WarpStateStats --section LaunchStats --csv --page details \
           python3 benchmarks/ncu_decode_step.py ${NCU_DECODE_ARGS:-} > "$OUT/ncu_decode.csv" 2> "$OUT/ncu_decode.log"
       rc=$?; summary+=("ncu_decode rc=$rc $(grep -c '"' "$OUT/ncu_decode.csv") csv lines ($((SECONDS - t0)) s)") ;;
+    prefill_host)
+      if [ -n "${DRY:-}" ]; then summary+=("prefill_host skipped: it times the CUDA engine"); continue; fi
+      timeout "$T_PREFILL_HOST" python3 benchmarks/prefill_host.py --out "$OUT/prefill_host" --shapes qwen3,olmoe \
+          --tokens 512,128 --no-profile --graphs on --router gemm,fused ${PREFILL_HOST_ARGS:-} \
+          > "$OUT/prefill_host.log" 2>&1
+      rc=$?; summary+=("prefill_host rc=$rc ($((SECONDS - t0)) s)") ;;
+    sweep)
+      if [ -n "${DRY:-}" ]; then summary+=("sweep skipped: it times CUDA kernels"); continue; fi
+      timeout "$T_SWEEP" python3 benchmarks/prefill_gemm.py --out "$OUT/sweep" --cases qwen3-30b-a3b-512 \
+          --sweep qwen3-30b-a3b-512 olmoe-512 > "$OUT/sweep.log" 2>&1
+      rc=$?; summary+=("sweep rc=$rc ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_PREFILL" python3 benchmarks/prefill_engine.py --out "$OUT/prefill_engine" --tiny --device cpu \
@@ -113,5 +133,8 @@ echo "==== ncu"; grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Ach
     "$OUT/ncu.csv" 2>/dev/null | cut -c1-220 | head -60
 echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$OUT/ncu_decode.csv" 2>/dev/null \
     | cut -c1-200 | head -40
+echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
+    2>/dev/null | cut -c1-240 | tail -20
+echo "==== sweep"; grep -E "fast-int8|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | tail -40
 echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback" "$OUT/prefill.log" 2>/dev/null | tail -40
 echo "==== summary"; printf '%s\n' "${summary[@]}"
