@@ -7,6 +7,8 @@ test_gpu_moe_gemm_fast.py.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -75,14 +77,26 @@ def test_skipping_empty_row_tiles_changes_no_bit(tmp_path, emulator, activations
     --sweep times) writes what the kernel without it writes, bit for bit: 1/7/63/65-row experts leave 3, 3, 0 and
     3 of a tile's four m16 tiles empty."""
     skipping = Emulator(build(tmp_path, skip_empty_m=1 - limits.FAST_SKIP_EMPTY_M))
-    np.testing.assert_array_equal(*(products(emu, CASES[0], activations) for emu in (emulator, skipping)))
+    default, skipped = (run_case(emu, CASES[0], activations, seed=17) for emu in (emulator, skipping))
+    np.testing.assert_array_equal(skipped.act, default.act)
+    np.testing.assert_array_equal(skipped.y, default.y)
 
 
-def products(emulator: Emulator, case, activations: str) -> np.ndarray:
-    """gate_up then down on the case's routed pairs with these activations: both outputs, flattened."""
-    rng = np.random.default_rng(17)
+class Ran(NamedTuple):
+    """A case's gate_up then down on the emulated kernels: its experts (float64), routed pairs, dispatch, outputs."""
+    experts: object
+    pairs: object       # synthetic_experts.routed_pairs: ptrs, ids, x, w
+    disp: dict
+    act: np.ndarray     # [P, I], sorted order
+    y: np.ndarray       # [P, H], pair order
+
+
+def run_case(emulator: Emulator, case, activations: str, seed: int) -> Ran:
+    """gate_up on the case's routed pairs, then down on its act, with these activations ('split', 'bf16': bf16
+    halves of x and act; 'int8': x and act rounded to int8 a row); every output element written, no emulator error."""
+    rng = np.random.default_rng(seed)
     E, k, H, I, counts = case
-    layout, _, blobs = host_experts(rng, E, H, I)
+    layout, experts, blobs = host_experts(rng, E, H, I)
     r = routed_pairs(rng, blobs, layout.size, counts, k, H)
     P = r.ids.size
     d = host_dispatch(r.ids, E)
@@ -97,58 +111,28 @@ def products(emulator: Emulator, case, activations: str) -> np.ndarray:
         emulator.gate_up(split, *expect.split_bf16(r.x), blobs, r.ptrs, layout, d, k, act)
         emulator.down(split, *expect.split_bf16(act), blobs, r.ptrs, layout, d, r.w, y)
     assert emulator.errors() == (0, "")
-    assert np.isfinite(act).all() and np.isfinite(y).all()
-    return np.concatenate([act.ravel(), y.ravel()])
+    assert np.isfinite(act).all() and np.isfinite(y).all(), "an output element left unwritten"
+    return Ran(experts, r, d, act, y)
 
 
 def check_against_float64(emulator: Emulator, case, split: bool) -> None:
-    rng = np.random.default_rng(15)
-    E, k, H, I, counts = case
-    layout, experts, blobs = host_experts(rng, E, H, I)
-    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
-    ptrs, ids, x, w = r.ptrs, r.ids, r.x, r.w
-    P = ids.size
-    d = host_dispatch(ids, E)
-
-    hi, lo = expect.split_bf16(x)
-    act = np.full((P, I), np.nan, np.float32)
-    emulator.gate_up(split, hi, lo, blobs, ptrs, layout, d, k, act)
-    assert emulator.errors() == (0, "")
-    act_pairs = act[d["inv"]]
-    assert rel(act_pairs, expect.pair_act(x.astype(np.float64), ids, experts)) < TOL[split]
-
-    a_hi, a_lo = expect.split_bf16(act)
-    y = np.full((P, H), np.nan, np.float32)
-    emulator.down(split, a_hi, a_lo, blobs, ptrs, layout, d, w, y)
-    assert emulator.errors() == (0, "")
-    exp_y = expect.pair_down(act_pairs.astype(np.float64), ids, w.astype(np.float64), experts)
-    assert rel(y, exp_y) < TOL[split]
+    ran = run_case(emulator, case, "split" if split else "bf16", seed=15)
+    ids, w, inv = ran.pairs.ids, ran.pairs.w.astype(np.float64), ran.disp["inv"]
+    act_pairs = ran.act[inv]
+    assert rel(act_pairs, expect.pair_act(ran.pairs.x.astype(np.float64), ids, ran.experts)) < TOL[split]
+    exp_y = expect.pair_down(act_pairs.astype(np.float64), ids, w, ran.experts)
+    assert rel(ran.y, exp_y) < TOL[split]
     if not split:   # bf16 activations: exactly the float64 product of the rounded inputs, up to fp32 sums
-        rounded = to_float32(a_hi)[d["inv"]].astype(np.float64)
-        assert rel(y, expect.pair_down(rounded, ids, w.astype(np.float64), experts)) < 1e-5
+        rounded = to_float32(expect.split_bf16(ran.act)[0])[inv].astype(np.float64)
+        assert rel(ran.y, expect.pair_down(rounded, ids, w, ran.experts)) < 1e-5
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_int8_kernels_match_float64_of_the_rounded_inputs(emulator, case):
     """W8A8: x rounded to int8 a token and act a pair (numpy_backend.quantize_int8_groups, a row its group), then
     exact int32 sums: the float64 products of the rounded inputs up to the fp32 epilogue."""
-    rng = np.random.default_rng(16)
-    E, k, H, I, counts = case
-    layout, experts, blobs = host_experts(rng, E, H, I)
-    r = routed_pairs(rng, blobs, layout.size, counts, k, H)
-    P = r.ids.size
-    d = host_dispatch(r.ids, E)
-
-    xq, xs = nb.quantize_int8_groups(r.x, H)
-    act = np.full((P, I), np.nan, np.float32)
-    emulator.gate_up_int8(xq, np.ascontiguousarray(xs.reshape(-1)), blobs, r.ptrs, layout, d, k, act)
-    assert emulator.errors() == (0, "")
-    act_pairs = act[d["inv"]]
-    assert rel(act_pairs, expect.pair_act(expect.round_rows_int8(r.x), r.ids, experts)) < 1e-5
-
-    aq, a_scale = nb.quantize_int8_groups(act, I)
-    y = np.full((P, H), np.nan, np.float32)
-    emulator.down_int8(aq, np.ascontiguousarray(a_scale.reshape(-1)), blobs, r.ptrs, layout, d, r.w, y)
-    assert emulator.errors() == (0, "")
-    rounded_pairs = expect.round_rows_int8(act)[d["inv"]]
-    assert rel(y, expect.pair_down(rounded_pairs, r.ids, r.w.astype(np.float64), experts)) < 1e-5
+    ran = run_case(emulator, case, "int8", seed=16)
+    ids, inv = ran.pairs.ids, ran.disp["inv"]
+    assert rel(ran.act[inv], expect.pair_act(expect.round_rows_int8(ran.pairs.x), ids, ran.experts)) < 1e-5
+    rounded_pairs = expect.round_rows_int8(ran.act)[inv]
+    assert rel(ran.y, expect.pair_down(rounded_pairs, ids, ran.pairs.w.astype(np.float64), ran.experts)) < 1e-5
