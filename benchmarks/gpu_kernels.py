@@ -49,9 +49,7 @@ def rebuild_module(name: str, **defines: int) -> None:
     from colibri_format.runtime.cuda import limits  # noqa: PLC0415
 
     limits.KERNEL_DEFINES[name].update(defines)
-    for cache in (ops._MODULES, ops._FUNCTIONS):
-        for key in [key for key in cache if key[0] == name]:
-            del cache[key]
+    ops.forget_module(name)
 
 
 def override_defines(name: str, pairs: list[str], option: str = "--define") -> dict[str, int]:

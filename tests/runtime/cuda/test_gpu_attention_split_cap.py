@@ -17,12 +17,6 @@ TOL = 2e-5
 WIDE_CAP = {"ATT_MAX_SPLITS": 4 * limits.ATT_MAX_SPLITS}
 
 
-def _forget_layers() -> None:
-    for cache in (ops._MODULES, ops._FUNCTIONS):
-        for key in [key for key in cache if key[0] == "layers"]:
-            del cache[key]
-
-
 @pytest.fixture(scope="module")
 def wide_cap():
     """layers.cu built with WIDE_CAP (and limits' ATT_MAX_SPLITS, which ops checks nsplit against); restored
@@ -31,13 +25,13 @@ def wide_cap():
     saved, saved_cap = {name: defines[name] for name in WIDE_CAP}, limits.ATT_MAX_SPLITS
     defines.update(WIDE_CAP)
     limits.ATT_MAX_SPLITS = WIDE_CAP["ATT_MAX_SPLITS"]
-    _forget_layers()
+    ops.forget_module("layers")
     try:
         yield WIDE_CAP
     finally:
         defines.update(saved)
         limits.ATT_MAX_SPLITS = saved_cap
-        _forget_layers()
+        ops.forget_module("layers")
 
 
 def rel(out, expected) -> float:

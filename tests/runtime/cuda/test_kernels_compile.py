@@ -118,3 +118,12 @@ def test_ops_imports_without_cupy():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.strip() == "cupy blocked"
+
+
+def test_forget_module_drops_that_modules_code_only(monkeypatch):
+    """ops.forget_module (a rebuild with other -D constants) empties the caches of one module, on every device."""
+    monkeypatch.setattr(ops, "_MODULES", {("router", 0): "m", ("router", 1): "m1", ("layers", 0): "l"})
+    monkeypatch.setattr(ops, "_FUNCTIONS", {("router", "moe_router_f32_e32", 0): "f", ("layers", "rmsnorm", 0): "g"})
+    ops.forget_module("router")
+    assert ops._MODULES == {("layers", 0): "l"}
+    assert ops._FUNCTIONS == {("layers", "rmsnorm", 0): "g"}

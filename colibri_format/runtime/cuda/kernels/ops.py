@@ -90,6 +90,14 @@ def kernel(module_name: str, function: str):
     return _FUNCTIONS[key]
 
 
+def forget_module(name: str) -> None:
+    """Drop module `name`'s compiled code and kernels on every device: its next use compiles it again with the
+    -D constants limits.KERNEL_DEFINES holds then (a benchmark's or test's rebuild with other constants)."""
+    for cache in (_MODULES, _FUNCTIONS):
+        for key in [key for key in cache if key[0] == name]:
+            del cache[key]
+
+
 _SHARED_OPT_IN: dict[int, tuple[Any, int]] = {}     # id(fn) -> (fn, the dynamic shared bytes it was opted in to);
                                                     # holding fn keeps its id from naming another function
 
