@@ -116,9 +116,10 @@ class CupyBackend:
 
     def kernel_choices(self) -> tuple:
         """The switches the ops read per call (EngineConfig's, or set on the open backend by a benchmark): part of
-        a kept graph's key, so that a graph captured under other choices is never replayed."""
-        return (self.bf16_tensor_cores, self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill,
-                self.int8_activations, self.router_gemm_min_rows)
+        a kept graph's key, so that a graph captured under other choices is never replayed. bf16_tensor_cores is
+        not one: the dense weights read it once, when they are loaded."""
+        return (self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill, self.int8_activations,
+                self.router_gemm_min_rows)
 
     def prefill_graph_blocker(self, blob_layout) -> str | None:
         """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit
