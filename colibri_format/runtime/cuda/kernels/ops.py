@@ -236,6 +236,7 @@ class _RouterCall(NamedTuple):
     shared_bytes: int
     workspace: RouterWorkspace
     modes: tuple                # scoring, order, normalize, scale, n_group, topk_group as the kernels take them
+    width: int                  # the kernels' expert width (ROUTER_WIDTHS): suffix e<width>
 
 
 def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, normalize: bool, scale: float,
@@ -272,7 +273,7 @@ def _router_call(T: int, H: int, w, k: int, bias, scoring: str, order: str, norm
     selection = (_ptr(bias), ws.logits, ws.tickets, ids, weights, np.int32(T), np.int32(H), np.int32(E), np.int32(k),
                  *modes)
     return _RouterCall(ids, weights, (-(-T // ROUTER_TPB), -(-E // ROUTER_EPB)), f"{dtype_code(w)}_e{width}",
-                       selection, router_shared_bytes(E, (n_group, topk_group)), ws, modes)
+                       selection, router_shared_bytes(E, (n_group, topk_group)), ws, modes, width)
 
 
 def router_by_gemm(num_tokens: int, num_experts: int, min_rows: int = ROUTER_GEMM_MIN_ROWS) -> bool:
@@ -303,7 +304,7 @@ def router(x, w, k: int, *, bias=None, scoring: str = "softmax", order: str = "s
     if router_by_gemm(T, w.shape[0]) if by_gemm is None else by_gemm:
         logits = call.workspace.logits[:T]
         gemm_f32(x, call.workspace.widened(w), logits)
-        kernel("router", f"moe_router_select_{call.suffix.split('_')[-1]}")(
+        kernel("router", f"moe_router_select_e{call.width}")(
             (call.grid[0],), (ROUTER_THREADS,), (logits, _ptr(bias), call.ids, call.weights, np.int32(T),
                                                  np.int32(w.shape[0]), np.int32(k), *call.modes),
             shared_mem=call.shared_bytes)
