@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="qwen3-30b-a3b-512,olmoe-512,mixtral-512")
     args = ap.parse_args(argv)
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        ap.error(f"--cases: unknown {sorted(unknown)}; known: {', '.join(CASES)}")
     import cupy as cp  # noqa: PLC0415 -- GPU machines only
 
     ops.warm_up()

@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="16,32,64,128,256,512,2048,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args(argv)
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        ap.error(f"--shapes: unknown {sorted(unknown)}; known: {', '.join(SHAPES)}")
     import cupy as cp  # noqa: PLC0415 -- GPU machines only
 
     out = Path(args.out)
