@@ -158,7 +158,8 @@ class GenerationStats:
         tokens = self.prompt_tokens + self.generated_tokens
         accesses = self.cache_hits + self.cache_misses
         seconds = self.prefill_seconds + self.decode_seconds
-        d["hit_rate"] = self.cache_hits / accesses if accesses else 0.0
+        # 1 when no expert went through the cache (all resident): what serve's /metrics reports too
+        d["hit_rate"] = self.cache_hits / accesses if accesses else 1.0
         d["misses_per_token"] = self.cache_misses / tokens if tokens else 0.0
         d["paged_gb_per_s"] = (self.bytes_paged + self.bytes_zero_copy) / seconds / 1e9 if seconds else 0.0
         d["stall_ms_per_token"] = 1e3 * self.stall_seconds / tokens if tokens else 0.0

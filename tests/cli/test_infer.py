@@ -38,6 +38,12 @@ def test_infer_human_view_prints_ids_and_stats(model_file, capsys):
     assert "finish_reason" in captured.err and "experts_touched" in captured.err
 
 
+def test_all_resident_stats_say_every_expert_hit(model_file, capsys):
+    stats = _infer_json(capsys, model_file, "--ids", "4,5", "--max-new-tokens", "3")["stats"]
+    assert stats["experts_touched"] > 0 and stats["cache_hits"] == stats["cache_misses"] == 0
+    assert stats["hit_rate"] == 1.0 and stats["misses_per_token"] == 0.0
+
+
 def test_static_policy_pins_from_trace(model_file, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     greedy = _infer_json(capsys, model_file, "--ids", "5,6,7", "--max-new-tokens", "5", "--trace", str(trace))
