@@ -22,7 +22,7 @@
 #                FAST_SKIP_EMPTY_M
 #   prefill      benchmarks/prefill_gemm.py on Mixtral, Qwen3 and OLMoE expert blocks, then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
-#                options and transformers bf16
+#                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
@@ -114,7 +114,7 @@ for step in $STEPS; do
       else
         timeout "$T_PREFILL" bash -c "python3 benchmarks/prefill_gemm.py --out '$OUT/prefill_gemm' --cases mixtral-512 \
             mixtral-4096 qwen3-30b-a3b-512 olmoe-512; a=\$?; python3 benchmarks/prefill_engine.py --out \
-            '$OUT/prefill_engine' --shapes mixtral,qwen3,olmoe --tokens 512,4096 --no-decode \
+            '$OUT/prefill_engine' --shapes mixtral,qwen3,olmoe --tokens 512,4096 --no-decode --timeline \
             --variants '$PREFILL_VARIANTS'; \
             exit \$((a || \$?))" > "$OUT/prefill.log" 2>&1
       fi
@@ -136,5 +136,6 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
 echo "==== sweep"; grep -E "fast-int8|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | tail -40
-echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback" "$OUT/prefill.log" 2>/dev/null | tail -40
+echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
+    | tail -140
 echo "==== summary"; printf '%s\n' "${summary[@]}"
