@@ -136,6 +136,6 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
 echo "==== sweep"; grep -E "fast-int8|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | tail -40
-echo "==== prefill"; grep -E "block|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
+echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
     | tail -140
 echo "==== summary"; printf '%s\n' "${summary[@]}"

@@ -15,6 +15,10 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
   per-expert counts read on the host), to place limits.CUBLAS_MIN_EXPERT_MACS; `cublas-int8`: the W8A8 route
   (activations rounded to int8 a row, the blobs' int8 multiplied in place), `fast-int8` the same products on the
   pipelined kernel's s8 MMAs (moe_gemm_fast.cu's _int8 kernels);
+- stage `block-device`: the same blocks' device time alone, from CUPTI (bench.device_timeline: the union of their
+  kernels' intervals, so the host's work between launches, which the cuBLAS routes' count read and their call an
+  expert expose in `block`, is left out); `products`: of that, the expert products' kernels alone (the s8 / split
+  kernels or cuBLAS's GEMMs: no dispatch, rounding, epilogue or combine).
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
@@ -37,7 +41,7 @@ import numpy as np
 
 from benchmarks.gpu_kernels import rebuild_module, time_graph
 from colibri_format.runtime.cuda import limits
-from colibri_format.runtime.cuda.bench import device_experts
+from colibri_format.runtime.cuda.bench import device_experts, device_timeline
 from colibri_format.runtime.cuda.kernels import ops
 
 CASES = {  # name: (H, I, E, k, T)
@@ -92,6 +96,22 @@ def timed_plain(cp, fn) -> float:
     return float(np.median(times))
 
 
+# What names an expert product's kernel: ours (moe_gemm_*) and cuBLAS's (sm90_xmma_gemm_..., cutlass ... gemm);
+# none of the glue kernels (dispatch, rounding, widening, epilogues, combine) has these in its name.
+PRODUCT_KERNEL_WORDS = ("gemm", "xmma", "cutlass")
+
+
+def device_us(cp, fn) -> tuple[float, float] | None:
+    """(busy µs, the expert products' µs) of one call of fn on the device, from CUPTI over LAUNCHES calls; None
+    without PyTorch's profiler."""
+    t = device_timeline(fn, cp.cuda.get_current_stream().synchronize, LAUNCHES)
+    if t is None:
+        return None
+    products = sum(k["us"] for name, k in t["kinds"].items()
+                   if any(w in name.lower() for w in PRODUCT_KERNEL_WORDS))
+    return t["busy_us"], products
+
+
 def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int) -> None:
     """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound and empty-row-tile skipping (this
     process only)."""
@@ -109,7 +129,8 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
     act_ref = ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True)
     y_ref = ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True)
     act, y = cp.empty_like(act_ref), cp.empty_like(y_ref)
-    flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H, "block": 6.0 * P * H * I}
+    flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H}
+    flops["block"] = flops["block-device"] = flops["products"] = flops["gate_up"] + flops["down"]
     rows = []
 
     def add(variant, stage, us, agreement=None, product=True):
@@ -138,8 +159,14 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
     for mode in ops.FAST_ACTIVATIONS:
         for route, cublas in (("fast", False), ("cublas", True)):
             out = ops.moe_experts(x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas)
-            add(f"{route}-{mode}", "block", timed_plain(cp, lambda: ops.moe_experts(
-                x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas, out=out)), rel(out, y_block))
+            def block():
+                ops.moe_experts(x, ids, w, table, gemm=True, fast_gemm=mode, cublas=cublas, out=out)
+
+            add(f"{route}-{mode}", "block", timed_plain(cp, block), rel(out, y_block))
+            device = device_us(cp, block)
+            if device is not None:
+                add(f"{route}-{mode}", "block-device", device[0])
+                add(f"{route}-{mode}", "products", device[1])
     add("split_bf16", "gate_up", timed(cp, lambda: ops.split_bf16(x, hi=st.x_hi, lo=st.x_lo)), product=False)
     add("split_bf16", "down", timed(cp, lambda: ops.split_bf16(act_ref, hi=st.act_hi, lo=st.act_lo)),
         product=False)

@@ -161,16 +161,22 @@ def timeline_profile(eng, step: Callable[[], None], steps: int = 8) -> dict | No
     device ran them, read from CUPTI through PyTorch's profiler, so the figures add up to the step: per kind,
     calls and microseconds per step; `busy_us` (union of the intervals), `span_us` (first start to last end,
     per step) and `idle_us` = span - busy (the device waiting between kernels). None without PyTorch."""
+    return device_timeline(step, lambda: eng.be.sync_event(eng.be.record(eng.stream)), steps)
+
+
+def device_timeline(step: Callable[[], None], sync: Callable[[], None], steps: int = 8) -> dict | None:
+    """`timeline_profile` of any work: `sync` waits until the device has run what `step` queued (e.g. a stream's
+    synchronize). None without PyTorch."""
     try:
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 -- CUPTI, only when asked
     except ImportError:
         return None
     step()
-    eng.be.sync_event(eng.be.record(eng.stream))
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
-        eng.be.sync_event(eng.be.record(eng.stream))
+        sync()
     fd, trace = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
