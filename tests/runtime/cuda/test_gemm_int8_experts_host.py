@@ -12,21 +12,8 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime.cuda.kernels import ops
+from tests.runtime.cuda.host_arrays import HostArray
 from tests.runtime.cuda.synthetic_experts import blob_array, host_experts
-
-
-class HostArray:
-    """What ops._check and gemm_int8_experts read of a CuPy array, over a NumPy array."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.host = np.ascontiguousarray(a)
-        self.dtype, self.shape, self.ndim, self.flags = self.host.dtype, self.host.shape, self.host.ndim, self.host.flags
-        self._c_contiguous = self.host.flags.c_contiguous      # what ops._check reads (CuPy's own attribute)
-        self.data = types.SimpleNamespace(ptr=self.host.ctypes.data, device_id=0)
-
-    @property
-    def size(self) -> int:
-        return self.host.size
 
 
 def _view(ptr: int, dtype, count: int) -> np.ndarray:

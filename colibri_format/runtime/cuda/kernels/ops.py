@@ -1054,14 +1054,14 @@ def down_epilogue_int8(yd, row_scales, table: ExpertTable, offsets, perm, weight
     return ypair
 
 
-def _experts_int8(x, weights, table: ExpertTable, disp: Dispatch, k: int, offsets, ypair) -> None:
-    """moe_experts_cublas's W8A8 products into ypair: x's rows and each pair's act rounded to int8 a row, the blobs'
-    int8 matrices multiplied in place (no widening), every expert's products into one array so that the epilogues
-    and the act quantization are one launch each (the host makes two cuBLAS calls an expert besides)."""
+def _experts_int8(xq, xs, weights, table: ExpertTable, disp: Dispatch, offsets, ypair) -> None:
+    """moe_experts_cublas's W8A8 products into ypair from the pairs' rows of x rounded to int8 a row (xq, scales xs:
+    sorted order): each pair's act rounded the same way, the blobs' int8 matrices multiplied in place (no widening),
+    every expert's products into one array so that the epilogues and the act quantization are one launch each (the
+    host makes two cuBLAS calls an expert besides)."""
     cp = _cupy()
     H, I, P = table.hidden_size, table.intermediate_size, disp.num_pairs
     addresses = cp.asnumpy(table.blob_ptrs)
-    xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
     routed = _routed(offsets)
     gu = cp.empty((P, 2 * I), cp.int32)
     gemm_int8_experts(xq, gu, table, addresses, "gate_up", routed)
@@ -1112,15 +1112,18 @@ def moe_experts_cublas(x, ids, weights, table: ExpertTable, disp: Dispatch, *, a
     _check_moe_inputs(x, table, disp, H, T)
     if cp.cuda.get_current_stream().is_capturing():
         raise RuntimeError("moe_experts_cublas synchronizes with the host: it cannot run inside a graph capture")
-    offsets = cp.asnumpy(disp.offsets).astype(np.int64)
     ypair = _out("ypair", ypair, (P, H), cp.float32)
+    # The launches that need no count are queued before the host waits for the counts: the device is idle from the
+    # end of that wait until the first product is queued, and an eager pass pays that gap every layer.
     if activations == "int8":
-        _experts_int8(x, weights, table, disp, k, offsets, ypair)
+        xq, xs = gather_rows_int8(*quantize_rows_int8(x), disp.perm, k)
+        _experts_int8(xq, xs, weights, table, disp, cp.asnumpy(disp.offsets).astype(np.int64), ypair)
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
     split = activations == "split"
     stack = 2 if split else 1                  # split: an expert's hi rows then its lo rows, one product
-    rows = stack * int(np.diff(offsets).max(initial=0))
     xs = gather_bf16(x, disp.perm, k, offsets=disp.offsets if split else None)
+    offsets = cp.asnumpy(disp.offsets).astype(np.int64)
+    rows = stack * int(np.diff(offsets).max(initial=0))
     w_gu, w_dn = cp.empty((2 * I, H), cp.uint16), cp.empty((H, I), cp.uint16)
     gu, yd, act = cp.empty((rows, 2 * I), cp.float32), cp.empty((rows, H), cp.float32), cp.empty((rows, I), cp.uint16)
     pair_weights = weights.reshape(-1)
