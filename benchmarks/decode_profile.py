@@ -212,6 +212,8 @@ def main() -> int:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
+    ap.add_argument("--dense-tc-ab", action="store_true", help="each shape's engine runs again with its bf16 dense "
+                    "products of 2-32 rows on dense_gemv_tc (limits.DG_TC_MIN_ROWS = 2; off by default)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
@@ -266,6 +268,13 @@ def main() -> int:
                 log(f"{shape} again with the dispatch (--pairs-ab)")
                 result["engine"][f"{shape} dispatch"] = engine_profile(path, batches)
                 ops.pairs_path = by_pair
+            if args.dense_tc_ab:
+                from colibri_format.runtime.cuda import limits
+
+                saved, limits.DG_TC_MIN_ROWS = limits.DG_TC_MIN_ROWS, 2
+                log(f"{shape} again with dense_gemv_tc from 2 rows (--dense-tc-ab)")
+                result["engine"][f"{shape} dense_tc"] = engine_profile(path, batches)
+                limits.DG_TC_MIN_ROWS = saved
             if not keep:
                 path.unlink()
             (out / "decode_profile.json").write_text(json.dumps(result, indent=1, default=str))

@@ -12,6 +12,13 @@ share of the device copy rate, registers and spills. A plan changes which warp c
 lane has in flight, not the order in which a lane sums its chunks, so at one split every plan's output equals the
 default plan's bit for bit; the script checks that, and each default-plan split against float64. Writes
 dense_gemv_sweep.json, prints the table, exits 1 when an output is wrong.
+
+    PYTHONPATH=. python benchmarks/dense_gemv_sweep.py --out OUT_DIR --tc [--tc-tokens 1,2,4,8,16,32]
+
+--tc instead times the tensor-core product (`ops.dense_gemv_tc`, limits.DG_TC_*) beside what the engine runs by
+default for the same rows (`dense_gemv` passes of 8 rows, DeviceDense.linear's loop), at the split it picks and
+each split forced, for each DG_TC_UNROLL of TC_UNROLLS (layers.cu rebuilt): the figures that set
+limits.DG_TC_MIN_ROWS. Each output is checked against the kernel's NumPy twin (`ops.dense_gemv_tc_reference`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ CANDIDATES = {1: ((1, 4), (1, 8), (2, 2), (2, 4), (4, 1), (4, 2)),      # tokens
               8: ((1, 4), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1))}
 SPLITS = (1, 2, 4, 8)
 F32_TOL = 2e-6
+TC_TOL = 1e-6           # dense_gemv_tc against its twin (the same split inputs, float64 sums)
+TC_UNROLLS = (4, 2, 8)  # limits.DG_TC_UNROLL first
 
 
 def plan_defines(tokens: int, plan: tuple[int, int]) -> dict[str, int]:
@@ -99,6 +108,67 @@ def sweep(cp, tokens: int, shapes: list[str], copy_gbps: float, wrong: list) -> 
     return rows
 
 
+def default_passes(ops, c: dict, w) -> None:
+    """The engine's product of c's rows without the tensor cores: dense_gemv passes of 8 rows (DeviceDense.linear)."""
+    T = c["x"].shape[0]
+    for t0 in range(0, T, 8):
+        ops.dense_gemv(c["x"][t0:t0 + 8], w, out=c["y"][t0:t0 + 8])
+
+
+def tc_sweep(cp, token_counts: list[int], shapes: list[str], copy_gbps: float, wrong: list) -> list[dict]:
+    from colibri_format.runtime.cuda.kernels import ops
+
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    default_unroll, rows = limits.DG_TC_UNROLL, []
+    for unroll in TC_UNROLLS:
+        rebuild_module("layers", DG_TC_UNROLL=unroll)
+        for T in token_counts:
+            for c in make_cases(cp, T, shapes):
+                nbytes = c["N"] * c["K"] * 2
+
+                def add(kernel: str, splits, fn, c=c, T=T, unroll=unroll, nbytes=nbytes):
+                    us = time_graph(cp, [lambda w=w: fn(w) for w in c["ws"]], per_graph=max(40, len(c["ws"])))
+                    rows.append({"shape": c["name"], "N": c["N"], "K": c["K"], "T": T, "kernel": kernel,
+                                 "unroll": unroll, "splits": splits, "us": us, "gbps": nbytes / us / 1e3,
+                                 "share_of_copy": nbytes / us / 1e3 / copy_gbps})
+
+                if unroll == default_unroll:
+                    add("dense_gemv passes", None, lambda w, c=c: default_passes(ops, c, w))
+                twin = ops.dense_gemv_tc_reference(c["x"].get(), c["ws"][0].get())
+                picked = ops.dense_gemv_tc_splits(c["N"], c["K"], sms)
+                for splits in (None, *SPLITS):
+                    y = ops.dense_gemv_tc(c["x"], c["ws"][0], out=c["y"], splits=splits).get()
+                    err = float(np.abs(y - twin).max() / np.abs(twin).max())
+                    if err > TC_TOL:
+                        wrong.append(f"dense_gemv_tc {c['name']} T={T} unroll {unroll} splits {splits}: {err:.2e}")
+                    add("dense_gemv_tc", splits or picked,
+                        lambda w, c=c, splits=splits: ops.dense_gemv_tc(c["x"], w, out=c["y"], splits=splits))
+                log(f"T={T} unroll {unroll} {c['name']:15s} " + " ".join(
+                    f"{r['kernel']} {r['splits']}: {r['us']:.2f}" for r in rows[-6:] if r["shape"] == c["name"]))
+            cp.get_default_memory_pool().free_all_blocks()
+    rebuild_module("layers", DG_TC_UNROLL=default_unroll)
+    return rows
+
+
+def tc_table_md(rows: list[dict]) -> str:
+    lines = ["| shape | T | dense_gemv passes µs | dense_gemv_tc µs, unroll: best split (picked split) | best x | "
+             "best GB/s |", "|---|---|---|---|---|---|"]
+    for shape, T in sorted({(r["shape"], r["T"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        case = [r for r in rows if (r["shape"], r["T"]) == (shape, T)]
+        base = next(r["us"] for r in case if r["kernel"] == "dense_gemv passes")
+        tc = [r for r in case if r["kernel"] == "dense_gemv_tc"]
+        cells = []
+        for unroll in TC_UNROLLS:
+            mine = [r for r in tc if r["unroll"] == unroll]
+            if mine:
+                best = min(mine, key=lambda r: r["us"])
+                cells.append(f"{unroll}: {best['us']:.2f} ({mine[0]['us']:.2f})")
+        best = min(tc, key=lambda r: r["us"])
+        lines.append(f"| {shape} | {T} | {base:.2f} | {'; '.join(cells)} | {base / best['us']:.2f}x | "
+                     f"{best['gbps']:.0f} |")
+    return "\n".join(lines)
+
+
 def table_md(rows: list[dict]) -> str:
     lines = ["| shape | T | rows x loads | splits 1 / 2 / 4 / 8 (µs; * picked) | best GB/s | registers | spill B |",
              "|---|---|---|---|---|---|---|"]
@@ -119,7 +189,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8", help="comma list of tokens a pass (keys of CANDIDATES)")
     ap.add_argument("--shapes", default=",".join(GEMV_SHAPES), help=f"comma list of {', '.join(GEMV_SHAPES)}")
     ap.add_argument("--list", action="store_true", help="print the candidate plans' -D constants and stop (no GPU)")
+    ap.add_argument("--tc", action="store_true", help="time dense_gemv_tc against the default passes instead")
+    ap.add_argument("--tc-tokens", default="1,2,4,8,16,32", help="with --tc: comma list of rows a pass (1-32)")
     args = ap.parse_args()
+    if args.tc:
+        return run_tc(args)
     tokens = [int(t) for t in args.tokens.split(",")]
     unknown = [t for t in tokens if t not in CANDIDATES] + [s for s in args.shapes.split(",") if s not in GEMV_SHAPES]
     if unknown:
@@ -142,6 +216,26 @@ def main() -> int:
     (out / "dense_gemv_sweep.json").write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "wrong": wrong},
                                                           indent=1))
     print(table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong))
+    return 1 if wrong else 0
+
+
+def run_tc(args) -> int:
+    tokens = [int(t) for t in args.tc_tokens.split(",")]
+    shapes = args.shapes.split(",")
+    bad = [t for t in tokens if not 1 <= t <= 32] + [s for s in shapes if s not in GEMV_SHAPES]
+    if bad:
+        raise SystemExit(f"dense_gemv_sweep.py: unknown rows or shapes: {bad}")
+    import cupy as cp
+
+    copy_gbps = copy_bandwidth(cp)
+    log(f"device copy {copy_gbps:.0f} GB/s")
+    wrong: list[str] = []
+    rows = tc_sweep(cp, tokens, shapes, copy_gbps, wrong)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dense_gemv_tc_sweep.json").write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "wrong": wrong},
+                                                             indent=1))
+    print(tc_table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong))
     return 1 if wrong else 0
 
 

@@ -20,6 +20,9 @@
 #                router routes (PREFILL_HOST_ARGS adds options)
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
 #                FAST_SKIP_EMPTY_M
+#   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
+#                decode shapes), then decode_profile.py --dense-tc-ab on Qwen3 at batches 1, 8 and 32: what sets
+#                limits.DG_TC_MIN_ROWS
 #   prefill      benchmarks/prefill_gemm.py on Mixtral, Qwen3 and OLMoE expert blocks, then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
 #                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
@@ -34,7 +37,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
-T_PREFILL_HOST=${T_PREFILL_HOST:-240} T_SWEEP=${T_SWEEP:-360}
+T_PREFILL_HOST=${T_PREFILL_HOST:-240} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -107,6 +110,12 @@ for step in $STEPS; do
       timeout "$T_SWEEP" python3 benchmarks/prefill_gemm.py --out "$OUT/sweep" --cases qwen3-30b-a3b-512 \
           --sweep qwen3-30b-a3b-512 olmoe-512 > "$OUT/sweep.log" 2>&1
       rc=$?; summary+=("sweep rc=$rc ($((SECONDS - t0)) s)") ;;
+    dense_tc)
+      if [ -n "${DRY:-}" ]; then summary+=("dense_tc skipped: it times CUDA kernels"); continue; fi
+      timeout "$T_DENSE_TC" bash -c "python3 benchmarks/dense_gemv_sweep.py --tc --out '$OUT/dense_tc'; a=\$?; \
+          python3 benchmarks/decode_profile.py --out '$OUT/dense_tc' --skip-gemv --shapes qwen3 --batches 1,8,32 \
+          --dense-tc-ab; exit \$((a || \$?))" > "$OUT/dense_tc.log" 2>&1
+      rc=$?; summary+=("dense_tc rc=$rc ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_PREFILL" python3 benchmarks/prefill_engine.py --out "$OUT/prefill_engine" --tiny --device cpu \
@@ -135,6 +144,7 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
     | cut -c1-200 | head -40
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
+echo "==== dense_tc"; grep -E "^\||WRONG|decode batch|again with|Error|Traceback" "$OUT/dense_tc.log" 2>/dev/null | tail -60
 echo "==== sweep"; grep -E "fast-int8|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | tail -40
 echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
     | tail -140

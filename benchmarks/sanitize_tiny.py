@@ -12,7 +12,7 @@ greedy generation (graph capture and replay), batched decode, the paged path wit
 `expert_loading` mode, and a 40-row prefill with greedy steps under each opt-in path of `OPT_INS` (off by default
 until measured on an H200, or, like cuBLAS's grouped expert GEMM, chosen by size: forced on here); int4_group also
 with the tensor-core decode GEMVs on every pass (their crossover, limits.TC4_MIN_*, lowered: a tiny model is far
-below it).
+below it), qwen3_moe also with its bf16 dense products of 2-32 rows on dense_gemv_tc.
 
 Run from the repository root:
 
@@ -73,6 +73,8 @@ def run(name: str, path: Path, model: dict, device: str) -> None:
                   eng.generate([1, 2, 3], max_new_tokens=3, stop_ids=[]).output_ids)
     if name == "int4_group":
         tc4_everywhere(name, path, device)
+    if name == "qwen3_moe":
+        dense_tc_everywhere(name, path, device)
     cached = max(2, len(model["moe_layers"]) * model["num_experts"] // 2)
     for loading in EXPERT_LOADING:
         with Engine(path, EngineConfig(device=device, max_seq_len=64, max_cached_experts=cached, prefetch=True,
@@ -91,6 +93,15 @@ def tc4_everywhere(name: str, path: Path, device: str) -> None:
                   eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3))
     finally:
         limits.TC4_MIN_TOKENS, limits.TC4_MIN_INTERMEDIATE = saved
+
+
+def dense_tc_everywhere(name: str, path: Path, device: str) -> None:
+    """Batched decode and a 12-row prompt with layers.cu's dense_gemv_tc on every bf16 pass of 2-32 rows (the
+    backend's dense_tc_min_rows, off by default until timed)."""
+    with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng:
+        eng.be.dense_tc_min_rows = 2
+        print(name, "dense tc", eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3),
+              [x.shape for x in eng.logits([list(range(1, 13))])])
 
 
 def main(argv: list[str] | None = None) -> int:

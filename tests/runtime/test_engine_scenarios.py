@@ -102,6 +102,24 @@ def test_bf16_dense_weights(tmp_path_factory, device):
         assert_same_as_reference(eng, ref, PROMPTS, 6)
 
 
+def test_bf16_dense_products_of_decode_batches_on_the_tensor_cores(tmp_path_factory, device, monkeypatch):
+    """With the backend's dense_tc_min_rows switched on, batches of 3 take dense_gemv_tc (the bf16 q/k/v, o_proj and
+    lm_head products, captured in the decode graph) and keep the reference's greedy tokens."""
+    if device == "cpu":
+        pytest.skip("dense_gemv_tc is a CUDA kernel: the NumPy backend has no such switch")
+    from colibri_format.runtime.cuda.kernels import ops
+
+    calls = []
+    real = ops.dense_gemv_tc
+    monkeypatch.setattr(ops, "dense_gemv_tc", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    path = make_file(tmp_path_factory, "qwen3_moe", dtype="bfloat16", **WIDE)
+    with Engine(path, EngineConfig(device=device)) as eng, reference(path) as ref:
+        eng.be.dense_tc_min_rows = 2
+        for prompt, got in zip(PROMPTS, eng.generate_batch(PROMPTS, 6)):
+            assert got == ref.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids
+        assert len(PROMPTS) in calls            # the decode steps' passes (the packed prompts' too: 12 rows)
+
+
 def test_small_heads_use_the_fallback_attention(tmp_path_factory, device):
     path = make_file(tmp_path_factory, "mixtral")                                  # head_dim 8
     with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng, reference(path) as ref:

@@ -12,6 +12,7 @@ import contextlib
 import numpy as np
 
 from colibri_format.errors import InvalidInput
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, ATTENTION_HEAD_DIMS, NORM_ROUTE_MAX_ROWS,
                                                  ROUTER_GEMM_MIN_ROWS, check_cuda_support)
 from colibri_format.spec.constants import PACKED_FORMATS
@@ -54,6 +55,9 @@ class CupyBackend:
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
         self.router_gemm_min_rows = ROUTER_GEMM_MIN_ROWS   # passes of this many rows route through cuBLAS (ops.router)
+        # decode passes of this many rows (0: none) multiply bf16 matrices on dense_gemv_tc; read when the backend is
+        # made, so a benchmark may set limits.DG_TC_MIN_ROWS before it opens an engine
+        self.dense_tc_min_rows = limits.DG_TC_MIN_ROWS
         self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
@@ -119,7 +123,7 @@ class CupyBackend:
         a kept graph's key, so that a graph captured under other choices is never replayed. bf16_tensor_cores is
         not one: the dense weights read it once, when they are loaded."""
         return (self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill, self.int8_activations,
-                self.router_gemm_min_rows)
+                self.router_gemm_min_rows, self.dense_tc_min_rows)
 
     def prefill_graph_blocker(self, blob_layout) -> str | None:
         """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit

@@ -1,9 +1,10 @@
 """Dense weights on the device, uploaded once in their stored dtype, and the products that use them.
 
 Matrices stay f32, f16 or bf16 (bf16 as raw uint16 bits) as the file stores them. Decode-sized batches (at most
-`GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel in passes of `GEMV_PASS_ROWS` rows; it
-reads the stored dtype and can be captured in a CUDA graph, so decode steps of up to 32 sequences (colibri serve's
-larger batch buckets) replay as graphs. Larger batches (prefill) multiply bf16 matrices on
+`GEMV_MAX_ROWS` rows) multiply through the project's `dense_gemv` kernel in passes of `GEMV_PASS_ROWS` rows, or,
+for bf16 matrices where the backend's `dense_tc_min_rows` asks for it, through `dense_gemv_tc` (the tensor cores,
+every row in one launch); both read the stored dtype and can be captured in a CUDA graph, so decode steps of up to
+32 sequences (colibri serve's larger batch buckets) replay as graphs. Larger batches (prefill) multiply bf16 matrices on
 the tensor cores (x split into bf16 hi + lo) and others as f32 (upcast into a scratch matrix unless mirrored) on
 cuBLAS through `ops.gemm_bf16` / `ops.gemm_f32`, which read each weight once however many rows and can be captured
 (a prefill graph, `runner.PrefillRunner`). Vectors (norms are read
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS, NORMED_GEMV_MAX_ROWS
+from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS, DG_TC_ROWS, NORMED_GEMV_MAX_ROWS
 from colibri_format.runtime.dense import fused_dense_tensors
 
 GEMV_PASS_ROWS = max(DG_PLANS)         # rows of one dense_gemv launch (it reads each weight once per pass)
@@ -90,12 +91,22 @@ class DeviceDense:
         b = self.f32(bias) if bias is not None else None
         return self.be.ops.dense_gemv_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
 
+    def _tensor_core_rows(self, x, w) -> bool:
+        """Whether a decode-sized pass takes `dense_gemv_tc` (bf16 weights on the tensor cores, every row in one
+        launch) rather than `dense_gemv` passes: passes of the backend's `dense_tc_min_rows` rows or more (0: none)."""
+        T, K = x.shape
+        least = self.be.dense_tc_min_rows
+        return (bool(least) and T >= least and w.dtype == np.uint16 and K % 32 == 0 and w.shape[0] >= DG_TC_ROWS
+                and x._c_contiguous and x.data.ptr % 16 == 0)
+
     def linear(self, x, name: str, bias: str | None, out):
         """out [T, N] f32 = x [T, K] f32 @ W.T (+ bias)."""
         w = self.arrays[name]
         b = self.f32(bias) if bias is not None else None
         T = x.shape[0]
         if self._gemv_rows(x, w):
+            if self._tensor_core_rows(x, w):
+                return self.be.ops.dense_gemv_tc(x, w, bias=b, out=out)
             for t0 in range(0, T, GEMV_PASS_ROWS):
                 t1 = min(T, t0 + GEMV_PASS_ROWS)
                 self.be.ops.dense_gemv(x[t0:t1], w, bias=b, out=out[t0:t1])

@@ -146,6 +146,18 @@ DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output ro
 # is best unsplit (8 splits: 264 -> 431 us at eight tokens).
 DG_MAX_SPLITS = 8
 DG_WARPS_PER_SM = 32
+# layers.cu's dense_gemv_tc: bf16 products of up to 32 tokens on mma.sync m16n8k16 (16 output rows a warp item, the
+# tokens as n8 tiles: kernels for DG_TC_TILES tiles, x split into bf16 hi + lo in registers), DG_TC_UNROLL 32-column
+# slices of a warp's rows loaded before it multiplies. It reads a weight once for every token of a pass where
+# dense_gemv re-reads it every 8 tokens and, at 8 tokens, runs at a third of the copy rate on FMAs (Qwen3's q/k/v
+# 15.4 us against 7.0 at one token; session 17). Passes of DG_TC_MIN_ROWS rows or more (at most ATT_DECODE_MAX_ROWS,
+# bf16 weights, K % 32 == 0) take it: the backend's `dense_tc_min_rows`; 0 (the default until it is timed on a GPU
+# against dense_gemv: benchmarks/dense_gemv_sweep.py --tc, decode_profile.py --dense-tc-ab) leaves every pass on
+# dense_gemv.
+DG_TC_ROWS = 16             # output rows a warp item: the M of m16n8k16
+DG_TC_UNROLL = 4
+DG_TC_TILES = (1, 2, 4)
+DG_TC_MIN_ROWS = 0
 # layers.cu's rmsnorm and fused.cu's add_rmsnorm hold a row in registers, NORM_VECS 4-element vectors a thread (rows of
 # up to 4 * NORM_VECS * threads elements: 8192 with 256 threads), so a decode step's norms pay one memory latency
 NORM_VECS = 8
@@ -246,7 +258,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
                "ATT_MERGE_LOADS": ATT_MERGE_LOADS,
-               "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS,
+               "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS, "DG_TC_ROWS": DG_TC_ROWS,
+               "DG_TC_UNROLL": DG_TC_UNROLL,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
                **{f"DG_T{tok}_UNROLL": unroll for tok, (_, unroll) in DG_PLANS.items()}},
     "fused": {"FUSED_THREADS": FUSED_THREADS, "QKV_THREADS": QKV_THREADS, "NORM_VECS": NORM_VECS},

@@ -552,7 +552,14 @@ extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const
                    [&] { dense_gemv_normed_##SUF##_t##TOK(x, w, bias, y, T, N, K, splits, gamma, eps, x_out); },  \
                    order);                                                                                        \
     }
-""" + "".join(f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
+#define EMU_DENSE_GEMV_TC(NT)                                                                                    \
+    extern "C" void emu_dense_gemv_tc_bf16_n##NT(int blocks, unsigned order, const float* x, const u16* w,       \
+                                                 const float* bias, float* y, int T, int N, int K, int splits) {  \
+        emu_launch({blocks, 1, 1}, DG_THREADS, 0, [&] { dense_gemv_tc_bf16_n##NT(x, w, bias, y, T, N, K, splits); }, \
+                   order);                                                                                       \
+    }
+""" + "".join(f"EMU_DENSE_GEMV_TC({nt})\n" for nt in limits.DG_TC_TILES) + "".join(
+    f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_ATTENTION_SPLIT({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS) + "".join(
     f"EMU_DENSE_GEMV({c}, T{c.upper()}, {tok})\nEMU_DENSE_GEMV_NORMED({c}, T{c.upper()}, {tok})\n"
@@ -635,6 +642,19 @@ class DenseGemvEmulator(LibraryEmulator):
         y = self._launch("dense_gemv_normed", x, w, bias, splits, order,
                          (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out)))
         return y, x_out
+
+    def gemv_tc(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
+        """`ops.dense_gemv_tc`: x @ w.T (+ bias) for bf16 w on the tensor-core kernel, launched as the wrapper
+        launches it."""
+        T, K = x.shape
+        N = w.shape[0]
+        tiles = min(n for n in limits.DG_TC_TILES if 8 * n >= T)
+        splits = ops.dense_gemv_tc_splits(N, K, H200_SMS) if splits is None else splits
+        blocks = -(-N // limits.DG_TC_ROWS // (limits.DG_THREADS // 32 // splits))
+        y = np.full((T, N), np.nan, np.float32)
+        getattr(self.lib, f"emu_dense_gemv_tc_bf16_n{tiles}")(
+            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits)
+        return y
 
     def _launch(self, family: str, x, w, bias, splits: int | None, order: int, tail: tuple) -> np.ndarray:
         T, K = x.shape

@@ -109,3 +109,51 @@ def test_other_plans_compute_the_default_plans_bits(emulator, tmp_path, pair):
             want = emulator.gemv(x, w, splits=splits)
             np.testing.assert_array_equal(other.gemv(x, w, splits=splits), want, err_msg=f"{plans} T={T} {splits}")
     assert other.errors() == (0, "")
+
+
+# ---- dense_gemv_tc: bf16 weights on the tensor cores, up to 32 tokens in one launch ------------------------------
+TC_TOL = 1e-6       # fp32 sums of the split inputs in the MMAs' order, against float64 of the same split inputs
+
+
+@pytest.mark.parametrize("T", (1, 2, 7, 8, 9, 16, 17, 32))
+@pytest.mark.parametrize("N,K", [(16, 32), (37, 2080), (130, 64), (20, 4096)])
+@pytest.mark.parametrize("splits", (None, 1, 2, 8))
+def test_dense_gemv_tc_against_its_twin(emulator, T, N, K, splits):
+    """Every tile count (8, 16, 32 tokens) and token count, N off the 16-row items (the last item shifted back, its
+    overlapping rows stored once), K split over warps (more splits than slices leave warps without work), bias;
+    blocks in shuffled order. The twin rounds x to bf16 hi + lo as the kernel does."""
+    x, w, w64 = case(T, N, K, "bf16", seed=31 * T + N + K)
+    x *= np.geomspace(0.01, 100.0, K, dtype=np.float32)          # columns of every scale: a lost lo part shows
+    bias = np.linspace(-1, 1, N).astype(np.float32) if N % 2 else None
+    y = emulator.gemv_tc(x, w, bias=bias, splits=splits, order=T + N)
+    assert emulator.errors() == (0, "")
+    assert relerr(y, ops.dense_gemv_tc_reference(x, w, bias)) < TC_TOL
+    assert relerr(y, nb.linear(x.astype(np.float64), w64, bias=bias)) < 2e-5    # the split's ~16 mantissa bits
+
+
+@pytest.mark.parametrize("T", (3, 8, 13, 32))
+def test_dense_gemv_tc_reads_each_token_of_its_own_row(emulator, T):
+    """Token j's outputs are its own row's product: x row j is one bf16-exact spike at its own column, so y[j] must
+    be exactly that column of W times the spike (a lane reading another token's x, another column, or a padded
+    token would show as a wrong or extra term)."""
+    N, K = 48, 256
+    rng = np.random.default_rng(T)
+    w = float32_to_bf16_bits(rng.standard_normal((N, K)).astype(np.float32))
+    cols = rng.permutation(K)[:T]
+    spikes = np.float32(2.0) ** np.arange(-3, T - 3, dtype=np.float32)
+    x = np.zeros((T, K), np.float32)
+    x[np.arange(T), cols] = spikes
+    y = emulator.gemv_tc(x, w, order=T)
+    assert emulator.errors() == (0, "")
+    want = (nb.widen(w, np.float64)[:, cols] * spikes).T
+    np.testing.assert_array_equal(y, want.astype(np.float32))
+
+
+def test_dense_gemv_tc_splits_fill_the_machine_without_oversplitting():
+    """Items of 16 rows: Qwen3's o_proj (2048 x 4096) splits its K over 8 warps, q/k/v (5120 x 2048) over 8,
+    lm_head (151936 rows) not at all; never more warps than 32-column slices."""
+    sms = 132
+    assert ops.dense_gemv_tc_splits(2048, 4096, sms) == 8
+    assert ops.dense_gemv_tc_splits(5120, 2048, sms) == 8
+    assert ops.dense_gemv_tc_splits(151936, 2048, sms) == 1
+    assert ops.dense_gemv_tc_splits(16, 64, sms) == 2

@@ -387,6 +387,44 @@ def test_dense_gemv(cp, rng, wdt, T, N, K, with_bias, splits):
         ops.dense_gemv(cp.asarray(x), w, splits=3)
 
 
+@pytest.mark.parametrize("T,N,K", [(1, 5120, 2048), (2, 2048, 4096), (8, 5120, 2048), (9, 37, 2080),
+                                   (16, 130, 64), (32, 2048, 4096), (5, 151936 // 8, 2048)])
+@pytest.mark.parametrize("splits", [None, 1, 8])
+def test_dense_gemv_tc(cp, rng, T, N, K, splits):
+    """The tensor-core dense product against its NumPy twin (x split into bf16 hi + lo, float64 sums) and against
+    the exact product (~1e-5: the split's mantissa bits); shapes of Qwen3's decode (q/k/v, o_proj, an lm_head slice),
+    ragged N, every tile count; columns of every scale."""
+    x = (rng.standard_normal((T, K)) * np.geomspace(0.01, 100.0, K)).astype(np.float32)
+    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), "bf16")
+    bias = rng.standard_normal(N).astype(np.float32)
+    y = ops.dense_gemv_tc(cp.asarray(x), w, bias=cp.asarray(bias), out=nan_like(cp, (T, N)), splits=splits)
+    assert rel(y.get(), ops.dense_gemv_tc_reference(x, w.get(), bias)) < 1e-6
+    assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < 2e-5
+    with pytest.raises(ValueError, match="K % 32 == 0"):
+        ops.dense_gemv_tc(cp.asarray(np.zeros((T, 48), np.float32)), to_device_dtype(cp, np.zeros((N, 48),
+                                                                                                   np.float32), "bf16"))
+    with pytest.raises(ValueError, match="1 <= T <= 32"):
+        ops.dense_gemv_tc(cp.asarray(np.zeros((33, K), np.float32)), w)
+
+
+def test_dense_gemv_tc_replays_in_a_graph(cp, rng):
+    """Captured and replayed, it gives the eager launch's bits (decode graphs capture it)."""
+    x = cp.asarray(rng.standard_normal((8, 2048)).astype(np.float32))
+    w = to_device_dtype(cp, rng.standard_normal((5120, 2048)).astype(np.float32), "bf16")
+    eager, out = ops.dense_gemv_tc(x, w).get(), nan_like(cp, (8, 5120))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            ops.dense_gemv_tc(x, w, out=out)
+        finally:
+            graph = stream.end_capture()
+        assert np.isnan(out.get()).all()            # captured, not run
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(out.get(), eager)
+
+
 @pytest.mark.parametrize("wdt", ["f32", "bf16"])
 @pytest.mark.parametrize("T,N,K", [(1, 5120, 2048), (1, 2048, 4096), (3, 33, 4104), (8, 64, 2048)])
 @pytest.mark.parametrize("splits", [None, 1, 8])

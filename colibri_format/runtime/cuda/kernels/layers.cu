@@ -796,3 +796,112 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
 DENSE_GEMV_KERNELS(f32, TF32)
 DENSE_GEMV_KERNELS(f16, TF16)
 DENSE_GEMV_KERNELS(bf16, TBF16)
+
+// ------------------------------------------------------------------------------------------------ dense GEMV, tensor cores
+// dense_gemv_tc_bf16_n<NT>: y = x @ W.T (+ bias) for bf16 W [N, K] and up to 8 NT tokens (NT = 1, 2, 4: T <= 8, 16,
+// 32), on mma.sync m16n8k16 with W as A (16 output rows a warp item) and the tokens as B (NT tiles of 8). Each warp
+// reads its rows once whatever the tokens, where dense_gemv re-reads them every 8 tokens and, at 8, spends its time
+// on 256 FMAs a 16-byte chunk (a third of the copy rate at Qwen3's decode shapes, session 17). x is split in
+// registers into bf16 hi + lo (two MMAs a weight, ~16 mantissa bits: ~1e-5 relative, as the prefill's bf16
+// products, ops.gemm_bf16 on split_bf16's halves). The k order inside each 32-column slice is permuted identically
+// for A and B, as in moe_gemm_fast.cu: lane (g, t) loads columns 8t .. 8t + 7 of rows g and g + 8 (16 bytes each)
+// and of token g, and feeds columns 8t .. 8t + 3 to the first MMA of the slice, 8t + 4 .. 8t + 7 to the second.
+// An item's K may be split over `splits` warps of the block (their partial sums meet in shared memory and the
+// item's first warp adds them in slice order, as dense_gemv does); N >= 16, K % 32 == 0 (ops.dense_gemv_tc).
+#ifndef DG_TC_UNROLL
+#error "DG_TC_UNROLL undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef DG_TC_ROWS
+#error "DG_TC_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+static_assert(DG_TC_ROWS == 16, "a warp item is the 16 rows of one m16n8k16 A tile");
+
+// 8 floats of token j of x at column c as bf16 pairs hi (round to nearest even) and lo = bf16(v - hi), the lower
+// column in each pair's low half; zeros for a token past T (a padded column of the n8 tile).
+__device__ __forceinline__ void split_x8(const float* __restrict__ x, int j, int T, int K, int c, unsigned int (&hi)[4],
+                                         unsigned int (&lo)[4]) {
+    float v[8];
+    if (j < T) {
+        load_floats<8>(x + (size_t)j * K + c, v);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const u16 h0 = TBF16::from_f32(v[2 * p]), h1 = TBF16::from_f32(v[2 * p + 1]);
+        const u16 l0 = TBF16::from_f32(v[2 * p] - TBF16::to_f32(h0));
+        const u16 l1 = TBF16::from_f32(v[2 * p + 1] - TBF16::to_f32(h1));
+        hi[p] = (unsigned int)h0 | ((unsigned int)h1 << 16);
+        lo[p] = (unsigned int)l0 | ((unsigned int)l1 << 16);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, const u16* __restrict__ w,
+                                                   const float* __restrict__ bias, float* __restrict__ y, int T, int N,
+                                                   int K, int splits) {
+    constexpr int WARPS = DG_THREADS / 32, TOK = 8 * NT, SLICE = 32;
+    __shared__ float s_part[WARPS][DG_TC_ROWS][TOK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int slice = warp % splits;                            // splits divides WARPS (ops.dense_gemv_tc)
+    const int item = blockIdx.x * (WARPS / splits) + warp / splits;
+    const bool live = item < (N + DG_TC_ROWS - 1) / DG_TC_ROWS;
+    const int r0 = min(item * DG_TC_ROWS, N - DG_TC_ROWS);      // shifted in range (N >= 16)
+    const int slices = K / SLICE, per_split = (slices + splits - 1) / splits;
+    const int s_lo = slice * per_split, s_hi = min(slices, s_lo + per_split);
+    const u16* row_g = w + (size_t)(r0 + g) * K + 8 * t;
+    const u16* row_g8 = row_g + (size_t)8 * K;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
+    for (int s0 = s_lo; live && s0 < s_hi; s0 += DG_TC_UNROLL) {
+        uint4 wa[DG_TC_UNROLL], wb[DG_TC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DG_TC_UNROLL; ++u) {
+            const bool in = s0 + u < s_hi;
+            wa[u] = in ? load16_stream(row_g + (size_t)(s0 + u) * SLICE) : make_uint4(0u, 0u, 0u, 0u);
+            wb[u] = in ? load16_stream(row_g8 + (size_t)(s0 + u) * SLICE) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < DG_TC_UNROLL; ++u) {
+            if (s0 + u < s_hi) {
+                const int c = (s0 + u) * SLICE + 8 * t;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    unsigned int hi[4], lo[4];
+                    split_x8(x, nt * 8 + g, T, K, c, hi, lo);
+                    mma_16816(acc[nt], wa[u].x, wb[u].x, wa[u].y, wb[u].y, hi[0], hi[1]);
+                    mma_16816(acc[nt], wa[u].z, wb[u].z, wa[u].w, wb[u].w, hi[2], hi[3]);
+                    mma_16816(acc[nt], wa[u].x, wb[u].x, wa[u].y, wb[u].y, lo[0], lo[1]);
+                    mma_16816(acc[nt], wa[u].z, wb[u].z, wa[u].w, wb[u].w, lo[2], lo[3]);
+                }
+            }
+        }
+    }
+    // accumulator r of tile nt: row g (+ 8 for r >= 2), token 8 nt + 2t + (r & 1)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s_part[warp][g + 8 * (r >> 1)][8 * nt + 2 * t + (r & 1)] = acc[nt][r];
+    if (splits > 1) __syncthreads();                            // splits is the same in every thread
+    else __syncwarp();
+    if (slice != 0 || !live) return;
+    for (int i = lane; i < DG_TC_ROWS * TOK; i += 32) {
+        const int q = i / TOK, j = i - q * TOK;
+        float sum = 0.0f;
+        for (int p = 0; p < splits; ++p) sum += s_part[warp + p][q][j];
+        if (j < T && r0 + q >= item * DG_TC_ROWS) y[(size_t)j * N + r0 + q] = sum + (bias ? bias[r0 + q] : 0.0f);
+    }
+}
+#define DENSE_GEMV_TC_KERNEL(NT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                     \
+        dense_gemv_tc_bf16_n##NT(const float* x, const u16* w, const float* bias, float* y, int T, int N, int K,  \
+                                 int splits) {                                                                   \
+        dense_gemv_tc_impl<NT>(x, w, bias, y, T, N, K, splits);                                                  \
+    }
+DENSE_GEMV_TC_KERNEL(1)
+DENSE_GEMV_TC_KERNEL(2)
+DENSE_GEMV_TC_KERNEL(4)

@@ -26,7 +26,8 @@ from colibri_format.runtime.cuda.limits import (
     A8_FORMATS, A8_GROUP, A8_QUANT_THREADS, A8_THREADS, EXPAND_THREADS, GEMV4_THREADS, GEMV4_TOKC, TC4_THREADS)
 from colibri_format.runtime.cuda.limits import (  # also what callers read as ops.GEMM_BM, ops.GEMV_WIDE, ...
     ATTENTION_HEAD_DIMS, ATT_DECODE_MAX_ROWS, ATT_DECODE_MIN_KEYS, ATT_GMAX, ATT_THREADS, BLOB_ARRAY_ALIGNMENT,
-    CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_THREADS, DIM_MULTIPLE, DISPATCH_MAX_E,
+    CUBLAS_INT8_MIN_EXPERT_MACS, CUBLAS_MIN_EXPERT_MACS, DG_PLANS, DG_ROWS, DG_TC_ROWS, DG_TC_TILES, DG_THREADS,
+    DIM_MULTIPLE, DISPATCH_MAX_E,
     DISPATCH_THREADS, FAST_BN, FAST_THREADS, FUSED_THREADS, GEMM_BM, GEMM_BN, GEMM_THREADS, GEMV_THREADS, GEMV_TOKC, GEMV_WIDE,
     GLUE_THREADS, GROUP_MULTIPLE, QKV_THREADS, QK_NORM_MODES, ROUTER_EPB, ROUTER_GEMM_MIN_ROWS, ROUTER_MAX_E,
     ROUTER_MAX_K, ROUTER_THREADS, ROUTER_TPB, ROUTER_WIDTHS, TC_THREADS, W8A8_MIN_EXPERT_MACS, fast_gemm_shared_bytes,
@@ -1434,8 +1435,17 @@ def dense_gemv_splits(N: int, K: int, tokens: int, itemsize: int, sms: int) -> i
     """How many warps share an item's K in `dense_gemv`: the most (a power of two up to `limits.DG_MAX_SPLITS`, at
     most one 16-byte load a lane per slice) that keep the launch within `limits.DG_WARPS_PER_SM` warps a
     multiprocessor. Few items (o_proj) take several warps each; many (lm_head) one, which splitting only slows."""
-    items = -(-N // DG_PLANS[tokens][0])
-    chunks = -(-K // (32 * (16 // itemsize)))
+    return _k_splits(-(-N // DG_PLANS[tokens][0]), -(-K // (32 * (16 // itemsize))), sms)
+
+
+def dense_gemv_tc_splits(N: int, K: int, sms: int) -> int:
+    """`dense_gemv_splits` for `dense_gemv_tc`: items of 16 rows, chunks of 32 columns (a 16-byte load a lane)."""
+    return _k_splits(-(-N // DG_TC_ROWS), K // 32, sms)
+
+
+def _k_splits(items: int, chunks: int, sms: int) -> int:
+    """The most warps (a power of two up to DG_MAX_SPLITS, at most `chunks`) an item's K is split over while
+    `items` items stay within DG_WARPS_PER_SM warps a multiprocessor."""
     budget = limits.DG_WARPS_PER_SM * sms
     splits = 1
     while 2 * splits <= min(limits.DG_MAX_SPLITS, chunks) and 2 * splits * items <= budget:
@@ -1464,6 +1474,50 @@ def dense_gemv_normed(x, gamma, eps: float, w, *, x_out, bias=None, out=None, sp
         raise ValueError("x_out must not overlap x (the product reads x while the norm's rows are stored)")
     return _dense_gemv_launch("dense_gemv_normed", x, w, bias, out, splits,
                               (gamma, np.float32(eps), x_out))
+
+
+def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
+    """y [T, N] f32 = x [T, K] f32 @ w[N, K].T (+ bias) for w bf16 bits (uint16) and 1 <= T <= 32, on the tensor
+    cores in one launch (layers.cu's dense_gemv_tc_bf16_n<tiles>: x split into bf16 hi + lo, ~1e-5 relative, the
+    NumPy twin `dense_gemv_tc_reference`); N >= 16, K % 32 == 0. Graph-capturable. splits: warps sharing an item's K
+    (a power of two dividing DG_THREADS / 32; None: `dense_gemv_tc_splits`)."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32, ndim=2)
+    _check("w", w, dtype=np.uint16, ndim=2)
+    T, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w is {tuple(w.shape)}, expected [N, {K}]")
+    tokens = 8 * max(DG_TC_TILES)
+    if K % 32 or N < DG_TC_ROWS or not 1 <= T <= tokens:
+        raise ValueError(f"dense_gemv_tc needs K % 32 == 0, N >= {DG_TC_ROWS} and 1 <= T <= {tokens} "
+                         f"(K={K}, N={N}, T={T})")
+    if not _aligned16(x):
+        raise ValueError("x must start on a 16-byte boundary (16-byte loads of its rows)")
+    if bias is not None:
+        _check("bias", bias, dtype=np.float32, shape=(N,))
+    warps = DG_THREADS // 32
+    if splits is not None and (splits < 1 or warps % splits):
+        raise ValueError(f"dense_gemv_tc splits must divide {warps}, got {splits}")
+    y = _out("out", out, (T, N), cp.float32)
+    tiles = min(n for n in DG_TC_TILES if 8 * n >= T)
+    splits = dense_gemv_tc_splits(N, K, _sm_count()) if splits is None else splits
+    blocks = -(-N // DG_TC_ROWS // (warps // splits))
+    kernel("layers", f"dense_gemv_tc_bf16_n{tiles}")(
+        (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)))
+    return y
+
+
+def dense_gemv_tc_reference(x, w_bits, bias=None) -> np.ndarray:
+    """The NumPy twin of `dense_gemv_tc` (float64 sums): x rounded to bf16 hi + lo as the kernel splits it, times
+    the bf16 weights. The kernel sums in fp32 in the tensor cores' order: ~1e-6 relative from this."""
+    from colibri_format.dtypes import float32_to_bf16_bits, to_float32  # noqa: PLC0415
+
+    x = np.asarray(x, np.float32)
+    hi = to_float32(float32_to_bf16_bits(x))
+    lo = to_float32(float32_to_bf16_bits(x - hi))
+    y = (hi.astype(np.float64) + lo.astype(np.float64)) @ to_float32(np.asarray(w_bits)).astype(np.float64).T
+    return y if bias is None else y + np.asarray(bias, np.float64)
 
 
 def _overlaps(a, b) -> bool:

@@ -1,0 +1,52 @@
+"""Which kernel `DeviceDense.linear` runs a product on (CPU-only: the choice is plain Python on the backend's switch
+and the shapes; the kernels are tested by test_dense_gemv_emulated.py and on the GPU by test_gpu_kernels.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.dense import GEMV_PASS_ROWS, DeviceDense
+from tests.runtime.cuda.host_arrays import HostArray
+
+
+class RowSliceable(HostArray):
+    """A HostArray whose row slices are HostArrays (dense_gemv's passes slice x)."""
+
+    def __getitem__(self, key):
+        return RowSliceable(self.host[key])
+
+
+def products(rows: int, *, min_rows: int, dtype=np.uint16, K: int = 64, N: int = 32) -> list[tuple[str, int]]:
+    """(kernel, rows) of each launch `linear` makes for x [rows, K] and a [N, K] matrix of `dtype`."""
+    calls = []
+    ops = SimpleNamespace(dense_gemv=lambda x, w, bias, out: calls.append(("dense_gemv", x.shape[0])),
+                          dense_gemv_tc=lambda x, w, bias, out: calls.append(("dense_gemv_tc", x.shape[0])))
+    dense = DeviceDense.__new__(DeviceDense)       # its arrays set by hand: no device to upload to
+    dense.be = SimpleNamespace(ops=ops, dense_tc_min_rows=min_rows)
+    dense.arrays = {"w": np.zeros((N, K), dtype)}
+    dense.linear(RowSliceable(np.zeros((rows, K), np.float32)), "w", None, np.zeros((rows, N), np.float32))
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 32])
+def test_off_by_default_every_pass_of_up_to_8_rows_runs_dense_gemv(rows):
+    assert limits.DG_TC_MIN_ROWS == 0
+    want = [("dense_gemv", min(GEMV_PASS_ROWS, rows - t0)) for t0 in range(0, rows, GEMV_PASS_ROWS)]
+    assert products(rows, min_rows=limits.DG_TC_MIN_ROWS) == want
+
+
+@pytest.mark.parametrize("rows", [2, 8, 9, 32])
+def test_switched_on_a_pass_of_enough_rows_is_one_tensor_core_launch(rows):
+    assert products(rows, min_rows=2) == [("dense_gemv_tc", rows)]
+    assert products(1, min_rows=2) == [("dense_gemv", 1)]
+
+
+@pytest.mark.parametrize("dtype, K, N", [(np.float32, 64, 32), (np.float16, 64, 32), (np.uint16, 48, 32),
+                                         (np.uint16, 64, 8)])
+def test_matrices_the_tensor_core_kernel_cannot_take_keep_dense_gemv(dtype, K, N):
+    """Not bf16, K not a multiple of 32, or fewer than 16 rows (dense_gemv's 4-row shared-gate matrix)."""
+    assert products(8, min_rows=2, dtype=dtype, K=K, N=N) == [("dense_gemv", 8)]
