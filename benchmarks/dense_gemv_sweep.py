@@ -211,11 +211,14 @@ def main() -> int:
     for t in tokens:
         rows += sweep(cp, t, args.shapes.split(","), copy_gbps, wrong)
         cp.get_default_memory_pool().free_all_blocks()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dense_gemv_sweep.json").write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "wrong": wrong},
-                                                          indent=1))
-    print(table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong))
+    return report(Path(args.out) / "dense_gemv_sweep.json", copy_gbps, rows, wrong, table_md(rows))
+
+
+def report(path: Path, copy_gbps: float, rows: list[dict], wrong: list[str], table: str) -> int:
+    """The JSON written, the table and any wrong output printed; the exit status (1: an output was wrong)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "wrong": wrong}, indent=1))
+    print(table + "".join(f"\nWRONG: {w}" for w in wrong))
     return 1 if wrong else 0
 
 
@@ -231,12 +234,7 @@ def run_tc(args) -> int:
     log(f"device copy {copy_gbps:.0f} GB/s")
     wrong: list[str] = []
     rows = tc_sweep(cp, tokens, shapes, copy_gbps, wrong)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dense_gemv_tc_sweep.json").write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows, "wrong": wrong},
-                                                             indent=1))
-    print(tc_table_md(rows) + "".join(f"\nWRONG: {w}" for w in wrong))
-    return 1 if wrong else 0
+    return report(Path(args.out) / "dense_gemv_tc_sweep.json", copy_gbps, rows, wrong, tc_table_md(rows))
 
 
 if __name__ == "__main__":

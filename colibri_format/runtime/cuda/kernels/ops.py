@@ -1496,9 +1496,7 @@ def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
         raise ValueError("x must start on a 16-byte boundary (16-byte loads of its rows)")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
-    warps = DG_THREADS // 32
-    if splits is not None and (splits < 1 or warps % splits):
-        raise ValueError(f"dense_gemv_tc splits must divide {warps}, got {splits}")
+    warps = _check_splits("dense_gemv_tc", splits)
     y = _out("out", out, (T, N), cp.float32)
     tiles = min(n for n in DG_TC_TILES if 8 * n >= T)
     splits = dense_gemv_tc_splits(N, K, _sm_count()) if splits is None else splits
@@ -1520,6 +1518,14 @@ def dense_gemv_tc_reference(x, w_bits, bias=None) -> np.ndarray:
     return y if bias is None else y + np.asarray(bias, np.float64)
 
 
+def _check_splits(name: str, splits: int | None) -> int:
+    """The warps of a dense GEMV block, after checking that `splits` (None: the wrapper picks) divides them."""
+    warps = DG_THREADS // 32
+    if splits is not None and (splits < 1 or warps % splits):
+        raise ValueError(f"{name} splits must divide {warps}, got {splits}")
+    return warps
+
+
 def _overlaps(a, b) -> bool:
     """Whether two contiguous device arrays share bytes."""
     return bool(a.nbytes and b.nbytes and a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes)
@@ -1538,9 +1544,7 @@ def _dense_gemv_launch(family: str, x, w, bias, out, splits: int | None, tail: t
         raise ValueError(f"dense_gemv needs K % 8 == 0, N >= {DG_ROWS} and T <= {max(DG_PLANS)} (K={K}, N={N}, T={T})")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
-    warps = DG_THREADS // 32
-    if splits is not None and (splits < 1 or warps % splits):
-        raise ValueError(f"dense_gemv splits must divide {warps}, got {splits}")
+    warps = _check_splits("dense_gemv", splits)
     y = _out("out", out, (T, N), cp.float32)
     if T:
         tok = min(t for t in DG_PLANS if t >= T)
