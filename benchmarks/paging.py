@@ -9,7 +9,8 @@ Cases: all resident; the cache at 50% / 25% of the experts (global scope; Mixtra
 batch 1 and 8; routing random (random router weights: near-uniform, little reuse) or replayed from a synthetic
 Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2; the replayed routes are copied on
 the device from static buffers, so the step stays one CUDA graph); a budget so small that nothing is resident
-(one slot: every expert streams from the host mapping) for the streaming rate; lrfu + prefetch on random routing.
+(one slot: every expert streams from the host mapping) for the streaming rate (the whole step's, and, from a CUPTI
+timeline of a few more steps, the expert kernels' own: the step's expert bytes over their device time); lrfu + prefetch on random routing.
 
 Expert loading (`EngineConfig.expert_loading`, issue 13's A/B): the paged Zipf-trace cases at 50 % run once per mode
 of `--loading` (default fill,copy,copy-async): "fill" (the GEMV kernels fill admitted slots as they read them),
@@ -144,10 +145,11 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         if routing == "trace":
             routes = TraceRoutes(eng, layers, E, k, batch, n + warmup + 64)
             eng.decoder.forced_routes, advance = routes, routes.advance
-        res, _ = decode_bench(eng, batch, n, warmup, np.random.default_rng(0), prompt_len=PROMPT,
-                              before_step=advance)
+        res, runner = decode_bench(eng, batch, n, warmup, np.random.default_rng(0), prompt_len=PROMPT,
+                                   before_step=advance)
         blob = eng.experts.blob_size
         source = eng.stats()["host_source"]
+        streaming = expert_kernels_us(eng, runner, batch) if capacity == 1 and device == "cuda" else None
     name = policy + ("+prefetch" if prefetch else "") + ("" if admission == "frequency" else f" ({admission})")
     name += "" if capacity is None else f" [{loading}]"
     row = {"batch": batch, "capacity": capacity, "scope": scope, "policy": name, "loading": loading,
@@ -171,7 +173,29 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         row["all_pcie_bound_tokens_per_s"] = rate / pcie if pcie else None
         row["zero_copy_gbps"] = row["gb_zero_copy"] * 1e9 / (n * batch / row["tokens_per_s"]) / 1e9
         row["chained_share_of_bound"] = share_of_bound(row["chained_tokens_per_s"], row["chained_misses_per_token"])
+    if streaming is not None:       # nothing resident: every routed expert of a step is read over PCIe
+        row["expert_kernels_us_per_step"] = streaming
+        row["expert_kernels_gbps"] = row["misses_per_token"] * batch * blob / streaming / 1e3
+        row["expert_kernels_share_of_pinned"] = row["expert_kernels_gbps"] / ceilings["h2d_pinned_gbps"]
     return row
+
+
+EXPERT_KERNELS = ("moe_gate_up", "moe_down", "moe4_gate_up", "moe4_down", "moe4a8_gate_up", "moe4a8_down",
+                  "moe4tc_gate_up", "moe4tc_down")     # the routed experts' GEMV kernels (int8 and 4-bit)
+
+
+def expert_kernels_us(eng, runner, batch: int) -> float | None:
+    """Device µs a decode step spends in the routed experts' kernels, from CUPTI (bench.timeline_profile) over a
+    few more steps: with nothing resident those kernels read every expert over PCIe, so the step's expert bytes
+    over this time is the rate they stream at (issue 13: >= 0.85 of the pinned copy rate), without the step's
+    attention, dense products and norms, which read no expert."""
+    from colibri_format.runtime.cuda.bench import timeline_profile
+
+    ids, pos = np.zeros(batch, np.int64), np.full(batch, PROMPT)
+    t = timeline_profile(eng, lambda: runner.step(ids, pos), steps=4)
+    if t is None:
+        return None
+    return sum(k["us"] for name, k in t["kinds"].items() if name.startswith(EXPERT_KERNELS))
 
 
 def qwen3_cases(path: Path, args, ceilings: dict) -> list[dict]:
@@ -227,6 +251,11 @@ def print_table(rows: list[dict]) -> None:
               f"{f('pcie_bound_tokens_per_s', '.0f')} | {f('share_of_bound', '.2f')} | "
               f"{f('chained_tokens_per_s', '.1f')} | {f('chained_hit_rate', '.3f')} | "
               f"{f('chained_share_of_bound', '.2f')} | {r['graph']} |")
+    for r in rows:
+        if r.get("expert_kernels_gbps") is not None:
+            print(f"{r['model']} b{r['batch']}, nothing resident: the expert kernels take "
+                  f"{r['expert_kernels_us_per_step']:.0f} us a step and stream {r['expert_kernels_gbps']:.1f} GB/s "
+                  f"over PCIe, {r['expert_kernels_share_of_pinned']:.2f} of the pinned copy rate")
 
 
 def main() -> int:
