@@ -97,7 +97,7 @@ class DeviceDense:
         T, K = x.shape
         least = self.be.dense_tc_min_rows
         return (bool(least) and T >= least and w.dtype == np.uint16 and K % 32 == 0 and w.shape[0] >= DG_TC_ROWS
-                and x._c_contiguous and x.data.ptr % 16 == 0)
+                and x._c_contiguous and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
 
     def linear(self, x, name: str, bias: str | None, out):
         """out [T, N] f32 = x [T, K] f32 @ W.T (+ bias)."""

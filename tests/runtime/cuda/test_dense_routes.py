@@ -27,7 +27,7 @@ def products(rows: int, *, min_rows: int, dtype=np.uint16, K: int = 64, N: int =
                           dense_gemv_tc=lambda x, w, bias, out: calls.append(("dense_gemv_tc", x.shape[0])))
     dense = DeviceDense.__new__(DeviceDense)       # its arrays set by hand: no device to upload to
     dense.be = SimpleNamespace(ops=ops, dense_tc_min_rows=min_rows)
-    dense.arrays = {"w": np.zeros((N, K), dtype)}
+    dense.arrays = {"w": HostArray(np.zeros((N, K), dtype))}
     dense.linear(RowSliceable(np.zeros((rows, K), np.float32)), "w", None, np.zeros((rows, N), np.float32))
     return calls
 

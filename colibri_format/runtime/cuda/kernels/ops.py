@@ -1492,8 +1492,8 @@ def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
     if K % 32 or N < DG_TC_ROWS or not 1 <= T <= tokens:
         raise ValueError(f"dense_gemv_tc needs K % 32 == 0, N >= {DG_TC_ROWS} and 1 <= T <= {tokens} "
                          f"(K={K}, N={N}, T={T})")
-    if not _aligned16(x):
-        raise ValueError("x must start on a 16-byte boundary (16-byte loads of its rows)")
+    if not (_aligned16(x) and _aligned16(w)):
+        raise ValueError("x and w must start on 16-byte boundaries (16-byte loads of their rows)")
     if bias is not None:
         _check("bias", bias, dtype=np.float32, shape=(N,))
     warps = _check_splits("dense_gemv_tc", splits)
