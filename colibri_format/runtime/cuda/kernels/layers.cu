@@ -842,7 +842,7 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
                                                    const float* __restrict__ bias, float* __restrict__ y, int T, int N,
                                                    int K, int splits) {
     constexpr int WARPS = DG_THREADS / 32, TOK = 8 * NT, SLICE = 32;
-    __shared__ float s_part[WARPS][DG_TC_ROWS][TOK];
+    __shared__ float s_part[WARPS][TOK][DG_TC_ROWS];           // token-major: the stores below take rows in order
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int slice = warp % splits;                            // splits divides WARPS (ops.dense_gemv_tc)
     const int item = blockIdx.x * (WARPS / splits) + warp / splits;
@@ -885,14 +885,14 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s_part[warp][g + 8 * (r >> 1)][8 * nt + 2 * t + (r & 1)] = acc[nt][r];
+        for (int r = 0; r < 4; ++r) s_part[warp][8 * nt + 2 * t + (r & 1)][g + 8 * (r >> 1)] = acc[nt][r];
     if (splits > 1) __syncthreads();                            // splits is the same in every thread
     else __syncwarp();
     if (slice != 0 || !live) return;
-    for (int i = lane; i < DG_TC_ROWS * TOK; i += 32) {
-        const int q = i / TOK, j = i - q * TOK;
+    for (int i = lane; i < DG_TC_ROWS * TOK; i += 32) {       // 16 consecutive rows of a token a half-warp
+        const int j = i / DG_TC_ROWS, q = i - j * DG_TC_ROWS;
         float sum = 0.0f;
-        for (int p = 0; p < splits; ++p) sum += s_part[warp + p][q][j];
+        for (int p = 0; p < splits; ++p) sum += s_part[warp + p][j][q];
         if (j < T && r0 + q >= item * DG_TC_ROWS) y[(size_t)j * N + r0 + q] = sum + (bias ? bias[r0 + q] : 0.0f);
     }
 }
