@@ -5,7 +5,10 @@ experts moe_gemv4_dp4a.cu does, `EngineConfig.int8_activations`), or to int8 wit
 W8A8 s8 x s8 tensor-core / cuBLAS int8 GEMM with per-token activation scales computes.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32,int8_token] \
-        [--experts int8_row,int4_g32] --out q.json
+        [--experts int8_row,int4_g32] [--kv-bf16] --out q.json
+
+--kv-bf16 adds rows of the engine with its KV cache in bf16 (`EngineConfig(kv_cache_dtype="bfloat16")`: keys and
+values rounded to nearest even as the CUDA kernels store them), alone and, for int8 row experts, with W8A8.
 
 The CUDA kernels cannot run here, so their arithmetic is emulated on the NumPy engine (float32) in every pass: "bf16"
 rounds each expert product's input to bf16 (round to nearest even, as `ops.split_bf16`'s hi half) - x before
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers rows")
     p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {', '.join(FORMS)}")
     p.add_argument("--experts", default="int8_row", help=f"comma list of {', '.join(EXPERTS)} (the conversions)")
+    p.add_argument("--kv-bf16", action="store_true", help="also rows with the engine's bf16 KV cache "
+                   "(EngineConfig.kv_cache_dtype='bfloat16'): alone, and with W8A8 for int8 row experts")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     forms = args.forms.split(",") if args.forms else []
@@ -148,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
                     checks[f"{kind}: engine fast_expert_gemm='int8' == emulated int8_token"] = same
+            if args.kv_bf16:      # the engine's own bf16 KV cache (numpy_backend.cache_entries), not an emulation
+                scores[f"colibri f16 / {label}, bf16 KV cache"] = quality.score_colibri(
+                    path, wins, args.batch, int8_activations=False, kv_cache_dtype="bfloat16")
+                if not opts:
+                    scores[f"colibri f16 / {label}, W8A8 + bf16 KV cache"] = quality.score_colibri(
+                        path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8",
+                        kv_cache_dtype="bfloat16")
             if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
                 name = f"colibri f16 / {label}, engine int8_activations=True (default)"
                 scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=True)

@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from .common import ActivationsOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, need_cupy, out, print_json
+from .common import (ActivationsOpt, CachePolicyOpt, FileArg, GpuMemoryOpt, JsonOpt, KvCacheDtypeOpt,
+                     MaxCachedExpertsOpt, need_cupy, out, print_json)
 
 
 def command(path: FileArg,
@@ -17,7 +18,8 @@ def command(path: FileArg,
             max_cached_experts: MaxCachedExpertsOpt = None,
             gpu_memory: GpuMemoryOpt = None,
             int8_activations: ActivationsOpt = True,
-            cache_policy: Annotated[str, typer.Option("--cache-policy")] = "lrfu",
+            kv_cache_dtype: KvCacheDtypeOpt = "auto",
+            cache_policy: CachePolicyOpt = "lrfu",
             prefetch: Annotated[bool, typer.Option("--prefetch", help="Next-layer router prefetch.")] = False,
             as_json: JsonOpt = False) -> None:
     """Benchmark the CUDA engine: prefill/decode tokens/s, per-kernel GPU time and GB/s, share of roofline."""
@@ -26,7 +28,8 @@ def command(path: FileArg,
 
     result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
                        warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
-                       cache_policy=cache_policy, prefetch=prefetch, int8_activations=int8_activations)
+                       cache_policy=cache_policy, prefetch=prefetch, int8_activations=int8_activations,
+                       kv_cache_dtype=kv_cache_dtype)
     if as_json:
         print_json(result)
     else:

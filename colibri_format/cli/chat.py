@@ -15,9 +15,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, MaxCachedExpertsOpt, MaxNewTokensOpt, MinPOpt,
-                     RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, err, need_cupy,
-                     need_jinja2, soft_interrupt, stop_strings, write_text)
+from .common import (ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, KvCacheDtypeOpt, MaxCachedExpertsOpt,
+                     MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt,
+                     TopPOpt, err, need_cupy, need_jinja2, soft_interrupt, stop_strings, write_text)
 from .errors import print_error
 
 EXIT_WORDS = ("/exit", "/quit")
@@ -36,7 +36,8 @@ def command(path: FileArg,
             device: DeviceOpt = "cpu",
             max_cached_experts: MaxCachedExpertsOpt = None,
             gpu_memory: GpuMemoryOpt = None,
-            int8_activations: ActivationsOpt = True) -> None:
+            int8_activations: ActivationsOpt = True,
+            kv_cache_dtype: KvCacheDtypeOpt = "auto") -> None:
     """Chat with a model through its embedded chat template; /exit or Ctrl-D leaves, Ctrl-C ends a reply."""
     stops = stop_strings(stop)
     if device == "cuda":
@@ -49,7 +50,7 @@ def command(path: FileArg,
 
     interactive = sys.stdin.isatty()
     config = EngineConfig(device=device, max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
-                          int8_activations=int8_activations)
+                          int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype)
     with Engine(path, config) as engine:
         session = ChatSession(engine, system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,

@@ -18,10 +18,10 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from .common import (ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, JsonOpt, MaxCachedExpertsOpt, MaxNewTokensOpt,
-                     MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt, SystemOpt, TemperatureOpt, TopKOpt, TopPOpt,
-                     check_output_file, command_line, err, need_cupy, need_jinja2, out, print_json, soft_interrupt,
-                     stop_strings, write_text)
+from .common import (ActivationsOpt, CachePolicyOpt, CacheScopeOpt, DeviceOpt, FileArg, GpuMemoryOpt, JsonOpt,
+                     KvCacheDtypeOpt, MaxCachedExpertsOpt, MaxNewTokensOpt, MinPOpt, RepeatPenaltyOpt, SeedOpt, StopOpt,
+                     SystemOpt, TemperatureOpt, TopKOpt, TopPOpt, check_output_file, command_line, err, need_cupy,
+                     need_jinja2, out, print_json, soft_interrupt, stop_strings, write_text)
 from .errors import Interrupted
 
 # Options the ranks of several --devices do not take yet (runtime/parallel/run.py): run_infer's name, the flag,
@@ -59,9 +59,9 @@ def command(ctx: typer.Context, path: FileArg,
                 show_default=False)] = None,
             gpu_memory: GpuMemoryOpt = None,
             int8_activations: ActivationsOpt = True,
-            cache_policy: Annotated[str, typer.Option("--cache-policy", "--cache_policy",
-                                                      help="lru, lfu, lrfu or static.")] = "lrfu",
-            cache_scope: Annotated[str, typer.Option("--cache-scope", help="global or per_layer capacity.")] = "global",
+            kv_cache_dtype: KvCacheDtypeOpt = "auto",
+            cache_policy: CachePolicyOpt = "lrfu",
+            cache_scope: CacheScopeOpt = "global",
             pin_from_trace: Annotated[Optional[Path], typer.Option(
                 "--pin-from-trace", help="For --cache-policy static: pin the most used experts of this trace.")] = None,
             stats: Annotated[bool, typer.Option("--stats",
@@ -106,7 +106,7 @@ def command(ctx: typer.Context, path: FileArg,
             result = run(path, text, ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, seed=seed, stream=stream, device=device,
                          max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
-                         int8_activations=int8_activations,
+                         int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype,
                          cache_scope=cache_scope,
                          pinned_experts=pinned, trace_path=str(trace) if trace else None,
                          **extra, **({"stop_request": request} if not ranks else {}))

@@ -11,7 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, MaxCachedExpertsOpt, err, need_cupy
+from .common import (ActivationsOpt, DeviceOpt, FileArg, GpuMemoryOpt, KvCacheDtypeOpt, MaxCachedExpertsOpt, err,
+                     need_cupy)
 from .errors import MissingDependency, on_interrupt
 
 SERVE_INSTALL = "pip install 'colibri-format[serve]'"
@@ -29,7 +30,8 @@ def command(path: FileArg,
                 "--max-seq-len", min=1, help="Prompt + max_tokens of one request (KV positions per slot).")] = 2048,
             max_cached_experts: MaxCachedExpertsOpt = None,
             gpu_memory: GpuMemoryOpt = None,
-            int8_activations: ActivationsOpt = True) -> None:
+            int8_activations: ActivationsOpt = True,
+            kv_cache_dtype: KvCacheDtypeOpt = "auto") -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     need_serve_packages()
     if device == "cuda":
@@ -39,7 +41,7 @@ def command(path: FileArg,
 
     config = EngineConfig(device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
-                          int8_activations=int8_activations)
+                          int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype)
     serve(str(path), config, host=host, port=port, max_queue=max_queue, announce=_announce)
 
 

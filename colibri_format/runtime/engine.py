@@ -26,7 +26,7 @@ import numpy as np
 
 from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.args import ModelArgs
-from colibri_format.runtime.cache.expert_cache import ADMISSIONS, ExpertCache
+from colibri_format.runtime.cache.expert_cache import ADMISSIONS, CLOCKS, ENGINE_POLICIES, SCOPES, ExpertCache
 from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, ExpertPool, capacity_from_budget,
                                                  parse_memory)
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
@@ -37,6 +37,9 @@ from colibri_format.runtime.runner import (CHAIN_STEPS, PREFILL_GRAPH_MAX_ROWS, 
 from colibri_format.runtime.sampling import Sampler, StopStrings
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
+# the values EngineConfig's string fields take (the CLI's options check them through the same table)
+CONFIG_CHOICES = {"kv_cache_dtype": ("auto", "bfloat16"), "cache_policy": ENGINE_POLICIES, "cache_scope": SCOPES,
+                  "cache_clock": CLOCKS, "cache_admission": ADMISSIONS, "expert_loading": EXPERT_LOADING}
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class EngineConfig:
                                               # the grouped GEMM on the rounded inputs; the NumPy engine rounds the
                                               # same way (docs/quality.md). Off: float activations (other formats
                                               # always)
+    kv_cache_dtype: str = "auto"              # keys and values cached as computed ("auto": float32, float64 with
+                                              # precision="float64") or as "bfloat16" (half the bytes; rounded to
+                                              # nearest even: docs/quality.md). MLA's latent cache stays "auto"
     verbose: bool = False
     cache_policy: str = "lrfu"                # lru | lfu | lrfu | static | random
     cache_scope: str = "global"               # global | per_layer
@@ -106,17 +112,17 @@ class EngineConfig:
                 raise InvalidInput(f"{name} must be a positive integer", field=name, value=value)
         if self.device not in ("cpu", "cuda"):
             raise InvalidInput("device must be 'cpu' or 'cuda'", field="device", value=self.device)
-        if self.cache_admission not in ADMISSIONS:
-            raise InvalidInput("cache_admission must be 'always' or 'frequency'", field="cache_admission",
-                               value=self.cache_admission)
-        if self.expert_loading not in EXPERT_LOADING:
-            raise InvalidInput(f"expert_loading must be one of {', '.join(EXPERT_LOADING)}", field="expert_loading",
-                               value=self.expert_loading)
         if self.gpu_memory is not None:
             if self.max_cached_experts is not None:
                 raise InvalidInput("give max_cached_experts or gpu_memory, not both", field="gpu_memory",
                                    value=self.gpu_memory)
             object.__setattr__(self, "gpu_memory", parse_memory(self.gpu_memory))
+        for name, choices in CONFIG_CHOICES.items():   # here: a cache is only made when experts are paged
+            if getattr(self, name) not in choices:
+                raise InvalidInput(f"{name} must be one of {', '.join(choices)}", field=name, value=getattr(self, name))
+        d = self.decay_factor
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < float(d) <= 1.0:   # NaN too
+            raise InvalidInput("decay_factor must be a number in (0, 1]", field="decay_factor", value=d)
         if self.fast_expert_gemm not in (None, "auto", "split", "bf16", "int8"):
             raise InvalidInput("fast_expert_gemm must be None, 'auto', 'split', 'bf16' or 'int8'",
                                field="fast_expert_gemm", value=self.fast_expert_gemm)
@@ -334,6 +340,8 @@ class Engine:
         _check_pinned(cfg.pinned_experts, self.args.moe_layers, self.reader.model.get("num_experts") or 0)
         self.be = make_backend(cfg)
         self.be.check_support(self.reader.model, self.reader.blob_layout if self.args.moe_layers else None)
+        # keys and values cached as computed, or as bf16 bits (uint16); MLA's latent cache is always as computed
+        self.kv_dtype = np.dtype(np.uint16 if cfg.kv_cache_dtype == "bfloat16" else self.be.dtype)
         self.stream = self.be.new_stream()
         self.be.host_stream = self.stream
         t0 = time.perf_counter()
@@ -357,12 +365,17 @@ class Engine:
         # called (a longer chain would only compute tokens past a stop)
         self.chain_steps = CHAIN_STEPS if self.be.runs_ahead else 1
 
+    def new_kv(self, seqs: int, capacity: int):
+        """Zeroed KV buffers (and recurrent state) of `seqs` sequences x `capacity` positions, keys and values in
+        the engine's `kv_cache_dtype` (`forward.make_kv`); on the current stream."""
+        return make_kv(self.be, self.args, seqs, capacity, self.kv_dtype)
+
     def _cache_capacity(self) -> int | None:
         """max_cached_experts, or what the gpu_memory budget leaves for experts (None: all resident)."""
         cfg, a = self.config, self.args
         if cfg.gpu_memory is None or not a.moe_layers:
             return cfg.max_cached_experts
-        kv_one_sequence = cfg.max_seq_len * a.kv_values_per_token * self.be.dtype.itemsize
+        kv_one_sequence = cfg.max_seq_len * a.kv_values_per_token * (self.be.dtype if a.mla else self.kv_dtype).itemsize
         return capacity_from_budget(cfg.gpu_memory, self.dense.nbytes, kv_one_sequence + MEMORY_RESERVE,
                                     int(self.reader.blob_layout.size), cfg.cache_scope, len(a.moe_layers),
                                     int(self.reader.model.get("num_experts") or 0))
@@ -403,6 +416,7 @@ class Engine:
                "capacity": ex.capacity, "expert_bytes_on_device": ex.bytes_on_device, "dense_bytes": self.dense.nbytes,
                "host_source": ex.source.mode, "host_source_note": ex.source.reason, "expert_loading": ex.loading,
                "load_seconds": self.load_seconds, "graphs": graphs, "prefill_graphs": prefill,
+               "kv_cache_dtype": "bfloat16" if self.kv_dtype == np.uint16 and not self.args.mla else self.be.dtype.name,
                "paging": ex.counters.as_dict()}
         if self.cache is not None:
             s = self.cache.stats()
@@ -478,7 +492,7 @@ class Engine:
     def decode_runner(self, batch: int, length: int, kv=None) -> DecodeRunner:
         """The runner for `batch` sequences of up to `length` tokens (kept: later calls reuse its graph).
 
-        With `kv` (another runner's `kv`, or `make_kv` buffers of at least `batch` sequences and `length` positions)
+        With `kv` (another runner's `kv`, or `new_kv` buffers of at least `batch` sequences and `length` positions)
         a new runner over those buffers, stepping their sequences 0..batch-1: not kept by the engine (the caller
         keeps it, and its graph). colibri serve steps its running requests through runners of 1, 2, 4, ... rows
         over the buffers of all its slots."""
@@ -533,7 +547,7 @@ class Engine:
         if runner is not None:
             return self._run_prefill_runner(runner, chunks)
         with self.stream:           # zeroed on the compute stream: ordered before the pass's KV writes
-            kv = make_kv(self.be, self.args, len(chunks), max(len(c) for c in chunks))
+            kv = self.new_kv(len(chunks), max(len(c) for c in chunks))
         return self._prefill(chunks, kv, list(range(len(chunks))), [0] * len(chunks), all_logits)
 
     def _prefill(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool = False):

@@ -38,14 +38,16 @@ class Workspace:
 
 
 class KVBuffers:
-    """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd]. Layers in
-    `linear` (Gated DeltaNet) keep no keys; their per-sequence recurrent state is `self.state` instead. With
-    `latent` > 0 (multi-head latent attention) each layer keeps one [S, capacity, latent] array in `keys` (the
-    normed compressed kv and the roped shared key of each token: kv_lora_rank + qk_rope_head_dim values) and no
-    values."""
+    """Keys and values of S sequences, `capacity` positions each: per layer [S, capacity, nkv, hd], in `dtype` (the
+    backend's compute dtype, or uint16: bf16 bits, EngineConfig.kv_cache_dtype). Layers in `linear` (Gated DeltaNet)
+    keep no keys; their per-sequence recurrent state is `self.state` instead. With `latent` > 0 (multi-head latent
+    attention) each layer keeps one [S, capacity, latent] array in `keys` (the normed compressed kv and the roped
+    shared key of each token: kv_lora_rank + qk_rope_head_dim values), always in the compute dtype (mla.cu reads
+    float32), and no values."""
 
     def __init__(self, be, num_layers: int, seqs: int, capacity: int, kv_heads: int, head_dim: int,
-                 linear: frozenset = frozenset(), linear_dims: dict | None = None, latent: int = 0) -> None:
+                 linear: frozenset = frozenset(), linear_dims: dict | None = None, latent: int = 0,
+                 dtype=None) -> None:
         self.seqs, self.capacity = seqs, capacity
         if latent:
             self.keys = self._layers(be, range(num_layers), num_layers, (seqs, capacity, latent))
@@ -53,16 +55,16 @@ class KVBuffers:
         else:
             attn = [i for i in range(num_layers) if i not in linear]
             shape = (seqs, capacity, kv_heads, head_dim)
-            self.keys = self._layers(be, attn, num_layers, shape)
-            self.values = self._layers(be, attn, num_layers, shape)
+            self.keys = self._layers(be, attn, num_layers, shape, dtype)
+            self.values = self._layers(be, attn, num_layers, shape, dtype)
         self.state = RecurrentState(be, sorted(linear), seqs, linear_dims) if linear else None
 
     @staticmethod
-    def _layers(be, layers, num_layers: int, shape: tuple) -> list:
+    def _layers(be, layers, num_layers: int, shape: tuple, dtype=None) -> list:
         """Zeroed [shape] arrays of `layers` (None for the others): views of one allocation, zeroed at once (a
         fresh prefill makes these buffers: one zeroing launch instead of two a layer)."""
         layers = list(layers)
-        block = be.zeros((len(layers), *shape))
+        block = be.zeros((len(layers), *shape), be.dtype if dtype is None else dtype)
         views = dict(zip(layers, block))
         return [views.get(i) for i in range(num_layers)]
 
@@ -81,11 +83,12 @@ class KVBuffers:
             self.state.move(src, dst)
 
 
-def make_kv(be, args, seqs: int, capacity: int) -> KVBuffers:
-    """The KV buffers (and, for Gated DeltaNet layers, the recurrent state) of `seqs` sequences."""
+def make_kv(be, args, seqs: int, capacity: int, dtype=None) -> KVBuffers:
+    """The KV buffers (and, for Gated DeltaNet layers, the recurrent state) of `seqs` sequences; keys and values in
+    `dtype` (None: the backend's compute dtype; uint16: bf16 bits)."""
     latent = args.mla["kv_lora_rank"] + args.mla["qk_rope_head_dim"] if args.mla else 0
     return KVBuffers(be, args.num_layers, seqs, capacity, args.n_kv_heads, args.head_dim, args.linear_layers,
-                     args.linear, latent)
+                     args.linear, latent, dtype)
 
 
 class RecurrentState:

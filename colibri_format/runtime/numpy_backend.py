@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from colibri_format.dequant import dequantize_matrix
-from colibri_format.dtypes import NUMPY_STORAGE
+from colibri_format.dtypes import NUMPY_STORAGE, float32_to_bf16_bits
 from colibri_format.errors import InvalidInput
 from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations, rounds_rows_int8
 from colibri_format.runtime.dense import fused_dense_tensors
@@ -34,6 +34,20 @@ def widen(a, dtype=np.float64) -> np.ndarray:
     if a.dtype == np.uint16:
         return (a.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)   # bf16 bits: exact
     return a.astype(dtype, copy=False)
+
+
+def cache_values(cache, dtype, xp=np):
+    """Values read from a KV cache in `dtype`: bf16 bits (uint16, EngineConfig.kv_cache_dtype) widened exactly, any
+    other cache as it is. `xp`: NumPy, or CuPy for the CUDA backend's array-operation attention."""
+    if cache.dtype == np.uint16:
+        return (cache.astype(xp.uint32) << 16).view(xp.float32).astype(dtype, copy=False)
+    return cache
+
+
+def cache_entries(values, cache_dtype) -> np.ndarray:
+    """What a KV cache of `cache_dtype` stores for `values`: bf16 bits rounded to nearest even from float32 (the
+    CUDA kernels round their float32 values the same way), or the values themselves."""
+    return float32_to_bf16_bits(values.astype(np.float32)) if cache_dtype == np.uint16 else values
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -114,8 +128,8 @@ def qkv_rope_kv(qkv, heads: int, kv_heads: int, k_cache, v_cache, seq, pos, rpos
         q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
     rope(q, rpos, cos, sin)
     rope(k, rpos, cos, sin)
-    k_cache[np.asarray(seq), np.asarray(pos)] = k
-    v_cache[np.asarray(seq), np.asarray(pos)] = v
+    k_cache[np.asarray(seq), np.asarray(pos)] = cache_entries(k, k_cache.dtype)
+    v_cache[np.asarray(seq), np.asarray(pos)] = cache_entries(v, v_cache.dtype)
     return _store(q_out, q)
 
 
@@ -132,7 +146,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         rows = np.flatnonzero(seq_h == s)
         lens = len_h[rows]
         L = int(lens.max())
-        keys, vals = k_cache[int(s), :L], v_cache[int(s), :L]                    # [L, nkv, hd]
+        keys = cache_values(k_cache[int(s), :L], q.dtype, xp)                    # [L, nkv, hd]
+        vals = cache_values(v_cache[int(s), :L], q.dtype, xp)
         qg = q[rows].reshape(len(rows), nkv, nh // nkv, hd).transpose(1, 2, 0, 3)  # [nkv, g, n, hd]
         scores = qg @ keys.transpose(1, 2, 0)[:, None] * q.dtype.type(scale)    # [nkv, g, n, L]
         kv = np.arange(L)[None, :]

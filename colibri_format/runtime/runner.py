@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, host_step, make_kv, rope_rows
+from colibri_format.runtime.forward import HostStep, KVBuffers, StepInputs, Workspace, host_step, rope_rows
 
 MIN_CAPACITY = 64     # KV positions of the smallest runner
 CHAIN_STEPS = 16      # greedy decode steps the engine queues at once (`DecodeRunner.chain`): the device runs them
@@ -33,9 +33,10 @@ def capacity_for(length: int, max_seq_len: int) -> int:
 class DecodeRunner:
     """One decode step for `batch` sequences, `capacity` positions each.
 
-    With `kv` (KV buffers, and recurrent state, of S >= batch sequences and `capacity` positions, made by `make_kv`)
-    the runner owns no buffers: row r of its step is sequence r of `kv`, so runners of several batch sizes over one
-    set of buffers each step the lowest sequences (colibri serve's batch buckets); sequences >= batch are untouched.
+    With `kv` (KV buffers, and recurrent state, of S >= batch sequences and `capacity` positions, made by
+    `Engine.new_kv`) the runner owns no buffers: row r of its step is sequence r of `kv`, so runners of several batch
+    sizes over one set of buffers each step the lowest sequences (colibri serve's batch buckets); sequences >= batch
+    are untouched.
     """
 
     def __init__(self, eng, batch: int, capacity: int, kv: KVBuffers | None = None) -> None:
@@ -44,7 +45,7 @@ class DecodeRunner:
         if kv is not None and (kv.seqs < batch or kv.capacity != capacity):
             raise ValueError(f"KV buffers of {kv.seqs} sequences x {kv.capacity} positions cannot serve a runner of "
                              f"{batch} x {capacity}")
-        self.kv = make_kv(be, a, batch, capacity) if kv is None else kv
+        self.kv = eng.new_kv(batch, capacity) if kv is None else kv
         self.ws = Workspace(be)
         self.inp = StepInputs(be, batch, eng.half)
         self.graph = None
@@ -154,7 +155,7 @@ class PrefillRunner:
             raise ValueError(f"KV buffers of {kv.capacity} positions (recurrent state: {kv.state is not None}) "
                              f"cannot take a padded prefill of {rows} rows")
         self.eng, self.rows, self.reason = eng, rows, None
-        self.kv = make_kv(be, eng.args, 1, rows) if kv is None else kv
+        self.kv = eng.new_kv(1, rows) if kv is None else kv
         self.inp = StepInputs(be, rows, eng.half)
         self.inp.fill(host_step(eng.args, [np.zeros(rows, np.int32)], [0], [0], False), eng.stream)
         self.ws = Workspace(be)

@@ -34,7 +34,8 @@ def test_options_reach_run_bench_and_json(bench_lib, small_file, capsys):
     (path, kw), = bench_lib
     assert str(path) == small_file
     assert kw == {"batch_size": 2, "seq_len": 8, "num_iters": 3, "warmup_iters": 0, "max_cached_experts": 4,
-                  "gpu_memory": None, "cache_policy": "lru", "prefetch": True, "int8_activations": True}
+                  "gpu_memory": None, "cache_policy": "lru", "prefetch": True, "int8_activations": True,
+                  "kv_cache_dtype": "auto"}
     assert json.loads(capsys.readouterr().out) == RESULT
     assert main(["bench", small_file, "--gpu-memory", "20GiB", "--json"]) == 0
     assert bench_lib[-1][1]["gpu_memory"] == "20GiB"

@@ -250,3 +250,18 @@ def test_chat_takes_the_activation_switch(chat_file, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"/exit\n")))
     assert main(["chat", chat_file, "--float-activations"]) == 0
     assert [c.int8_activations for c in configs] == [False]
+
+
+def test_kv_cache_dtype_option(model_file, capsys):
+    result = _infer_json(capsys, model_file, "--ids", "1,2,3", "--max-new-tokens", "4", "--kv-cache-dtype",
+                         "bfloat16")
+    assert len(result["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("option, value", [("--kv-cache-dtype", "float8"), ("--cache-policy", "belady"),
+                                           ("--cache-policy", "bogus"), ("--cache-scope", "layer")])
+def test_an_engine_choice_the_engine_does_not_take_is_a_usage_error(model_file, capsys, option, value):
+    """Checked while the command line is parsed (exit 2, the option named), not once the engine is open: a cache
+    option of an all-resident run was accepted whatever it said."""
+    assert main(["infer", model_file, "--ids", "1", option, value]) == 2
+    assert option in capsys.readouterr().err

@@ -64,7 +64,11 @@ def test_bad_generation_arguments(engine):
 
 
 @pytest.mark.parametrize("field, value", [("max_batch_size", 0), ("max_seq_len", -1), ("device", "tpu"),
-                                          ("fast_expert_gemm", "fp8"),
+                                          ("fast_expert_gemm", "fp8"), ("kv_cache_dtype", "float8"),
+                                          ("kv_cache_dtype", "float32"), ("cache_policy", "belady"),
+                                          ("cache_policy", "fifo"), ("cache_scope", "layer"), ("cache_clock", "wall"),
+                                          ("decay_factor", 0.0), ("decay_factor", float("nan")),
+                                          ("decay_factor", True),
                                           ("cublas_expert_gemm", "yes"), ("cublas_expert_gemm", 1)])
 def test_bad_config_is_refused(field, value):
     with pytest.raises(InvalidInput, match=field):

@@ -120,6 +120,18 @@ def test_bf16_dense_products_of_decode_batches_on_the_tensor_cores(tmp_path_fact
         assert len(PROMPTS) in calls            # the decode steps' passes (the packed prompts' too: 12 rows)
 
 
+def test_bf16_kv_cache(tmp_path_factory, device):
+    """kv_cache_dtype="bfloat16": the kernels (CUDA) and the NumPy twin round keys and values to bf16 alike, so the
+    float64 engine with the same cache is the reference at the usual tolerance (the float32 cache is ~2e-3 away on
+    these models: a side that did not round would show), on every attention path: the kernels (head_dim 64), flash
+    prefill (40 rows) and the array-operation fallback (head_dim 8)."""
+    for path in (make_file(tmp_path_factory, "qwen3_moe", **WIDE), make_file(tmp_path_factory, "mixtral")):
+        cfg = dict(kv_cache_dtype="bfloat16", max_seq_len=64)
+        with Engine(path, EngineConfig(device=device, **cfg)) as eng, reference(path, **cfg) as ref:
+            assert eng.stats()["kv_cache_dtype"] == "bfloat16"
+            assert_same_as_reference(eng, ref, PROMPTS + [list(range(3, 43))], 6)
+
+
 def test_small_heads_use_the_fallback_attention(tmp_path_factory, device):
     path = make_file(tmp_path_factory, "mixtral")                                  # head_dim 8
     with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng, reference(path) as ref:

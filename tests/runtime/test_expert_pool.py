@@ -54,6 +54,8 @@ def test_gpu_memory_sizes_the_cache(path):
         assert eng.experts.capacity == 5 and not eng.experts.resident and eng.stats()["capacity"] == 5
         assert eng.generate([1, 2, 3], max_new_tokens=6, stop_ids=[]).output_ids == \
             ref.generate([1, 2, 3], max_new_tokens=6, stop_ids=[]).output_ids
+    with Engine(path, EngineConfig(gpu_memory=budget - kv // 2, kv_cache_dtype="bfloat16")) as eng:
+        assert eng.experts.capacity == 5        # a bf16 KV cache takes half the budget's KV share
     with Engine(path, EngineConfig(gpu_memory="1TiB")) as eng:
         assert eng.experts.resident
     with pytest.raises(InvalidInput, match="not both"):

@@ -54,6 +54,7 @@ from colibri_format.errors import InvalidInput
 T = TypeVar("T")
 
 POLICIES = ("lru", "lfu", "lrfu", "static", "belady", "random")
+ENGINE_POLICIES = tuple(p for p in POLICIES if p != "belady")    # belady needs the future: cache-sim only
 SCOPES = ("global", "per_layer")
 CLOCKS = ("access", "token")
 ADMISSIONS = ("always", "frequency")

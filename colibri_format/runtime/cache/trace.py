@@ -39,6 +39,7 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 
 from colibri_format.errors import InvalidInput, OutputPathRefused, WriteError
+from colibri_format.runtime.cache.expert_cache import SCOPES
 
 TRACE_VERSION = 1
 MAX_TRACE_BYTES = 4 << 30       # whole file
@@ -47,7 +48,6 @@ MAX_LAYERS = 4096
 MAX_EXPERTS = 1 << 16
 MAX_TOP_K = 1024
 MAX_INDEX = (1 << 53) - 1       # t, seq, pos
-SCOPES = ("global", "per_layer")
 
 
 @dataclass(frozen=True)

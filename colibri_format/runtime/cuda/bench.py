@@ -331,7 +331,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
               prefetch: bool = False, device_id: int = 0, use_graphs: bool = True, profile: bool = True,
               prefill: bool = True, forced_routes=None, seed: int = 0, engine=None,
               ceiling_bytes: int = 1 << 30, verify: str = "first-use",
-              int8_activations: bool = True) -> dict:
+              int8_activations: bool = True, kv_cache_dtype: str = "auto") -> dict:
     """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
     from colibri_format.errors import InvalidInput
     from colibri_format.runtime.engine import Engine, EngineConfig
@@ -346,7 +346,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
                        max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify=verify,
                        max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
                        cache_scope=cache_scope, use_graphs=use_graphs, prefetch=prefetch,
-                       int8_activations=int8_activations)
+                       int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype)
     eng = engine or Engine(path, cfg)
     try:
         eng.decoder.forced_routes = forced_routes
@@ -355,7 +355,8 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
                                                       "max_cached_experts": max_cached_experts,
                                                       "cache_policy": cache_policy, "cache_scope": cache_scope,
                                                       "prefetch": prefetch,
-                                                      "int8_activations": eng.config.int8_activations}}
+                                                      "int8_activations": eng.config.int8_activations,
+                                                      "kv_cache_dtype": eng.config.kv_cache_dtype}}
         result["ceilings"] = copy_ceilings(eng.be, eng.stream, ceiling_bytes)
         result["engine"] = {k: v for k, v in eng.stats().items() if k not in ("paging", "graphs", "cache")}
         if prefill:

@@ -797,7 +797,7 @@ DENSE_GEMV_KERNELS(f32, TF32)
 DENSE_GEMV_KERNELS(f16, TF16)
 DENSE_GEMV_KERNELS(bf16, TBF16)
 
-// ------------------------------------------------------------------------------------------------ dense GEMV, tensor cores
+// ---------------------------------------------------------------------------------- dense GEMV on the tensor cores
 // dense_gemv_tc_bf16_n<NT>: y = x @ W.T (+ bias) for bf16 W [N, K] and up to 8 NT tokens (NT = 1, 2, 4: T <= 8, 16,
 // 32), on mma.sync m16n8k16 with W as A (16 output rows a warp item) and the tokens as B (NT tiles of 8). Each warp
 // reads its rows once whatever the tokens, where dense_gemv re-reads them every 8 tokens and, at 8, spends its time
