@@ -17,7 +17,7 @@
 #   ncu_decode   Nsight Compute over one full-depth decode step, benchmarks/ncu_decode_step.py (ncu_decode.csv;
 #                NCU_DECODE_ARGS picks another shape, batch or context)
 #   prefill_host benchmarks/prefill_host.py on Qwen3 and OLMoE at 512 and 128 tokens with prefill graphs, both
-#                router routes (PREFILL_HOST_ARGS adds options)
+#                router routes, float32 and bf16 KV caches (PREFILL_HOST_ARGS adds options)
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
 #                FAST_SKIP_EMPTY_M
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
@@ -37,7 +37,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
-T_PREFILL_HOST=${T_PREFILL_HOST:-240} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420}
+T_PREFILL_HOST=${T_PREFILL_HOST:-300} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -102,7 +102,8 @@ for step in $STEPS; do
     prefill_host)
       if [ -n "${DRY:-}" ]; then summary+=("prefill_host skipped: it times the CUDA engine"); continue; fi
       timeout "$T_PREFILL_HOST" python3 benchmarks/prefill_host.py --out "$OUT/prefill_host" --shapes qwen3,olmoe \
-          --tokens 512,128 --no-profile --graphs on --router gemm,fused ${PREFILL_HOST_ARGS:-} \
+          --tokens 512,128 --no-profile --graphs on --router gemm,fused --kv-cache-dtype auto,bfloat16 \
+          ${PREFILL_HOST_ARGS:-} \
           > "$OUT/prefill_host.log" 2>&1
       rc=$?; summary+=("prefill_host rc=$rc ($((SECONDS - t0)) s)") ;;
     sweep)

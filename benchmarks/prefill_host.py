@@ -21,7 +21,8 @@ of replays where the pass could be captured (`prefill_graphs` says which).
 --fast-gemm names the backend's `fast_expert_gemm` values to time (each switched on the open engine; "defaults":
 EngineConfig's), --graphs whether prefill graphs are on, off or both, --router the router's route for long passes
 ("gemm": cuBLAS from limits.ROUTER_GEMM_MIN_ROWS rows, the default; "fused": the fused kernel at every length) (each
-variant's JSON key says; kept graphs follow the switches, `Engine` keys them on `be.kernel_choices()`). The file is
+variant's JSON key says; kept graphs follow the switches, `Engine` keys them on `be.kernel_choices()`),
+--kv-cache-dtype the KV cache's dtype (auto, bfloat16 or both: an engine each). The file is
 deleted after its shape unless --keep (an existing file of that name is then reused: two trees can be timed on one
 file, each in its own process). Writes prefill_host.json to --out.
 """
@@ -96,21 +97,24 @@ ROUTER_MIN_ROWS = {"gemm": None, "fused": 1 << 30}     # --router: the backend's
 
 
 def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool,
-            graphs: list[str], routers: list[str]) -> dict:
+            graphs: list[str], routers: list[str], kv_dtypes: list[str]) -> dict:
     import dataclasses
 
     from colibri_format.runtime import Engine, EngineConfig
 
     out = {}
-    with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 64, verify="never")) as eng:
-        default, config, min_rows = eng.be.fast_expert_gemm, eng.config, eng.be.router_gemm_min_rows
-        for fast, graph, router in ((f, g, r) for f in fast_gemms for g in graphs for r in routers):
-            eng.be.fast_expert_gemm = default if fast == "defaults" else fast
-            eng.be.router_gemm_min_rows = ROUTER_MIN_ROWS[router] or min_rows
-            eng.config = dataclasses.replace(config, use_graphs=graph == "on")   # frozen: swapped whole
-            log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}, router {router}")
-            key = fast + ("" if graph == "on" else ", graphs off") + ("" if router == "gemm" else ", fused router")
-            out[key] = measure_engine(eng, tokens, repeats, profile)
+    for kv in kv_dtypes:         # an engine each: the KV cache's dtype is chosen when it opens
+        with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 64, verify="never",
+                                       kv_cache_dtype=kv)) as eng:
+            default, config, min_rows = eng.be.fast_expert_gemm, eng.config, eng.be.router_gemm_min_rows
+            for fast, graph, router in ((f, g, r) for f in fast_gemms for g in graphs for r in routers):
+                eng.be.fast_expert_gemm = default if fast == "defaults" else fast
+                eng.be.router_gemm_min_rows = ROUTER_MIN_ROWS[router] or min_rows
+                eng.config = dataclasses.replace(config, use_graphs=graph == "on")   # frozen: swapped whole
+                log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}, router {router}, KV {kv}")
+                key = (fast + ("" if graph == "on" else ", graphs off") + ("" if router == "gemm" else ", fused router")
+                       + ("" if kv == "auto" else f", {kv} KV"))
+                out[key] = measure_engine(eng, tokens, repeats, profile)
     return out
 
 
@@ -153,6 +157,8 @@ def main() -> int:
     ap.add_argument("--fast-gemm", default="defaults", help="comma list of fast_expert_gemm values, or 'defaults'")
     ap.add_argument("--graphs", default="on", help="comma list of on / off: prefill graphs (EngineConfig.use_graphs)")
     ap.add_argument("--router", default="gemm", help="comma list of gemm / fused: the long passes' router route")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto / bfloat16: the KV cache's dtype "
+                    "(EngineConfig.kv_cache_dtype; an engine each)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
     ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
@@ -160,6 +166,8 @@ def main() -> int:
         ap.error(f"--graphs takes on, off or both (comma list), not {a.graphs!r}")
     if not set(a.router.split(",")) <= set(ROUTER_MIN_ROWS):
         ap.error(f"--router takes gemm, fused or both (comma list), not {a.router!r}")
+    if not set(a.kv_cache_dtype.split(",")) <= {"auto", "bfloat16"}:
+        ap.error(f"--kv-cache-dtype takes auto, bfloat16 or both (comma list), not {a.kv_cache_dtype!r}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -170,7 +178,7 @@ def main() -> int:
             if not (a.keep and path.exists()):
                 write_timed(path, model_of(SHAPES[name]), log)
             results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile,
-                                    a.graphs.split(","), a.router.split(","))
+                                    a.graphs.split(","), a.router.split(","), a.kv_cache_dtype.split(","))
         finally:
             if not a.keep:
                 path.unlink(missing_ok=True)
