@@ -142,12 +142,13 @@ def use_dense_plan(text: str, result: dict) -> None:
     result.setdefault("dg_plans", {})[tokens] = [rows, unroll]
 
 
-def engine_profile(path: Path, batches: list[int]) -> list[dict]:
+def engine_profile(path: Path, batches: list[int], kv_cache_dtype: str = "auto") -> list[dict]:
     from colibri_format.runtime.cuda.bench import render, run_bench
 
     out = []
     for b in batches:
-        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never")
+        r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never",
+                      kv_cache_dtype=kv_cache_dtype)
         log("\n" + render(r))
         out.append(r)
     return out
@@ -214,6 +215,8 @@ def main() -> int:
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
     ap.add_argument("--dense-tc-ab", action="store_true", help="each shape's engine runs again with its bf16 dense "
                     "products of 2-32 rows on dense_gemv_tc (limits.DG_TC_MIN_ROWS = 2; off by default)")
+    ap.add_argument("--kv-bf16-ab", action="store_true", help="each shape's engine runs again with a bf16 KV cache "
+                    "(EngineConfig.kv_cache_dtype='bfloat16')")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
@@ -268,6 +271,9 @@ def main() -> int:
                 log(f"{shape} again with the dispatch (--pairs-ab)")
                 result["engine"][f"{shape} dispatch"] = engine_profile(path, batches)
                 ops.pairs_path = by_pair
+            if args.kv_bf16_ab:
+                log(f"{shape} again with a bf16 KV cache (--kv-bf16-ab)")
+                result["engine"][f"{shape} bf16 KV"] = engine_profile(path, batches, "bfloat16")
             if args.dense_tc_ab:
                 from colibri_format.runtime.cuda import limits
 
