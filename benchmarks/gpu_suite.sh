@@ -21,8 +21,8 @@
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
 #                FAST_SKIP_EMPTY_M
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
-#                decode shapes), then decode_profile.py --dense-tc-ab on Qwen3 at batches 1, 8 and 32: what sets
-#                limits.DG_TC_MIN_ROWS
+#                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
+#                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode
 #   prefill      benchmarks/prefill_gemm.py on Mixtral, Qwen3 and OLMoE expert blocks, then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
 #                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
@@ -115,7 +115,7 @@ for step in $STEPS; do
       if [ -n "${DRY:-}" ]; then summary+=("dense_tc skipped: it times CUDA kernels"); continue; fi
       timeout "$T_DENSE_TC" bash -c "python3 benchmarks/dense_gemv_sweep.py --tc --out '$OUT/dense_tc'; a=\$?; \
           python3 benchmarks/decode_profile.py --out '$OUT/dense_tc' --skip-gemv --shapes qwen3 --batches 1,8,32 \
-          --dense-tc-ab; exit \$((a || \$?))" > "$OUT/dense_tc.log" 2>&1
+          --dense-tc-ab --kv-bf16-ab; exit \$((a || \$?))" > "$OUT/dense_tc.log" 2>&1
       rc=$?; summary+=("dense_tc rc=$rc ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
