@@ -57,6 +57,18 @@ def test_activation_switch(monkeypatch, demo_file):
     assert main(["serve", demo_file, "--float-activations"]) == 0 and calls[-1][1].int8_activations is False
 
 
+def test_kv_cache_dtype(monkeypatch, demo_file, capsys):
+    from colibri_format.serve import server
+
+    calls = []
+    monkeypatch.setattr(server, "serve", lambda *a, **k: calls.append(a))
+    assert main(["serve", demo_file]) == 0 and calls[-1][1].kv_cache_dtype == "auto"
+    assert main(["serve", demo_file, "--kv-cache-dtype", "bfloat16"]) == 0
+    assert calls[-1][1].kv_cache_dtype == "bfloat16"
+    assert main(["serve", demo_file, "--kv-cache-dtype", "int4"]) == 2 and len(calls) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("missing", [("fastapi",), ("uvicorn",), ("fastapi", "uvicorn")])
 def test_missing_packages_are_one_line(monkeypatch, capsys, demo_file, missing):
     real = importlib.util.find_spec
