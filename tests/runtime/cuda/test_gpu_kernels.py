@@ -398,8 +398,8 @@ def test_dense_gemv_tc(cp, rng, T, N, K, splits):
     w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), "bf16")
     bias = rng.standard_normal(N).astype(np.float32)
     y = ops.dense_gemv_tc(cp.asarray(x), w, bias=cp.asarray(bias), out=nan_like(cp, (T, N)), splits=splits)
-    assert rel(y.get(), ops.dense_gemv_tc_reference(x, w.get(), bias)) < 1e-6
-    assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < 2e-5
+    assert rel(y.get(), ops.dense_gemv_tc_reference(x, w.get(), bias)) < 5e-6   # the tensor cores' fp32 sums
+    assert rel(y.get(), nb.linear(f64(x), w.get(), bias=bias)) < F32_TOL       # and the split's ~16 bits
     with pytest.raises(ValueError, match="K % 32 == 0"):
         ops.dense_gemv_tc(cp.asarray(np.zeros((T, 48), np.float32)), to_device_dtype(cp, np.zeros((N, 48),
                                                                                                    np.float32), "bf16"))
