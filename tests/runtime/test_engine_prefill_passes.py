@@ -48,6 +48,11 @@ def test_a_long_prompt_and_a_packed_batch_in_passes(mixtral_file, device):  # no
     _same_in_passes(mixtral_file, device, [LONG] + PROMPTS)
 
 
+def test_passes_continue_a_bf16_kv_cache(mixtral_file, device):  # noqa: F811
+    """Later pieces read the keys and values earlier ones stored as bf16: the same rounded cache as one pass's."""
+    _same_in_passes(mixtral_file, device, [LONG] + PROMPTS, kv_cache_dtype="bfloat16")
+
+
 def test_w8a8_passes_of_more_than_32_rows_are_one_pass(mixtral_file, device):  # noqa: F811
     """W8A8 prefill ('int8') rounds each row by its own scale, so passes of 35 rows give what one pass of 70
     gives, up to the float order of attention across passes (2.9e-7 on the CPU)."""
