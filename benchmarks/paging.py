@@ -10,7 +10,8 @@ batch 1 and 8; routing random (random router weights: near-uniform, little reuse
 Zipf trace (`runtime.cache.cachesim.synthetic_trace`, skew 1.0, locality 0.2; the replayed routes are copied on
 the device from static buffers, so the step stays one CUDA graph); a budget so small that nothing is resident
 (one slot: every expert streams from the host mapping) for the streaming rate (the whole step's, and, from a CUPTI
-timeline of a few more steps, the expert kernels' own: the step's expert bytes over their device time); lrfu + prefetch on random routing.
+timeline of a few more steps, the expert kernels' own: the step's expert bytes over their device time); lrfu +
+prefetch on random routing.
 
 Expert loading (`EngineConfig.expert_loading`, issue 13's A/B): the paged Zipf-trace cases at 50 % run once per mode
 of `--loading` (default fill,copy,copy-async): "fill" (the GEMV kernels fill admitted slots as they read them),
