@@ -23,7 +23,8 @@
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
 #                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
 #                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode
-#   prefill      benchmarks/prefill_gemm.py on Mixtral, Qwen3 and OLMoE expert blocks, then
+#   prefill      benchmarks/prefill_gemm.py on Mixtral's, Qwen3's and OLMoE's 512-row expert blocks (host-timed and
+#                device-timed), then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
 #                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
 # HF_SHAPES / PAGING_ARGS narrow the benchmarks.
@@ -123,7 +124,7 @@ for step in $STEPS; do
             --no-peer --no-decode --tokens 40 > "$OUT/prefill.log" 2>&1
       else
         timeout "$T_PREFILL" bash -c "python3 benchmarks/prefill_gemm.py --out '$OUT/prefill_gemm' --cases mixtral-512 \
-            mixtral-4096 qwen3-30b-a3b-512 olmoe-512; a=\$?; python3 benchmarks/prefill_engine.py --out \
+            qwen3-30b-a3b-512 olmoe-512; a=\$?; python3 benchmarks/prefill_engine.py --out \
             '$OUT/prefill_engine' --shapes mixtral,qwen3,olmoe --tokens 512,4096 --no-decode --timeline \
             --variants '$PREFILL_VARIANTS'; \
             exit \$((a || \$?))" > "$OUT/prefill.log" 2>&1
