@@ -107,21 +107,24 @@ def test_bf16_dense_weights(tmp_path_factory, device):
 
 
 def test_bf16_dense_products_of_decode_batches_on_the_tensor_cores(tmp_path_factory, device, monkeypatch):
-    """With the backend's dense_tc_min_rows switched on, batches of 3 take dense_gemv_tc (the bf16 q/k/v, o_proj and
-    lm_head products, captured in the decode graph) and keep the reference's greedy tokens."""
+    """With the backend's dense_tc_min_rows switched on, batches of 3 take dense_gemv_tc_normed (the normed q/k/v)
+    and dense_gemv_tc (o_proj, lm_head), captured in the decode graph, and keep the reference's greedy tokens."""
     if device == "cpu":
         pytest.skip("dense_gemv_tc is a CUDA kernel: the NumPy backend has no such switch")
     from colibri_format.runtime.cuda.kernels import ops
 
     calls = []
-    real = ops.dense_gemv_tc
-    monkeypatch.setattr(ops, "dense_gemv_tc", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for name in ("dense_gemv_tc", "dense_gemv_tc_normed"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, name=name, real=real, **kw: calls.append((name, a[0].shape[0]))
+                            or real(*a, **kw))
     path = make_file(tmp_path_factory, "qwen3_moe", dtype="bfloat16", **WIDE)
     with Engine(path, EngineConfig(device=device)) as eng, reference(path) as ref:
         eng.be.dense_tc_min_rows = 2
         for prompt, got in zip(PROMPTS, eng.generate_batch(PROMPTS, 6)):
             assert got == ref.generate(prompt, max_new_tokens=6, stop_ids=[]).output_ids
-        assert len(PROMPTS) in calls            # the decode steps' passes (the packed prompts' too: 12 rows)
+        # the decode steps' passes of 3 rows (the packed prompts' 12 rows too)
+        assert {("dense_gemv_tc", 3), ("dense_gemv_tc_normed", 3)} <= set(calls)
 
 
 def test_bf16_kv_cache(tmp_path_factory, device):

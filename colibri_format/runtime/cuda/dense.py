@@ -82,14 +82,16 @@ class DeviceDense:
 
     def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
         """out [T, N] f32 = rmsnorm(h; norm) @ W.T (+ bias) and x_out [T, K] f32 = rmsnorm(h): up to
-        `NORMED_GEMV_MAX_ROWS` rows in one `dense_gemv_normed` launch (the norm folded into the product), more
-        rows norm then `linear`."""
+        `NORMED_GEMV_MAX_ROWS` rows in one `dense_gemv_normed` launch (the norm folded into the product), passes
+        `dense_gemv_tc` takes in one `dense_gemv_tc_normed` launch, other rows norm then `linear`."""
         w = self.arrays[name]
-        if h.shape[0] > NORMED_GEMV_MAX_ROWS or not self._gemv_rows(h, w):
-            self.be.rmsnorm(h, self.arrays[norm], eps, out=x_out)
-            return self.linear(x_out, name, bias, out)
         b = self.f32(bias) if bias is not None else None
-        return self.be.ops.dense_gemv_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
+        if self._gemv_rows(h, w) and h.shape[0] <= NORMED_GEMV_MAX_ROWS:
+            return self.be.ops.dense_gemv_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
+        if self._gemv_rows(h, w) and self._tensor_core_rows(h, w):
+            return self.be.ops.dense_gemv_tc_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
+        self.be.rmsnorm(h, self.arrays[norm], eps, out=x_out)
+        return self.linear(x_out, name, bias, out)
 
     def _tensor_core_rows(self, x, w) -> bool:
         """Whether a decode-sized pass takes `dense_gemv_tc` (bf16 weights on the tensor cores, every row in one

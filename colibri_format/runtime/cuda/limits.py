@@ -146,9 +146,9 @@ DG_ROWS = max(rows for rows, _ in DG_PLANS.values())      # the fewest output ro
 # is best unsplit (8 splits: 264 -> 431 us at eight tokens).
 DG_MAX_SPLITS = 8
 DG_WARPS_PER_SM = 32
-# layers.cu's dense_gemv_tc: bf16 products of up to 32 tokens on mma.sync m16n8k16 (16 output rows a warp item, the
-# tokens as n8 tiles: kernels for DG_TC_TILES tiles, x split into bf16 hi + lo in registers), DG_TC_UNROLL 32-column
-# slices of a warp's rows loaded before it multiplies. It reads a weight once for every token of a pass where
+# layers.cu's dense_gemv_tc (and dense_gemv_tc_normed, the input rmsnorm folded in): bf16 products of up to 32
+# tokens on mma.sync m16n8k16 (16 output rows a warp item, the tokens as n8 tiles: kernels for DG_TC_TILES tiles, x
+# split into bf16 hi + lo in registers), DG_TC_UNROLL 32-column slices of a warp's rows loaded before it multiplies. It reads a weight once for every token of a pass where
 # dense_gemv re-reads it every 8 tokens and, at 8 tokens, runs at a third of the copy rate on FMAs (Qwen3's q/k/v
 # 15.4 us against 7.0 at one token; session 17). Passes of DG_TC_MIN_ROWS rows or more (at most ATT_DECODE_MAX_ROWS,
 # bf16 weights, K % 32 == 0) take it: the backend's `dense_tc_min_rows`; 0 (the default until it is timed on a GPU

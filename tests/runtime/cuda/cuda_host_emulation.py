@@ -557,6 +557,13 @@ extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const
                                                  const float* bias, float* y, int T, int N, int K, int splits) {  \
         emu_launch({blocks, 1, 1}, DG_THREADS, 0, [&] { dense_gemv_tc_bf16_n##NT(x, w, bias, y, T, N, K, splits); }, \
                    order);                                                                                       \
+    }                                                                                                            \
+    extern "C" void emu_dense_gemv_tc_normed_bf16_n##NT(int blocks, unsigned order, const float* x, const u16* w, \
+                                                        const float* bias, float* y, int T, int N, int K,        \
+                                                        int splits, const float* gamma, float eps, float* x_out) { \
+        emu_launch({blocks, 1, 1}, DG_THREADS, 0,                                                                 \
+                   [&] { dense_gemv_tc_normed_bf16_n##NT(x, w, bias, y, T, N, K, splits, gamma, eps, x_out); },  \
+                   order);                                                                                       \
     }
 """ + "".join(f"EMU_DENSE_GEMV_TC({nt})\n" for nt in limits.DG_TC_TILES) + "".join(
     f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
@@ -646,14 +653,25 @@ class DenseGemvEmulator(LibraryEmulator):
     def gemv_tc(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
         """`ops.dense_gemv_tc`: x @ w.T (+ bias) for bf16 w on the tensor-core kernel, launched as the wrapper
         launches it."""
+        return self._launch_tc("dense_gemv_tc", x, w, bias, splits, order, ())
+
+    def gemv_tc_normed(self, x, gamma, eps: float, w, *, bias=None, splits: int | None = None,
+                       order: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(y, x_out) of `ops.dense_gemv_tc_normed`: rmsnorm(x) @ w.T (+ bias) and rmsnorm(x)."""
+        x_out = np.full(x.shape, np.nan, np.float32)
+        y = self._launch_tc("dense_gemv_tc_normed", x, w, bias, splits, order,
+                            (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out)))
+        return y, x_out
+
+    def _launch_tc(self, family: str, x, w, bias, splits: int | None, order: int, tail: tuple) -> np.ndarray:
         T, K = x.shape
         N = w.shape[0]
         tiles = min(n for n in limits.DG_TC_TILES if 8 * n >= T)
         splits = ops.dense_gemv_tc_splits(N, K, H200_SMS) if splits is None else splits
         blocks = -(-N // limits.DG_TC_ROWS // (limits.DG_THREADS // 32 // splits))
         y = np.full((T, N), np.nan, np.float32)
-        getattr(self.lib, f"emu_dense_gemv_tc_bf16_n{tiles}")(
-            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits)
+        getattr(self.lib, f"emu_{family}_bf16_n{tiles}")(
+            blocks, ctypes.c_uint(order), _ptr(x), _ptr(w), _nullable(bias), _ptr(y), T, N, K, splits, *tail)
         return y
 
     def _launch(self, family: str, x, w, bias, splits: int | None, order: int, tail: tuple) -> np.ndarray:

@@ -149,6 +149,24 @@ def test_dense_gemv_tc_reads_each_token_of_its_own_row(emulator, T):
     np.testing.assert_array_equal(y, want.astype(np.float32))
 
 
+@pytest.mark.parametrize("T", (2, 8, 13, 32))
+@pytest.mark.parametrize("N,K", [(37, 2080), (20, 4096), (16, 64)])
+@pytest.mark.parametrize("splits", (None, 1, 8))
+def test_the_normed_tc_gemv_is_rmsnorm_then_the_product(emulator, T, N, K, splits):
+    """dense_gemv_tc_normed = rmsnorm (float64) then the tensor-core product (its twin on the normed rows), and its
+    x_out the normed rows, at every split and tile count; rows of different scales (a wrong token's or slice's norm
+    would show)."""
+    x, w, w64 = case(T, N, K, "bf16", seed=11 * T + N + K)
+    x *= np.geomspace(0.05, 20.0, T, dtype=np.float32)[:, None]
+    gamma = np.linspace(0.5, 1.5, K).astype(np.float32)
+    bias = np.linspace(-1, 1, N).astype(np.float32) if N % 2 else None
+    y, x_out = emulator.gemv_tc_normed(x, gamma, 1e-6, w, bias=bias, splits=splits, order=T + N)
+    assert emulator.errors() == (0, "")
+    normed = nb.rmsnorm(x.astype(np.float64), gamma.astype(np.float64), 1e-6)
+    assert relerr(x_out, normed) < TOL
+    assert relerr(y, nb.linear(normed, w64, bias=bias)) < 2e-5
+
+
 def test_dense_gemv_tc_splits_fill_the_machine_without_oversplitting():
     """Items of 16 rows: Qwen3's o_proj (2048 x 4096) splits its K over 8 warps, q/k/v (5120 x 2048) over 8,
     lm_head (151936 rows) not at all; never more warps than 32-column slices."""

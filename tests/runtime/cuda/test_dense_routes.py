@@ -50,3 +50,27 @@ def test_switched_on_a_pass_of_enough_rows_is_one_tensor_core_launch(rows):
 def test_matrices_the_tensor_core_kernel_cannot_take_keep_dense_gemv(dtype, K, N):
     """Not bf16, K not a multiple of 32, or fewer than 16 rows (dense_gemv's 4-row shared-gate matrix)."""
     assert products(8, min_rows=2, dtype=dtype, K=K, N=N) == [("dense_gemv", 8)]
+
+
+def normed_products(rows: int, *, min_rows: int) -> list[tuple[str, int]]:
+    """(kernel, rows) of each launch `normed_linear` makes for h [rows, 64] and a bf16 [32, 64] matrix."""
+    calls = []
+    record = lambda name: (lambda x, *a, **kw: calls.append((name, x.shape[0])))   # noqa: E731
+    ops = SimpleNamespace(dense_gemv=record("dense_gemv"), dense_gemv_tc=record("dense_gemv_tc"),
+                          dense_gemv_normed=record("dense_gemv_normed"),
+                          dense_gemv_tc_normed=record("dense_gemv_tc_normed"))
+    dense = DeviceDense.__new__(DeviceDense)
+    dense.be = SimpleNamespace(ops=ops, dense_tc_min_rows=min_rows, rmsnorm=record("rmsnorm"))
+    dense.arrays = {"w": HostArray(np.zeros((32, 64), np.uint16)), "norm": np.ones(64, np.float32)}
+    dense._f32 = {"norm": np.ones(64, np.float32)}
+    h = RowSliceable(np.zeros((rows, 64), np.float32))
+    dense.normed_linear(h, "norm", 1e-6, "w", None, np.zeros((rows, 32), np.float32), h)
+    return calls
+
+
+@pytest.mark.parametrize("rows, min_rows, want", [
+    (1, 0, [("dense_gemv_normed", 1)]), (1, 1, [("dense_gemv_normed", 1)]),     # one token: the SIMT fold
+    (8, 0, [("rmsnorm", 8), ("dense_gemv", 8)]), (8, 2, [("dense_gemv_tc_normed", 8)]),
+    (32, 2, [("dense_gemv_tc_normed", 32)])])
+def test_normed_products_fold_the_norm_where_a_kernel_can(rows, min_rows, want):
+    assert normed_products(rows, min_rows=min_rows) == want

@@ -816,17 +816,18 @@ DENSE_GEMV_KERNELS(bf16, TBF16)
 #endif
 static_assert(DG_TC_ROWS == 16, "a warp item is the 16 rows of one m16n8k16 A tile");
 
-// 8 floats of token j of x at column c as bf16 pairs hi (round to nearest even) and lo = bf16(v - hi), the lower
-// column in each pair's low half; zeros for a token past T (a padded column of the n8 tile).
-__device__ __forceinline__ void split_x8(const float* __restrict__ x, int j, int T, int K, int c, unsigned int (&hi)[4],
-                                         unsigned int (&lo)[4]) {
-    float v[8];
+// 8 floats of token j of x at column c (zeros for a token past T: a padded column of the n8 tile)
+__device__ __forceinline__ void load_x8(const float* __restrict__ x, int j, int T, int K, int c, float (&v)[8]) {
     if (j < T) {
         load_floats<8>(x + (size_t)j * K + c, v);
     } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = 0.0f;
     }
+}
+
+// v as bf16 pairs hi (round to nearest even) and lo = bf16(v - hi), the lower column in each pair's low half
+__device__ __forceinline__ void split_x8(const float (&v)[8], unsigned int (&hi)[4], unsigned int (&lo)[4]) {
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const u16 h0 = TBF16::from_f32(v[2 * p]), h1 = TBF16::from_f32(v[2 * p + 1]);
@@ -837,12 +838,17 @@ __device__ __forceinline__ void split_x8(const float* __restrict__ x, int j, int
     }
 }
 
-template <int NT>
+// NORM (dense_gemv_tc_normed_*): y = rmsnorm(x) @ W.T = rsqrt(mean(x^2) + eps) * ((x * gamma) @ W.T), as
+// dense_gemv_impl's NORM: each lane sums the squares of the x it loads for its token (8 NT + g) while the MMAs take
+// x * gamma, the item's warps' sums meet in shared memory, and the item's first warp scales its outputs and stores
+// the normed rows to x_out (spread over the items' first warps).
+template <int NT, bool NORM = false>
 __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, const u16* __restrict__ w,
                                                    const float* __restrict__ bias, float* __restrict__ y, int T, int N,
-                                                   int K, int splits) {
+                                                   int K, int splits, const RowNorm norm = RowNorm{}) {
     constexpr int WARPS = DG_THREADS / 32, TOK = 8 * NT, SLICE = 32;
     __shared__ float s_part[WARPS][TOK][DG_TC_ROWS];           // token-major: the stores below take rows in order
+    __shared__ float s_squares[NORM ? WARPS : 1][TOK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int slice = warp % splits;                            // splits divides WARPS (ops.dense_gemv_tc)
     const int item = blockIdx.x * (WARPS / splits) + warp / splits;
@@ -852,11 +858,13 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
     const int s_lo = slice * per_split, s_hi = min(slices, s_lo + per_split);
     const u16* row_g = w + (size_t)(r0 + g) * K + 8 * t;
     const u16* row_g8 = row_g + (size_t)8 * K;
-    float acc[NT][4];
+    float acc[NT][4], squares[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
+        squares[nt] = 0.0f;
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
+    }
     for (int s0 = s_lo; live && s0 < s_hi; s0 += DG_TC_UNROLL) {
         uint4 wa[DG_TC_UNROLL], wb[DG_TC_UNROLL];
 #pragma unroll
@@ -869,10 +877,21 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
         for (int u = 0; u < DG_TC_UNROLL; ++u) {
             if (s0 + u < s_hi) {
                 const int c = (s0 + u) * SLICE + 8 * t;
+                float gv[8];
+                if constexpr (NORM) load_floats<8>(norm.gamma + c, gv);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
+                    float v[8];
                     unsigned int hi[4], lo[4];
-                    split_x8(x, nt * 8 + g, T, K, c, hi, lo);
+                    load_x8(x, nt * 8 + g, T, K, c, v);
+                    if constexpr (NORM) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            squares[nt] = fmaf(v[e], v[e], squares[nt]);
+                            v[e] *= gv[e];
+                        }
+                    }
+                    split_x8(v, hi, lo);
                     mma_16816(acc[nt], wa[u].x, wb[u].x, wa[u].y, wb[u].y, hi[0], hi[1]);
                     mma_16816(acc[nt], wa[u].z, wb[u].z, wa[u].w, wb[u].w, hi[2], hi[3]);
                     mma_16816(acc[nt], wa[u].x, wb[u].x, wa[u].y, wb[u].y, lo[0], lo[1]);
@@ -886,6 +905,15 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) s_part[warp][8 * nt + 2 * t + (r & 1)][g + 8 * (r >> 1)] = acc[nt][r];
+    if constexpr (NORM) {       // a token's squares: its 4 lanes (t) of the warp, then the item's warps
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float sq = squares[nt];
+            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+            if (t == 0) s_squares[warp][8 * nt + g] = sq;
+        }
+    }
     if (splits > 1) __syncthreads();                            // splits is the same in every thread
     else __syncwarp();
     if (slice != 0 || !live) return;
@@ -893,7 +921,21 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
         const int j = i / DG_TC_ROWS, q = i - j * DG_TC_ROWS;
         float sum = 0.0f;
         for (int p = 0; p < splits; ++p) sum += s_part[warp + p][j][q];
+        if constexpr (NORM) sum *= inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
         if (j < T && r0 + q >= item * DG_TC_ROWS) y[(size_t)j * N + r0 + q] = sum + (bias ? bias[r0 + q] : 0.0f);
+    }
+    if constexpr (NORM) {   // the normed rows, a float4 a lane over the items' first warps (one round of loads)
+        const int quads = K / 4, stride = (N + DG_TC_ROWS - 1) / DG_TC_ROWS * 32;
+        for (int i = item * 32 + lane; i < T * quads; i += stride) {
+            const int j = i / quads, c = (i - j * quads) * 4;
+            const float inv = inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
+            float xv[4], gv[4];
+            load_floats<4>(x + (size_t)j * K + c, xv);
+            load_floats<4>(norm.gamma + c, gv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xv[e] = rms_scaled(xv[e], inv, gv[e], 0.0f);   // rmsnorm's expression
+            store4_f32<TF32>(norm.x_out + (size_t)j * K + c, xv);
+        }
     }
 }
 #define DENSE_GEMV_TC_KERNEL(NT)                                                                                  \
@@ -901,6 +943,11 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
         dense_gemv_tc_bf16_n##NT(const float* x, const u16* w, const float* bias, float* y, int T, int N, int K,  \
                                  int splits) {                                                                   \
         dense_gemv_tc_impl<NT>(x, w, bias, y, T, N, K, splits);                                                  \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                     \
+        dense_gemv_tc_normed_bf16_n##NT(const float* x, const u16* w, const float* bias, float* y, int T, int N,  \
+                                        int K, int splits, const float* gamma, float eps, float* x_out) {         \
+        dense_gemv_tc_impl<NT, true>(x, w, bias, y, T, N, K, splits, RowNorm{gamma, eps, x_out});                \
     }
 DENSE_GEMV_TC_KERNEL(1)
 DENSE_GEMV_TC_KERNEL(2)

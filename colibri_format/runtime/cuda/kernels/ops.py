@@ -1481,6 +1481,26 @@ def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
     cores in one launch (layers.cu's dense_gemv_tc_bf16_n<tiles>: x split into bf16 hi + lo, ~1e-5 relative, the
     NumPy twin `dense_gemv_tc_reference`); N >= 16, K % 32 == 0. Graph-capturable. splits: warps sharing an item's K
     (a power of two dividing DG_THREADS / 32; None: `dense_gemv_tc_splits`)."""
+    return _dense_gemv_tc_launch("dense_gemv_tc", x, w, bias, out, splits, ())
+
+
+def dense_gemv_tc_normed(x, gamma, eps: float, w, *, x_out, bias=None, out=None, splits: int | None = None):
+    """`dense_gemv_normed` on the tensor cores: y [T, N] f32 = rmsnorm(x) @ w.T (+ bias) and x_out [T, K] f32 =
+    rmsnorm(x) = x * rsqrt(mean(x^2) + eps) * gamma, in one launch (the MMAs take x * gamma split into bf16 hi + lo,
+    the norm's inverse scales each output); shapes as `dense_gemv_tc`."""
+    _check("x", x, dtype=np.float32, ndim=2)
+    K = x.shape[1]
+    _check("gamma", gamma, dtype=np.float32, shape=(K,))
+    _check("x_out", x_out, dtype=np.float32, shape=x.shape)
+    if _overlaps(x_out, x):
+        raise ValueError("x_out must not overlap x (the product reads x while the norm's rows are stored)")
+    if not (_aligned16(gamma) and _aligned16(x_out)):
+        raise ValueError("gamma and x_out must start on 16-byte boundaries (16-byte loads and stores)")
+    return _dense_gemv_tc_launch("dense_gemv_tc_normed", x, w, bias, out, splits, (gamma, np.float32(eps), x_out))
+
+
+def _dense_gemv_tc_launch(family: str, x, w, bias, out, splits: int | None, tail: tuple):
+    """The checked launch of a `dense_gemv_tc` kernel family (`tail`: the family's arguments after the shared ones)."""
     cp = _cupy()
     _check("x", x, dtype=np.float32, ndim=2)
     _check("w", w, dtype=np.uint16, ndim=2)
@@ -1501,8 +1521,9 @@ def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
     tiles = min(n for n in DG_TC_TILES if 8 * n >= T)
     splits = dense_gemv_tc_splits(N, K, _sm_count()) if splits is None else splits
     blocks = -(-N // DG_TC_ROWS // (warps // splits))
-    kernel("layers", f"dense_gemv_tc_bf16_n{tiles}")(
-        (blocks,), (DG_THREADS,), (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)))
+    kernel("layers", f"{family}_bf16_n{tiles}")(
+        (blocks,), (DG_THREADS,),
+        (x, w, _ptr(bias), y, np.int32(T), np.int32(N), np.int32(K), np.int32(splits)) + tail)
     return y
 
 
