@@ -18,7 +18,9 @@ dense_gemv_sweep.json, prints the table, exits 1 when an output is wrong.
 --tc instead times the tensor-core product (`ops.dense_gemv_tc`, limits.DG_TC_*) beside what the engine runs by
 default for the same rows (`dense_gemv` passes of 8 rows, DeviceDense.linear's loop), at the split it picks and
 each split forced, for each DG_TC_UNROLL of TC_UNROLLS (layers.cu rebuilt): the figures that set
-limits.DG_TC_MIN_ROWS. Each output is checked against the kernel's NumPy twin (`ops.dense_gemv_tc_reference`).
+limits.DG_TC_MIN_ROWS. The default unroll's outputs are checked against the kernel's NumPy twin
+(`ops.dense_gemv_tc_reference`), the other unrolls' against the default's, bit for bit (the same sums in the same
+order, on the same seeded inputs).
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def tc_sweep(cp, token_counts: list[int], shapes: list[str], copy_gbps: float, w
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     default_unroll, rows = limits.DG_TC_UNROLL, []
+    first: dict[tuple, np.ndarray] = {}    # the default unroll's outputs: another unroll sums in the same order
     for unroll in TC_UNROLLS:
         rebuild_module("layers", DG_TC_UNROLL=unroll)
         for T in token_counts:
+            cp.random.seed(T)              # the same weights and rows for every unroll
             for c in make_cases(cp, T, shapes):
                 nbytes = c["N"] * c["K"] * 2
 
@@ -134,13 +138,19 @@ def tc_sweep(cp, token_counts: list[int], shapes: list[str], copy_gbps: float, w
 
                 if unroll == default_unroll:
                     add("dense_gemv passes", None, lambda w, c=c: default_passes(ops, c, w))
-                twin = ops.dense_gemv_tc_reference(c["x"].get(), c["ws"][0].get())
+                    twin = ops.dense_gemv_tc_reference(c["x"].get(), c["ws"][0].get())
                 picked = ops.dense_gemv_tc_splits(c["N"], c["K"], sms)
                 for splits in (None, *SPLITS):
                     y = ops.dense_gemv_tc(c["x"], c["ws"][0], out=c["y"], splits=splits).get()
-                    err = float(np.abs(y - twin).max() / np.abs(twin).max())
-                    if err > TC_TOL:
-                        wrong.append(f"dense_gemv_tc {c['name']} T={T} unroll {unroll} splits {splits}: {err:.2e}")
+                    key = (c["name"], T, splits)
+                    if unroll == default_unroll:
+                        first[key] = y
+                        err = float(np.abs(y - twin).max() / np.abs(twin).max())
+                        if err > TC_TOL:
+                            wrong.append(f"dense_gemv_tc {c['name']} T={T} splits {splits}: {err:.2e} from the twin")
+                    elif not np.array_equal(y, first[key]):
+                        wrong.append(f"dense_gemv_tc {c['name']} T={T} unroll {unroll} splits {splits}: differs "
+                                     f"from unroll {default_unroll}")
                     add("dense_gemv_tc", splits or picked,
                         lambda w, c=c, splits=splits: ops.dense_gemv_tc(c["x"], w, out=c["y"], splits=splits))
                 log(f"T={T} unroll {unroll} {c['name']:15s} " + " ".join(

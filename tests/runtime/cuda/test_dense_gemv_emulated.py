@@ -175,3 +175,16 @@ def test_dense_gemv_tc_splits_fill_the_machine_without_oversplitting():
     assert ops.dense_gemv_tc_splits(5120, 2048, sms) == 8
     assert ops.dense_gemv_tc_splits(151936, 2048, sms) == 1
     assert ops.dense_gemv_tc_splits(16, 64, sms) == 2
+
+
+@pytest.mark.parametrize("unroll", (1, 2, 8))
+def test_every_tc_unroll_computes_the_default_unrolls_bits(emulator, tmp_path, unroll):
+    """DG_TC_UNROLL changes how many slices a lane loads before it multiplies, not the order of a warp's MMAs on its
+    accumulators: the same outputs to the bit, at every split (dense_gemv_sweep.py --tc relies on it)."""
+    assert unroll != limits.DG_TC_UNROLL
+    other = DenseGemvEmulator(build_layers(tmp_path, DG_TC_UNROLL=unroll))
+    for T, N, K in ((3, 37, 2080), (8, 20, 4096), (17, 16, 96)):
+        x, w, _ = case(T, N, K, "bf16", seed=T + N)
+        for splits in (1, 2, 8):
+            np.testing.assert_array_equal(other.gemv_tc(x, w, splits=splits), emulator.gemv_tc(x, w, splits=splits))
+    assert other.errors() == (0, "")
