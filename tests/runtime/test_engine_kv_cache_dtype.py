@@ -56,3 +56,26 @@ def test_written_entries_are_the_rounded_values_and_read_back_exactly():
     rounded = [nb.widen(h, np.float32) for h in half]
     lens = np.arange(1, T + 1, dtype=np.int32)
     np.testing.assert_array_equal(nb.attention(q, *half, seq, lens, 0.3), nb.attention(q, *rounded, seq, lens, 0.3))
+
+
+@pytest.mark.parametrize("family", ["hybrid", "mla"])
+def test_hybrid_and_latent_models_take_the_option(tmp_path, family):
+    """Gated DeltaNet layers keep no keys (their attention layers' caches are bf16); multi-head latent attention keeps
+    its latent cache as computed, and the stats say so. Both run and stay close to the float32 cache."""
+    if family == "hybrid":
+        from tests.hf_hybrid import build, convert_file
+        model = build("qwen3_next")
+    else:
+        from tests.hf_mla import build, convert_file
+        model = build("deepseek_v3")
+    path = convert_file(model, tmp_path, dtype="float32", quantize="expert")
+    with Engine(path, EngineConfig(kv_cache_dtype="bfloat16")) as half, Engine(path) as full:
+        runner = half.decode_runner(1, 16)
+        kept = [k for k in runner.kv.keys if k is not None]
+        if family == "mla":
+            assert half.stats()["kv_cache_dtype"] == "float32" and all(k.dtype == np.float32 for k in kept)
+        else:
+            assert half.stats()["kv_cache_dtype"] == "bfloat16" and kept and all(k.dtype == np.uint16 for k in kept)
+            assert len(kept) < half.args.num_layers                     # the DeltaNet layers keep none
+        for got, want in zip(half.logits(PROMPTS), full.logits(PROMPTS)):
+            assert rel(got, want) < (1e-6 if family == "mla" else 2e-2)
