@@ -16,8 +16,9 @@
 #                router at 512 rows of Qwen3, OLMoE and Mixtral (ncu.csv)
 #   ncu_decode   Nsight Compute over one full-depth decode step, benchmarks/ncu_decode_step.py (ncu_decode.csv;
 #                NCU_DECODE_ARGS picks another shape, batch or context)
-#   prefill_host benchmarks/prefill_host.py on Qwen3 and OLMoE at 512 and 128 tokens with prefill graphs, both
-#                router routes, float32 and bf16 KV caches (PREFILL_HOST_ARGS adds options)
+#   prefill_host benchmarks/prefill_host.py on Qwen3 and OLMoE at 512 and 128 tokens with prefill graphs, float32
+#                and bf16 KV caches, split and bf16 dense products (PREFILL_HOST_ARGS adds options, e.g. --router
+#                gemm,fused; the router step times both routes' kernels)
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
 #                FAST_SKIP_EMPTY_M
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
@@ -103,7 +104,7 @@ for step in $STEPS; do
     prefill_host)
       if [ -n "${DRY:-}" ]; then summary+=("prefill_host skipped: it times the CUDA engine"); continue; fi
       timeout "$T_PREFILL_HOST" python3 benchmarks/prefill_host.py --out "$OUT/prefill_host" --shapes qwen3,olmoe \
-          --tokens 512,128 --no-profile --graphs on --router gemm,fused --kv-cache-dtype auto,bfloat16 \
+          --tokens 512,128 --no-profile --graphs on --router gemm --kv-cache-dtype auto,bfloat16 --dense-gemm split,bf16 \
           ${PREFILL_HOST_ARGS:-} \
           > "$OUT/prefill_host.log" 2>&1
       rc=$?; summary+=("prefill_host rc=$rc ($((SECONDS - t0)) s)") ;;

@@ -22,7 +22,8 @@ of replays where the pass could be captured (`prefill_graphs` says which).
 EngineConfig's), --graphs whether prefill graphs are on, off or both, --router the router's route for long passes
 ("gemm": cuBLAS from limits.ROUTER_GEMM_MIN_ROWS rows, the default; "fused": the fused kernel at every length) (each
 variant's JSON key says; kept graphs follow the switches, `Engine` keys them on `be.kernel_choices()`),
---kv-cache-dtype the KV cache's dtype (auto, bfloat16 or both: an engine each). The file is
+--kv-cache-dtype the KV cache's dtype (auto, bfloat16 or both: an engine each), --dense-gemm the bf16 dense products'
+inputs (split or bf16). The file is
 deleted after its shape unless --keep (an existing file of that name is then reused: two trees can be timed on one
 file, each in its own process). Writes prefill_host.json to --out.
 """
@@ -97,7 +98,7 @@ ROUTER_MIN_ROWS = {"gemm": None, "fused": 1 << 30}     # --router: the backend's
 
 
 def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], profile: bool,
-            graphs: list[str], routers: list[str], kv_dtypes: list[str]) -> dict:
+            graphs: list[str], routers: list[str], kv_dtypes: list[str], dense_gemms: list[str]) -> dict:
     import dataclasses
 
     from colibri_format.runtime import Engine, EngineConfig
@@ -107,13 +108,16 @@ def measure(path: Path, tokens: list[int], repeats: int, fast_gemms: list[str], 
         with Engine(path, EngineConfig(device="cuda", max_seq_len=max(tokens) + 64, verify="never",
                                        kv_cache_dtype=kv)) as eng:
             default, config, min_rows = eng.be.fast_expert_gemm, eng.config, eng.be.router_gemm_min_rows
-            for fast, graph, router in ((f, g, r) for f in fast_gemms for g in graphs for r in routers):
+            for fast, graph, router, dense in ((f, g, r, d) for f in fast_gemms for g in graphs for r in routers
+                                               for d in dense_gemms):
                 eng.be.fast_expert_gemm = default if fast == "defaults" else fast
                 eng.be.router_gemm_min_rows = ROUTER_MIN_ROWS[router] or min_rows
+                eng.be.dense_gemm = dense          # read per call, like the switches above (kernel_choices)
                 eng.config = dataclasses.replace(config, use_graphs=graph == "on")   # frozen: swapped whole
-                log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}, router {router}, KV {kv}")
+                log(f"fast_expert_gemm {eng.be.fast_expert_gemm}, graphs {graph}, router {router}, KV {kv}, "
+                    f"dense {dense}")
                 key = (fast + ("" if graph == "on" else ", graphs off") + ("" if router == "gemm" else ", fused router")
-                       + ("" if kv == "auto" else f", {kv} KV"))
+                       + ("" if kv == "auto" else f", {kv} KV") + ("" if dense == "split" else f", dense {dense}"))
                 out[key] = measure_engine(eng, tokens, repeats, profile)
     return out
 
@@ -159,6 +163,8 @@ def main() -> int:
     ap.add_argument("--router", default="gemm", help="comma list of gemm / fused: the long passes' router route")
     ap.add_argument("--kv-cache-dtype", default="auto", help="comma list of auto / bfloat16: the KV cache's dtype "
                     "(EngineConfig.kv_cache_dtype; an engine each)")
+    ap.add_argument("--dense-gemm", default="split", help="comma list of split / bf16: the prefill's bf16 dense "
+                    "products (the backend's dense_gemm, switched on the open engine)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile")
     ap.add_argument("--keep", action="store_true", help="keep the files (and reuse one already there)")
     a = ap.parse_args()
@@ -168,6 +174,8 @@ def main() -> int:
         ap.error(f"--router takes gemm, fused or both (comma list), not {a.router!r}")
     if not set(a.kv_cache_dtype.split(",")) <= {"auto", "bfloat16"}:
         ap.error(f"--kv-cache-dtype takes auto, bfloat16 or both (comma list), not {a.kv_cache_dtype!r}")
+    if not set(a.dense_gemm.split(",")) <= {"split", "bf16"}:
+        ap.error(f"--dense-gemm takes split, bf16 or both (comma list), not {a.dense_gemm!r}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -178,7 +186,8 @@ def main() -> int:
             if not (a.keep and path.exists()):
                 write_timed(path, model_of(SHAPES[name]), log)
             results[name] = measure(path, tokens, a.repeats, a.fast_gemm.split(","), not a.no_profile,
-                                    a.graphs.split(","), a.router.split(","), a.kv_cache_dtype.split(","))
+                                    a.graphs.split(","), a.router.split(","), a.kv_cache_dtype.split(","),
+                                    a.dense_gemm.split(","))
         finally:
             if not a.keep:
                 path.unlink(missing_ok=True)

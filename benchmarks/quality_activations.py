@@ -7,6 +7,10 @@ W8A8 s8 x s8 tensor-core / cuBLAS int8 GEMM with per-token activation scales com
     OPENBLAS_NUM_THREADS=1 python benchmarks/quality_activations.py --threads 1 [--forms bf16,int8_g32,int8_token] \
         [--experts int8_row,int4_g32] [--kv-bf16] --out q.json
 
+--dense-bf16 adds rows with the dense products' inputs (q|k|v, o_proj, dense MLPs, lm_head) rounded to bf16 in
+passes of more than 32 rows, what one bf16 cuBLAS product a matrix instead of the hi + lo split computes: emulated
+on a float16-dense conversion, and (--experts int8_row_bf16, a bfloat16-dense conversion) the engine's own
+`EngineConfig(dense_gemm="bf16")`, which rounds bf16-stored matrices' inputs only (limits.rounds_dense_bf16).
 --kv-bf16 adds rows of the engine with its KV cache in bf16 (`EngineConfig(kv_cache_dtype="bfloat16")`: keys and
 values rounded to nearest even as the CUDA kernels store them), alone and, for int8 row experts, with W8A8.
 
@@ -79,7 +83,8 @@ def round_to_int8_rows(x: np.ndarray) -> np.ndarray:
 
 FORMS = {"bf16": round_to_bf16, "int8_g32": round_to_int8_groups, "int8_token": round_to_int8_rows}
 # --experts: row label, convert() options
-EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bits=4, group_size=32))}
+EXPERTS = {"int8_row": ("int8 row", {}), "int4_g32": ("int4 g32", dict(quant_bits=4, group_size=32)),
+           "int8_row_bf16": ("int8 row", dict(dtype="bfloat16"))}
 
 
 @contextmanager
@@ -107,6 +112,23 @@ def rounded_expert_inputs(round_input):
         numpy_backend.expert_ffn = real
 
 
+@contextmanager
+def rounded_dense_inputs(round_input, min_rows: int = 33):
+    """NumpyDense.linear with its input passed through `round_input` in passes of at least `min_rows` rows (the
+    prefill-shaped passes, which the CUDA engine multiplies on cuBLAS: 'dense_bf16' is their input as bf16 alone, one
+    product, where the engine now splits it into hi + lo, two)."""
+    real = numpy_backend.NumpyDense.linear
+
+    def rounded(self, x, name, bias, out):
+        return real(self, round_input(x) if x.shape[0] >= min_rows else x, name, bias, out)
+
+    numpy_backend.NumpyDense.linear = rounded
+    try:
+        yield
+    finally:
+        numpy_backend.NumpyDense.linear = real
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=None, help="predicted tokens (default: all of eval.txt)")
@@ -117,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", default="int8_row", help=f"comma list of {', '.join(EXPERTS)} (the conversions)")
     p.add_argument("--kv-bf16", action="store_true", help="also rows with the engine's bf16 KV cache "
                    "(EngineConfig.kv_cache_dtype='bfloat16'): alone, and with W8A8 for int8 row experts")
+    p.add_argument("--dense-bf16", action="store_true", help="also rows with the dense products' inputs rounded to "
+                   "bf16 in passes of more than 32 rows (emulated): alone, and with W8A8 for int8 row experts")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     forms = args.forms.split(",") if args.forms else []
@@ -137,33 +161,46 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="colibri-act-") as tmp:
         for kind in experts:
             label, opts = EXPERTS[kind]
+            label = ("bf16" if opts.get("dtype") == "bfloat16" else "f16") + " / " + label   # dense dtype / experts
             path = Path(tmp) / f"{kind}.colibri"
             convert(quality.MODEL_DIR, path, resume=False, **opts)
-            scores[f"colibri f16 / {label}, split (fp32-class) activations"] = quality.score_colibri(
+            scores[f"colibri {label}, split (fp32-class) activations"] = quality.score_colibri(
                 path, wins, args.batch, int8_activations=False)
             for form in forms:
                 with rounded_expert_inputs(FORMS[form]):
-                    scores[f"colibri f16 / {label}, {form} expert activations"] = quality.score_colibri(
+                    scores[f"colibri {label}, {form} expert activations"] = quality.score_colibri(
                         path, wins, args.batch, int8_activations=False)
-            if not opts:     # int8 row experts: the engine's own W8A8 (its NumPy twin, limits.rounds_rows_int8)
-                name = f"colibri f16 / {label}, engine fast_expert_gemm='int8' (W8A8)"
+            if "quant_bits" not in opts:     # int8 row experts: the engine's own W8A8 (its twin: limits.rounds_rows_int8)
+                name = f"colibri {label}, engine fast_expert_gemm='int8' (W8A8)"
                 scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=False,
                                                      fast_expert_gemm="int8")
-                emulated = scores.get(f"colibri f16 / {label}, int8_token expert activations")
+                emulated = scores.get(f"colibri {label}, int8_token expert activations")
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
                     checks[f"{kind}: engine fast_expert_gemm='int8' == emulated int8_token"] = same
             if args.kv_bf16:      # the engine's own bf16 KV cache (numpy_backend.cache_entries), not an emulation
-                scores[f"colibri f16 / {label}, bf16 KV cache"] = quality.score_colibri(
+                scores[f"colibri {label}, bf16 KV cache"] = quality.score_colibri(
                     path, wins, args.batch, int8_activations=False, kv_cache_dtype="bfloat16")
-                if not opts:
-                    scores[f"colibri f16 / {label}, W8A8 + bf16 KV cache"] = quality.score_colibri(
+                if "quant_bits" not in opts:
+                    scores[f"colibri {label}, W8A8 + bf16 KV cache"] = quality.score_colibri(
                         path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8",
                         kv_cache_dtype="bfloat16")
+            if args.dense_bf16 and opts.get("dtype") == "bfloat16":     # the engine's own dense_gemm='bf16'
+                scores[f"colibri {label}, engine dense_gemm='bf16'"] = quality.score_colibri(
+                    path, wins, args.batch, int8_activations=False, dense_gemm="bf16")
+                scores[f"colibri {label}, engine W8A8 + dense_gemm='bf16'"] = quality.score_colibri(
+                    path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8", dense_gemm="bf16")
+            elif args.dense_bf16:
+                with rounded_dense_inputs(round_to_bf16):
+                    scores[f"colibri {label}, dense_bf16 activations"] = quality.score_colibri(
+                        path, wins, args.batch, int8_activations=False)
+                    if "quant_bits" not in opts:
+                        scores[f"colibri {label}, W8A8 + dense_bf16 activations"] = quality.score_colibri(
+                            path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8")
             if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
-                name = f"colibri f16 / {label}, engine int8_activations=True (default)"
+                name = f"colibri {label}, engine int8_activations=True (default)"
                 scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=True)
-                emulated = scores.get(f"colibri f16 / {label}, int8_g32 expert activations")
+                emulated = scores.get(f"colibri {label}, int8_g32 expert activations")
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
                     checks[f"{kind}: engine int8_activations == emulated int8_g32"] = same

@@ -27,6 +27,7 @@ import numpy as np
 from colibri_format.errors import InvalidInput, UnsupportedModel
 from colibri_format.runtime.args import ModelArgs
 from colibri_format.runtime.cache.expert_cache import ADMISSIONS, CLOCKS, ENGINE_POLICIES, SCOPES, ExpertCache
+from colibri_format.runtime.cuda.limits import DENSE_GEMMS
 from colibri_format.runtime.expert_pool import (EXPERT_LOADING, MEMORY_RESERVE, ExpertPool, capacity_from_budget,
                                                  parse_memory)
 from colibri_format.runtime.forward import Decoder, StepInputs, Workspace, host_step, make_kv
@@ -38,8 +39,9 @@ from colibri_format.runtime.sampling import Sampler, StopStrings
 
 RouteObserver = Callable[[int, int, int, np.ndarray, int], None]  # (step, seq, layer, experts [P, k], pos0)
 # the values EngineConfig's string fields take (the CLI's options check them through the same table)
-CONFIG_CHOICES = {"kv_cache_dtype": ("auto", "bfloat16"), "cache_policy": ENGINE_POLICIES, "cache_scope": SCOPES,
-                  "cache_clock": CLOCKS, "cache_admission": ADMISSIONS, "expert_loading": EXPERT_LOADING}
+CONFIG_CHOICES = {"kv_cache_dtype": ("auto", "bfloat16"), "dense_gemm": DENSE_GEMMS, "cache_policy": ENGINE_POLICIES,
+                  "cache_scope": SCOPES, "cache_clock": CLOCKS, "cache_admission": ADMISSIONS,
+                  "expert_loading": EXPERT_LOADING}
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,10 @@ class EngineConfig:
                                               # the grouped GEMM on the rounded inputs; the NumPy engine rounds the
                                               # same way (docs/quality.md). Off: float activations (other formats
                                               # always)
+    dense_gemm: str = "split"                 # prefill-shaped products of bf16 dense matrices (more than 32 rows) on
+                                              # the tensor cores: x split into bf16 hi + lo (two products, ~1e-5),
+                                              # or "bf16": x rounded to bf16 (one product; +0.004% perplexity on the
+                                              # bundled model, docs/quality.md); limits.rounds_dense_bf16, both engines
     kv_cache_dtype: str = "auto"              # keys and values cached as computed ("auto": float32, float64 with
                                               # precision="float64") or as "bfloat16" (half the bytes; rounded to
                                               # nearest even: docs/quality.md). MLA's latent cache stays "auto"
@@ -221,7 +227,8 @@ def make_backend(config: EngineConfig):
         from colibri_format.runtime.numpy_backend import NumpyBackend
 
         return NumpyBackend(np.dtype(config.precision), int8_activations=config.int8_activations,
-                            fast_expert_gemm=config.fast_expert_gemm)
+                            fast_expert_gemm=config.fast_expert_gemm, dense_gemm=config.dense_gemm,
+                            bf16_tensor_cores=config.bf16_tensor_cores)
     try:
         from colibri_format.runtime.cuda.backend import make_backend as make_cuda_backend
     except ImportError as exc:
@@ -229,7 +236,7 @@ def make_backend(config: EngineConfig):
     return make_cuda_backend(config.device_id, bf16_tensor_cores=config.bf16_tensor_cores,
                              fast_expert_gemm=config.fast_expert_gemm, flash_prefill=config.flash_prefill,
                              int8_activations=config.int8_activations,
-                             cublas_expert_gemm=config.cublas_expert_gemm)
+                             cublas_expert_gemm=config.cublas_expert_gemm, dense_gemm=config.dense_gemm)
 
 
 MAX_RUNNERS = 2   # decode runners kept (each holds KV buffers for its batch size and capacity)

@@ -22,7 +22,7 @@ import numpy as np
 from colibri_format.dequant import dequantize_matrix
 from colibri_format.dtypes import NUMPY_STORAGE, float32_to_bf16_bits
 from colibri_format.errors import InvalidInput
-from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations, rounds_rows_int8
+from colibri_format.runtime.cuda.limits import A8_GROUP, rounds_activations, rounds_dense_bf16, rounds_rows_int8
 from colibri_format.runtime.dense import fused_dense_tensors
 from colibri_format.spec.constants import QUANTIZED_FORMATS
 
@@ -549,10 +549,14 @@ class ExpertTable:
 
 # ---- the backend -----------------------------------------------------------------------------------------------
 class NumpyDense:
-    """The file's dense tensors widened once to the compute dtype; `{p}.gate_up` and `{p}.qkv` fused."""
+    """The file's dense tensors widened once to the compute dtype; `{p}.gate_up` and `{p}.qkv` fused. With
+    dense_gemm 'bf16' the inputs of the products `limits.rounds_dense_bf16` names are rounded to bf16 first."""
 
-    def __init__(self, reader, dtype) -> None:
-        self.arrays = {name: widen(a, dtype) for name, a in fused_dense_tensors(reader)}
+    def __init__(self, reader, dtype, dense_gemm: str = "split", bf16_tensor_cores: bool = True) -> None:
+        tensors = list(fused_dense_tensors(reader))
+        self.arrays = {name: widen(a, dtype) for name, a in tensors}
+        self.bf16_stored = {name for name, a in tensors if a.dtype == np.uint16}
+        self.dense_gemm, self.bf16_tensor_cores = dense_gemm, bf16_tensor_cores
         self.nbytes = sum(a.nbytes for a in self.arrays.values())
 
     def has(self, name: str) -> bool:
@@ -564,7 +568,11 @@ class NumpyDense:
     f32 = __getitem__
 
     def linear(self, x, name: str, bias: str | None, out):
-        return linear(x, self.arrays[name], bias=self.arrays[bias] if bias is not None else None, out=out)
+        w = self.arrays[name]
+        if rounds_dense_bf16(self.dense_gemm, self.bf16_tensor_cores, x.shape[0], x.shape[1], w.shape[0],
+                             name in self.bf16_stored):
+            x = widen(float32_to_bf16_bits(np.asarray(x, np.float32)), x.dtype)
+        return linear(x, w, bias=self.arrays[bias] if bias is not None else None, out=out)
 
     def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
         """out = rmsnorm(h; norm) @ W.T (+ bias), x_out = rmsnorm(h)."""
@@ -580,9 +588,13 @@ class NumpyBackend:
     host_is_device = True
     runs_ahead = False     # every op runs as it is called: queuing decode steps ahead of the host gains nothing
 
-    def __init__(self, dtype=np.float32, int8_activations: bool = False, fast_expert_gemm: str | None = None) -> None:
+    def __init__(self, dtype=np.float32, int8_activations: bool = False, fast_expert_gemm: str | None = None,
+                 dense_gemm: str = "split", bf16_tensor_cores: bool = True) -> None:
         self.xp = np
         self.dtype = np.dtype(dtype)
+        # EngineConfig.dense_gemm and bf16_tensor_cores: where limits.rounds_dense_bf16 says so, a dense product's
+        # input is rounded to bf16 as the CUDA engine's one-product route rounds it
+        self.dense_gemm, self.bf16_tensor_cores = dense_gemm, bf16_tensor_cores
         self.int8_activations = int8_activations   # EngineConfig.int8_activations: limits.rounds_activations
                                                    # experts' products round their inputs (`round_int8_groups`)
         self.fast_expert_gemm = fast_expert_gemm   # EngineConfig.fast_expert_gemm: where limits.rounds_rows_int8
@@ -603,7 +615,7 @@ class NumpyBackend:
 
     # --- weights and ops the decoder calls -------------------------------------------------------------------
     def dense(self, reader) -> NumpyDense:
-        return NumpyDense(reader, self.dtype)
+        return NumpyDense(reader, self.dtype, self.dense_gemm, self.bf16_tensor_cores)
 
     def expert_table(self, blob_ptrs, layout, check=None, route_totals=None, fill_ptrs=None) -> ExpertTable:
         return ExpertTable(blob_ptrs, layout, check, route_totals, fill_ptrs)

@@ -11,7 +11,7 @@ from colibri_format.errors import InvalidInput
 from colibri_format.runtime import Engine, EngineConfig
 from colibri_format.runtime.engine import prefill_passes
 from tests.runtime.test_engine_scenarios import (  # noqa: F401
-    KV_BF16_TOLERANCE, PROMPTS, TOLERANCE, W8A8_TOLERANCE, device, mixtral_file, rel)
+    BF16_ROUNDED_TOLERANCE, PROMPTS, TOLERANCE, W8A8_TOLERANCE, device, mixtral_file, rel)
 
 LONG = list(range(3, 40))                     # 37 tokens: passes of 5 split it 8 times
 
@@ -51,7 +51,7 @@ def test_a_long_prompt_and_a_packed_batch_in_passes(mixtral_file, device):  # no
 def test_passes_continue_a_bf16_kv_cache(mixtral_file, device):  # noqa: F811
     """Later pieces read the keys and values earlier ones stored as bf16: the rounded cache of one pass, up to the
     keys whose float order in passes of 5 rows moves them across a bf16 rounding midpoint (4.3e-5 here)."""
-    _same_in_passes(mixtral_file, device, [LONG] + PROMPTS, tol=KV_BF16_TOLERANCE[device], kv_cache_dtype="bfloat16")
+    _same_in_passes(mixtral_file, device, [LONG] + PROMPTS, tol=BF16_ROUNDED_TOLERANCE[device], kv_cache_dtype="bfloat16")
 
 
 def test_w8a8_passes_of_more_than_32_rows_are_one_pass(mixtral_file, device):  # noqa: F811

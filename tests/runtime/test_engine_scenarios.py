@@ -30,10 +30,10 @@ TOLERANCE = {"cpu": 1e-5, "cuda": 2e-3}        # relative logit error against th
 # the same with W8A8 prefill passes (fast_expert_gemm='int8') on both sides: where float32 and float64 inputs fall on either side
 # of an int8 rounding step the logits move by more (2.8e-5 measured on the CPU, test_long_prefill)
 W8A8_TOLERANCE = {"cpu": 2e-4, "cuda": 5e-3}
-# with a bf16 KV cache on both sides: a key whose values in the two computations (float32 and float64, or passes of
-# other sizes) straddle a bf16 rounding midpoint lands one bf16 step (2^-8 relative) apart, which moves logits by
-# up to ~5e-5 on these models; a side that did not round at all is ~2e-3 away
-KV_BF16_TOLERANCE = {"cpu": 2e-4, "cuda": 2e-3}
+# with values rounded to bf16 on both sides (a bf16 KV cache, dense_gemm='bf16'): a value whose two computations
+# (float32 and float64, or passes of other sizes) straddle a bf16 rounding midpoint lands one bf16 step (2^-8
+# relative) apart, which moves logits by up to ~5e-5 on these models; a side that did not round is ~2e-3 away
+BF16_ROUNDED_TOLERANCE = {"cpu": 2e-4, "cuda": 2e-3}
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,14 +129,23 @@ def test_bf16_dense_products_of_decode_batches_on_the_tensor_cores(tmp_path_fact
 
 def test_bf16_kv_cache(tmp_path_factory, device):
     """kv_cache_dtype="bfloat16": the kernels (CUDA) and the NumPy twin round keys and values to bf16 alike, so the
-    float64 engine with the same cache is the reference (KV_BF16_TOLERANCE: the float32 cache is ~2e-3 away on these
+    float64 engine with the same cache is the reference (BF16_ROUNDED_TOLERANCE: the float32 cache is ~2e-3 away on these
     models, so a side that did not round would show), on every attention path: the kernels (head_dim 64), flash
     prefill (40 rows) and the array-operation fallback (head_dim 8)."""
     for path in (make_file(tmp_path_factory, "qwen3_moe", **WIDE), make_file(tmp_path_factory, "mixtral")):
         cfg = dict(kv_cache_dtype="bfloat16", max_seq_len=64)
         with Engine(path, EngineConfig(device=device, **cfg)) as eng, reference(path, **cfg) as ref:
             assert eng.stats()["kv_cache_dtype"] == "bfloat16"
-            assert_same_as_reference(eng, ref, PROMPTS + [list(range(3, 43))], 6, tol=KV_BF16_TOLERANCE[device])
+            assert_same_as_reference(eng, ref, PROMPTS + [list(range(3, 43))], 6, tol=BF16_ROUNDED_TOLERANCE[device])
+
+
+def test_dense_gemm_bf16(tmp_path_factory, device):
+    """dense_gemm="bf16": a 40-row pass's bf16 dense products take x rounded to bf16 (one tensor-core product on
+    CUDA, `ops.round_bf16`); the float64 engine with the same option rounds alike (limits.rounds_dense_bf16)."""
+    path = make_file(tmp_path_factory, "qwen3_moe", dtype="bfloat16", **WIDE)
+    cfg = dict(dense_gemm="bf16", max_seq_len=64)
+    with Engine(path, EngineConfig(device=device, **cfg)) as eng, reference(path, **cfg) as ref:
+        assert_same_as_reference(eng, ref, PROMPTS + [list(range(3, 43))], 6, tol=BF16_ROUNDED_TOLERANCE[device])
 
 
 def test_small_heads_use_the_fallback_attention(tmp_path_factory, device):

@@ -35,7 +35,7 @@ class CupyBackend:
 
     def __init__(self, device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
                  flash_prefill: bool = False, int8_activations: bool = False,
-                 cublas_expert_gemm: bool | None = None) -> None:
+                 cublas_expert_gemm: bool | None = None, dense_gemm: str = "split") -> None:
         import cupy  # noqa: PLC0415 -- optional dependency, GPU machines only
 
         from colibri_format.runtime.cuda.kernels import ops  # noqa: PLC0415
@@ -55,6 +55,7 @@ class CupyBackend:
         self.flash_prefill = flash_prefill      # prefill attention on attention_prefill.cu (tensor cores, bf16)
         self.int8_activations = int8_activations   # int4_group experts on int8 activations (ops.uses_a8)
         self.router_gemm_min_rows = ROUTER_GEMM_MIN_ROWS   # passes of this many rows route through cuBLAS (ops.router)
+        self.dense_gemm = dense_gemm   # EngineConfig.dense_gemm: prefill-shaped bf16 products, x split or rounded
         # decode passes of this many rows (0: none) multiply bf16 matrices on dense_gemv_tc; read when the backend is
         # made, so a benchmark may set limits.DG_TC_MIN_ROWS before it opens an engine
         self.dense_tc_min_rows = limits.DG_TC_MIN_ROWS
@@ -123,7 +124,7 @@ class CupyBackend:
         a kept graph's key, so that a graph captured under other choices is never replayed. bf16_tensor_cores is
         not one: the dense weights read it once, when they are loaded."""
         return (self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill, self.int8_activations,
-                self.router_gemm_min_rows, self.dense_tc_min_rows)
+                self.router_gemm_min_rows, self.dense_tc_min_rows, self.dense_gemm)
 
     def prefill_graph_blocker(self, blob_layout) -> str | None:
         """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit
@@ -443,6 +444,6 @@ class _TimedOps:
 
 def make_backend(device_id: int = 0, bf16_tensor_cores: bool = True, fast_expert_gemm: str | None = None,
                  flash_prefill: bool = False, int8_activations: bool = False,
-                 cublas_expert_gemm: bool | None = None) -> CupyBackend:
+                 cublas_expert_gemm: bool | None = None, dense_gemm: str = "split") -> CupyBackend:
     return CupyBackend(device_id, bf16_tensor_cores, fast_expert_gemm, flash_prefill, int8_activations,
-                       cublas_expert_gemm)
+                       cublas_expert_gemm, dense_gemm)

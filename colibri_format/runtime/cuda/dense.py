@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.cuda.limits import ATT_DECODE_MAX_ROWS, DG_PLANS, DG_TC_ROWS, NORMED_GEMV_MAX_ROWS
+from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, BF16_SPLIT_MIN_ROWS, DG_PLANS, DG_TC_ROWS,
+                                                 NORMED_GEMV_MAX_ROWS, rounds_dense_bf16)
 from colibri_format.runtime.dense import fused_dense_tensors
 
 GEMV_PASS_ROWS = max(DG_PLANS)         # rows of one dense_gemv launch (it reads each weight once per pass)
 GEMV_MAX_ROWS = ATT_DECODE_MAX_ROWS    # rows up to which dense products use dense_gemv passes (graph-capturable),
                                        # not cuBLAS: decode-sized steps, as for attention_decode
-BF16_SPLIT_MIN_ROWS = 9   # from this many rows, bf16-stored matrices multiply on the tensor cores (bf16 hi+lo
-                          # split of x, fp32 accumulation: ~1e-5 relative) instead of f32 cuBLAS
 MIRROR_SHARE = 0.25  # f32 copies of the matrices (for cuBLAS) are kept if they take at most this share of free memory
 
 
@@ -112,6 +111,11 @@ class DeviceDense:
             for t0 in range(0, T, GEMV_PASS_ROWS):
                 t1 = min(T, t0 + GEMV_PASS_ROWS)
                 self.be.ops.dense_gemv(x[t0:t1], w, bias=b, out=out[t0:t1])
+            return out
+        if rounds_dense_bf16(self.be.dense_gemm, self.bf16_gemm, T, x.shape[1], w.shape[0], w.dtype == np.uint16):
+            self.be.ops.gemm_bf16(self.be.ops.round_bf16(x), w, out)      # one product: EngineConfig.dense_gemm
+            if b is not None:
+                out += b
             return out
         if self.bf16_gemm and w.dtype == np.uint16 and T >= BF16_SPLIT_MIN_ROWS:
             self.be.gemm_bf16_split(x, w, out)

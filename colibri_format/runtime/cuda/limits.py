@@ -202,6 +202,24 @@ A8_GROUP = 32
 A8_FORMATS = (ExpertFormat.INT4_GROUP,)
 
 
+# DeviceDense (runtime/cuda/dense.py): from this many rows bf16-stored matrices multiply on the tensor cores (x split
+# into bf16 hi + lo, fp32 accumulation: ~1e-5 relative, or rounded to bf16 alone with EngineConfig.dense_gemm 'bf16')
+# instead of f32 cuBLAS, where dense_gemv does not take the pass (more than ATT_DECODE_MAX_ROWS rows)
+BF16_SPLIT_MIN_ROWS = 9
+DENSE_GEMMS = ("split", "bf16")      # EngineConfig.dense_gemm
+
+
+def rounds_dense_bf16(dense_gemm: str, bf16_tensor_cores: bool, rows: int, ncols: int, nrows: int,
+                      stored_bf16: bool) -> bool:
+    """Whether a dense product's input is rounded to bf16 (one bf16 product: EngineConfig.dense_gemm 'bf16'): a
+    bf16-stored [nrows, ncols] matrix on the tensor cores in a pass `dense_gemv` does not take (more than
+    ATT_DECODE_MAX_ROWS rows, or a shape it refuses) of at least BF16_SPLIT_MIN_ROWS rows. The one rule of both
+    engines (DeviceDense.linear, NumpyDense.linear)."""
+    gemv = rows <= ATT_DECODE_MAX_ROWS and ncols % 8 == 0 and nrows >= 4
+    return (dense_gemm == "bf16" and bf16_tensor_cores and stored_bf16 and not gemv
+            and rows >= BF16_SPLIT_MIN_ROWS)
+
+
 def rounds_rows_int8(fast_expert_gemm: str | None, rows: int, pairs: int, num_experts: int, layout,
                      extras: bool) -> bool:
     """Whether a pass's routed-expert products round their inputs to int8 a row (W8A8: x a token, the activation a

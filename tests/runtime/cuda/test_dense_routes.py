@@ -74,3 +74,31 @@ def normed_products(rows: int, *, min_rows: int) -> list[tuple[str, int]]:
     (32, 2, [("dense_gemv_tc_normed", 32)])])
 def test_normed_products_fold_the_norm_where_a_kernel_can(rows, min_rows, want):
     assert normed_products(rows, min_rows=min_rows) == want
+
+
+@pytest.mark.parametrize("rows, option, cores, stored, ncols, want", [
+    (33, "bf16", True, True, 64, True), (4096, "bf16", True, True, 64, True),
+    (32, "bf16", True, True, 64, False),            # dense_gemv's pass: never rounded
+    (20, "bf16", True, True, 60, True),             # a shape dense_gemv refuses, from BF16_SPLIT_MIN_ROWS rows
+    (8, "bf16", True, True, 60, False),             # below it: f32 cuBLAS
+    (33, "split", True, True, 64, False), (33, "bf16", False, True, 64, False), (33, "bf16", True, False, 64, False)])
+def test_the_dense_bf16_rule(rows, option, cores, stored, ncols, want):
+    """limits.rounds_dense_bf16, the one rule of DeviceDense and NumpyDense: option 'bf16', bf16 matrices on the
+    tensor cores, in the passes the cuBLAS products take."""
+    assert limits.rounds_dense_bf16(option, cores, rows, ncols, 32, stored) is want
+
+
+def test_a_bf16_pass_is_one_rounded_product():
+    calls = []
+    ops = SimpleNamespace(round_bf16=lambda x: calls.append(("round_bf16", x.shape[0])) or x,
+                          gemm_bf16=lambda x, w, out: calls.append(("gemm_bf16", x.shape[0])),
+                          dense_gemv=lambda *a, **kw: calls.append(("dense_gemv", 0)))
+    dense = DeviceDense.__new__(DeviceDense)
+    dense.be = SimpleNamespace(ops=ops, dense_tc_min_rows=0, dense_gemm="bf16",
+                               gemm_bf16_split=lambda *a: calls.append(("split", 0)))
+    dense.bf16_gemm, dense.arrays = True, {"w": HostArray(np.zeros((32, 64), np.uint16))}
+    dense.linear(RowSliceable(np.zeros((40, 64), np.float32)), "w", None, np.zeros((40, 32), np.float32))
+    assert calls == [("round_bf16", 40), ("gemm_bf16", 40)]
+    dense.be.dense_gemm, calls[:] = "split", []
+    dense.linear(RowSliceable(np.zeros((40, 64), np.float32)), "w", None, np.zeros((40, 32), np.float32))
+    assert calls == [("split", 0)]

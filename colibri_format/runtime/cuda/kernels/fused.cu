@@ -206,13 +206,13 @@ QKV_ROPE_KV_KERNEL(bf16_bf16, TBF16, TBF16)
 // ------------------------------------------------------------------------------------------------ bf16 split
 // x f32 = hi + lo with hi = bf16(x) (round to nearest even) and lo = bf16(x - hi): two bf16 operands whose sum
 // carries about 16 mantissa bits, so that two bf16 tensor-core products with fp32 accumulation (hi @ W + lo @ W)
-// match an fp32 product with bf16-stored W to ~1e-5 instead of bf16's ~4e-3.
+// match an fp32 product with bf16-stored W to ~1e-5 instead of bf16's ~4e-3. lo null: hi alone (ops.round_bf16).
 extern "C" __global__ void split_bf16(const float* __restrict__ x, u16* __restrict__ hi, u16* __restrict__ lo,
                                       long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float v = x[i];
         const u16 h = TBF16::from_f32(v);
         hi[i] = h;
-        lo[i] = TBF16::from_f32(v - TBF16::to_f32(h));
+        if (lo != nullptr) lo[i] = TBF16::from_f32(v - TBF16::to_f32(h));
     }
 }

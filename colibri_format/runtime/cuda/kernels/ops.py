@@ -1654,6 +1654,16 @@ def split_bf16(x, *, hi=None, lo=None):
     return h, lw
 
 
+def round_bf16(x, *, out=None):
+    """x f32 -> bf16(x) bits (uint16, x's shape), rounded to nearest even: `split_bf16`'s hi alone (no lo)."""
+    cp = _cupy()
+    _check("x", x, dtype=np.float32)
+    h = _out("out", out, x.shape, cp.uint16)
+    if x.size:
+        kernel("fused", "split_bf16")((_grid_stride_blocks(x.size),), (256,), (x, h, _ptr(None), np.int64(x.size)))
+    return h
+
+
 # ---- multi-head latent attention (mla.cu) ----------------------------------------------------------------------------
 class MlaWorkspace:
     """Scratch of `mla_attention` for `rows` rows of `heads` heads (preallocated for CUDA-graph capture): the roped q
