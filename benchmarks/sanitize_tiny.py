@@ -13,7 +13,7 @@ greedy generation (graph capture and replay), batched decode, the paged path wit
 until measured on an H200, or, like cuBLAS's grouped expert GEMM, chosen by size: forced on here); int4_group also
 with the tensor-core decode GEMVs on every pass (their crossover, limits.TC4_MIN_*, lowered: a tiny model is far
 below it), qwen3_moe also with its bf16 dense products of 2-32 rows on dense_gemv_tc and with a bf16 KV cache
-(the bf16 attention kernels, flash prefill included).
+(the bf16 attention kernels, flash prefill included) and `dense_gemm="bf16"` (ops.round_bf16).
 
 Run from the repository root:
 
@@ -76,8 +76,9 @@ def run(name: str, path: Path, model: dict, device: str) -> None:
         tc4_everywhere(name, path, device)
     if name == "qwen3_moe":
         dense_tc_everywhere(name, path, device)
-        with Engine(path, EngineConfig(device=device, max_seq_len=64, kv_cache_dtype="bfloat16")) as eng:
-            print(name, "bf16 KV cache", [x.shape for x in eng.logits([list(range(1, 41))])],
+        with Engine(path, EngineConfig(device=device, max_seq_len=64, kv_cache_dtype="bfloat16",
+                                       dense_gemm="bf16")) as eng:
+            print(name, "bf16 KV cache, bf16 dense products", [x.shape for x in eng.logits([list(range(1, 41))])],
                   eng.generate([1, 2, 3], max_new_tokens=4, stop_ids=[]).output_ids,
                   eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3))
     cached = max(2, len(model["moe_layers"]) * model["num_experts"] // 2)
