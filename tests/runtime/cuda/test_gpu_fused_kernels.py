@@ -260,6 +260,14 @@ def test_split_bf16(cp, rng, shape):
     assert rel(f64(hi.get()) + f64(lo.get()), x) < 1e-5
 
 
+@pytest.mark.parametrize("shape", [(1, 7), (512, 2048)])
+def test_round_bf16_is_the_splits_hi_alone(cp, rng, shape):
+    """ops.round_bf16 (dense_gemm='bf16'): split_bf16's hi, bit for bit, and no lo written anywhere."""
+    x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape)).astype(np.float32)
+    out = ops.round_bf16(cp.asarray(x), out=cp.full(shape, 0xFFFF, cp.uint16))
+    assert (out.get() == expect.split_bf16(x)[0]).all()
+
+
 @pytest.mark.parametrize("T,N,K", [(9, 64, 128), (512, 6144, 2048), (33, 1000, 96), (512, 2048, 4096)])
 def test_gemm_bf16_split(cp, rng, T, N, K):
     """The prefill dense product for bf16 matrices (tensor cores, hi+lo activations) against float64."""
