@@ -669,6 +669,25 @@ struct RowNorm {
     float* x_out;
 };
 
+// The normed rows of a normed GEMV (x_out = rmsnorm(x), rmsnorm's expression), a float4 a lane over the items'
+// first warps (one round of loads; one warp storing them all took ~16 dependent rounds at the tail): lane `first` of
+// `stride`, token j's squares at squares[j] (+ p TOK for its slices p < splits).
+__device__ __forceinline__ void store_normed_rows(const float* __restrict__ x, const RowNorm& norm,
+                                                  const float* squares, int TOK, int splits, int T, int K, int first,
+                                                  int stride) {
+    const int quads = K / 4;
+    for (int i = first; i < T * quads; i += stride) {
+        const int j = i / quads, c = (i - j * quads) * 4;
+        const float inv = inverse_norm(squares + j, TOK, splits, K, norm.eps);
+        float xv[4], gv[4];
+        load_floats<4>(x + (size_t)j * K + c, xv);
+        load_floats<4>(norm.gamma + c, gv);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xv[e] = rms_scaled(xv[e], inv, gv[e], 0.0f);
+        store4_f32<TF32>(norm.x_out + (size_t)j * K + c, xv);
+    }
+}
+
 // A block's DG_THREADS / 32 warps take DG_THREADS / 32 / splits items of ROWS rows, `splits` warps an item, each
 // over one slice of K (whole 32 * V-element chunks); the slices' partial sums meet in shared memory and the item's
 // first warp adds them in slice order (deterministic). Splitting K puts every weight load of a short GEMV in flight
@@ -757,19 +776,9 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
         if constexpr (NORM) s *= inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
         if (j < T && r0 + q >= item * ROWS) y[(size_t)j * N + r0 + q] = s + (bias ? bias[r0 + q] : 0.0f);
     }
-    if constexpr (NORM) {   // the normed rows, a float4 a lane over the items' first warps (one round of loads)
-        const int quads = K / 4, stride = (N + ROWS - 1) / ROWS * 32;     // K % 8 == 0 (ops.dense_gemv_normed)
-        for (int i = item * 32 + lane; i < T * quads; i += stride) {
-            const int j = i / quads, c = (i - j * quads) * 4;
-            const float inv = inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
-            float xv[4], gv[4];
-            load_floats<4>(x + (size_t)j * K + c, xv);
-            load_floats<4>(norm.gamma + c, gv);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) xv[q] = rms_scaled(xv[q], inv, gv[q], 0.0f);   // rmsnorm's expression
-            store4_f32<TF32>(norm.x_out + (size_t)j * K + c, xv);
-        }
-    }
+    if constexpr (NORM)     // K % 8 == 0 (ops.dense_gemv_normed)
+        store_normed_rows(x, norm, &s_squares[warp][0], TOK, splits, T, K, item * 32 + lane,
+                          (N + ROWS - 1) / ROWS * 32);
 }
 #define DENSE_GEMV_KERNEL(SUF, TW, TOK, ROWS, UNROLL)                                                          \
     extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                  \
@@ -924,19 +933,9 @@ __device__ __forceinline__ void dense_gemv_tc_impl(const float* __restrict__ x, 
         if constexpr (NORM) sum *= inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
         if (j < T && r0 + q >= item * DG_TC_ROWS) y[(size_t)j * N + r0 + q] = sum + (bias ? bias[r0 + q] : 0.0f);
     }
-    if constexpr (NORM) {   // the normed rows, a float4 a lane over the items' first warps (one round of loads)
-        const int quads = K / 4, stride = (N + DG_TC_ROWS - 1) / DG_TC_ROWS * 32;
-        for (int i = item * 32 + lane; i < T * quads; i += stride) {
-            const int j = i / quads, c = (i - j * quads) * 4;
-            const float inv = inverse_norm(&s_squares[warp][j], TOK, splits, K, norm.eps);
-            float xv[4], gv[4];
-            load_floats<4>(x + (size_t)j * K + c, xv);
-            load_floats<4>(norm.gamma + c, gv);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) xv[e] = rms_scaled(xv[e], inv, gv[e], 0.0f);   // rmsnorm's expression
-            store4_f32<TF32>(norm.x_out + (size_t)j * K + c, xv);
-        }
-    }
+    if constexpr (NORM)
+        store_normed_rows(x, norm, &s_squares[warp][0], TOK, splits, T, K, item * 32 + lane,
+                          (N + DG_TC_ROWS - 1) / DG_TC_ROWS * 32);
 }
 #define DENSE_GEMV_TC_KERNEL(NT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(DG_THREADS)                                                     \

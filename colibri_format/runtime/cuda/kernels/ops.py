@@ -1466,14 +1466,18 @@ def dense_gemv_normed(x, gamma, eps: float, w, *, x_out, bias=None, out=None, sp
     """y [T, N] f32 = rmsnorm(x) @ w.T (+ bias) and x_out [T, K] f32 = rmsnorm(x) = x * rsqrt(mean(x^2) + eps) *
     gamma (gamma [K] f32: the norm weight, any offset added), in one launch: `rmsnorm` then `dense_gemv` (same
     shapes and plans), the norm's inverse applied to each output (layers.cu's NORM), ~1e-7 relative from them."""
+    return _dense_gemv_launch("dense_gemv_normed", x, w, bias, out, splits, _norm_args(x, gamma, eps, x_out))
+
+
+def _norm_args(x, gamma, eps: float, x_out) -> tuple:
+    """A normed dense GEMV's norm arguments (gamma [K] f32, eps, x_out [T, K] f32 apart from x), checked."""
     _check("x", x, dtype=np.float32, ndim=2)
     K = x.shape[1]
     _check("gamma", gamma, dtype=np.float32, shape=(K,))
     _check("x_out", x_out, dtype=np.float32, shape=x.shape)
     if _overlaps(x_out, x):
         raise ValueError("x_out must not overlap x (the product reads x while the norm's rows are stored)")
-    return _dense_gemv_launch("dense_gemv_normed", x, w, bias, out, splits,
-                              (gamma, np.float32(eps), x_out))
+    return gamma, np.float32(eps), x_out
 
 
 def dense_gemv_tc(x, w, *, bias=None, out=None, splits: int | None = None):
@@ -1488,15 +1492,10 @@ def dense_gemv_tc_normed(x, gamma, eps: float, w, *, x_out, bias=None, out=None,
     """`dense_gemv_normed` on the tensor cores: y [T, N] f32 = rmsnorm(x) @ w.T (+ bias) and x_out [T, K] f32 =
     rmsnorm(x) = x * rsqrt(mean(x^2) + eps) * gamma, in one launch (the MMAs take x * gamma split into bf16 hi + lo,
     the norm's inverse scales each output); shapes as `dense_gemv_tc`."""
-    _check("x", x, dtype=np.float32, ndim=2)
-    K = x.shape[1]
-    _check("gamma", gamma, dtype=np.float32, shape=(K,))
-    _check("x_out", x_out, dtype=np.float32, shape=x.shape)
-    if _overlaps(x_out, x):
-        raise ValueError("x_out must not overlap x (the product reads x while the norm's rows are stored)")
+    tail = _norm_args(x, gamma, eps, x_out)
     if not (_aligned16(gamma) and _aligned16(x_out)):
         raise ValueError("gamma and x_out must start on 16-byte boundaries (16-byte loads and stores)")
-    return _dense_gemv_tc_launch("dense_gemv_tc_normed", x, w, bias, out, splits, (gamma, np.float32(eps), x_out))
+    return _dense_gemv_tc_launch("dense_gemv_tc_normed", x, w, bias, out, splits, tail)
 
 
 def _dense_gemv_tc_launch(family: str, x, w, bias, out, splits: int | None, tail: tuple):
