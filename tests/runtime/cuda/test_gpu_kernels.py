@@ -410,20 +410,25 @@ def test_dense_gemv_tc(cp, rng, T, N, K, splits):
 @pytest.mark.parametrize("T,N,K", [(2, 5120, 2048), (8, 2048, 4096), (13, 37, 2080), (32, 5120, 2048)])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 def test_dense_gemv_tc_normed(cp, rng, T, N, K, splits):
-    """The input rmsnorm folded into the tensor-core product: rmsnorm then the product in float64, and x_out the
-    normed rows; rows of different scales; x_out overlapping x is refused."""
+    """The input rmsnorm folded into the tensor-core product, as test_dense_gemv_normed checks the SIMT one."""
+    check_normed_gemv(cp, rng, ops.dense_gemv_tc_normed, "bf16", T, N, K, splits)
+
+
+def check_normed_gemv(cp, rng, normed_gemv, wdt: str, T: int, N: int, K: int, splits) -> None:
+    """A normed GEMV against rmsnorm then the product in float64, and its x_out against the normed rows; rows of
+    different scales; x_out overlapping x is refused."""
     x = (rng.standard_normal((T, K)) * np.geomspace(0.05, 20.0, T)[:, None]).astype(np.float32)
     gamma = rng.uniform(0.5, 1.5, K).astype(np.float32)
-    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), "bf16")
+    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
     bias = rng.standard_normal(N).astype(np.float32)
     xd, x_out = cp.asarray(x), nan_like(cp, (T, K))
-    y = ops.dense_gemv_tc_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=x_out, bias=cp.asarray(bias),
-                                 out=nan_like(cp, (T, N)), splits=splits)
+    y = normed_gemv(xd, cp.asarray(gamma), 1e-6, w, x_out=x_out, bias=cp.asarray(bias), out=nan_like(cp, (T, N)),
+                    splits=splits)
     normed = nb.rmsnorm(f64(x), f64(gamma), 1e-6)
     assert rel(x_out.get(), normed) < F32_TOL
     assert rel(y.get(), nb.linear(normed, f64(w.get()), bias=bias)) < F32_TOL
     with pytest.raises(ValueError, match="must not overlap"):
-        ops.dense_gemv_tc_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=xd)
+        normed_gemv(xd, cp.asarray(gamma), 1e-6, w, x_out=xd)
 
 
 def test_dense_gemv_tc_replays_in_a_graph(cp, rng):
@@ -448,17 +453,5 @@ def test_dense_gemv_tc_replays_in_a_graph(cp, rng):
 @pytest.mark.parametrize("T,N,K", [(1, 5120, 2048), (1, 2048, 4096), (3, 33, 4104), (8, 64, 2048)])
 @pytest.mark.parametrize("splits", [None, 1, 8])
 def test_dense_gemv_normed(cp, rng, wdt, T, N, K, splits):
-    """The input rmsnorm folded into the product: rmsnorm then the product in float64, and x_out the normed rows;
-    rows of different scales; x_out overlapping x is refused."""
-    x = (rng.standard_normal((T, K)) * np.geomspace(0.05, 20.0, T)[:, None]).astype(np.float32)
-    gamma = rng.uniform(0.5, 1.5, K).astype(np.float32)
-    w = to_device_dtype(cp, (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), wdt)
-    bias = rng.standard_normal(N).astype(np.float32)
-    xd, x_out = cp.asarray(x), nan_like(cp, (T, K))
-    y = ops.dense_gemv_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=x_out, bias=cp.asarray(bias),
-                              out=nan_like(cp, (T, N)), splits=splits)
-    normed = nb.rmsnorm(f64(x), f64(gamma), 1e-6)
-    assert rel(x_out.get(), normed) < F32_TOL
-    assert rel(y.get(), nb.linear(normed, f64(w.get()), bias=bias)) < F32_TOL
-    with pytest.raises(ValueError, match="must not overlap"):
-        ops.dense_gemv_normed(xd, cp.asarray(gamma), 1e-6, w, x_out=xd)
+    """The input rmsnorm folded into the product (`check_normed_gemv`)."""
+    check_normed_gemv(cp, rng, ops.dense_gemv_normed, wdt, T, N, K, splits)
