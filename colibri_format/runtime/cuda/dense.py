@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, BF16_SPLIT_MIN_ROWS, DG_PLANS, DG_TC_ROWS,
-                                                 NORMED_GEMV_MAX_ROWS, rounds_dense_bf16)
+from colibri_format.runtime.cuda.limits import (ATT_DECODE_MAX_ROWS, DG_PLANS, DG_TC_ROWS, NORMED_GEMV_MAX_ROWS,
+                                                 bf16_products, dense_gemv_takes)
 from colibri_format.runtime.dense import fused_dense_tensors
 
 GEMV_PASS_ROWS = max(DG_PLANS)         # rows of one dense_gemv launch (it reads each weight once per pass)
@@ -76,8 +76,7 @@ class DeviceDense:
 
     def _gemv_rows(self, x, w) -> bool:
         """Whether x's rows multiply through `dense_gemv` passes (decode-sized batches) rather than cuBLAS."""
-        T, K = x.shape
-        return T <= GEMV_MAX_ROWS and K % 8 == 0 and w.shape[0] >= 4
+        return dense_gemv_takes(x.shape[0], x.shape[1], w.shape[0])
 
     def normed_linear(self, h, norm: str, eps: float, name: str, bias: str | None, out, x_out):
         """out [T, N] f32 = rmsnorm(h; norm) @ W.T (+ bias) and x_out [T, K] f32 = rmsnorm(h): up to
@@ -85,9 +84,10 @@ class DeviceDense:
         `dense_gemv_tc` takes in one `dense_gemv_tc_normed` launch, other rows norm then `linear`."""
         w = self.arrays[name]
         b = self.f32(bias) if bias is not None else None
-        if self._gemv_rows(h, w) and h.shape[0] <= NORMED_GEMV_MAX_ROWS:
+        gemv = self._gemv_rows(h, w)
+        if gemv and h.shape[0] <= NORMED_GEMV_MAX_ROWS:
             return self.be.ops.dense_gemv_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
-        if self._gemv_rows(h, w) and self._tensor_core_rows(h, w):
+        if gemv and self._tensor_core_rows(h, w):
             return self.be.ops.dense_gemv_tc_normed(h, self.f32(norm), eps, w, x_out=x_out, bias=b, out=out)
         self.be.rmsnorm(h, self.arrays[norm], eps, out=x_out)
         return self.linear(x_out, name, bias, out)
@@ -112,22 +112,17 @@ class DeviceDense:
                 t1 = min(T, t0 + GEMV_PASS_ROWS)
                 self.be.ops.dense_gemv(x[t0:t1], w, bias=b, out=out[t0:t1])
             return out
-        if rounds_dense_bf16(self.be.dense_gemm, self.bf16_gemm, T, x.shape[1], w.shape[0], w.dtype == np.uint16):
-            self.be.ops.gemm_bf16(self.be.ops.round_bf16(x), w, out)      # one product: EngineConfig.dense_gemm
-            if b is not None:
-                out += b
-            return out
-        if self.bf16_gemm and w.dtype == np.uint16 and T >= BF16_SPLIT_MIN_ROWS:
+        if not bf16_products(self.bf16_gemm, T, x.shape[1], w.shape[0], w.dtype == np.uint16):
+            w32 = self.mirror.get(name)
+            w32 = w32 if w32 is not None else upcast(self.xp, w)
+            if x._c_contiguous and out._c_contiguous:
+                self.be.ops.gemm_f32(x, w32, out)       # capturable
+            else:                                       # strided views: CuPy's matmul (a capture then fails: eager)
+                self.xp.matmul(x, w32.T, out=out)
+        elif self.be.dense_gemm == "bf16":              # limits.rounds_dense_bf16: one product of x rounded
+            self.be.ops.gemm_bf16(self.be.ops.round_bf16(x), w, out)
+        else:
             self.be.gemm_bf16_split(x, w, out)
-            if b is not None:
-                out += b
-            return out
-        w32 = self.mirror.get(name)
-        w32 = w32 if w32 is not None else upcast(self.xp, w)
-        if x._c_contiguous and out._c_contiguous:
-            self.be.ops.gemm_f32(x, w32, out)       # capturable
-        else:                                       # strided views: CuPy's matmul (a capture then fails: eager)
-            self.xp.matmul(x, w32.T, out=out)
         if b is not None:
             out += b
         return out

@@ -148,7 +148,8 @@ DG_MAX_SPLITS = 8
 DG_WARPS_PER_SM = 32
 # layers.cu's dense_gemv_tc (and dense_gemv_tc_normed, the input rmsnorm folded in): bf16 products of up to 32
 # tokens on mma.sync m16n8k16 (16 output rows a warp item, the tokens as n8 tiles: kernels for DG_TC_TILES tiles, x
-# split into bf16 hi + lo in registers), DG_TC_UNROLL 32-column slices of a warp's rows loaded before it multiplies. It reads a weight once for every token of a pass where
+# split into bf16 hi + lo in registers), DG_TC_UNROLL 32-column slices of a warp's rows loaded before it multiplies.
+# It reads a weight once for every token of a pass where
 # dense_gemv re-reads it every 8 tokens and, at 8 tokens, runs at a third of the copy rate on FMAs (Qwen3's q/k/v
 # 15.4 us against 7.0 at one token; session 17). Passes of DG_TC_MIN_ROWS rows or more (at most ATT_DECODE_MAX_ROWS,
 # bf16 weights, K % 32 == 0) take it: the backend's `dense_tc_min_rows`; 0 (the default until it is timed on a GPU
@@ -209,15 +210,26 @@ BF16_SPLIT_MIN_ROWS = 9
 DENSE_GEMMS = ("split", "bf16")      # EngineConfig.dense_gemm
 
 
+def dense_gemv_takes(rows: int, ncols: int, nrows: int) -> bool:
+    """Whether DeviceDense multiplies a pass of `rows` rows by an [nrows, ncols] matrix through dense_gemv (decode-
+    sized passes, graph-capturable: at most ATT_DECODE_MAX_ROWS rows, 16-byte loads) rather than cuBLAS."""
+    return rows <= ATT_DECODE_MAX_ROWS and ncols % 8 == 0 and nrows >= 4
+
+
+def bf16_products(bf16_tensor_cores: bool, rows: int, ncols: int, nrows: int, stored_bf16: bool) -> bool:
+    """Whether DeviceDense multiplies a bf16-stored matrix by bf16 tensor-core products on cuBLAS (x split into hi +
+    lo, or rounded where EngineConfig.dense_gemm says 'bf16'): a pass dense_gemv does not take, of at least
+    BF16_SPLIT_MIN_ROWS rows, with bf16_tensor_cores; else f32 cuBLAS."""
+    return (bf16_tensor_cores and stored_bf16 and not dense_gemv_takes(rows, ncols, nrows)
+            and rows >= BF16_SPLIT_MIN_ROWS)
+
+
 def rounds_dense_bf16(dense_gemm: str, bf16_tensor_cores: bool, rows: int, ncols: int, nrows: int,
                       stored_bf16: bool) -> bool:
-    """Whether a dense product's input is rounded to bf16 (one bf16 product: EngineConfig.dense_gemm 'bf16'): a
-    bf16-stored [nrows, ncols] matrix on the tensor cores in a pass `dense_gemv` does not take (more than
-    ATT_DECODE_MAX_ROWS rows, or a shape it refuses) of at least BF16_SPLIT_MIN_ROWS rows. The one rule of both
-    engines (DeviceDense.linear, NumpyDense.linear)."""
-    gemv = rows <= ATT_DECODE_MAX_ROWS and ncols % 8 == 0 and nrows >= 4
-    return (dense_gemm == "bf16" and bf16_tensor_cores and stored_bf16 and not gemv
-            and rows >= BF16_SPLIT_MIN_ROWS)
+    """Whether a dense product's input is rounded to bf16 (one bf16 product: EngineConfig.dense_gemm 'bf16'): the
+    passes `bf16_products` sends to the tensor cores. The one rule of both engines (DeviceDense.linear,
+    NumpyDense.linear)."""
+    return dense_gemm == "bf16" and bf16_products(bf16_tensor_cores, rows, ncols, nrows, stored_bf16)
 
 
 def rounds_rows_int8(fast_expert_gemm: str | None, rows: int, pairs: int, num_experts: int, layout,
