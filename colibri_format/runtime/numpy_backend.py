@@ -28,20 +28,13 @@ from colibri_format.spec.constants import QUANTIZED_FORMATS
 
 
 # ---- element helpers -------------------------------------------------------------------------------------------
-def widen(a, dtype=np.float64) -> np.ndarray:
-    """Any kernel input (float32, float16 or bf16 bits as uint16) as `dtype`."""
-    a = np.asarray(a)
+def widen(a, dtype=np.float64, xp=np) -> np.ndarray:
+    """Any kernel input (float32, float16 or bf16 bits as uint16: a weight, or a bf16 KV cache,
+    EngineConfig.kv_cache_dtype) as `dtype`. `xp`: NumPy, or CuPy for the CUDA backend's array-operation attention."""
+    a = xp.asarray(a)
     if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)   # bf16 bits: exact
+        return (a.astype(xp.uint32) << 16).view(xp.float32).astype(dtype, copy=False)   # bf16 bits: exact
     return a.astype(dtype, copy=False)
-
-
-def cache_values(cache, dtype, xp=np):
-    """Values read from a KV cache in `dtype`: bf16 bits (uint16, EngineConfig.kv_cache_dtype) widened exactly, any
-    other cache as it is. `xp`: NumPy, or CuPy for the CUDA backend's array-operation attention."""
-    if cache.dtype == np.uint16:
-        return (cache.astype(xp.uint32) << 16).view(xp.float32).astype(dtype, copy=False)
-    return cache
 
 
 def cache_entries(values, cache_dtype) -> np.ndarray:
@@ -146,8 +139,8 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
         rows = np.flatnonzero(seq_h == s)
         lens = len_h[rows]
         L = int(lens.max())
-        keys = cache_values(k_cache[int(s), :L], q.dtype, xp)                    # [L, nkv, hd]
-        vals = cache_values(v_cache[int(s), :L], q.dtype, xp)
+        keys = widen(k_cache[int(s), :L], q.dtype, xp)                            # [L, nkv, hd]
+        vals = widen(v_cache[int(s), :L], q.dtype, xp)
         qg = q[rows].reshape(len(rows), nkv, nh // nkv, hd).transpose(1, 2, 0, 3)  # [nkv, g, n, hd]
         scores = qg @ keys.transpose(1, 2, 0)[:, None] * q.dtype.type(scale)    # [nkv, g, n, L]
         kv = np.arange(L)[None, :]
