@@ -19,8 +19,8 @@
 #   prefill_host benchmarks/prefill_host.py on Qwen3 and OLMoE at 512 and 128 tokens with prefill graphs, float32
 #                and bf16 KV caches, split and bf16 dense products (PREFILL_HOST_ARGS adds options, e.g. --router
 #                gemm,fused; the router step times both routes' kernels)
-#   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: pipeline depths and
-#                FAST_SKIP_EMPTY_M
+#   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: the W8A8 kernels'
+#                pipeline depths, FAST_SKIP_EMPTY_M and FAST_STAGE_STEPS (each kernel's weight GB/s from CUPTI)
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
 #                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
 #                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode
@@ -148,7 +148,7 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
 echo "==== dense_tc"; grep -E "^\||WRONG|decode batch|again with|Error|Traceback" "$OUT/dense_tc.log" 2>/dev/null | tail -60
-echo "==== sweep"; grep -E "fast-int8|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | tail -40
+echo "==== sweep"; grep -E "== |-kernel|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | cut -c1-120 | tail -70
 echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
     | tail -140
 echo "==== summary"; printf '%s\n' "${summary[@]}"

@@ -22,10 +22,14 @@ Per case (random experts generated on the GPU, random top-k routing, x ~ N(0, 1)
 Times: CUDA graphs of many launches, median over replays (gpu_kernels.time_graph); cuBLAS: plain launches.
 TFLOP/s are useful FLOPs (2 P H 2I for gate_up, 2 P I H for down) over time; the split's extra MMAs count as nothing.
 Agreement: the pipelined kernels' outputs against the tc kernel's (relative norm of the difference).
+Stages `gate_up-kernel` / `down-kernel`: a pipelined product kernel's own device time from CUPTI (no rounding or
+split of its input). GB/s: the routed experts' weight bytes, each matrix counted once, over the time: at 512 rows
+Qwen3's and OLMoE's ~32-64 rows an expert make the products memory-bound, and that rate against the HBM copy rate
+is what says how far they are from their floor.
 --sweep [CASE ...]: afterwards, the pipelined kernels alone on those cases (none named: mixtral-512; the small
 experts of qwen3-30b-a3b-512, 32 rows an expert and 12 K steps in down, are where the pipeline's fill and drain
-weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M) than limits.py's (rows marked
-"s<stages> b<blocks>[ skip]" in `variant`), to pick those constants.
+weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS) than limits.py's
+(rows marked "s<stages> b<blocks>[ skip][ k<steps>]" in `variant`), to pick those constants.
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
 
@@ -57,8 +61,9 @@ CASES = {  # name: (H, I, E, k, T)
 DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
-SWEEP = ((2, 2, 0), (4, 2, 0), (5, 2, 0), (3, 1, 0), (4, 1, 0), (6, 1, 0),   # (FAST_STAGES, FAST_MIN_BLOCKS,
-         (3, 2, 1), (4, 2, 1))                                                # FAST_SKIP_EMPTY_M) besides limits.py's
+# (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS) besides limits.py's
+SWEEP = ((2, 2, 0, 1), (4, 2, 0, 1), (5, 2, 0, 1), (3, 1, 0, 1), (4, 1, 0, 1), (6, 1, 0, 1), (3, 2, 1, 1),
+         (4, 2, 1, 1), (2, 2, 0, 2), (3, 2, 0, 2), (3, 1, 0, 2), (4, 1, 0, 2), (3, 2, 1, 2))
 
 
 def log(*a):
@@ -112,14 +117,17 @@ def device_us(cp, fn) -> tuple[float, float] | None:
     return t["busy_us"], products
 
 
-def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int) -> None:
-    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound and empty-row-tile skipping (this
-    process only)."""
-    limits.FAST_STAGES, limits.FAST_MIN_BLOCKS = stages, min_blocks     # fast_gemm_shared_bytes reads these
-    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks, FAST_SKIP_EMPTY_M=skip_empty_m)
+def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int, stage_steps: int) -> None:
+    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound, empty-row-tile skipping and K steps a
+    stage (this process only)."""
+    # fast_gemm_shared_bytes reads these
+    limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_STAGE_STEPS = stages, min_blocks, stage_steps
+    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks, FAST_SKIP_EMPTY_M=skip_empty_m,
+                   FAST_STAGE_STEPS=stage_steps)
 
 
-def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "") -> list[dict]:
+def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "",
+               modes: tuple[str, ...] = ops.FAST_ACTIVATIONS) -> list[dict]:
     P = T * k
     buf, table = device_experts(E, H, I, seed=1)
     ids, w = random_routing(cp, T, E, k, seed=2)
@@ -130,20 +138,26 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
     y_ref = ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True)
     act, y = cp.empty_like(act_ref), cp.empty_like(y_ref)
     flops = {"gate_up": 2.0 * P * H * 2 * I, "down": 2.0 * P * I * H}
-    flops["block"] = flops["block-device"] = flops["products"] = flops["gate_up"] + flops["down"]
+    routed = int(cp.unique(ids).size)       # experts with rows: each of their matrices read at least once
+    weight_bytes = {"gate_up": routed * 2 * I * H, "down": routed * H * I}
+    for table_ in (flops, weight_bytes):
+        table_["gate_up-kernel"], table_["down-kernel"] = table_["gate_up"], table_["down"]
+        table_["block"] = table_["block-device"] = table_["products"] = table_["gate_up"] + table_["down"]
     rows = []
 
-    def add(variant, stage, us, agreement=None, product=True):
+    def add(variant, stage, us, agreement=None, product=True, routed_weights=True):
         tflops = flops[stage] / (us * 1e-6) / 1e12 if product else None
+        gbs = weight_bytes[stage] / (us * 1e-6) / 1e9 if product and routed_weights else None
         rows.append({"case": name, "H": H, "I": I, "E": E, "k": k, "T": T, "variant": variant, "stage": stage,
-                     "us": us, "tflops": tflops, "rel_vs_tc": agreement})
-        log(f"  {variant:18s} {stage:8s} {us:10.1f} us" + (f" {tflops:7.1f} TFLOP/s" if product else "")
+                     "us": us, "tflops": tflops, "weight_gbs": gbs, "rel_vs_tc": agreement})
+        log(f"  {variant:18s} {stage:14s} {us:10.1f} us"
+            + (f" {tflops:7.1f} TFLOP/s" if product else "") + ("" if gbs is None else f" {gbs:7.0f} GB/s")
             + ("" if agreement is None else f"  rel vs tc {agreement:.2e}"))
 
     if not fast_only:
         add("tc", "gate_up", timed(cp, lambda: ops.moe_gemm_gate_up(x, table, d, k, tensor_cores=True, out=act)))
         add("tc", "down", timed(cp, lambda: ops.moe_gemm_down(act_ref, table, d, w, tensor_cores=True, out=y)))
-    for mode in ops.FAST_ACTIVATIONS:
+    for mode in modes:
         def gate_up():
             ops.moe_gemm_gate_up_fast(x, table, d, k, activations=mode, hi=st.x_hi, lo=st.x_lo, out=act)
 
@@ -153,6 +167,10 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
         timer = timed_plain if mode == "int8" else timed     # int8 rounds its inputs into fresh arrays: no capture
         add(f"fast-{mode}{fast_only}", "gate_up", timer(cp, gate_up), rel(act, act_ref))
         add(f"fast-{mode}{fast_only}", "down", timer(cp, down), rel(y, y_ref))
+        for stage, fn in (("gate_up", gate_up), ("down", down)):    # the product kernel alone, from CUPTI
+            device = device_us(cp, fn)
+            if device is not None:
+                add(f"fast-{mode}{fast_only}", f"{stage}-kernel", device[1])
     if fast_only:
         return rows
     y_block = ops.moe_experts(x, ids, w, table, gemm=True, tensor_cores=True)
@@ -175,14 +193,15 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
         wd = cp.random.RandomState(5).randint(-127, 128, (n, kk)).astype(cp.float32).view(cp.uint32)
         wd = (wd >> 16).astype(cp.uint16)          # int8 values, exact in bf16 (their float32 high halves)
         out = cp.empty((P, n), cp.float32)
-        add("cublas-dense-split", stage, timed_plain(cp, lambda: be.gemm_bf16_split(rows_in, wd, out)))
+        add("cublas-dense-split", stage, timed_plain(cp, lambda: be.gemm_bf16_split(rows_in, wd, out)),
+            routed_weights=False)
         w8 = cp.random.RandomState(6).randint(-127, 128, (n, kk)).astype(cp.int8)
         a8 = cp.random.RandomState(7).randint(-127, 128, (P, kk)).astype(cp.int8)
         out8 = cp.empty((P, n), cp.int32)
         ops.gemm_int8(a8[:4], w8, out8[:4])
         exact = bool((out8[:4] == a8[:4].astype(cp.int32) @ w8.astype(cp.int32).T).all())
         add("cublas-dense-int8" + ("" if exact else " (WRONG)"), stage,
-            timed_plain(cp, lambda: ops.gemm_int8(a8, w8, out8)))
+            timed_plain(cp, lambda: ops.gemm_int8(a8, w8, out8)), routed_weights=False)
         del wd, out, w8, a8, out8
     del buf
     return rows
@@ -191,14 +210,17 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
 def markdown(meta: dict, rows: list[dict]) -> str:
     out = [f"# Prefill grouped expert GEMM, {meta['device']} ({meta['date']})", "",
            f"`{meta['command']}`; target {TARGET_TFLOPS:.0f} TFLOP/s at Mixtral 512 rows.", "",
-           "| case | variant | stage | µs | TFLOP/s | vs tc | rel vs tc |", "|---|---|---|---|---|---|---|"]
+           "GB/s: the routed experts' weight bytes (each matrix once) over the time.", "",
+           "| case | variant | stage | µs | TFLOP/s | GB/s | vs tc | rel vs tc |", "|---|---|---|---|---|---|---|---|"]
     tc = {(r["case"], r["stage"]): r["us"] for r in rows if r["variant"] == "tc"}
     for r in rows:
         tf = "" if r["tflops"] is None else f"{r['tflops']:.1f}"
+        gbs = "" if r.get("weight_gbs") is None else f"{r['weight_gbs']:.0f}"
         base = tc.get((r["case"], r["stage"]))
         speed = "" if r["tflops"] is None or base is None else f"{base / r['us']:.2f}x"
         agree = "" if r["rel_vs_tc"] is None else f"{r['rel_vs_tc']:.1e}"
-        out.append(f"| {r['case']} | {r['variant']} | {r['stage']} | {r['us']:.1f} | {tf} | {speed} | {agree} |")
+        out.append(f"| {r['case']} | {r['variant']} | {r['stage']} | {r['us']:.1f} | {tf} | {gbs} | {speed} | "
+                   f"{agree} |")
     return "\n".join(out) + "\n"
 
 
@@ -208,6 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
     ap.add_argument("--sweep", nargs="*", choices=list(CASES), default=None,
                     help="also other FAST_STAGES / FAST_MIN_BLOCKS on these cases (none named: mixtral-512)")
+    ap.add_argument("--sweep-modes", nargs="+", choices=list(ops.FAST_ACTIVATIONS), default=["int8"],
+                    help="the pipelined kernel's activations the sweep times (default int8: the W8A8 kernels 'auto' "
+                         "runs from limits.W8A8_MIN_EXPERT_MACS, i.e. every pass but the smallest)")
     args = ap.parse_args(argv)
     import cupy as cp
 
@@ -221,8 +246,9 @@ def main(argv=None) -> int:
             "device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
             "cupy": cp.__version__, "command": "PYTHONPATH=. python3 benchmarks/prefill_gemm.py --out $OUT"
             + ("" if args.cases == list(DEFAULT_CASES) else " --cases " + " ".join(args.cases))
-            + ("" if args.sweep is None else " --sweep " + " ".join(args.sweep)), "fast_stages": limits.FAST_STAGES,
-            "fast_min_blocks": limits.FAST_MIN_BLOCKS}
+            + ("" if args.sweep is None else " --sweep " + " ".join(args.sweep)
+               + " --sweep-modes " + " ".join(args.sweep_modes)), "fast_stages": limits.FAST_STAGES,
+            "fast_min_blocks": limits.FAST_MIN_BLOCKS, "fast_stage_steps": limits.FAST_STAGE_STEPS}
     log(f"modules compiled in {time.time() - t0:.1f} s")
     rows = []
     for name in args.cases:
@@ -230,11 +256,13 @@ def main(argv=None) -> int:
         rows += bench_case(cp, be, name, *CASES[name])
         cp.get_default_memory_pool().free_all_blocks()
     sweep_cases = [] if args.sweep is None else args.sweep or ["mixtral-512"]
-    for stages, min_blocks, skip in SWEEP if sweep_cases else ():
-        rebuild_fast_kernel(stages, min_blocks, skip)
+    for stages, min_blocks, skip, steps in SWEEP if sweep_cases else ():
+        rebuild_fast_kernel(stages, min_blocks, skip, steps)
         for name in sweep_cases:
-            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}, FAST_SKIP_EMPTY_M {skip}")
-            rows += bench_case(cp, be, name, *CASES[name], fast_only=f" s{stages} b{min_blocks}" + " skip" * skip)
+            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}, FAST_SKIP_EMPTY_M {skip}, "
+                f"FAST_STAGE_STEPS {steps}")
+            label = f" s{stages} b{min_blocks}" + " skip" * skip + f" k{steps}" * (steps > 1)
+            rows += bench_case(cp, be, name, *CASES[name], fast_only=label, modes=tuple(args.sweep_modes))
             cp.get_default_memory_pool().free_all_blocks()
     meta["seconds"] = time.time() - t0
     (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -81,6 +81,11 @@ FAST_MIN_BLOCKS = 2
 # and never stored (the same results bit for bit): Qwen3-30B-A3B's 512-token prefill routes ~32 rows to an expert,
 # so about a third of a 64-row tile's MMAs are such. 0 until prefill_gemm.py --sweep has timed it on a GPU.
 FAST_SKIP_EMPTY_M = 0
+# K steps of FAST_BK columns a pipeline stage holds, their copies issued together: with int8 weights one step asks
+# 64 bytes of each weight row at a time. At the 512-token shapes of Qwen3-30B-A3B and OLMoE (~32-64 rows an expert,
+# memory-bound) the s8 kernel read its weights at ~2 TB/s, about half the HBM rate (docs/benchmarks.md, session 13);
+# 2 asks 128-byte runs of a row at once. 1 until prefill_gemm.py --sweep has timed it on a GPU.
+FAST_STAGE_STEPS = 1
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
 # matrix, reaches this: each routed expert costs a widening and ~6 launches from the host, which only large products
@@ -283,7 +288,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS,
-                      "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M},
+                      "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M, "FAST_STAGE_STEPS": FAST_STAGE_STEPS},
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
@@ -343,8 +348,9 @@ FAST_ACTIVATION_BYTES = {"bf16": 2, "split": 4, "int8": 1}   # moe_gemm_fast.cu:
 
 def fast_gemm_shared_bytes(activations: str) -> int:
     """Dynamic shared memory of a moe_gemm_fast.cu launch: its stages of activation (bf16 hi; hi and lo when
-    'split'; int8) and int8 weight tiles."""
-    return FAST_STAGES * (FAST_ACTIVATION_BYTES[activations] * FAST_BM * FAST_BK + FAST_BN * FAST_BK)
+    'split'; int8) and int8 weight tiles, FAST_STAGE_STEPS of each a stage."""
+    step = FAST_ACTIVATION_BYTES[activations] * FAST_BM * FAST_BK + FAST_BN * FAST_BK
+    return FAST_STAGES * FAST_STAGE_STEPS * step
 
 
 def scale_groups(hidden: int, inter: int, group: int) -> tuple[int, int, str] | None:

@@ -113,10 +113,10 @@ def host_source() -> str:
     return src.replace(DYNAMIC_SHARED, "unsigned char* fast_smem = emu_block->shared.data();") + DRIVER
 
 
-def _defines(stages: int, skip_empty_m: int) -> list[str]:
-    changed = ("-DFAST_STAGES=", "-DFAST_SKIP_EMPTY_M=")
+def _defines(stages: int, skip_empty_m: int, stage_steps: int) -> list[str]:
+    changed = ("-DFAST_STAGES=", "-DFAST_SKIP_EMPTY_M=", "-DFAST_STAGE_STEPS=")
     return [o for o in limits.define_options("moe_gemm_fast") if not o.startswith(changed)] + [
-        f"-DFAST_STAGES={stages}", f"-DFAST_SKIP_EMPTY_M={skip_empty_m}"]
+        f"-DFAST_STAGES={stages}", f"-DFAST_SKIP_EMPTY_M={skip_empty_m}", f"-DFAST_STAGE_STEPS={stage_steps}"]
 
 
 def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
@@ -130,11 +130,11 @@ def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def build(tmp_path: Path, stages: int = limits.FAST_STAGES,
-          skip_empty_m: int = limits.FAST_SKIP_EMPTY_M) -> ctypes.CDLL:
-    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages` and
-    FAST_SKIP_EMPTY_M."""
-    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages, skip_empty_m))
+def build(tmp_path: Path, stages: int = limits.FAST_STAGES, skip_empty_m: int = limits.FAST_SKIP_EMPTY_M,
+          stage_steps: int = limits.FAST_STAGE_STEPS) -> ctypes.CDLL:
+    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`, FAST_SKIP_EMPTY_M
+    and the K steps a stage holds (FAST_STAGE_STEPS)."""
+    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages, skip_empty_m, stage_steps))
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:
@@ -175,12 +175,14 @@ class GridStrideEmulator(LibraryEmulator):
 class Emulator(LibraryEmulator):
     """The kernels of a built library, launched over host arrays (kept alive by the caller)."""
 
-    def __init__(self, lib: ctypes.CDLL, stages: int = limits.FAST_STAGES) -> None:
+    def __init__(self, lib: ctypes.CDLL, stages: int = limits.FAST_STAGES,
+                 stage_steps: int = limits.FAST_STAGE_STEPS) -> None:
         super().__init__(lib)
-        self.stages = stages
+        self.stages, self.stage_steps = stages, stage_steps
 
     def shared_bytes(self, activations: str) -> int:
-        return limits.fast_gemm_shared_bytes(activations) // limits.FAST_STAGES * self.stages
+        one_step = limits.fast_gemm_shared_bytes(activations) // (limits.FAST_STAGES * limits.FAST_STAGE_STEPS)
+        return one_step * self.stages * self.stage_steps
 
     def _sources(self, *arrays: np.ndarray) -> None:
         self.lib.emu_clear_sources()

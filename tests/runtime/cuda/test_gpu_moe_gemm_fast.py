@@ -98,11 +98,16 @@ def test_gate_up_and_down_match_float64(cp, rng, name, activations):
     assert rel(ypair.get(), expect.pair_down(act_in, ids, f64(w), experts)) < TOL[activations]
 
 
+@pytest.mark.parametrize("define", ["FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS"])
 @pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
-def test_skipping_empty_row_tiles_changes_no_bit(cp, rng, monkeypatch, activations):
-    """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out:
-    benchmarks/prefill_gemm.py --sweep times it) write the same bits; the module is rebuilt for this test only."""
+def test_the_sweeps_build_options_change_no_bit(cp, rng, monkeypatch, activations, define):
+    """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out)
+    or FAST_STAGE_STEPS (1 <-> 2 K steps a pipeline stage), which benchmarks/prefill_gemm.py --sweep times, write the
+    same bits; the module is rebuilt for this test only."""
     from colibri_format.runtime.cuda import limits
+
+    other = {"FAST_SKIP_EMPTY_M": 1 - limits.FAST_SKIP_EMPTY_M,
+             "FAST_STAGE_STEPS": 2 if limits.FAST_STAGE_STEPS == 1 else 1}[define]
 
     buf, table, _, x, ids, w = _case(cp, rng, "ragged")
     (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size
@@ -116,15 +121,16 @@ def test_skipping_empty_row_tiles_changes_no_bit(cp, rng, monkeypatch, activatio
         return act.get(), y.get()
 
     default = products()
-    defines = dict(limits.KERNEL_DEFINES["moe_gemm_fast"], FAST_SKIP_EMPTY_M=1 - limits.FAST_SKIP_EMPTY_M)
-    monkeypatch.setitem(limits.KERNEL_DEFINES, "moe_gemm_fast", defines)
+    monkeypatch.setitem(limits.KERNEL_DEFINES, "moe_gemm_fast", {**limits.KERNEL_DEFINES["moe_gemm_fast"],
+                                                                 define: other})
+    monkeypatch.setattr(limits, define, other)    # fast_gemm_shared_bytes reads FAST_STAGE_STEPS
     ops.forget_module("moe_gemm_fast")
     try:
-        other = products()
+        rebuilt = products()
     finally:
         monkeypatch.undo()
         ops.forget_module("moe_gemm_fast")
-    for a, b in zip(default, other):
+    for a, b in zip(default, rebuilt):
         np.testing.assert_array_equal(a, b)
 
 

@@ -203,7 +203,7 @@ def test_fast_gemm_stages_fit_the_blocks_asked_for(activations, a_bytes):
     """moe_gemm_fast.cu's stages fit a block, and FAST_MIN_BLOCKS blocks (the register bound it compiles for) fit
     a multiprocessor; its tiles are the dispatch's rows."""
     nbytes = L.fast_gemm_shared_bytes(activations)
-    assert nbytes == L.FAST_STAGES * (a_bytes * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
+    assert nbytes == L.FAST_STAGES * L.FAST_STAGE_STEPS * (a_bytes * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
     static = 4 * (2 * L.FAST_BM + L.FAST_BN)        # s_row, s_rs, s_wrow
     assert nbytes + static <= HOPPER_BLOCK_SHARED
     assert L.FAST_MIN_BLOCKS * (nbytes + static + 1024) <= HOPPER_SM_SHARED

@@ -12,8 +12,9 @@
 //
 // Block: FAST_THREADS = 8 warps side by side along the weight rows; the block tile is FAST_BM rows x FAST_BN weight
 // rows (down: FAST_BN outputs; gate_up: FAST_BN / 2 outputs, their gate rows then their up rows), each warp owning
-// all FAST_BM rows x 32 weight rows (4 x 4 mma.sync m16n8k16 tiles). K advances FAST_BK columns a step through a
-// FAST_STAGES-deep ring of shared-memory stages filled by cp.async, so global loads overlap the MMAs.
+// all FAST_BM rows x 32 weight rows (4 x 4 mma.sync m16n8k16 tiles). K advances FAST_BK columns a step,
+// FAST_STAGE_STEPS steps a stage, through a FAST_STAGES-deep ring of shared-memory stages filled by cp.async, so
+// global loads overlap the MMAs.
 //
 // The int8 weights stay bytes in shared memory and become bf16 (exact) only in registers, as B fragments. To make
 // that cheap, the k order inside each 32-column slice is permuted, identically for A and B (a dot product does not
@@ -44,10 +45,14 @@
 #ifndef FAST_SKIP_EMPTY_M
 #error "FAST_SKIP_EMPTY_M undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef FAST_STAGE_STEPS
+#error "FAST_STAGE_STEPS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(FAST_THREADS == 256 && FAST_BM == 64 && FAST_BN == 256,
               "8 warps along the weight rows, each owning 64 rows x 32 weight rows (4 x 4 m16n8 tiles)");
 static_assert(FAST_BK == 64, "the shared-memory swizzles assume 8 bf16 chunks (A) and 4 int8 chunks (B) a row");
 static_assert(FAST_STAGES >= 2, "a pipeline needs at least two stages");
+static_assert(FAST_STAGE_STEPS >= 1, "a stage holds at least one K step");
 static_assert((FAST_BM * FAST_BK / 8) % FAST_THREADS == 0 && (FAST_BN * FAST_BK / 16) % FAST_THREADS == 0,
               "every thread issues the same number of 16-byte copies a stage");
 
@@ -58,6 +63,7 @@ static_assert((FAST_BM * FAST_BK / 8) % FAST_THREADS == 0 && (FAST_BN * FAST_BK 
 #define FAST_A_CHUNKS (FAST_BK / 8)             // 16-byte chunks of a bf16 A row in a stage: 8
 #define FAST_B_CHUNKS (FAST_BK / 16)            // 16-byte chunks of an int8 B row in a stage: 4
 #define FAST_A_BYTES (FAST_BM * FAST_BK * 2)
+#define FAST_STAGE_COLS (FAST_BK * FAST_STAGE_STEPS)   // K columns a pipeline stage holds
 #define FAST_B_BYTES (FAST_BN * FAST_BK)
 static_assert((FAST_BM * FAST_B_CHUNKS) % FAST_THREADS == 0, "int8 activations: whole 16-byte copies a thread");
 
@@ -151,6 +157,19 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
         const bool ok = wr >= 0 && col < ncols;
         copy16_async(bstage + (j * FAST_B_CHUNKS + b_slot(j, c)) * 16, w + (ok ? (size_t)wr * ncols + col : 0), ok);
     }
+}
+
+// The FAST_STAGE_STEPS K steps of one pipeline stage, side by side in its shared memory, their copies issued
+// together: each weight row's FAST_STAGE_COLS bytes of the stage are asked of memory at once (64 bytes a row when a
+// stage holds one step; whether longer runs of a row read DRAM faster is what benchmarks/prefill_gemm.py --sweep
+// times).
+template <int IN>
+__device__ __forceinline__ void load_stage_steps(unsigned char* stage, const void* __restrict__ in_hi,
+                                                 const u16* __restrict__ in_lo, const signed char* __restrict__ w,
+                                                 const int* s_row, const int* s_wrow, int ncols, int k0) {
+#pragma unroll
+    for (int u = 0; u < FAST_STAGE_STEPS; ++u)
+        load_stage<IN>(stage + u * FastStage<IN>::BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols, k0 + u * FAST_BK);
 }
 
 // ---- fragments and MMAs -----------------------------------------------------------------------------------------
@@ -367,25 +386,31 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[mi][nt][r] = 0;
 
-    constexpr int STAGE_BYTES = FastStage<IN>::BYTES;
-    const int steps = (ncols + FAST_BK - 1) / FAST_BK;
-    // prologue: the first FAST_STAGES - 1 steps in flight; one commit group per step (empty past the end), so
-    // that "all but FAST_STAGES - 2 groups done" always means "step kt has landed"
+    constexpr int STAGE_BYTES = FastStage<IN>::BYTES * FAST_STAGE_STEPS;
+    const int steps = (ncols + FAST_STAGE_COLS - 1) / FAST_STAGE_COLS;
+    // prologue: the first FAST_STAGES - 1 stages in flight; one commit group per stage (empty past the end), so
+    // that "all but FAST_STAGES - 2 groups done" always means "stage kt has landed"
 #pragma unroll
     for (int s = 0; s < FAST_STAGES - 1; ++s) {
-        if (s < steps) load_stage<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols, s * FAST_BK);
+        if (s < steps)
+            load_stage_steps<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
+                                 s * FAST_STAGE_COLS);
         commit_copies();
     }
     for (int kt = 0; kt < steps; ++kt) {
         wait_copies<FAST_STAGES - 2>();
-        // step kt visible to every warp, and every warp done with step kt - 1, whose stage is refilled next
+        // stage kt visible to every warp, and every warp done with stage kt - 1, which is refilled next
         __syncthreads();
         const int next = kt + FAST_STAGES - 1;
         if (next < steps)
-            load_stage<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
-                           next * FAST_BK);
+            load_stage_steps<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow,
+                                 ncols, next * FAST_STAGE_COLS);
         commit_copies();
-        mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES, acc, warp, lane, cnt);
+        // one step's fragments at a time (unrolled, two steps spilled under the 128-register bound)
+#pragma unroll 1
+        for (int u = 0; u < FAST_STAGE_STEPS; ++u)
+            mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES + u * FastStage<IN>::BYTES, acc, warp,
+                                 lane, cnt);
     }
     wait_copies<0>();   // only empty groups remain; leave none outstanding at exit
 
