@@ -110,7 +110,7 @@ for step in $STEPS; do
       rc=$?; summary+=("prefill_host rc=$rc ($((SECONDS - t0)) s)") ;;
     sweep)
       if [ -n "${DRY:-}" ]; then summary+=("sweep skipped: it times CUDA kernels"); continue; fi
-      timeout "$T_SWEEP" python3 benchmarks/prefill_gemm.py --out "$OUT/sweep" --cases qwen3-30b-a3b-512 \
+      timeout "$T_SWEEP" python3 benchmarks/prefill_gemm.py --out "$OUT/sweep" --cases \
           --sweep qwen3-30b-a3b-512 olmoe-512 > "$OUT/sweep.log" 2>&1
       rc=$?; summary+=("sweep rc=$rc ($((SECONDS - t0)) s)") ;;
     dense_tc)
