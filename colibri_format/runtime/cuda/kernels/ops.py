@@ -542,6 +542,13 @@ def _check_moe_inputs(x_or_act, table: ExpertTable, disp: Dispatch, cols: int, r
     _check("input", x_or_act, dtype=np.float32, shape=(rows, cols))
 
 
+def _check_pair_weights(weights, pairs: int) -> None:
+    """The routing weights of a down launch: float32, one a pair."""
+    _check("weights", weights, dtype=np.float32)
+    if weights.size != pairs:
+        raise ValueError(f"weights has {weights.size} entries, expected {pairs}")
+
+
 def _check_table_dispatch(table: ExpertTable, disp: Dispatch) -> None:
     table.check()
     if disp.num_experts != table.num_experts:
@@ -600,9 +607,7 @@ def moe_down(act, table: ExpertTable, disp: Dispatch, weights, *, tokens_per_pas
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
     _check_moe_inputs(act, table, disp, I, P)
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    _check_pair_weights(weights, P)
     k = weights.shape[-1] if weights.ndim == 2 else 1
     _, gi, kind = table.groups()
     tokc = tokens_per_pass_ or tokens_per_pass(P // k, k, table.num_experts)
@@ -712,9 +717,7 @@ def moe_gemm_down(act, table: ExpertTable, disp: Dispatch, weights, *, tensor_co
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
     _check_moe_inputs(act, table, disp, I, P)
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    _check_pair_weights(weights, P)
     if disp.tile_m != GEMM_BM:
         raise ValueError(f"dispatch tile_m must be {GEMM_BM} for the grouped GEMM")
     _, gi, kind = table.groups()
@@ -798,9 +801,7 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
     H, I = table.hidden_size, table.intermediate_size
     P = disp.num_pairs
     _check_moe_inputs(act, table, disp, I, P)
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    _check_pair_weights(weights, P)
     _check_fast(activations, table, disp)
     y = _out("out", out, (P, H), cp.float32)
     a_hi, a_lo = quantize_rows_int8(act) if activations == "int8" else split_bf16(act, hi=hi, lo=lo)
@@ -1925,9 +1926,7 @@ def _down4_passes(table: PackedExpertTable, disp: Dispatch, weights, tokens_per_
     """Tokens per pass of a 4-bit down launch (table, dispatch and the routing weights, one a pair, checked)."""
     _check_table_dispatch(table, disp)
     P = disp.num_pairs
-    _check("weights", weights, dtype=np.float32)
-    if weights.size != P:
-        raise ValueError(f"weights has {weights.size} entries, expected {P}")
+    _check_pair_weights(weights, P)
     k = weights.shape[-1] if weights.ndim == 2 else 1
     return _tokens4(tokens_per_pass_, P // k, k, table.num_experts)
 
