@@ -81,10 +81,11 @@ FAST_MIN_BLOCKS = 2
 # and never stored (the same results bit for bit): Qwen3-30B-A3B's 512-token prefill routes ~32 rows to an expert,
 # so about a third of a 64-row tile's MMAs are such. 0 until prefill_gemm.py --sweep has timed it on a GPU.
 FAST_SKIP_EMPTY_M = 0
-# K steps of FAST_BK columns a pipeline stage holds, their copies issued together: with int8 weights one step asks
-# 64 bytes of each weight row at a time. At the 512-token shapes of Qwen3-30B-A3B and OLMoE (~32-64 rows an expert,
-# memory-bound) the s8 kernel read its weights at ~2 TB/s, about half the HBM rate (docs/benchmarks.md, session 13);
-# 2 asks 128-byte runs of a row at once. 1 until prefill_gemm.py --sweep has timed it on a GPU.
+# K steps of FAST_BK columns a pipeline stage holds, a row's bytes of all of them copied by consecutive lanes: with
+# int8 weights one step asks 64 bytes of each weight row (a warp's copy instruction: 8 rows x 64 bytes). At the
+# 512-token shapes of Qwen3-30B-A3B and OLMoE (~32-64 rows an expert, memory-bound) the s8 kernel read its weights at
+# ~2 TB/s, about half the HBM rate (docs/benchmarks.md, session 13); 2 asks whole 128-byte lines (4 rows x 128 bytes
+# an instruction, half the requests). 1 until prefill_gemm.py --sweep has timed it on a GPU.
 FAST_STAGE_STEPS = 1
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a

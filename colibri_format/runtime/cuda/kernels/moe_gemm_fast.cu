@@ -53,19 +53,16 @@ static_assert(FAST_THREADS == 256 && FAST_BM == 64 && FAST_BN == 256,
 static_assert(FAST_BK == 64, "the shared-memory swizzles assume 8 bf16 chunks (A) and 4 int8 chunks (B) a row");
 static_assert(FAST_STAGES >= 2, "a pipeline needs at least two stages");
 static_assert(FAST_STAGE_STEPS >= 1, "a stage holds at least one K step");
-static_assert((FAST_BM * FAST_BK / 8) % FAST_THREADS == 0 && (FAST_BN * FAST_BK / 16) % FAST_THREADS == 0,
-              "every thread issues the same number of 16-byte copies a stage");
 
 #define FAST_WARPS (FAST_THREADS / 32)
 #define FAST_WARP_N (FAST_BN / FAST_WARPS)      // weight rows a warp owns: 32
 #define FAST_MT (FAST_BM / 16)                  // m16 tiles a warp covers: 4
 #define FAST_NT (FAST_WARP_N / 8)               // n8 tiles a warp covers: 4
-#define FAST_A_CHUNKS (FAST_BK / 8)             // 16-byte chunks of a bf16 A row in a stage: 8
-#define FAST_B_CHUNKS (FAST_BK / 16)            // 16-byte chunks of an int8 B row in a stage: 4
+#define FAST_A_CHUNKS (FAST_BK / 8)             // 16-byte chunks of a bf16 A row in a step: 8
+#define FAST_B_CHUNKS (FAST_BK / 16)            // 16-byte chunks of an int8 B row in a step: 4
 #define FAST_A_BYTES (FAST_BM * FAST_BK * 2)
 #define FAST_STAGE_COLS (FAST_BK * FAST_STAGE_STEPS)   // K columns a pipeline stage holds
 #define FAST_B_BYTES (FAST_BN * FAST_BK)
-static_assert((FAST_BM * FAST_B_CHUNKS) % FAST_THREADS == 0, "int8 activations: whole 16-byte copies a thread");
 
 // What a kernel's activations are: bf16 (hi), bf16 hi + lo, or int8 with a scale a row
 enum FastInput { FAST_IN_BF16, FAST_IN_SPLIT, FAST_IN_INT8 };
@@ -115,61 +112,63 @@ struct FastAcc<FAST_IN_INT8> {
     typedef int T;
 };
 
-// One K step of the block tile into a stage: FAST_BM gathered activation rows (rows < 0: zeros) and FAST_BN weight
-// rows (rows < 0: zeros), columns k0 .. k0 + FAST_BK (zeros past ncols, which is a multiple of 16). int8 activation
-// rows are laid out as the weight rows are (4 chunks, b_slot).
+// One pipeline stage of the block tile: FAST_STAGE_STEPS K steps of FAST_BK columns from k0 (zeros past ncols, which
+// is a multiple of 16), each step in its own FastStage<IN>::BYTES of the stage: FAST_BM gathered activation rows
+// (rows < 0: zeros), then FAST_BN weight rows (rows < 0: zeros). int8 activation rows are laid out as the weight rows
+// are (4 chunks, b_slot). A copy's 16-byte chunk runs fastest, then its step: consecutive lanes copy a row's
+// consecutive bytes, FAST_STAGE_COLS of them (64 for an int8 row of one step; whether longer runs of a row read HBM
+// faster is what benchmarks/prefill_gemm.py --sweep times with 2 steps a stage).
+template <int CHUNKS, int ROWS>
+struct StageCopy {          // copy i of a stage's rows of CHUNKS chunks a step: (row, step, chunk)
+    static constexpr int PER_THREAD = ROWS * CHUNKS * FAST_STAGE_STEPS / FAST_THREADS;
+    static_assert(ROWS * CHUNKS * FAST_STAGE_STEPS % FAST_THREADS == 0, "whole 16-byte copies a thread");
+    int row, step, chunk;
+    __device__ __forceinline__ explicit StageCopy(int i)
+        : row(i / (CHUNKS * FAST_STAGE_STEPS)), step(i / CHUNKS % FAST_STAGE_STEPS), chunk(i % CHUNKS) {}
+};
+
 template <int IN>
 __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __restrict__ in_hi,
                                            const u16* __restrict__ in_lo, const signed char* __restrict__ w,
                                            const int* s_row, const int* s_wrow, int ncols, int k0) {
+    constexpr int STEP_BYTES = FastStage<IN>::BYTES;
     const int tid = threadIdx.x;
     if (IN == FAST_IN_INT8) {
         const signed char* in = static_cast<const signed char*>(in_hi);
-#pragma unroll
-        for (int it = 0; it < FAST_BM * FAST_B_CHUNKS / FAST_THREADS; ++it) {
-            const int i = tid + it * FAST_THREADS;
-            const int r = i / FAST_B_CHUNKS, c = i % FAST_B_CHUNKS;
-            const int src = s_row[r], col = k0 + c * 16;
+        typedef StageCopy<FAST_B_CHUNKS, FAST_BM> Copy;
+#pragma unroll 4
+        for (int it = 0; it < Copy::PER_THREAD; ++it) {
+            const Copy cp(tid + it * FAST_THREADS);
+            const int src = s_row[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
             const bool ok = src >= 0 && col < ncols;
-            copy16_async(stage + (r * FAST_B_CHUNKS + b_slot(r, c)) * 16, in + (ok ? (size_t)src * ncols + col : 0),
-                         ok);
+            copy16_async(stage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
+                         in + (ok ? (size_t)src * ncols + col : 0), ok);
         }
     } else {
         const u16* hi = static_cast<const u16*>(in_hi);
-#pragma unroll
-        for (int it = 0; it < FAST_BM * FAST_A_CHUNKS / FAST_THREADS; ++it) {
-            const int i = tid + it * FAST_THREADS;
-            const int r = i / FAST_A_CHUNKS, c = i % FAST_A_CHUNKS;
-            const int src = s_row[r], col = k0 + c * 8;
+        typedef StageCopy<FAST_A_CHUNKS, FAST_BM> Copy;
+#pragma unroll 4
+        for (int it = 0; it < Copy::PER_THREAD; ++it) {
+            const Copy cp(tid + it * FAST_THREADS);
+            const int src = s_row[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 8;
             const bool ok = src >= 0 && col < ncols;
             const size_t off = ok ? (size_t)src * ncols + col : 0;
-            unsigned char* dst = stage + (r * FAST_A_CHUNKS + a_slot(r, c)) * 16;
+            unsigned char* dst =
+                stage + cp.step * STEP_BYTES + (cp.row * FAST_A_CHUNKS + a_slot(cp.row, cp.chunk)) * 16;
             copy16_async(dst, hi + off, ok);
             if (IN == FAST_IN_SPLIT) copy16_async(dst + FAST_A_BYTES, in_lo + off, ok);
         }
     }
     unsigned char* bstage = stage + FastStage<IN>::A_PARTS * FastStage<IN>::A_BYTES;
-#pragma unroll
-    for (int it = 0; it < FAST_BN * FAST_B_CHUNKS / FAST_THREADS; ++it) {
-        const int i = tid + it * FAST_THREADS;
-        const int j = i / FAST_B_CHUNKS, c = i % FAST_B_CHUNKS;
-        const int wr = s_wrow[j], col = k0 + c * 16;
+    typedef StageCopy<FAST_B_CHUNKS, FAST_BN> Copy;
+#pragma unroll 4   // more in flight at once spilled registers (2 steps a stage, 2 blocks a multiprocessor)
+    for (int it = 0; it < Copy::PER_THREAD; ++it) {
+        const Copy cp(tid + it * FAST_THREADS);
+        const int wr = s_wrow[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
         const bool ok = wr >= 0 && col < ncols;
-        copy16_async(bstage + (j * FAST_B_CHUNKS + b_slot(j, c)) * 16, w + (ok ? (size_t)wr * ncols + col : 0), ok);
+        copy16_async(bstage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
+                     w + (ok ? (size_t)wr * ncols + col : 0), ok);
     }
-}
-
-// The FAST_STAGE_STEPS K steps of one pipeline stage, side by side in its shared memory, their copies issued
-// together: each weight row's FAST_STAGE_COLS bytes of the stage are asked of memory at once (64 bytes a row when a
-// stage holds one step; whether longer runs of a row read DRAM faster is what benchmarks/prefill_gemm.py --sweep
-// times).
-template <int IN>
-__device__ __forceinline__ void load_stage_steps(unsigned char* stage, const void* __restrict__ in_hi,
-                                                 const u16* __restrict__ in_lo, const signed char* __restrict__ w,
-                                                 const int* s_row, const int* s_wrow, int ncols, int k0) {
-#pragma unroll
-    for (int u = 0; u < FAST_STAGE_STEPS; ++u)
-        load_stage<IN>(stage + u * FastStage<IN>::BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols, k0 + u * FAST_BK);
 }
 
 // ---- fragments and MMAs -----------------------------------------------------------------------------------------
@@ -393,7 +392,7 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
 #pragma unroll
     for (int s = 0; s < FAST_STAGES - 1; ++s) {
         if (s < steps)
-            load_stage_steps<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
+            load_stage<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
                                  s * FAST_STAGE_COLS);
         commit_copies();
     }
@@ -403,7 +402,7 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
         __syncthreads();
         const int next = kt + FAST_STAGES - 1;
         if (next < steps)
-            load_stage_steps<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow,
+            load_stage<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow,
                                  ncols, next * FAST_STAGE_COLS);
         commit_copies();
         // one step's fragments at a time (unrolled, two steps spilled under the 128-register bound)
