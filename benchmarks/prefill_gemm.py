@@ -28,9 +28,9 @@ Qwen3's and OLMoE's ~32-64 rows an expert make the products memory-bound, and th
 is what says how far they are from their floor.
 --sweep [CASE ...]: afterwards, the pipelined kernels alone on those cases (none named: mixtral-512; the small
 experts of qwen3-30b-a3b-512, 32 rows an expert and 12 K steps in down, are where the pipeline's fill and drain
-weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS) than limits.py's
-(rows marked "s<stages> b<blocks>[ skip][ k<steps>]" in `variant`; limits.py's own first, rebuilt like the others),
-to pick those constants. `--cases` with no name leaves the whole-case rows out (the sweep alone).
+weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS,
+FAST_L2_PREFETCH) than limits.py's (rows marked "s<stages> b<blocks>[ skip][ k<steps>][ L2:<bytes>]" in `variant`;
+limits.py's own first, rebuilt like the others), to pick those constants. `--cases` with no name leaves the whole-case rows out (the sweep alone).
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
 
@@ -62,9 +62,9 @@ CASES = {  # name: (H, I, E, k, T)
 DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
-# (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS) after limits.py's own
-SWEEP = ((2, 2, 0, 1), (4, 2, 0, 1), (3, 1, 0, 1), (3, 2, 1, 1), (4, 2, 1, 1), (2, 2, 0, 2), (3, 2, 0, 2),
-         (3, 2, 1, 2), (4, 1, 0, 2))
+# (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS, FAST_L2_PREFETCH) after limits.py's own
+SWEEP = ((2, 2, 0, 1, 0), (4, 2, 0, 1, 0), (3, 1, 0, 1, 0), (3, 2, 1, 1, 0), (4, 2, 1, 1, 0), (2, 2, 0, 2, 0),
+         (3, 2, 0, 2, 0), (3, 2, 1, 2, 0), (4, 1, 0, 2, 0), (3, 2, 0, 1, 128), (3, 2, 0, 1, 256), (3, 2, 1, 2, 256))
 
 
 def log(*a):
@@ -118,13 +118,13 @@ def device_us(cp, fn) -> tuple[float, float] | None:
     return t["busy_us"], products
 
 
-def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int, stage_steps: int) -> None:
-    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound, empty-row-tile skipping and K steps a
-    stage (this process only)."""
+def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int, stage_steps: int, l2_prefetch: int) -> None:
+    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound, empty-row-tile skipping, K steps a
+    stage and L2 prefetch size (this process only)."""
     # fast_gemm_shared_bytes reads these
     limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_STAGE_STEPS = stages, min_blocks, stage_steps
     rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks, FAST_SKIP_EMPTY_M=skip_empty_m,
-                   FAST_STAGE_STEPS=stage_steps)
+                   FAST_STAGE_STEPS=stage_steps, FAST_L2_PREFETCH=l2_prefetch)
 
 
 def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "",
@@ -257,13 +257,14 @@ def main(argv=None) -> int:
         rows += bench_case(cp, be, name, *CASES[name])
         cp.get_default_memory_pool().free_all_blocks()
     sweep_cases = [] if args.sweep is None else args.sweep or ["mixtral-512"]
-    own = (limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_SKIP_EMPTY_M, limits.FAST_STAGE_STEPS)
-    for stages, min_blocks, skip, steps in (own,) + SWEEP if sweep_cases else ():
-        rebuild_fast_kernel(stages, min_blocks, skip, steps)
+    own = (limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_SKIP_EMPTY_M, limits.FAST_STAGE_STEPS,
+           limits.FAST_L2_PREFETCH)
+    for stages, min_blocks, skip, steps, l2 in (own,) + SWEEP if sweep_cases else ():
+        rebuild_fast_kernel(stages, min_blocks, skip, steps, l2)
         for name in sweep_cases:
             log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}, FAST_SKIP_EMPTY_M {skip}, "
-                f"FAST_STAGE_STEPS {steps}")
-            label = f" s{stages} b{min_blocks}" + " skip" * skip + f" k{steps}" * (steps > 1)
+                f"FAST_STAGE_STEPS {steps}, FAST_L2_PREFETCH {l2}")
+            label = f" s{stages} b{min_blocks}" + " skip" * skip + f" k{steps}" * (steps > 1) + f" L2:{l2}" * (l2 > 0)
             rows += bench_case(cp, be, name, *CASES[name], fast_only=label, modes=tuple(args.sweep_modes))
             cp.get_default_memory_pool().free_all_blocks()
     meta["seconds"] = time.time() - t0

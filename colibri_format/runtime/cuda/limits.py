@@ -87,6 +87,10 @@ FAST_SKIP_EMPTY_M = 0
 # ~2 TB/s, about half the HBM rate (docs/benchmarks.md, session 13); 2 asks whole 128-byte lines (4 rows x 128 bytes
 # an instruction, half the requests). 1 until prefill_gemm.py --sweep has timed it on a GPU.
 FAST_STAGE_STEPS = 1
+# Bytes around each copy's source that moe_gemm_fast.cu's cp.async brings into L2 (0, 128, 256: PTX's L2::128B /
+# L2::256B prefetch sizes), so that a step's 64-byte read of a weight row brings the next step's bytes from DRAM with
+# it. 0 until prefill_gemm.py --sweep has timed it on a GPU.
+FAST_L2_PREFETCH = 0
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
 # matrix, reaches this: each routed expert costs a widening and ~6 launches from the host, which only large products
@@ -289,7 +293,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS,
-                      "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M, "FAST_STAGE_STEPS": FAST_STAGE_STEPS},
+                      "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M, "FAST_STAGE_STEPS": FAST_STAGE_STEPS,
+                      "FAST_L2_PREFETCH": FAST_L2_PREFETCH},
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,

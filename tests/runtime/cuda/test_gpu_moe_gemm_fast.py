@@ -98,16 +98,17 @@ def test_gate_up_and_down_match_float64(cp, rng, name, activations):
     assert rel(ypair.get(), expect.pair_down(act_in, ids, f64(w), experts)) < TOL[activations]
 
 
-@pytest.mark.parametrize("define", ["FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS"])
+@pytest.mark.parametrize("define", ["FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS", "FAST_L2_PREFETCH"])
 @pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
 def test_the_sweeps_build_options_change_no_bit(cp, rng, monkeypatch, activations, define):
-    """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out)
-    or FAST_STAGE_STEPS (1 <-> 2 K steps a pipeline stage), which benchmarks/prefill_gemm.py --sweep times, write the
-    same bits; the module is rebuilt for this test only."""
+    """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out),
+    FAST_STAGE_STEPS (1 <-> 2 K steps a pipeline stage) or FAST_L2_PREFETCH (0 <-> 256 bytes), which
+    benchmarks/prefill_gemm.py --sweep times, write the same bits; the module is rebuilt for this test only."""
     from colibri_format.runtime.cuda import limits
 
     other = {"FAST_SKIP_EMPTY_M": 1 - limits.FAST_SKIP_EMPTY_M,
-             "FAST_STAGE_STEPS": 2 if limits.FAST_STAGE_STEPS == 1 else 1}[define]
+             "FAST_STAGE_STEPS": 2 if limits.FAST_STAGE_STEPS == 1 else 1,
+             "FAST_L2_PREFETCH": 256 if limits.FAST_L2_PREFETCH == 0 else 0}[define]
 
     buf, table, _, x, ids, w = _case(cp, rng, "ragged")
     (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size

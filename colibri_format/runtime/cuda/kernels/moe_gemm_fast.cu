@@ -48,6 +48,9 @@
 #ifndef FAST_STAGE_STEPS
 #error "FAST_STAGE_STEPS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef FAST_L2_PREFETCH
+#error "FAST_L2_PREFETCH undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(FAST_THREADS == 256 && FAST_BM == 64 && FAST_BN == 256,
               "8 warps along the weight rows, each owning 64 rows x 32 weight rows (4 x 4 m16n8 tiles)");
 static_assert(FAST_BK == 64, "the shared-memory swizzles assume 8 bf16 chunks (A) and 4 int8 chunks (B) a row");
@@ -74,10 +77,22 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return a;
 }
 
+// The copy instruction: FAST_L2_PREFETCH bytes around each source read brought into L2 (0: no prefetch size, the
+// sectors read only), so that a 64-byte read of a weight row fetches the row's next bytes from DRAM with it
+#if FAST_L2_PREFETCH == 0
+#define FAST_CP_ASYNC "cp.async.cg.shared.global"
+#elif FAST_L2_PREFETCH == 128
+#define FAST_CP_ASYNC "cp.async.cg.shared.global.L2::128B"
+#elif FAST_L2_PREFETCH == 256
+#define FAST_CP_ASYNC "cp.async.cg.shared.global.L2::256B"
+#else
+#error "FAST_L2_PREFETCH must be 0, 128 or 256"
+#endif
+
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read). The "memory" clobbers keep the
 // compiler from moving shared-memory accesses across the copies and the waits.
 __device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+    asm volatile(FAST_CP_ASYNC " [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
 }
