@@ -20,7 +20,8 @@
 #                and bf16 KV caches, split and bf16 dense products (PREFILL_HOST_ARGS adds options, e.g. --router
 #                gemm,fused; the router step times both routes' kernels)
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: the W8A8 kernels'
-#                pipeline depths, FAST_SKIP_EMPTY_M and FAST_STAGE_STEPS (each kernel's weight GB/s from CUPTI)
+#                pipeline depths, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS, FAST_L2_PREFETCH and FAST_PERSISTENT (each
+#                kernel's weight GB/s from CUPTI; results written after every build)
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
 #                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
 #                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode

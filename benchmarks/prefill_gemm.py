@@ -28,9 +28,10 @@ Qwen3's and OLMoE's ~32-64 rows an expert make the products memory-bound, and th
 is what says how far they are from their floor.
 --sweep [CASE ...]: afterwards, the pipelined kernels alone on those cases (none named: mixtral-512; the small
 experts of qwen3-30b-a3b-512, 32 rows an expert and 12 K steps in down, are where the pipeline's fill and drain
-weigh most) rebuilt with other (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS,
-FAST_L2_PREFETCH) than limits.py's (rows marked "s<stages> b<blocks>[ skip][ k<steps>][ L2:<bytes>]" in `variant`;
-limits.py's own first, rebuilt like the others), to pick those constants. `--cases` with no name leaves the whole-case rows out (the sweep alone).
+weigh most) rebuilt with other FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS, FAST_L2_PREFETCH
+or FAST_PERSISTENT than limits.py's (SWEEP; a row's `variant` names what differs, e.g. "s4 skip", "k2 persistent";
+limits.py's own build first, "own", rebuilt like the others), to pick those constants. The results are written after
+every case and build. `--cases` with no name leaves the whole-case rows out (the sweep alone).
 Writes prefill_gemm.json and prefill_gemm.md to OUT_DIR.
 """
 
@@ -62,9 +63,14 @@ CASES = {  # name: (H, I, E, k, T)
 DEFAULT_CASES = ("mixtral-512", "mixtral-4096", "qwen3-30b-a3b-512")
 TARGET_TFLOPS = 400.0   # issue 15: Mixtral shapes at 512 rows
 LAUNCHES, REPLAYS = 10, 5   # Mixtral at 4096 rows: today's gate_up takes ~40 ms a call
-# (FAST_STAGES, FAST_MIN_BLOCKS, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS, FAST_L2_PREFETCH) after limits.py's own
-SWEEP = ((2, 2, 0, 1, 0), (4, 2, 0, 1, 0), (3, 1, 0, 1, 0), (3, 2, 1, 1, 0), (4, 2, 1, 1, 0), (2, 2, 0, 2, 0),
-         (3, 2, 0, 2, 0), (3, 2, 1, 2, 0), (4, 1, 0, 2, 0), (3, 2, 0, 1, 128), (3, 2, 0, 1, 256), (3, 2, 1, 2, 256))
+# the builds --sweep times after limits.py's own: each a change of its moe_gemm_fast constants
+SWEEP = ({"FAST_STAGES": 2}, {"FAST_STAGES": 4}, {"FAST_MIN_BLOCKS": 1}, {"FAST_SKIP_EMPTY_M": 1},
+         {"FAST_STAGES": 4, "FAST_SKIP_EMPTY_M": 1}, {"FAST_STAGE_STEPS": 2, "FAST_STAGES": 2},
+         {"FAST_STAGE_STEPS": 2}, {"FAST_STAGE_STEPS": 2, "FAST_SKIP_EMPTY_M": 1}, {"FAST_L2_PREFETCH": 128},
+         {"FAST_L2_PREFETCH": 256}, {"FAST_PERSISTENT": 1}, {"FAST_PERSISTENT": 1, "FAST_SKIP_EMPTY_M": 1},
+         {"FAST_PERSISTENT": 1, "FAST_STAGE_STEPS": 2, "FAST_SKIP_EMPTY_M": 1})
+SWEPT = ("FAST_STAGES", "FAST_MIN_BLOCKS", "FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS", "FAST_L2_PREFETCH",
+         "FAST_PERSISTENT")
 
 
 def log(*a):
@@ -118,13 +124,21 @@ def device_us(cp, fn) -> tuple[float, float] | None:
     return t["busy_us"], products
 
 
-def rebuild_fast_kernel(stages: int, min_blocks: int, skip_empty_m: int, stage_steps: int, l2_prefetch: int) -> None:
-    """moe_gemm_fast.cu compiled anew with other pipeline depth, register bound, empty-row-tile skipping, K steps a
-    stage and L2 prefetch size (this process only)."""
-    # fast_gemm_shared_bytes reads these
-    limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_STAGE_STEPS = stages, min_blocks, stage_steps
-    rebuild_module("moe_gemm_fast", FAST_STAGES=stages, FAST_MIN_BLOCKS=min_blocks, FAST_SKIP_EMPTY_M=skip_empty_m,
-                   FAST_STAGE_STEPS=stage_steps, FAST_L2_PREFETCH=l2_prefetch)
+def rebuild_fast_kernel(build: dict[str, int]) -> None:
+    """moe_gemm_fast.cu compiled anew with these constants (this process only); limits.py's copies set too, which
+    the launches read (shared memory, the persistent grid)."""
+    for name, value in build.items():
+        setattr(limits, name, value)
+    rebuild_module("moe_gemm_fast", **build)
+
+
+def build_label(build: dict[str, int], own: dict[str, int]) -> str:
+    """A sweep row's variant suffix: its constants that differ from limits.py's own ("own" for none)."""
+    short = {"FAST_STAGES": "s", "FAST_MIN_BLOCKS": "b", "FAST_SKIP_EMPTY_M": "skip", "FAST_STAGE_STEPS": "k",
+             "FAST_L2_PREFETCH": "L2:", "FAST_PERSISTENT": "persistent"}
+    words = [short[n] + ("" if n in ("FAST_SKIP_EMPTY_M", "FAST_PERSISTENT") else str(v))
+             for n, v in build.items() if v != own[n]]
+    return " " + (" ".join(words) or "own")
 
 
 def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_only: str = "",
@@ -252,26 +266,31 @@ def main(argv=None) -> int:
             "fast_min_blocks": limits.FAST_MIN_BLOCKS, "fast_stage_steps": limits.FAST_STAGE_STEPS}
     log(f"modules compiled in {time.time() - t0:.1f} s")
     rows = []
+
+    def save() -> str:      # after every case and build: a run cut off by its time limit keeps what it measured
+        meta["seconds"] = time.time() - t0
+        (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        md = markdown(meta, rows)
+        (args.out / "prefill_gemm.md").write_text(md)
+        return md
+
     for name in args.cases:
         log(f"== {name} (H, I, E, k, T) = {CASES[name]}")
         rows += bench_case(cp, be, name, *CASES[name])
         cp.get_default_memory_pool().free_all_blocks()
+        save()
     sweep_cases = [] if args.sweep is None else args.sweep or ["mixtral-512"]
-    own = (limits.FAST_STAGES, limits.FAST_MIN_BLOCKS, limits.FAST_SKIP_EMPTY_M, limits.FAST_STAGE_STEPS,
-           limits.FAST_L2_PREFETCH)
-    for stages, min_blocks, skip, steps, l2 in (own,) + SWEEP if sweep_cases else ():
-        rebuild_fast_kernel(stages, min_blocks, skip, steps, l2)
+    own = {name: getattr(limits, name) for name in SWEPT}
+    for change in ({},) + SWEEP if sweep_cases else ():
+        build = {**own, **change}
+        rebuild_fast_kernel(build)
         for name in sweep_cases:
-            log(f"== {name}, FAST_STAGES {stages}, FAST_MIN_BLOCKS {min_blocks}, FAST_SKIP_EMPTY_M {skip}, "
-                f"FAST_STAGE_STEPS {steps}, FAST_L2_PREFETCH {l2}")
-            label = f" s{stages} b{min_blocks}" + " skip" * skip + f" k{steps}" * (steps > 1) + f" L2:{l2}" * (l2 > 0)
-            rows += bench_case(cp, be, name, *CASES[name], fast_only=label, modes=tuple(args.sweep_modes))
+            log(f"== {name}, " + ", ".join(f"{n} {v}" for n, v in build.items()))
+            rows += bench_case(cp, be, name, *CASES[name], fast_only=build_label(build, own),
+                               modes=tuple(args.sweep_modes))
             cp.get_default_memory_pool().free_all_blocks()
-    meta["seconds"] = time.time() - t0
-    (args.out / "prefill_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = markdown(meta, rows)
-    (args.out / "prefill_gemm.md").write_text(md)
-    print(md)
+        save()
+    print(save())
     return 0
 
 

@@ -91,6 +91,11 @@ FAST_STAGE_STEPS = 1
 # L2::256B prefetch sizes), so that a step's 64-byte read of a weight row brings the next step's bytes from DRAM with
 # it. 0 until prefill_gemm.py --sweep has timed it on a GPU.
 FAST_L2_PREFETCH = 0
+# 1: moe_gemm_fast.cu's blocks take several work items (ops._fast_launch launches as many blocks as run at once, when an
+# item spans at least FAST_STAGES stages) and run their copies on from one item into the next, instead of a block an
+# item filling and draining the cp.async pipeline each (Qwen3-30B-A3B's down: 12 K steps a block at 512 tokens).
+# 0 until prefill_gemm.py --sweep has timed it on a GPU.
+FAST_PERSISTENT = 0
 # moe_gemm_cublas.cu + cuBLAS (ops.moe_experts_cublas): the prefill grouped expert GEMM as bf16 cublasGemmEx products
 # of each routed expert's widened int8 matrices, taken when an expert's mean work, (P / E) H I multiply-adds a
 # matrix, reaches this: each routed expert costs a widening and ~6 launches from the host, which only large products
@@ -294,7 +299,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS,
                       "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M, "FAST_STAGE_STEPS": FAST_STAGE_STEPS,
-                      "FAST_L2_PREFETCH": FAST_L2_PREFETCH},
+                      "FAST_L2_PREFETCH": FAST_L2_PREFETCH, "FAST_PERSISTENT": FAST_PERSISTENT},
     "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
@@ -350,6 +355,28 @@ QK_NORM_MODES = {"none": 0, "full": 1, "per_head": 2}   # codes passed to fused.
 
 
 FAST_ACTIVATION_BYTES = {"bf16": 2, "split": 4, "int8": 1}   # moe_gemm_fast.cu: bytes an activation takes a stage
+
+
+MULTIPROCESSOR_SHARED_BYTES = 228 * 1024   # an sm_90 multiprocessor's shared memory (1 KB of it reserved a block)
+FAST_STATIC_SHARED_BYTES = 2 * 4 * (2 * FAST_BM + FAST_BN + 4)   # moe_gemm_fast.cu's two FastSlot tables
+
+
+def fast_gemm_stages(ncols: int) -> int:
+    """K stages of a moe_gemm_fast.cu work item over `ncols` input columns."""
+    return -(-ncols // (FAST_BK * FAST_STAGE_STEPS))
+
+
+def fast_gemm_persistent(ncols: int) -> bool:
+    """Whether a moe_gemm_fast.cu launch over `ncols` input columns takes the persistent grid: built for it
+    (FAST_PERSISTENT), with items of at least FAST_STAGES stages (the two item slots of a block hold its copies'
+    item and its MMAs' only then)."""
+    return bool(FAST_PERSISTENT) and fast_gemm_stages(ncols) >= FAST_STAGES
+
+
+def fast_gemm_blocks_per_sm(activations: str) -> int:
+    """moe_gemm_fast.cu blocks a multiprocessor holds at once by shared memory."""
+    per_block = fast_gemm_shared_bytes(activations) + FAST_STATIC_SHARED_BYTES + 1024
+    return max(1, MULTIPROCESSOR_SHARED_BYTES // per_block)
 
 
 def fast_gemm_shared_bytes(activations: str) -> int:

@@ -41,38 +41,40 @@ extern "C" void emu_widen_bytes(const unsigned int* words, unsigned int* pairs, 
 extern "C" void emu_gate_up(int split, int grid_x, int grid_y, size_t smem, const u16* x_hi, const u16* x_lo,
                             const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                             const int* offsets, const int* tile_expert, const int* tile_start, float* act, int H,
-                            int I, int k) {
+                            int I, int k, int num_tiles) {
     emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
         (split ? moe_gemm_fast_gate_up_split : moe_gemm_fast_gate_up_bf16)(
-            x_hi, x_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k);
+            x_hi, x_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k, num_tiles);
     });
 }
 
 extern "C" void emu_down(int split, int grid_x, int grid_y, size_t smem, const u16* a_hi, const u16* a_lo,
                          const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* tile_expert, const int* tile_start, const float* pair_w,
-                         float* y, int H, int I) {
+                         float* y, int H, int I, int num_tiles) {
     emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
         (split ? moe_gemm_fast_down_split : moe_gemm_fast_down_bf16)(
-            a_hi, a_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I);
+            a_hi, a_lo, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I, num_tiles);
     });
 }
 
 extern "C" void emu_gate_up_int8(int grid_x, int grid_y, size_t smem, const signed char* xq, const float* xs,
                                  const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                                  const int* offsets, const int* tile_expert, const int* tile_start, float* act,
-                                 int H, int I, int k) {
+                                 int H, int I, int k, int num_tiles) {
     emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
-        moe_gemm_fast_gate_up_int8(xq, xs, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k);
+        moe_gemm_fast_gate_up_int8(xq, xs, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, act, H, I, k,
+                                   num_tiles);
     });
 }
 
 extern "C" void emu_down_int8(int grid_x, int grid_y, size_t smem, const signed char* aq, const float* as,
                               const unsigned long long* blobs, long long off_w, long long off_s, const int* perm,
                               const int* offsets, const int* tile_expert, const int* tile_start, const float* pair_w,
-                              float* y, int H, int I) {
+                              float* y, int H, int I, int num_tiles) {
     emu_launch({grid_x, grid_y, 1}, FAST_THREADS, smem, [&] {
-        moe_gemm_fast_down_int8(aq, as, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I);
+        moe_gemm_fast_down_int8(aq, as, blobs, off_w, off_s, perm, offsets, tile_expert, tile_start, pair_w, y, H, I,
+                                num_tiles);
     });
 }
 """
@@ -113,10 +115,11 @@ def host_source() -> str:
     return src.replace(DYNAMIC_SHARED, "unsigned char* fast_smem = emu_block->shared.data();") + DRIVER
 
 
-def _defines(stages: int, skip_empty_m: int, stage_steps: int) -> list[str]:
-    changed = ("-DFAST_STAGES=", "-DFAST_SKIP_EMPTY_M=", "-DFAST_STAGE_STEPS=")
+def _defines(stages: int, skip_empty_m: int, stage_steps: int, persistent: int) -> list[str]:
+    changed = ("-DFAST_STAGES=", "-DFAST_SKIP_EMPTY_M=", "-DFAST_STAGE_STEPS=", "-DFAST_PERSISTENT=")
     return [o for o in limits.define_options("moe_gemm_fast") if not o.startswith(changed)] + [
-        f"-DFAST_STAGES={stages}", f"-DFAST_SKIP_EMPTY_M={skip_empty_m}", f"-DFAST_STAGE_STEPS={stage_steps}"]
+        f"-DFAST_STAGES={stages}", f"-DFAST_SKIP_EMPTY_M={skip_empty_m}", f"-DFAST_STAGE_STEPS={stage_steps}",
+        f"-DFAST_PERSISTENT={persistent}"]
 
 
 def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
@@ -131,10 +134,11 @@ def _compile(tmp_path: Path, name: str, source: str, defines) -> ctypes.CDLL:
 
 
 def build(tmp_path: Path, stages: int = limits.FAST_STAGES, skip_empty_m: int = limits.FAST_SKIP_EMPTY_M,
-          stage_steps: int = limits.FAST_STAGE_STEPS) -> ctypes.CDLL:
-    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`, FAST_SKIP_EMPTY_M
-    and the K steps a stage holds (FAST_STAGE_STEPS)."""
-    return _compile(tmp_path, "moe_gemm_fast", host_source(), _defines(stages, skip_empty_m, stage_steps))
+          stage_steps: int = limits.FAST_STAGE_STEPS, persistent: int = limits.FAST_PERSISTENT) -> ctypes.CDLL:
+    """The kernels for the CPU, with limits.py's constants but for the pipeline depth `stages`, FAST_SKIP_EMPTY_M,
+    the K steps a stage holds (FAST_STAGE_STEPS) and FAST_PERSISTENT."""
+    return _compile(tmp_path, "moe_gemm_fast", host_source(),
+                    _defines(stages, skip_empty_m, stage_steps, persistent))
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:
@@ -176,9 +180,16 @@ class Emulator(LibraryEmulator):
     """The kernels of a built library, launched over host arrays (kept alive by the caller)."""
 
     def __init__(self, lib: ctypes.CDLL, stages: int = limits.FAST_STAGES,
-                 stage_steps: int = limits.FAST_STAGE_STEPS) -> None:
+                 stage_steps: int = limits.FAST_STAGE_STEPS, blocks: int | None = None) -> None:
+        """blocks: a persistent grid of that many blocks, each taking several work items (None: the classic grid,
+        an item a block)."""
         super().__init__(lib)
-        self.stages, self.stage_steps = stages, stage_steps
+        self.stages, self.stage_steps, self.blocks = stages, stage_steps, blocks
+
+    def grid(self, n_blocks: int, disp: dict) -> tuple[int, int, int]:
+        """(grid x, grid y, num_tiles) of a launch over n_blocks output blocks and the dispatch's tiles."""
+        tiles = disp["tile_expert"].size
+        return (n_blocks, tiles, tiles) if self.blocks is None else (self.blocks, 1, tiles)
 
     def shared_bytes(self, activations: str) -> int:
         one_step = limits.fast_gemm_shared_bytes(activations) // (limits.FAST_STAGES * limits.FAST_STAGE_STEPS)
@@ -199,45 +210,45 @@ class Emulator(LibraryEmulator):
     def gate_up(self, split: bool, hi, lo, blobs, ptrs, layout, disp: dict, k: int, act) -> None:
         H, I = layout.hidden_size, layout.intermediate_size
         self._sources(hi, lo, blobs)
-        grid = (-(-I // (limits.FAST_BN // 2)), disp["tile_expert"].size)
+        gx, gy, tiles = self.grid(-(-I // (limits.FAST_BN // 2)), disp)
         self.lib.emu_gate_up(
-            int(split), *grid, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
+            int(split), gx, gy, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
             _ptr(ptrs), ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
-            _ptr(act), H, I, k)
+            _ptr(act), H, I, k, tiles)
 
     def down(self, split: bool, hi, lo, blobs, ptrs, layout, disp: dict, weights, y) -> None:
         H, I = layout.hidden_size, layout.intermediate_size
         self._sources(hi, lo, blobs)
-        grid = (-(-H // limits.FAST_BN), disp["tile_expert"].size)
+        gx, gy, tiles = self.grid(-(-H // limits.FAST_BN), disp)
         self.lib.emu_down(
-            int(split), *grid, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
+            int(split), gx, gy, ctypes.c_size_t(self.shared_bytes("split" if split else "bf16")), _ptr(hi), _ptr(lo),
             _ptr(ptrs), ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
-            _ptr(weights), _ptr(y), H, I)
+            _ptr(weights), _ptr(y), H, I, tiles)
 
 
     def gate_up_int8(self, xq, xs, blobs, ptrs, layout, disp: dict, k: int, act) -> None:
         """W8A8 gate_up: xq [T, H] int8 with a scale a token xs [T]."""
         H, I = layout.hidden_size, layout.intermediate_size
         self._sources(xq, xs, blobs)
-        grid = (-(-I // (limits.FAST_BN // 2)), disp["tile_expert"].size)
+        gx, gy, tiles = self.grid(-(-I // (limits.FAST_BN // 2)), disp)
         self.lib.emu_gate_up_int8(
-            *grid, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(xq), _ptr(xs), _ptr(ptrs),
+            gx, gy, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(xq), _ptr(xs), _ptr(ptrs),
             ctypes.c_longlong(layout.array("gate_up").offset), ctypes.c_longlong(layout.array("gate_up_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
-            _ptr(act), H, I, k)
+            _ptr(act), H, I, k, tiles)
 
     def down_int8(self, aq, a_scale, blobs, ptrs, layout, disp: dict, weights, y) -> None:
         """W8A8 down: aq [P, I] int8 (sorted order) with a scale a row a_scale [P]."""
         H, I = layout.hidden_size, layout.intermediate_size
         self._sources(aq, a_scale, blobs)
-        grid = (-(-H // limits.FAST_BN), disp["tile_expert"].size)
+        gx, gy, tiles = self.grid(-(-H // limits.FAST_BN), disp)
         self.lib.emu_down_int8(
-            *grid, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(aq), _ptr(a_scale), _ptr(ptrs),
+            gx, gy, ctypes.c_size_t(self.shared_bytes("int8")), _ptr(aq), _ptr(a_scale), _ptr(ptrs),
             ctypes.c_longlong(layout.array("down").offset), ctypes.c_longlong(layout.array("down_scale").offset),
             _ptr(disp["perm"]), _ptr(disp["offsets"]), _ptr(disp["tile_expert"]), _ptr(disp["tile_start"]),
-            _ptr(weights), _ptr(y), H, I)
+            _ptr(weights), _ptr(y), H, I, tiles)
 
 
 # ---- moe_gemv4_tc.cu ------------------------------------------------------------------------------------------------

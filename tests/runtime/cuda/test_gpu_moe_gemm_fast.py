@@ -69,6 +69,8 @@ CASES = {
     "qwen-like": (128, 8, 512, 96, 64),
     "many-k-steps": (8, 2, 1024, 1024, 512),
 }
+# more work items (1,152 gate_up, 384 down) than a persistent grid has blocks (2 a multiprocessor), of 8 and 12 K stages
+PERSISTENT_CASE = (64, 8, 512, 768, 1024)
 
 
 def _case(cp, rng, name):
@@ -98,19 +100,29 @@ def test_gate_up_and_down_match_float64(cp, rng, name, activations):
     assert rel(ypair.get(), expect.pair_down(act_in, ids, f64(w), experts)) < TOL[activations]
 
 
-@pytest.mark.parametrize("define", ["FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS", "FAST_L2_PREFETCH"])
+@pytest.mark.parametrize("define", ["FAST_SKIP_EMPTY_M", "FAST_STAGE_STEPS", "FAST_L2_PREFETCH", "FAST_PERSISTENT"])
 @pytest.mark.parametrize("activations", ops.FAST_ACTIVATIONS)
 def test_the_sweeps_build_options_change_no_bit(cp, rng, monkeypatch, activations, define):
     """The kernels built with the other FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out),
-    FAST_STAGE_STEPS (1 <-> 2 K steps a pipeline stage) or FAST_L2_PREFETCH (0 <-> 256 bytes), which
-    benchmarks/prefill_gemm.py --sweep times, write the same bits; the module is rebuilt for this test only."""
+    FAST_STAGE_STEPS (1 <-> 2 K steps a pipeline stage), FAST_L2_PREFETCH (0 <-> 256 bytes) or FAST_PERSISTENT (the
+    persistent grid, its blocks running their copies on across work items), which benchmarks/prefill_gemm.py --sweep
+    times, write the same bits; the module is rebuilt for this test only."""
     from colibri_format.runtime.cuda import limits
 
     other = {"FAST_SKIP_EMPTY_M": 1 - limits.FAST_SKIP_EMPTY_M,
              "FAST_STAGE_STEPS": 2 if limits.FAST_STAGE_STEPS == 1 else 1,
-             "FAST_L2_PREFETCH": 256 if limits.FAST_L2_PREFETCH == 0 else 0}[define]
+             "FAST_L2_PREFETCH": 256 if limits.FAST_L2_PREFETCH == 0 else 0,
+             "FAST_PERSISTENT": 1 - limits.FAST_PERSISTENT}[define]
 
-    buf, table, _, x, ids, w = _case(cp, rng, "ragged")
+    if define == "FAST_PERSISTENT":
+        E, k, H, I, T = PERSISTENT_CASE
+        layout, _, blobs = host_experts(rng, E, H, I)
+        buf, table = upload(blobs, E, layout)
+        ids = random_ids(rng, T, E, k)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    else:
+        buf, table, _, x, ids, w = _case(cp, rng, "ragged")
     (T, k), H, I = ids.shape, table.hidden_size, table.intermediate_size
     d = ops.dispatch(cp.asarray(ids), table.num_experts)
 
@@ -124,9 +136,11 @@ def test_the_sweeps_build_options_change_no_bit(cp, rng, monkeypatch, activation
     default = products()
     monkeypatch.setitem(limits.KERNEL_DEFINES, "moe_gemm_fast", {**limits.KERNEL_DEFINES["moe_gemm_fast"],
                                                                  define: other})
-    monkeypatch.setattr(limits, define, other)    # fast_gemm_shared_bytes reads FAST_STAGE_STEPS
+    monkeypatch.setattr(limits, define, other)    # fast_gemm_shared_bytes / _fast_launch read them there
     ops.forget_module("moe_gemm_fast")
     try:
+        if define == "FAST_PERSISTENT":
+            assert limits.fast_gemm_persistent(H) == limits.fast_gemm_persistent(I) == bool(other)
         rebuilt = products()
     finally:
         monkeypatch.undo()

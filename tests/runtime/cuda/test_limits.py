@@ -204,10 +204,28 @@ def test_fast_gemm_stages_fit_the_blocks_asked_for(activations, a_bytes):
     a multiprocessor; its tiles are the dispatch's rows."""
     nbytes = L.fast_gemm_shared_bytes(activations)
     assert nbytes == L.FAST_STAGES * L.FAST_STAGE_STEPS * (a_bytes * L.FAST_BM * L.FAST_BK + L.FAST_BN * L.FAST_BK)
-    static = 4 * (2 * L.FAST_BM + L.FAST_BN)        # s_row, s_rs, s_wrow
+    static = L.FAST_STATIC_SHARED_BYTES
+    assert static == 2 * 4 * (L.FAST_BM + L.FAST_BN + L.FAST_BM + 4)   # two FastSlots: row, wrow, rs, FastItem
     assert nbytes + static <= HOPPER_BLOCK_SHARED
     assert L.FAST_MIN_BLOCKS * (nbytes + static + 1024) <= HOPPER_SM_SHARED
+    assert L.fast_gemm_blocks_per_sm(activations) >= L.FAST_MIN_BLOCKS
+    assert L.MULTIPROCESSOR_SHARED_BYTES == HOPPER_SM_SHARED
     assert L.FAST_BM == L.GEMM_BM
+
+
+def test_the_persistent_grid_needs_its_build_and_items_of_enough_stages(monkeypatch):
+    """moe_gemm_fast.cu's persistent grid: only when built for it, and only for items of at least FAST_STAGES K
+    stages (a block's two item slots then hold its copies' item and its MMAs')."""
+    cols = L.FAST_BK * L.FAST_STAGE_STEPS
+    assert L.fast_gemm_stages(cols) == 1 and L.fast_gemm_stages(cols + 16) == 2
+    monkeypatch.setattr(L, "FAST_PERSISTENT", 0)
+    assert not L.fast_gemm_persistent(100 * cols)
+    monkeypatch.setattr(L, "FAST_PERSISTENT", 1)
+    assert L.fast_gemm_persistent(L.FAST_STAGES * cols)
+    assert L.fast_gemm_persistent(L.FAST_STAGES * cols - 16)       # a partial last stage counts
+    assert not L.fast_gemm_persistent((L.FAST_STAGES - 1) * cols)
+    monkeypatch.setattr(L, "FAST_STAGE_STEPS", 2 * L.FAST_STAGE_STEPS)   # longer stages: fewer an item
+    assert not L.fast_gemm_persistent(L.FAST_STAGES * cols)
 
 
 @pytest.mark.parametrize("hidden,inter,group,expected", [

@@ -84,6 +84,41 @@ def test_two_k_steps_a_stage_change_no_bit(tmp_path, emulator, activations):
         np.testing.assert_array_equal(changed.y, default.y)
 
 
+# several tiles an expert (70, 130 rows), empty experts, and K stages enough (5 and 7 of 64 columns, at least
+# FAST_STAGES) for a persistent block to run its ring on across items
+PERSISTENT_CASE = (6, 2, 320, 448, [70, 1, 0, 33, 64, 130])
+
+
+@pytest.fixture(scope="module")
+def persistent_lib(tmp_path_factory):
+    """The kernels built with FAST_PERSISTENT = 1."""
+    return build(tmp_path_factory.mktemp("moe_gemm_fast_persistent"), persistent=1)
+
+
+@pytest.mark.parametrize("activations", ["split", "bf16", "int8"])
+@pytest.mark.parametrize("blocks", [None, 1, 3, 7])
+def test_a_persistent_grid_changes_no_bit(emulator, persistent_lib, activations, blocks):
+    """Built with FAST_PERSISTENT, a grid of `blocks` blocks, each taking every blocks-th work item with its copies
+    running on into the next item (ops._fast_launch's persistent grid), writes what the default build's classic grid
+    (an item a block) writes, bit for bit: the item slots, the ring's hand-over between items and the epilogue of
+    each item in turn; and so does that build on the classic grid (blocks None)."""
+    persistent = Emulator(persistent_lib, blocks=blocks)
+    classic, ran = (run_case(emu, PERSISTENT_CASE, activations, seed=19) for emu in (emulator, persistent))
+    np.testing.assert_array_equal(ran.act, classic.act)
+    np.testing.assert_array_equal(ran.y, classic.y)
+
+
+def test_a_persistent_grid_with_two_k_steps_a_stage(tmp_path, emulator):
+    """The same with 2 K steps a stage (3 and 4 stages an item): still bit for bit the classic grid's one-step
+    results."""
+    steps = 2 if limits.FAST_STAGE_STEPS == 1 else 1
+    persistent = Emulator(build(tmp_path, stage_steps=steps, persistent=1), stage_steps=steps, blocks=3)
+    for activations in ("split", "int8"):
+        classic, ran = (run_case(emu, PERSISTENT_CASE, activations, seed=20) for emu in (emulator, persistent))
+        np.testing.assert_array_equal(ran.act, classic.act)
+        np.testing.assert_array_equal(ran.y, classic.y)
+
+
 @pytest.mark.parametrize("activations", ["split", "bf16", "int8"])
 def test_skipping_empty_row_tiles_changes_no_bit(tmp_path, emulator, activations):
     """FAST_SKIP_EMPTY_M (the MMAs of m16 row tiles past an expert's rows left out, which benchmarks/prefill_gemm.py

@@ -51,6 +51,9 @@
 #ifndef FAST_L2_PREFETCH
 #error "FAST_L2_PREFETCH undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef FAST_PERSISTENT
+#error "FAST_PERSISTENT undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 static_assert(FAST_THREADS == 256 && FAST_BM == 64 && FAST_BN == 256,
               "8 warps along the weight rows, each owning 64 rows x 32 weight rows (4 x 4 m16n8 tiles)");
 static_assert(FAST_BK == 64, "the shared-memory swizzles assume 8 bf16 chunks (A) and 4 int8 chunks (B) a row");
@@ -358,6 +361,101 @@ __device__ __forceinline__ void mma_step(const unsigned char* stage, int (&acc)[
 }
 
 // ---- the kernel body --------------------------------------------------------------------------------------------
+// Work items: item w is n-block w % n_blocks of dispatch tile w / n_blocks, and a block takes items b, b + B, b + 2B,
+// ... (b its index in the grid, B the grid's blocks). The classic grid (n_blocks x num_tiles blocks) gives each block
+// one item; built with FAST_PERSISTENT = 1 the kernel also takes a persistent grid (as many blocks as run at once,
+// ops._fast_launch), whose blocks take several, and the cp.async ring runs on across them: the next item's first
+// stages load while the current one's last steps multiply and its epilogue stores, instead of each block filling and
+// draining the pipeline once. Tiles past the dispatch's
+// are -1 and listed last, so a block's first item without an expert ends its list. An item's tables sit in one of
+// two slots: the copies fill item j + 1's while the MMAs read item j's, which holds when an item spans at least
+// FAST_STAGES stages (the host takes the classic grid otherwise).
+struct FastItem {
+    int expert, start, cnt, n0;   // expert (-1: none), first sorted row, rows (<= FAST_BM), first output
+};
+
+struct FastSlot {
+    int row[FAST_BM];     // activation row of each tile row (-1: past the expert's rows)
+    int wrow[FAST_BN];    // weight row of each B row (-1: past nout)
+    float rs[FAST_BM];    // int8 activations: each tile row's scale (else unread)
+    FastItem item;
+};
+
+// Item `item`'s tables into `slot` (every thread its share; a barrier must follow before they are read): its expert,
+// or -1 when the block has no such item.
+template <bool GATEUP, int IN>
+__device__ __forceinline__ int setup_item(FastSlot& slot, int item, int n_blocks, int items,
+                                          const int* __restrict__ tile_expert, const int* __restrict__ tile_start,
+                                          const int* __restrict__ offsets, const int* __restrict__ perm,
+                                          const float* __restrict__ in_scale, int nout, int k) {
+    constexpr int OUT_PER_BLOCK = GATEUP ? FAST_BN / 2 : FAST_BN;
+    const int tid = threadIdx.x, tile = item / n_blocks;
+    const int e = item < items ? tile_expert[tile] : -1;
+    if (e < 0) {
+        if (tid == 0) slot.item.expert = -1;
+        return -1;
+    }
+    const int start = tile_start[tile];
+    const int cnt = min(FAST_BM, offsets[e + 1] - start);
+    const int n0 = (item % n_blocks) * OUT_PER_BLOCK;
+    for (int r = tid; r < FAST_BM; r += FAST_THREADS) {
+        const int row = r < cnt ? (GATEUP ? perm[start + r] / k : start + r) : -1;
+        slot.row[r] = row;
+        slot.rs[r] = IN == FAST_IN_INT8 && r < cnt ? in_scale[row] : 0.0f;
+    }
+    for (int j = tid; j < FAST_BN; j += FAST_THREADS) {
+        const int o = n0 + j % OUT_PER_BLOCK;
+        slot.wrow[j] = o < nout ? (GATEUP && j >= OUT_PER_BLOCK ? nout + o : o) : -1;
+    }
+    if (tid == 0) slot.item = FastItem{e, start, cnt, n0};
+    return e;
+}
+
+// Array `offset` bytes into expert e's blob
+template <typename T>
+__device__ __forceinline__ const T* expert_array(const unsigned long long* __restrict__ blobs, int e,
+                                                long long offset) {
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(blobs[e]) + offset);
+}
+
+// The copy side of the ring: the stages of the items set up so far end at stage `end` (counted over the block's
+// items); `item`, `slot` and `w` are the last such item's, whose stages are copied until then.
+struct FastLoads {
+    int end, slot, item;
+    const signed char* w;
+};
+
+// Stage g of the block's items into `stage`; after an item's last stage, the block's next item set up (if any)
+template <bool GATEUP, int IN>
+__device__ __forceinline__ void copy_stage(FastLoads& L, FastSlot* slots, unsigned char* stage, int g, int steps,
+                                           int n_blocks, int items, const void* __restrict__ in_hi,
+                                           const u16* __restrict__ in_lo, const float* __restrict__ in_scale,
+                                           const unsigned long long* __restrict__ blobs, long long off_w,
+                                           const int* __restrict__ perm, const int* __restrict__ offsets,
+                                           const int* __restrict__ tile_expert, const int* __restrict__ tile_start,
+                                           int ncols, int nout, int k) {
+    load_stage<IN>(stage, in_hi, in_lo, L.w, slots[L.slot].row, slots[L.slot].wrow, ncols,
+                   (g - (L.end - steps)) * FAST_STAGE_COLS);
+    if (!FAST_PERSISTENT || g + 1 < L.end) return;
+    L.item += gridDim.x * gridDim.y;
+    const int e = setup_item<GATEUP, IN>(slots[L.slot ^ 1], L.item, n_blocks, items, tile_expert, tile_start, offsets,
+                                         perm, in_scale, nout, k);
+    if (e < 0) return;      // the block's last item: L.end stays, no stage follows
+    L.slot ^= 1;
+    L.end += steps;
+    L.w = expert_array<signed char>(blobs, e, off_w);
+}
+
+template <typename Acc>
+__device__ __forceinline__ void zero_acc(Acc (&acc)[FAST_MT][FAST_NT][4]) {
+#pragma unroll
+    for (int mi = 0; mi < FAST_MT; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < FAST_NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[mi][nt][r] = 0;
+}
+
 template <bool GATEUP, int IN>
 __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, const u16* __restrict__ in_lo,
                                               const float* __restrict__ in_scale,
@@ -365,73 +463,64 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
                                               long long off_s, const int* __restrict__ perm,
                                               const int* __restrict__ offsets, const int* __restrict__ tile_expert,
                                               const int* __restrict__ tile_start, const float* __restrict__ pair_w,
-                                              float* __restrict__ out, int ncols, int nout, int k) {
+                                              float* __restrict__ out, int ncols, int nout, int k, int num_tiles) {
     extern __shared__ __align__(128) unsigned char fast_smem[];
-    __shared__ int s_row[FAST_BM];    // activation row of each tile row (-1: past the expert's rows)
-    __shared__ int s_wrow[FAST_BN];   // weight row of each B row (-1: past nout)
-    __shared__ float s_rs[FAST_BM];   // int8 activations: each tile row's scale (else unread)
+    __shared__ FastSlot slots[2];
     constexpr int OUT_PER_BLOCK = GATEUP ? FAST_BN / 2 : FAST_BN;
+    constexpr int STAGE_BYTES = FastStage<IN>::BYTES * FAST_STAGE_STEPS;
+    const int n_blocks = (nout + OUT_PER_BLOCK - 1) / OUT_PER_BLOCK, items = n_blocks * num_tiles;
+    const int steps = (ncols + FAST_STAGE_COLS - 1) / FAST_STAGE_COLS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    const int e = tile_expert[blockIdx.y];
+    const int first = blockIdx.y * gridDim.x + blockIdx.x;
+    const int e = setup_item<GATEUP, IN>(slots[0], first, n_blocks, items, tile_expert, tile_start, offsets, perm,
+                                         in_scale, nout, k);
     if (e < 0) return;
-    const int start = tile_start[blockIdx.y];
-    const int cnt = min(FAST_BM, offsets[e + 1] - start);
-    const int n0 = blockIdx.x * OUT_PER_BLOCK;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const char* blob = reinterpret_cast<const char*>(blobs[e]);
-    const signed char* w = reinterpret_cast<const signed char*>(blob + off_w);
-    const float* scale = reinterpret_cast<const float*>(blob + off_s);
-
-    for (int r = tid; r < FAST_BM; r += FAST_THREADS) {
-        s_row[r] = r < cnt ? (GATEUP ? perm[start + r] / k : start + r) : -1;
-        s_rs[r] = IN == FAST_IN_INT8 && r < cnt ? in_scale[s_row[r]] : 0.0f;
-    }
-    for (int j = tid; j < FAST_BN; j += FAST_THREADS) {
-        const int o = n0 + j % OUT_PER_BLOCK;
-        s_wrow[j] = o < nout ? (GATEUP && j >= OUT_PER_BLOCK ? nout + o : o) : -1;
-    }
+    FastLoads L{steps, 0, first, expert_array<signed char>(blobs, e, off_w)};
     __syncthreads();
 
     typename FastAcc<IN>::T acc[FAST_MT][FAST_NT][4];
-#pragma unroll
-    for (int mi = 0; mi < FAST_MT; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < FAST_NT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[mi][nt][r] = 0;
-
-    constexpr int STAGE_BYTES = FastStage<IN>::BYTES * FAST_STAGE_STEPS;
-    const int steps = (ncols + FAST_STAGE_COLS - 1) / FAST_STAGE_COLS;
-    // prologue: the first FAST_STAGES - 1 stages in flight; one commit group per stage (empty past the end), so
-    // that "all but FAST_STAGES - 2 groups done" always means "stage kt has landed"
+    zero_acc(acc);
+    // prologue: the first FAST_STAGES - 1 stages in flight; one commit group per stage (empty past the block's last
+    // item), so that "all but FAST_STAGES - 2 groups done" always means "stage f has landed"
 #pragma unroll
     for (int s = 0; s < FAST_STAGES - 1; ++s) {
-        if (s < steps)
-            load_stage<IN>(fast_smem + s * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow, ncols,
-                                 s * FAST_STAGE_COLS);
+        if (s < L.end)
+            copy_stage<GATEUP, IN>(L, slots, fast_smem + s * STAGE_BYTES, s, steps, n_blocks, items, in_hi, in_lo,
+                                   in_scale, blobs, off_w, perm, offsets, tile_expert, tile_start, ncols, nout, k);
         commit_copies();
     }
-    for (int kt = 0; kt < steps; ++kt) {
-        wait_copies<FAST_STAGES - 2>();
-        // stage kt visible to every warp, and every warp done with stage kt - 1, which is refilled next
-        __syncthreads();
-        const int next = kt + FAST_STAGES - 1;
-        if (next < steps)
-            load_stage<IN>(fast_smem + (next % FAST_STAGES) * STAGE_BYTES, in_hi, in_lo, w, s_row, s_wrow,
-                                 ncols, next * FAST_STAGE_COLS);
-        commit_copies();
-        // one step's fragments at a time (unrolled, two steps spilled under the 128-register bound)
+    for (int slot = 0, f = 0;;) {   // the block's items in turn (the classic grid: one); f counts stages
+        const int cnt = slots[slot].item.cnt;
+        for (int kt = 0; kt < steps; ++kt, ++f) {
+            wait_copies<FAST_STAGES - 2>();
+            // stage f (and the tables of any item set up since) visible to every warp, and every warp done with
+            // stage f - 1, which is refilled next
+            __syncthreads();
+            const int g = f + FAST_STAGES - 1;
+            if (g < L.end)
+                copy_stage<GATEUP, IN>(L, slots, fast_smem + (g % FAST_STAGES) * STAGE_BYTES, g, steps, n_blocks,
+                                       items, in_hi, in_lo, in_scale, blobs, off_w, perm, offsets, tile_expert,
+                                       tile_start, ncols, nout, k);
+            commit_copies();
+            // one step's fragments at a time (unrolled, two steps spilled under the 128-register bound)
 #pragma unroll 1
-        for (int u = 0; u < FAST_STAGE_STEPS; ++u)
-            mma_step<GATEUP, IN>(fast_smem + (kt % FAST_STAGES) * STAGE_BYTES + u * FastStage<IN>::BYTES, acc, warp,
-                                 lane, cnt);
+            for (int u = 0; u < FAST_STAGE_STEPS; ++u)
+                mma_step<GATEUP, IN>(fast_smem + (f % FAST_STAGES) * STAGE_BYTES + u * FastStage<IN>::BYTES, acc,
+                                     warp, lane, cnt);
+        }
+        const FastItem it = slots[slot].item;
+        const float* scale = expert_array<float>(blobs, it.expert, off_s);
+        if (GATEUP)
+            store_gate_up(acc, scale, slots[slot].rs, out, it.start, it.cnt, it.n0, nout, warp, lane);
+        else
+            store_down(acc, scale, slots[slot].rs, perm, pair_w, out, it.start, it.cnt, it.n0, nout, warp, lane);
+        if (!FAST_PERSISTENT) break;
+        zero_acc(acc);
+        slot ^= 1;
+        if (slots[slot].item.expert < 0) break;   // set up (or found missing) by the copies, stages ago
     }
     wait_copies<0>();   // only empty groups remain; leave none outstanding at exit
-
-    if (GATEUP)
-        store_gate_up(acc, scale, s_rs, out, start, cnt, n0, nout, warp, lane);
-    else
-        store_down(acc, scale, s_rs, perm, pair_w, out, start, cnt, n0, nout, warp, lane);
 }
 
 // in_lo is read only by the _split kernels (the _bf16 ones take any pointer there, e.g. in_hi).
@@ -439,17 +528,17 @@ __device__ __forceinline__ void moe_gemm_fast(const void* __restrict__ in_hi, co
     extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)                                \
         NAME(const u16* x_hi, const u16* x_lo, const unsigned long long* blobs, long long off_w, long long off_s, \
              const int* perm, const int* offsets, const int* tile_expert, const int* tile_start, float* act,     \
-             int H, int I, int k) {                                                                            \
+             int H, int I, int k, int num_tiles) {                                                             \
         moe_gemm_fast<true, IN>(x_hi, x_lo, nullptr, blobs, off_w, off_s, perm, offsets, tile_expert,          \
-                                tile_start, nullptr, act, H, I, k);                                            \
+                                tile_start, nullptr, act, H, I, k, num_tiles);                                 \
     }
 #define FAST_DOWN_KERNEL(NAME, IN)                                                                              \
     extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)                                \
         NAME(const u16* act_hi, const u16* act_lo, const unsigned long long* blobs, long long off_w,             \
              long long off_s, const int* perm, const int* offsets, const int* tile_expert, const int* tile_start, \
-             const float* pair_w, float* y, int H, int I) {                                                    \
+             const float* pair_w, float* y, int H, int I, int num_tiles) {                                     \
         moe_gemm_fast<false, IN>(act_hi, act_lo, nullptr, blobs, off_w, off_s, perm, offsets, tile_expert,     \
-                                 tile_start, pair_w, y, I, H, 1);                                              \
+                                 tile_start, pair_w, y, I, H, 1, num_tiles);                                   \
     }
 
 FAST_GATE_UP_KERNEL(moe_gemm_fast_gate_up_bf16, FAST_IN_BF16)
@@ -461,15 +550,17 @@ FAST_DOWN_KERNEL(moe_gemm_fast_down_split, FAST_IN_SPLIT)
 extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)
 moe_gemm_fast_gate_up_int8(const signed char* xq, const float* x_scale, const unsigned long long* blobs,
                            long long off_w, long long off_s, const int* perm, const int* offsets,
-                           const int* tile_expert, const int* tile_start, float* act, int H, int I, int k) {
+                           const int* tile_expert, const int* tile_start, float* act, int H, int I, int k,
+                           int num_tiles) {
     moe_gemm_fast<true, FAST_IN_INT8>(xq, nullptr, x_scale, blobs, off_w, off_s, perm, offsets, tile_expert,
-                                      tile_start, nullptr, act, H, I, k);
+                                      tile_start, nullptr, act, H, I, k, num_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MIN_BLOCKS)
 moe_gemm_fast_down_int8(const signed char* aq, const float* a_scale, const unsigned long long* blobs,
                         long long off_w, long long off_s, const int* perm, const int* offsets,
-                        const int* tile_expert, const int* tile_start, const float* pair_w, float* y, int H, int I) {
+                        const int* tile_expert, const int* tile_start, const float* pair_w, float* y, int H, int I,
+                        int num_tiles) {
     moe_gemm_fast<false, FAST_IN_INT8>(aq, nullptr, a_scale, blobs, off_w, off_s, perm, offsets, tile_expert,
-                                       tile_start, pair_w, y, I, H, 1);
+                                       tile_start, pair_w, y, I, H, 1, num_tiles);
 }

@@ -763,11 +763,18 @@ def _check_fast(activations: str, table: ExpertTable, disp: Dispatch) -> None:
         raise ValueError(f"dispatch tile_m must be {GEMM_BM} for the grouped GEMM")
 
 
-def _fast_launch(stage: str, activations: str, disp: Dispatch, grid_x: int, args: tuple) -> None:
-    """Launches a moe_gemm_fast.cu kernel with its dynamic shared memory (opted in beyond 48 KB)."""
+def _fast_launch(stage: str, activations: str, disp: Dispatch, grid_x: int, ncols: int, args: tuple) -> None:
+    """Launches a moe_gemm_fast.cu kernel over grid_x output blocks of the dispatch's tiles, with its dynamic shared
+    memory (opted in beyond 48 KB): a block an item, or (limits.fast_gemm_persistent) as many blocks as the GPU
+    runs at once, each taking several."""
     smem = fast_gemm_shared_bytes(activations)
     fn = _opted_in(kernel("moe_gemm_fast", f"moe_gemm_fast_{stage}_{activations}"), smem)
-    fn((grid_x, int(disp.tile_expert.size)), (FAST_THREADS,), args, shared_mem=smem)
+    tiles = int(disp.tile_expert.size)
+    grid = (grid_x, tiles)
+    if limits.fast_gemm_persistent(ncols):
+        per_sm = min(resident_blocks(fn, FAST_THREADS), limits.fast_gemm_blocks_per_sm(activations))
+        grid = (max(1, min(grid_x * tiles, _sm_count() * per_sm)), 1)
+    fn(grid, (FAST_THREADS,), args + (np.int32(tiles),), shared_mem=smem)
 
 
 def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, activations: str = "split",
@@ -786,7 +793,7 @@ def moe_gemm_gate_up_fast(x, table: ExpertTable, disp: Dispatch, k: int, *, acti
     _check_fast(activations, table, disp)
     act = _out("out", out, (disp.num_pairs, I), cp.float32)
     x_hi, x_lo = quantize_rows_int8(x) if activations == "int8" else split_bf16(x, hi=hi, lo=lo)
-    _fast_launch("gate_up", activations, disp, -(-I // (FAST_BN // 2)),
+    _fast_launch("gate_up", activations, disp, -(-I // (FAST_BN // 2)), H,
                  (x_hi, x_lo, table.blob_ptrs, np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
                   disp.perm, disp.offsets, disp.tile_expert, disp.tile_start, act, np.int32(H), np.int32(I),
                   np.int32(k)))
@@ -805,7 +812,7 @@ def moe_gemm_down_fast(act, table: ExpertTable, disp: Dispatch, weights, *, acti
     _check_fast(activations, table, disp)
     y = _out("out", out, (P, H), cp.float32)
     a_hi, a_lo = quantize_rows_int8(act) if activations == "int8" else split_bf16(act, hi=hi, lo=lo)
-    _fast_launch("down", activations, disp, -(-H // FAST_BN),
+    _fast_launch("down", activations, disp, -(-H // FAST_BN), I,
                  (a_hi, a_lo, table.blob_ptrs, np.int64(table.off_down), np.int64(table.off_down_scale), disp.perm,
                   disp.offsets, disp.tile_expert, disp.tile_start, weights, y, np.int32(H), np.int32(I)))
     return y
