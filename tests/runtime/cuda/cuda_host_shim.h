@@ -57,6 +57,7 @@ struct uint4 { unsigned int x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct alignas(4) char4 { signed char x, y, z, w; };
 
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
@@ -66,6 +67,7 @@ inline uint4 load16_stream(const void* p) { uint4 r; std::memcpy(&r, p, 16); ret
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline char4 make_char4(signed char x, signed char y, signed char z, signed char w) { return {x, y, z, w}; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }

@@ -191,8 +191,9 @@ def test_engine_prefill_on_cublas(tmp_path, monkeypatch, activations, tol):
 
 
 # ---- W8A8 ("int8" activations) ------------------------------------------------------------------------------
-def test_quantize_rows_matches_numpy_bit_for_bit(cp, rng):
-    x = (rng.standard_normal((7, 1040)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
+@pytest.mark.parametrize("cols", [1040, 14336, 300, 16388])   # read once into registers (two), twice (two)
+def test_quantize_rows_matches_numpy_bit_for_bit(cp, rng, cols):
+    x = (rng.standard_normal((7, cols)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
     x[3] = 0
     q, s = ops.quantize_rows_int8(cp.asarray(x))
     want_q, want_s = nb.quantize_int8_groups(x, x.shape[1])

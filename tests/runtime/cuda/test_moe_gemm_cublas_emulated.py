@@ -100,7 +100,9 @@ def test_down_epilogue_writes_only_its_rows(emulator, split):
 
 
 # ---- W8A8 ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cols", [16, 300, 4096])
+# whole float4s read once into registers (16, 768, 4096, 14336, 16384: the most), others read twice (300: not whole
+# float4s; 16388: more than the registers hold)
+@pytest.mark.parametrize("cols", [16, 300, 768, 4096, 14336, 16384, 16388])
 def test_quantize_rows_matches_numpy_bit_for_bit(emulator, cols):
     rng = np.random.default_rng(cols)
     x = (rng.standard_normal((5, cols)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)

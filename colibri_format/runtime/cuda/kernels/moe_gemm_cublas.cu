@@ -149,23 +149,54 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
 //   down_epilogue_int8:     ypair[perm[pos], h] = (w[perm[pos]] * (y * rs[pos])) * s[h]
 // The epilogues take every pair's row in one launch (each expert's products written at its rows of one array), so
 // that a layer costs the host two cuBLAS calls an expert and five launches.
+// The block's max of every thread's m (s_red: a shared float a warp)
+__device__ __forceinline__ float block_max(float m, float* s_red) {
+    m = warp_max(m);
+    __syncthreads();                     // s_red may still be read for the previous row
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    return warp_max(lane < (int)(blockDim.x >> 5) ? s_red[lane] : 0.0f);   // every warp reduces the same partials
+}
+
+__device__ __forceinline__ signed char round_int8(float v, float sc) {
+    return (signed char)(int)(sc > 0.0f ? rintf(v / sc) : 0.0f);
+}
+
+// Rows of whole float4s, up to GLUE_THREADS x QUANT_ROW_VECS of them, are read once into registers (Mixtral's 14,336
+// columns: 14 a thread); other rows twice, for their max and then for the rounding. The same bits either way.
+#define QUANT_ROW_VECS 16
+
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, float* __restrict__ s, int rows,
                    int cols) {
     __shared__ float s_red[32];
+    const bool in_registers = cols % 4 == 0 && cols <= (int)blockDim.x * 4 * QUANT_ROW_VECS;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (size_t)r * cols;
-        float m = 0.0f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(row[c]));
-        m = warp_max(m);
-        __syncthreads();                     // s_red may still be read for the previous row
-        if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
-        __syncthreads();
-        const int lane = threadIdx.x & 31;
-        m = warp_max(lane < (int)(blockDim.x >> 5) ? s_red[lane] : 0.0f);   // every warp reduces the same partials
-        const float sc = m / 127.0f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            q[(size_t)r * cols + c] = (signed char)(int)(sc > 0.0f ? rintf(row[c] / sc) : 0.0f);
+        signed char* qrow = q + (size_t)r * cols;
+        float m = 0.0f, sc;
+        if (in_registers) {
+            float4 v[QUANT_ROW_VECS];
+#pragma unroll
+            for (int i = 0; i < QUANT_ROW_VECS; ++i) {
+                const int c = 4 * (threadIdx.x + i * blockDim.x);
+                v[i] = c < cols ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+                m = fmaxf(fmaxf(m, fmaxf(fabsf(v[i].x), fabsf(v[i].y))), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+            }
+            sc = block_max(m, s_red) / 127.0f;
+#pragma unroll
+            for (int i = 0; i < QUANT_ROW_VECS; ++i) {
+                const int c = 4 * (threadIdx.x + i * blockDim.x);
+                if (c < cols)
+                    *reinterpret_cast<char4*>(qrow + c) = make_char4(round_int8(v[i].x, sc), round_int8(v[i].y, sc),
+                                                                     round_int8(v[i].z, sc), round_int8(v[i].w, sc));
+            }
+        } else {
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(row[c]));
+            sc = block_max(m, s_red) / 127.0f;
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) qrow[c] = round_int8(row[c], sc);
+        }
         if (threadIdx.x == 0) s[r] = sc;
     }
 }
