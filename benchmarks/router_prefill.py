@@ -41,7 +41,7 @@ def case(cp, name: str, T: int) -> dict:
     E, H, k, opts = SHAPES[name]
     rs = cp.random.RandomState(T + E)
     x = rs.standard_normal((T, H), dtype=cp.float32)
-    w32 = rs.standard_normal((E, H), dtype=cp.float32) / np.sqrt(H)
+    w32 = rs.standard_normal((E, H), dtype=cp.float32) / float(np.sqrt(H))   # a float32 array (NEP 50)
     w = (w32.view(cp.uint32) >> 16).astype(cp.uint16)             # bf16 bits (truncated: any bf16 values do)
     how = dict(opts)
     if how.pop("bias", False):
