@@ -41,9 +41,10 @@ NORM_ROUTE_MAX_ROWS = 1
 # ops.router takes the logits of passes of at least this many rows (of routers of more than ROUTER_EPB experts:
 # ops.router_by_gemm) from cuBLAS's fp32 product and launches the selection alone (router.cu's moe_router_select
 # kernels); fewer rows run the fused kernel, whose blocks of ROUTER_TPB tokens x ROUTER_EPB experts re-read the rows
-# of x and of the weight (~51 us at 512 rows of Qwen3-30B-A3B, docs/benchmarks.md session 14). Not yet timed:
-# benchmarks/router_prefill.py places it
-ROUTER_GEMM_MIN_ROWS = 64
+# of x and of the weight. H200, session 25 (benchmarks/router_prefill.py, µs, fused / GEMM route): Qwen3-30B-A3B 64
+# rows 10.0 / 14.7, 128 16.0 / 15.4, 256 27.0 / 17.6, 512 48.7 / 21.6; OLMoE 128 9.5 / 13.7, 256 15.4 / 13.9;
+# gpt-oss 128 19.6 / 19.6, 256 35.0 / 22.4; DeepSeek-V3 128 52.9 / 52.2, 256 95.6 / 62.3: the GEMM route wins from 256
+ROUTER_GEMM_MIN_ROWS = 256
 # DeviceDense.normed_linear folds the input norm into the q|k|v product (dense_gemv_normed) for passes of up to this
 # many rows: at one token it saves ~16 us a Qwen3-30B-A3B step; at eight it took 1158.5 us against ~733 for the plain
 # product, ~322 us more than the product and the rmsnorm launches (103.4 us) it replaced (docs/benchmarks.md,
@@ -89,8 +90,10 @@ FAST_SKIP_EMPTY_M = 0
 FAST_STAGE_STEPS = 1
 # Bytes around each copy's source that moe_gemm_fast.cu's cp.async brings into L2 (0, 128, 256: PTX's L2::128B /
 # L2::256B prefetch sizes), so that a step's 64-byte read of a weight row brings the next step's bytes from DRAM with
-# it. 0 until prefill_gemm.py --sweep has timed it on a GPU.
-FAST_L2_PREFETCH = 0
+# it. H200, session 25 (prefill_gemm.py --sweep, the s8 kernels alone by CUPTI, µs): Qwen3-30B-A3B 512 tokens gate_up
+# 183.7 -> 127.0 (2.19 -> 3.17 TB/s of weights), down 107.4 -> 80.8; OLMoE 138.7 -> 122.0, 83.5 -> 72.7; 256 the same
+# within 2 %. The short runs of a weight row (64 bytes a K step) were what held the kernel at half the HBM rate.
+FAST_L2_PREFETCH = 128
 # 1: moe_gemm_fast.cu's blocks take several work items (ops._fast_launch launches as many blocks as run at once, when an
 # item spans at least FAST_STAGES stages) and run their copies on from one item into the next, instead of a block an
 # item filling and draining the cp.async pipeline each (Qwen3-30B-A3B's down: 12 K steps a block at 512 tokens).
