@@ -59,7 +59,6 @@ class CupyBackend:
         # decode passes of this many rows (0: none) multiply bf16 matrices on dense_gemv_tc; read when the backend is
         # made, so a benchmark may set limits.DG_TC_MIN_ROWS before it opens an engine
         self.dense_tc_min_rows = limits.DG_TC_MIN_ROWS
-        self._flash_rows, self._flash_plans = None, {}   # the last pass's rows and its flash tile plans (_flash_plan)
         ops.warm_up()   # compile and load every kernel module now: loading cannot happen inside a capture
 
     # --- arrays -------------------------------------------------------------------------------------------
@@ -196,7 +195,7 @@ class CupyBackend:
             return attention(q, k_cache, v_cache, self.to_host(q_seq), self.to_host(q_len), scale, window=window,
                              sinks=sinks, out=out, xp=self.xp)
         if self.flash_prefill and self.ops.use_flash_prefill(q, k_cache):
-            plan = self._flash_plan(host_rows, nh // k_cache.shape[2], window, k_cache) if host_rows else None
+            plan = self._flash_plan(host_rows, nh // k_cache.shape[2], window, k_cache, ws) if host_rows else None
             return self.ops.attention_prefill(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks,
                                               out=out, plan=plan)
         nkv = k_cache.shape[2]
@@ -208,17 +207,21 @@ class CupyBackend:
         return self.ops.attention(q, k_cache, v_cache, q_seq, q_len, scale, window=window, sinks=sinks, out=out,
                                   nsplit=ns, workspace=aws)
 
-    def _flash_plan(self, host_rows, group: int, window: int, k_cache):
+    def _flash_plan(self, host_rows, group: int, window: int, k_cache, ws):
         """The flash prefill's tile plan for these rows: every layer of a pass shares its rows, so the plan is made
-        (and copied to the device) once per pass and (group, window) instead of once per layer."""
+        (and copied to the device) once per pass and (group, window) instead of once per layer. Kept in the pass's
+        workspace (ws.extra), not the backend: a prefill runner's graph reads its plan at every replay, and a plan
+        the backend kept was replaced, and freed, by the next pass of other rows (the H200, session 25: a captured
+        512-row prefill replayed after an eager 4096-row one read freed memory, an illegal address)."""
         seq_h, len_h = host_rows
         rows = (seq_h.tobytes(), len_h.tobytes(), k_cache.shape[:2])
-        if rows != self._flash_rows:
-            self._flash_rows, self._flash_plans = rows, {}
-        if (group, window) not in self._flash_plans:
-            self._flash_plans[group, window] = self.ops.prefill_attention_plan_on_device(seq_h, len_h, group,
-                                                                                         window, k_cache)
-        return self._flash_plans[group, window]
+        kept = ws.extra.get("flash_plans")
+        if kept is None or kept[0] != rows:
+            kept = ws.extra["flash_plans"] = (rows, {})
+        plans = kept[1]
+        if (group, window) not in plans:
+            plans[group, window] = self.ops.prefill_attention_plan_on_device(seq_h, len_h, group, window, k_cache)
+        return plans[group, window]
 
     def mla_attention(self, q, c, k_rope, k_b, v_b, cache, seq, pos, rpos, q_len, cos, sin, *, scale: float,
                       form: str, out, ws):

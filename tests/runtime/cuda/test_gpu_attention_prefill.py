@@ -204,3 +204,30 @@ def test_engine_runs_prefills_on_it(tmp_path, monkeypatch):
         assert sorted(plans) == sorted({flash.args.window(i) for i in range(weights.model["num_layers"])})
         for g, b, e in zip(got, base, expected):
             assert rel(g, e) < max(2e-3, 2 * rel(b, e))
+
+
+def test_a_replayed_prefill_keeps_its_tile_plan_past_other_passes(cp, tmp_path):
+    """A fresh prompt's prefill replays as a graph that reads its flash tile plan at every replay: an eager pass of
+    other rows in between (several sequences: a plan of its own), then memory handed out and overwritten, must not
+    touch it. The plan lived in the backend once, replaced and freed by the next pass of other rows: on the H200
+    (session 25) a captured 512-row prefill replayed after an eager 4096-row one hit an illegal address."""
+    from colibri_format.runtime import Engine, EngineConfig
+    from tests.runtime.numpy_tiny import random_weights
+    from tests.runtime.tiny_weights import write_colibri
+
+    weights = random_weights(seed=8, hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                             num_layers=2, moe_layers=[0, 1])
+    path = write_colibri(weights, tmp_path / "replay.colibri", experts="int8_row")
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, 50, 40).tolist()
+    others = [rng.integers(0, 50, n).tolist() for n in (90, 33)]
+    with Engine(path, EngineConfig(device="cuda", max_seq_len=128)) as eng:
+        # eager, then captured, then replayed
+        first = [eng.be.to_host(eng._prefill_fresh([np.asarray(prompt)])).copy() for _ in range(3)]
+        assert eng.stats()["prefill_graphs"]["64"] == "captured"
+        eng.logits(others)                                          # eager: a tile plan of other rows
+        junk = [cp.full(n, -1, cp.int32) for n in range(1, 4096, 7)]   # reuse whatever was freed
+        again = eng.be.to_host(eng._prefill_fresh([np.asarray(prompt)])).copy()
+        del junk
+    np.testing.assert_array_equal(first[1], first[0])
+    np.testing.assert_array_equal(again, first[2])
