@@ -122,6 +122,12 @@ CUBLAS_INT8_MIN_EXPERT_MACS = 3_700_000_000
 # Tiny test models (H I ~ 1e4) never reach it, so their float parity tests keep 'split' (W8A8 has its own tests).
 W8A8_MIN_EXPERT_MACS = 40_000_000
 GLUE_THREADS = 256      # its element-wise kernels' blocks (grid-stride)
+# moe_gemm_cublas.cu's quantize_rows_int8 (the W8A8 routes' row rounding): a row of whole float4s, up to 32 x
+# QUANT_WARP_VECS of them, is a warp's (read once into its registers); longer rows a block's, read once up to
+# GLUE_THREADS x QUANT_ROW_VECS float4s, else twice. H200, session 25: a block a row took 18 µs a call at Qwen3's 512
+# tokens and 137 at 4,096 (1.7 and 13.1 ms of those prefills), walking its rows one after another.
+QUANT_WARP_VECS = 16
+QUANT_ROW_VECS = 16
 # layers.cu: attention blocks of ATT_THREADS threads for up to ATT_GMAX query heads of a kv head. dense_gemv: a
 # kernel per token count (tokens a pass) -> (output rows a warp computes, 16-byte loads per row a lane issues at
 # once); measured on the H200 at the decode shapes of Qwen3/OLMoE/Mixtral (benchmarks/decode_profile.py): eight
@@ -303,7 +309,8 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                       "FAST_STAGES": FAST_STAGES, "FAST_MIN_BLOCKS": FAST_MIN_BLOCKS,
                       "FAST_SKIP_EMPTY_M": FAST_SKIP_EMPTY_M, "FAST_STAGE_STEPS": FAST_STAGE_STEPS,
                       "FAST_L2_PREFETCH": FAST_L2_PREFETCH, "FAST_PERSISTENT": FAST_PERSISTENT},
-    "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS},
+    "moe_gemm_cublas": {"GLUE_THREADS": GLUE_THREADS, "QUANT_WARP_VECS": QUANT_WARP_VECS,
+                        "QUANT_ROW_VECS": QUANT_ROW_VECS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
                "ATT_MERGE_LOADS": ATT_MERGE_LOADS,
@@ -362,6 +369,18 @@ FAST_ACTIVATION_BYTES = {"bf16": 2, "split": 4, "int8": 1}   # moe_gemm_fast.cu:
 
 MULTIPROCESSOR_SHARED_BYTES = 228 * 1024   # an sm_90 multiprocessor's shared memory (1 KB of it reserved a block)
 FAST_STATIC_SHARED_BYTES = 2 * 4 * (2 * FAST_BM + FAST_BN + 4)   # moe_gemm_fast.cu's two FastSlot tables
+
+
+def quantize_rows_by_warp(cols: int) -> bool:
+    """Whether quantize_rows_int8 gives a row of `cols` values a warp (else a block)."""
+    return cols % 4 == 0 and cols <= WARP * 4 * QUANT_WARP_VECS
+
+
+def quantize_rows_blocks(rows: int, cols: int, multiprocessors: int) -> int:
+    """quantize_rows_int8's grid: a block for each row or each GLUE_THREADS / WARP rows, at most 8 blocks a
+    multiprocessor (grid-stride beyond)."""
+    per_block = GLUE_THREADS // WARP if quantize_rows_by_warp(cols) else 1
+    return max(1, min(-(-rows // per_block), multiprocessors * 8))
 
 
 def fast_gemm_stages(ncols: int) -> int:

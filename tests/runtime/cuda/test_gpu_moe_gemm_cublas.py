@@ -191,7 +191,8 @@ def test_engine_prefill_on_cublas(tmp_path, monkeypatch, activations, tol):
 
 
 # ---- W8A8 ("int8" activations) ------------------------------------------------------------------------------
-@pytest.mark.parametrize("cols", [1040, 14336, 300, 16388])   # read once into registers (two), twice (two)
+# a warp a row (768, 1040, 2048), a block a row read once (14336) or twice (300, 16388)
+@pytest.mark.parametrize("cols", [768, 1040, 2048, 14336, 300, 16388])
 def test_quantize_rows_matches_numpy_bit_for_bit(cp, rng, cols):
     x = (rng.standard_normal((7, cols)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
     x[3] = 0

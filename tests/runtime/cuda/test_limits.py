@@ -233,3 +233,15 @@ def test_the_persistent_grid_needs_its_build_and_items_of_enough_stages(monkeypa
     (64, 32, 32, (32, 32, "g")), (64, 48, 24, None), (64, 48, 32, None), (64, 32, -16, None)])
 def test_scale_groups(hidden, inter, group, expected):
     assert L.scale_groups(hidden, inter, group) == expected
+
+
+def test_quantize_rows_takes_a_warp_a_row_up_to_its_registers():
+    """quantize_rows_int8's grid: a warp a row for rows of whole float4s up to 32 x QUANT_WARP_VECS (8 rows a block),
+    a block a row beyond, never more than 8 blocks a multiprocessor."""
+    widest = L.WARP * 4 * L.QUANT_WARP_VECS
+    assert L.quantize_rows_by_warp(768) and L.quantize_rows_by_warp(widest)
+    assert not L.quantize_rows_by_warp(widest + 4) and not L.quantize_rows_by_warp(302)
+    per_block = L.GLUE_THREADS // L.WARP
+    assert L.quantize_rows_blocks(4096, 768, 132) == 4096 // per_block
+    assert L.quantize_rows_blocks(4096, 14336, 132) == 132 * 8
+    assert L.quantize_rows_blocks(3, 768, 132) == 1

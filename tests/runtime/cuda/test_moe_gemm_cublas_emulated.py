@@ -100,9 +100,10 @@ def test_down_epilogue_writes_only_its_rows(emulator, split):
 
 
 # ---- W8A8 ------------------------------------------------------------------------------------------------------------
-# whole float4s read once into registers (16, 768, 4096, 14336, 16384: the most), others read twice (300: not whole
-# float4s; 16388: more than the registers hold)
-@pytest.mark.parametrize("cols", [16, 300, 768, 4096, 14336, 16384, 16388])
+# a warp a row (16, 768, 2048: whole float4s, at most 32 x QUANT_WARP_VECS); a block a row, read once into registers
+# (2052, 4096, 14336, 16384: at most GLUE_THREADS x QUANT_ROW_VECS float4s) or twice (300: not whole float4s; 16388:
+# more than the registers hold)
+@pytest.mark.parametrize("cols", [16, 300, 768, 2048, 2052, 4096, 14336, 16384, 16388])
 def test_quantize_rows_matches_numpy_bit_for_bit(emulator, cols):
     rng = np.random.default_rng(cols)
     x = (rng.standard_normal((5, cols)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)

@@ -19,6 +19,12 @@
 #ifndef GLUE_THREADS
 #error "GLUE_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
+#ifndef QUANT_WARP_VECS
+#error "QUANT_WARP_VECS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+#ifndef QUANT_ROW_VECS
+#error "QUANT_ROW_VECS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 
 struct alignas(8) Bf16x4 {
     u16 v[4];
@@ -163,13 +169,44 @@ __device__ __forceinline__ signed char round_int8(float v, float sc) {
     return (signed char)(int)(sc > 0.0f ? rintf(v / sc) : 0.0f);
 }
 
-// Rows of whole float4s, up to GLUE_THREADS x QUANT_ROW_VECS of them, are read once into registers (Mixtral's 14,336
-// columns: 14 a thread); other rows twice, for their max and then for the rounding. The same bits either way.
-#define QUANT_ROW_VECS 16
+// A row of whole float4s, up to 32 x QUANT_WARP_VECS of them (limits.quantize_rows_by_warp), is a warp's: read once
+// into its registers, its max reduced by shuffles alone, no barrier (the rows of Qwen3's x and act: 2,048 and 768
+// values; a block a row walked them one after another, ~31 rows a block at 4,096 tokens). Longer rows are a block's:
+// read once into registers up to GLUE_THREADS x QUANT_ROW_VECS float4s (Mixtral's 14,336 columns: 14 a thread), else
+// twice, for their max and then for the rounding. The same bits every way.
+__device__ __forceinline__ void quantize_rows_by_warp(const float* __restrict__ x, signed char* __restrict__ q,
+                                                      float* __restrict__ s, int rows, int cols) {
+    const int lane = threadIdx.x & 31, warps = (int)(gridDim.x * blockDim.x) >> 5;
+    for (int r = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        const float* row = x + (size_t)r * cols;
+        signed char* qrow = q + (size_t)r * cols;
+        float4 v[QUANT_WARP_VECS];
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QUANT_WARP_VECS; ++i) {
+            const int c = 4 * (lane + 32 * i);
+            v[i] = c < cols ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            m = fmaxf(fmaxf(m, fmaxf(fabsf(v[i].x), fabsf(v[i].y))), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+        }
+        const float sc = warp_max(m) / 127.0f;
+#pragma unroll
+        for (int i = 0; i < QUANT_WARP_VECS; ++i) {
+            const int c = 4 * (lane + 32 * i);
+            if (c < cols)
+                *reinterpret_cast<char4*>(qrow + c) = make_char4(round_int8(v[i].x, sc), round_int8(v[i].y, sc),
+                                                                 round_int8(v[i].z, sc), round_int8(v[i].w, sc));
+        }
+        if (lane == 0) s[r] = sc;
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, float* __restrict__ s, int rows,
                    int cols) {
+    if (cols % 4 == 0 && cols <= 32 * 4 * QUANT_WARP_VECS) {   // the same test for the whole launch
+        quantize_rows_by_warp(x, q, s, rows, cols);
+        return;
+    }
     __shared__ float s_red[32];
     const bool in_registers = cols % 4 == 0 && cols <= (int)blockDim.x * 4 * QUANT_ROW_VECS;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {

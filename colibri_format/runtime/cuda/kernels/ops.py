@@ -983,7 +983,8 @@ def quantize_rows_int8(x, *, q=None, scales=None):
     qo = _out("q", q, (rows, cols), cp.int8)
     so = _out("scales", scales, (rows,), cp.float32)
     if rows:
-        kernel("moe_gemm_cublas", "quantize_rows_int8")((min(rows, _sm_count() * 8),), (GLUE_THREADS,),
+        kernel("moe_gemm_cublas", "quantize_rows_int8")((limits.quantize_rows_blocks(rows, cols, _sm_count()),),
+                                                        (GLUE_THREADS,),
                                                         (x, qo, so, np.int32(rows), np.int32(cols)))
     return qo, so
 
