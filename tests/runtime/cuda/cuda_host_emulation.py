@@ -3,8 +3,8 @@ pipelines, fragment layouts and cross-block protocols on machines without a GPU:
 (test_moe_gemm_fast_emulated.py), moe_gemv.cu (test_moe_gemv_emulated.py), moe_gemv4_tc.cu
 (test_moe_gemv4_tc_emulated.py), moe_gemv4_dp4a.cu (test_moe_gemv4_dp4a_emulated.py), layers.cu's attention_decode
 (test_attention_decode_emulated.py), the norms (layers.cu's rmsnorm, fused.cu's add_rmsnorm:
-test_norms_emulated.py), router.cu's router and add_rmsnorm_route (test_router_emulated.py) and moe_gemm_cublas.cu's
-element-wise kernels around cuBLAS (test_moe_gemm_cublas_emulated.py).
+test_norms_emulated.py), router.cu's router and add_rmsnorm_route (test_router_emulated.py), moe_gemm_cublas.cu's
+element-wise kernels around cuBLAS (test_moe_gemm_cublas_emulated.py) and dispatch.cu (test_dispatch_emulated.py).
 
 The kernel source is what NVRTC compiles (`ops.kernel_source`, the -D options of limits.py), with the helpers that
 wrap PTX removed (PTX_HELPERS, and the 16-bit float conversions PTX_STRUCTS); cuda_host_shim.h stands in for them and
@@ -1123,3 +1123,36 @@ class GlueEmulator(GridStrideEmulator):
         self.lib.emu_down_epilogue_int8(self.blocks, _ptr(yd), _ptr(row_scales), _ptr(offsets), offsets.size - 1,
                                         _ptr(ptrs), ctypes.c_longlong(off_s), _ptr(perm), _ptr(weights),
                                         _ptr(ypair), P, hidden)
+
+
+# ---- dispatch.cu --------------------------------------------------------------------------------------------------
+DISPATCH_DRIVER = r"""
+extern "C" void emu_dispatch(const int* ids, int P, int E, int tile_m, int max_tiles, int* counts, int* offsets,
+                             int* perm, int* inv, int* active, int* meta, int* tile_expert, int* tile_start) {
+    emu_launch({1, 1, 1}, DISPATCH_THREADS, 0, [&] {
+        moe_dispatch(ids, P, E, tile_m, max_tiles, counts, offsets, perm, inv, active, meta, tile_expert, tile_start);
+    });
+}
+"""
+
+
+def build_dispatch(tmp_path: Path) -> ctypes.CDLL:
+    """dispatch.cu for the CPU, with limits.py's constants (its warp match masks emulated by the shim)."""
+    return _compile(tmp_path, "dispatch", host_module_source("dispatch") + DISPATCH_DRIVER,
+                    limits.define_options("dispatch"))
+
+
+class DispatchEmulator(LibraryEmulator):
+    """moe_dispatch (one block, as ops.dispatch launches it) over host arrays."""
+
+    def dispatch(self, ids: np.ndarray, num_experts: int, tile_m: int = limits.GEMM_BM) -> dict:
+        ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        P, E = ids.size, num_experts
+        max_tiles = P // tile_m + min(E, P) + 1                                    # ops.max_tiles
+        out = {"counts": np.full(E, -7, np.int32), "offsets": np.full(E + 1, -7, np.int32),
+               "perm": np.full(P, -7, np.int32), "inv": np.full(P, -7, np.int32), "active": np.full(E, -7, np.int32),
+               "meta": np.full(4, -7, np.int32), "tile_expert": np.full(max_tiles, -7, np.int32),
+               "tile_start": np.full(max_tiles, -7, np.int32)}
+        self.lib.emu_dispatch(_ptr(ids), P, E, tile_m, max_tiles, *(_ptr(out[n]) for n in (
+            "counts", "offsets", "perm", "inv", "active", "meta", "tile_expert", "tile_start")))
+        return out

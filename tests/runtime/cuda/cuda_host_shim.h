@@ -9,8 +9,8 @@
 //     block abandoned;
 //   - __shared__ variables are static objects: every thread of the running block sees them, and they keep the
 //     previous block's values (not poisoned: GCC drops a section attribute on a template's static locals);
-//   - __shfl_xor_sync and __shfl_sync (of values up to 8 bytes) are warp-collective like mma.sync (below): post,
-//     meet, read the partner's, meet;
+//   - __shfl_xor_sync, __shfl_sync and __shfl_up_sync (of values up to 8 bytes) and __match_any_sync are
+//     warp-collective like mma.sync (below): post, meet, read the partner's (or every lane's), meet;
 //   - atomicAdd and __threadfence are the host's (blocks do not overlap: what the fences order is not exercised);
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
@@ -73,6 +73,7 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
@@ -274,6 +275,27 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned int, T v, int mask) { return emu_shuffle(v, (threadIdx.x & 31) ^ mask); }
 template <typename T>
 inline T __shfl_sync(unsigned int, T v, int lane) { return emu_shuffle(v, lane); }
+template <typename T>   // shfl.sync.up: lanes below delta keep their own value
+inline T __shfl_up_sync(unsigned int, T v, unsigned int delta) {
+    const int lane = threadIdx.x & 31;
+    return emu_shuffle(v, lane >= (int)delta ? lane - (int)delta : lane);
+}
+
+// match.any.sync (the dispatch's stable ranks): the lanes whose value equals this lane's, as a mask
+inline unsigned int __match_any_sync(unsigned int, int v) {
+    EmuBlock::Warp& w = emu_block->warps[threadIdx.x >> 5];
+    std::memcpy(&w.shuffled[threadIdx.x & 31], &v, sizeof(int));
+    w.meet->arrive_and_wait();
+    unsigned int mask = 0;
+    for (int l = 0; l < 32; ++l) {
+        int other;
+        std::memcpy(&other, &w.shuffled[l], sizeof(int));
+        if (other == v) mask |= 1u << l;
+    }
+    w.meet->arrive_and_wait();
+    return mask;
+}
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 
 // ---- mma.sync -----------------------------------------------------------------------------------------------------
 inline float emu_bf16(unsigned int reg, int high) { return __uint_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
