@@ -53,6 +53,11 @@ NORMED_GEMV_MAX_ROWS = 1
 # dispatch.cu: one block; per-warp expert counts in shared memory
 DISPATCH_THREADS = 512
 DISPATCH_MAX_E = 512
+# ops.dispatch ranks passes of at least this many pairs over several blocks (dispatch.cu's moe_dispatch_ranks /
+# _groups / _scatter: three launches) instead of one block (moe_dispatch, one launch). One block took 17 µs a layer
+# at Qwen3-30B-A3B's 512 tokens (4,096 pairs) and 122 at 4,096 tokens on the H200 (session 25's timelines).
+# 0 (never) until benchmarks time the spread form on a GPU.
+DISPATCH_SPREAD_MIN_PAIRS = 0
 # moe_gemv.cu
 GEMV_THREADS = 128
 GEMV_TOKC = (1, 2, 4, 8)                    # tokens per pass of the moe_{gate_up,down}_t<TOKC> kernels
@@ -369,6 +374,19 @@ FAST_ACTIVATION_BYTES = {"bf16": 2, "split": 4, "int8": 1}   # moe_gemm_fast.cu:
 
 MULTIPROCESSOR_SHARED_BYTES = 228 * 1024   # an sm_90 multiprocessor's shared memory (1 KB of it reserved a block)
 FAST_STATIC_SHARED_BYTES = 2 * 4 * (2 * FAST_BM + FAST_BN + 4)   # moe_gemm_fast.cu's two FastSlot tables
+
+
+def dispatch_blocks(pairs: int, multiprocessors: int, min_pairs: int | None = None) -> tuple[int, int] | None:
+    """(blocks, pairs a block) of a dispatch over several blocks, or None for the one-block kernel: passes of at
+    least `min_pairs` (default DISPATCH_SPREAD_MIN_PAIRS; 0: never) pairs, chunks of whole DISPATCH_THREADS rounds,
+    at most a block a multiprocessor."""
+    least = DISPATCH_SPREAD_MIN_PAIRS if min_pairs is None else min_pairs
+    if least <= 0 or pairs < least:
+        return None
+    rounds = -(-pairs // DISPATCH_THREADS)
+    blocks = max(1, min(rounds, multiprocessors))
+    chunk = -(-rounds // blocks) * DISPATCH_THREADS
+    return -(-pairs // chunk), chunk
 
 
 def quantize_rows_by_warp(cols: int) -> bool:

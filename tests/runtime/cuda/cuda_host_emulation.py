@@ -1133,6 +1133,22 @@ extern "C" void emu_dispatch(const int* ids, int P, int E, int tile_m, int max_t
         moe_dispatch(ids, P, E, tile_m, max_tiles, counts, offsets, perm, inv, active, meta, tile_expert, tile_start);
     });
 }
+
+extern "C" void emu_dispatch_blocks(int blocks, int chunk, unsigned order, const int* ids, int P, int E, int tile_m,
+                                    int max_tiles, int* counts, int* offsets, int* perm, int* inv, int* active,
+                                    int* meta, int* tile_expert, int* tile_start, int* block_counts, int* block_bad,
+                                    int* block_base) {
+    emu_launch({blocks, 1, 1}, DISPATCH_THREADS, 0, [&] {
+        moe_dispatch_ranks(ids, P, E, chunk, inv, block_counts, block_bad);
+    }, order);
+    emu_launch({1, 1, 1}, DISPATCH_THREADS, 0, [&] {
+        moe_dispatch_groups(block_counts, block_bad, blocks, E, tile_m, max_tiles, block_base, counts, offsets, active,
+                            meta, tile_expert, tile_start);
+    });
+    emu_launch({2, 1, 1}, DISPATCH_THREADS, 0, [&] {
+        moe_dispatch_scatter(ids, P, E, chunk, block_base, offsets, inv, perm);
+    }, order);
+}
 """
 
 
@@ -1145,7 +1161,12 @@ def build_dispatch(tmp_path: Path) -> ctypes.CDLL:
 class DispatchEmulator(LibraryEmulator):
     """moe_dispatch (one block, as ops.dispatch launches it) over host arrays."""
 
-    def dispatch(self, ids: np.ndarray, num_experts: int, tile_m: int = limits.GEMM_BM) -> dict:
+    NAMES = ("counts", "offsets", "perm", "inv", "active", "meta", "tile_expert", "tile_start")
+
+    def dispatch(self, ids: np.ndarray, num_experts: int, tile_m: int = limits.GEMM_BM,
+                 blocks: tuple[int, int] | None = None, order: int = 0) -> dict:
+        """The dispatch's outputs; blocks (blocks, chunk): the three launches over several blocks (moe_dispatch_ranks
+        on `blocks` blocks of `chunk` pairs, in an order shuffled with `order`, then groups, then scatter)."""
         ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
         P, E = ids.size, num_experts
         max_tiles = P // tile_m + min(E, P) + 1                                    # ops.max_tiles
@@ -1153,6 +1174,12 @@ class DispatchEmulator(LibraryEmulator):
                "perm": np.full(P, -7, np.int32), "inv": np.full(P, -7, np.int32), "active": np.full(E, -7, np.int32),
                "meta": np.full(4, -7, np.int32), "tile_expert": np.full(max_tiles, -7, np.int32),
                "tile_start": np.full(max_tiles, -7, np.int32)}
-        self.lib.emu_dispatch(_ptr(ids), P, E, tile_m, max_tiles, *(_ptr(out[n]) for n in (
-            "counts", "offsets", "perm", "inv", "active", "meta", "tile_expert", "tile_start")))
+        outs = [_ptr(out[n]) for n in self.NAMES]
+        if blocks is None:
+            self.lib.emu_dispatch(_ptr(ids), P, E, tile_m, max_tiles, *outs)
+            return out
+        n, chunk = blocks
+        scratch = [np.full(n * E, -7, np.int32), np.full(n, -7, np.int32), np.full(n * E, -7, np.int32)]
+        self.lib.emu_dispatch_blocks(n, chunk, ctypes.c_uint(order), _ptr(ids), P, E, tile_m, max_tiles, *outs,
+                                     *(_ptr(a) for a in scratch))
         return out

@@ -25,11 +25,16 @@ def emulator(tmp_path_factory):
 CASES = [(40, 8), (3 * limits.DISPATCH_THREADS + 17, 16), (96 * 8, 128), (300, 1), (5, 64)]
 
 
+@pytest.mark.parametrize("spread", [None, (1, 1 << 20), "blocks"])
 @pytest.mark.parametrize("pairs,experts", CASES)
-def test_dispatch_is_the_stable_grouping(emulator, pairs, experts):
+def test_dispatch_is_the_stable_grouping(emulator, pairs, experts, spread):
+    """One block (moe_dispatch), and the three launches over one block or over several (limits.dispatch_blocks'
+    grid, a partial last chunk, the ranking blocks in a shuffled order): the same outputs."""
     rng = np.random.default_rng(pairs + experts)
     ids = rng.integers(0, experts, pairs).astype(np.int32)
-    got = emulator.dispatch(ids, experts)
+    if spread == "blocks":
+        spread = limits.dispatch_blocks(pairs, multiprocessors=3, min_pairs=1)
+    got = emulator.dispatch(ids, experts, blocks=spread, order=5)
     assert emulator.errors() == (0, "")
     want = expect.dispatch_grouping(ids, experts, limits.GEMM_BM)
     for name in ("counts", "offsets", "perm", "inv"):
@@ -46,6 +51,10 @@ def test_dispatch_is_the_stable_grouping(emulator, pairs, experts):
 def test_ids_out_of_range_are_counted_and_left_out(emulator):
     """Ids outside [0, E) (here -1, 8 and 9 with 8 experts) are counted in meta[2], get no position (inv -1) and
     leave the others' grouping as if they were not there."""
+    ids = np.array([3, -1, 0, 9, 3, 2, 8, 1] * 3, np.int32)[:20]
+    got = emulator.dispatch(ids, 8, blocks=(3, 7))
+    assert emulator.errors() == (0, "")
+    assert got["meta"][2] == np.count_nonzero((ids < 0) | (ids >= 8))
     ids = np.array([3, -1, 0, 9, 3, 2, 8, 1], np.int32)
     got = emulator.dispatch(ids, 8)
     assert emulator.errors() == (0, "")

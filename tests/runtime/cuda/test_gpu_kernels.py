@@ -14,6 +14,7 @@ import pytest
 
 from colibri_format.dtypes import float32_to_bf16_bits
 from colibri_format.runtime import numpy_backend as nb
+from colibri_format.runtime.cuda import limits
 from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.synthetic_experts import host_experts, upload
@@ -95,11 +96,17 @@ def _route_from_logits(logits, k, bias, mode):
 # ---- dispatch -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P,E", [(1, 8), (8, 128), (256, 128), (64, 8), (2000, 64), (5000, 512), (16384, 128)])
 @pytest.mark.parametrize("tile_m", [64, 7])
-def test_dispatch(cp, rng, P, E, tile_m):
+@pytest.mark.parametrize("spread", [False, True])
+def test_dispatch(cp, rng, monkeypatch, P, E, tile_m, spread):
+    """One block (moe_dispatch), or spread over several (limits.DISPATCH_SPREAD_MIN_PAIRS: the three launches of
+    moe_dispatch_ranks / _groups / _scatter): the stable grouping either way."""
+    if spread:
+        monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1)
     # skewed ids: a few experts get most pairs
     ids = np.minimum(rng.zipf(1.5, P) - 1, E - 1).astype(np.int32)
     rng.shuffle(ids)
     d = ops.dispatch(cp.asarray(ids), E, tile_m=tile_m)
+    assert (d.spread is not None) == spread
     r = expect.dispatch_grouping(ids, E, tile_m)
     for name in ("counts", "offsets", "perm", "inv"):
         np.testing.assert_array_equal(getattr(d, name).get(), r[name], err_msg=name)
@@ -114,7 +121,10 @@ def test_dispatch(cp, rng, P, E, tile_m):
     assert (d.tile_expert.get()[ntiles:] == -1).all()
 
 
-def test_dispatch_counts_invalid_ids(cp):
+@pytest.mark.parametrize("spread", [False, True])
+def test_dispatch_counts_invalid_ids(cp, monkeypatch, spread):
+    if spread:
+        monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1)
     ids = np.array([0, 5, 9, -1, 2], np.int32)
     d = ops.dispatch(cp.asarray(ids), 6)
     assert int(d.meta.get()[2]) == 2

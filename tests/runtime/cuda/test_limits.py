@@ -245,3 +245,16 @@ def test_quantize_rows_takes_a_warp_a_row_up_to_its_registers():
     assert L.quantize_rows_blocks(4096, 768, 132) == 4096 // per_block
     assert L.quantize_rows_blocks(4096, 14336, 132) == 132 * 8
     assert L.quantize_rows_blocks(3, 768, 132) == 1
+
+
+def test_a_long_dispatch_spreads_over_blocks_of_whole_rounds(monkeypatch):
+    """limits.dispatch_blocks: None (one block) below DISPATCH_SPREAD_MIN_PAIRS or when it is 0; else chunks of whole
+    DISPATCH_THREADS rounds, at most a block a multiprocessor, covering every pair."""
+    assert L.dispatch_blocks(10 ** 6, 132, min_pairs=0) is None
+    assert L.dispatch_blocks(100, 132, min_pairs=101) is None
+    for pairs in (1, L.DISPATCH_THREADS, 4096, 32768, 10 ** 6 + 3):
+        blocks, chunk = L.dispatch_blocks(pairs, 132, min_pairs=1)
+        assert chunk % L.DISPATCH_THREADS == 0 and 1 <= blocks <= 132
+        assert (blocks - 1) * chunk < pairs <= blocks * chunk
+    monkeypatch.setattr(L, "DISPATCH_SPREAD_MIN_PAIRS", 0)
+    assert L.dispatch_blocks(32768, 132) is None

@@ -47,69 +47,77 @@ __device__ int warp0_exclusive_scan(int* vals, int n) {
     return __shfl_sync(COLIBRI_FULL_MASK, incl, 31);
 }
 
-__device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int P, int E, int tile_m, int max_tiles,
-                                               int* __restrict__ counts, int* __restrict__ offsets,
-                                               int* __restrict__ perm, int* __restrict__ inv, int* __restrict__ active,
-                                               int* __restrict__ meta, int* __restrict__ tile_expert,
-                                               int* __restrict__ tile_start) {
-    __shared__ int s_warp[DISPATCH_WARPS][DISPATCH_MAX_E];  // per-warp counts, then per-warp bases
-    __shared__ int s_run[DISPATCH_MAX_E];                    // running count per expert
-    __shared__ int s_off[DISPATCH_MAX_E];
-    __shared__ int s_act[DISPATCH_MAX_E];
-    __shared__ int s_tiles[DISPATCH_MAX_E];
-    __shared__ int s_bad;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int e = tid; e < E; e += DISPATCH_THREADS) s_run[e] = 0;
-    if (tid == 0) s_bad = 0;
-    __syncthreads();
+// A dispatch block's shared tables
+struct DispatchShared {
+    int warp[DISPATCH_WARPS][DISPATCH_MAX_E];   // per-warp counts, then per-warp bases
+    int run[DISPATCH_MAX_E];                     // running count per expert
+    int off[DISPATCH_MAX_E];
+    int act[DISPATCH_MAX_E];
+    int tiles[DISPATCH_MAX_E];
+    int bad;
+};
 
-    // pass 1: rank of each pair inside its expert
-    for (int c0 = 0; c0 < P; c0 += DISPATCH_THREADS) {
-        for (int i = tid; i < DISPATCH_WARPS * E; i += DISPATCH_THREADS) s_warp[i / E][i % E] = 0;
+// Pass 1 over pairs [p0, p1): inv[p] = the pair's rank among the range's pairs of its expert (-1: id out of range);
+// sh.run[e] = the range's pairs of expert e, sh.bad = its ids out of range. Ends with a barrier.
+__device__ __forceinline__ void rank_pairs(const int* __restrict__ ids, int p0, int p1, int E, DispatchShared& sh,
+                                           int* __restrict__ inv) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < E; e += DISPATCH_THREADS) sh.run[e] = 0;
+    if (tid == 0) sh.bad = 0;
+    __syncthreads();
+    for (int c0 = p0; c0 < p1; c0 += DISPATCH_THREADS) {
+        for (int i = tid; i < DISPATCH_WARPS * E; i += DISPATCH_THREADS) sh.warp[i / E][i % E] = 0;
         __syncthreads();
         const int p = c0 + tid;
-        int e = (p < P) ? ids[p] : -1;
-        if (p < P && (e < 0 || e >= E)) {
-            atomicAdd(&s_bad, 1);
+        int e = (p < p1) ? ids[p] : -1;
+        if (p < p1 && (e < 0 || e >= E)) {
+            atomicAdd(&sh.bad, 1);
             e = -1;
         }
         const unsigned int peers = __match_any_sync(COLIBRI_FULL_MASK, e);
         const int rank = __popc(peers & ((1u << lane) - 1u));
-        if (e >= 0 && rank == 0) s_warp[warp][e] = __popc(peers);
+        if (e >= 0 && rank == 0) sh.warp[warp][e] = __popc(peers);
         __syncthreads();
         for (int x = tid; x < E; x += DISPATCH_THREADS) {
-            int run = s_run[x];
+            int run = sh.run[x];
             for (int w = 0; w < DISPATCH_WARPS; ++w) {
-                const int c = s_warp[w][x];
-                s_warp[w][x] = run;
+                const int c = sh.warp[w][x];
+                sh.warp[w][x] = run;
                 run += c;
             }
-            s_run[x] = run;
+            sh.run[x] = run;
         }
         __syncthreads();
-        if (p < P) inv[p] = (e >= 0) ? s_warp[warp][e] + rank : -1;
+        if (p < p1) inv[p] = (e >= 0) ? sh.warp[warp][e] + rank : -1;
         __syncthreads();
     }
+}
 
-    // offsets, active list and tile counts
+// From sh.run (every expert's pairs) and sh.bad: counts, offsets, the active list, meta and the tile lists; sh.off
+// keeps the offsets for the scatter. Ends with a barrier.
+__device__ __forceinline__ void write_groups(int E, int tile_m, int max_tiles, DispatchShared& sh,
+                                             int* __restrict__ counts, int* __restrict__ offsets,
+                                             int* __restrict__ active, int* __restrict__ meta,
+                                             int* __restrict__ tile_expert, int* __restrict__ tile_start) {
+    const int tid = threadIdx.x, warp = tid >> 5;
     for (int e = tid; e < E; e += DISPATCH_THREADS) {
-        s_off[e] = s_run[e];
-        s_act[e] = s_run[e] > 0 ? 1 : 0;
-        s_tiles[e] = (s_run[e] + tile_m - 1) / tile_m;
+        sh.off[e] = sh.run[e];
+        sh.act[e] = sh.run[e] > 0 ? 1 : 0;
+        sh.tiles[e] = (sh.run[e] + tile_m - 1) / tile_m;
     }
     __syncthreads();
     int total = 0, nact = 0, ntiles = 0;
-    if (warp == 0) total = warp0_exclusive_scan(s_off, E);
-    if (warp == 1) nact = warp0_exclusive_scan(s_act, E);
-    if (warp == 2) ntiles = warp0_exclusive_scan(s_tiles, E);
+    if (warp == 0) total = warp0_exclusive_scan(sh.off, E);
+    if (warp == 1) nact = warp0_exclusive_scan(sh.act, E);
+    if (warp == 2) ntiles = warp0_exclusive_scan(sh.tiles, E);
     __syncthreads();
     if (tid == 0) offsets[E] = total;
     if (tid == 32) meta[0] = nact;
     if (tid == 64) meta[1] = ntiles;
-    if (tid == 96) { meta[2] = s_bad; meta[3] = 0; }
+    if (tid == 96) { meta[2] = sh.bad; meta[3] = 0; }
     for (int e = tid; e < E; e += DISPATCH_THREADS) {
-        counts[e] = s_run[e];
-        offsets[e] = s_off[e];
+        counts[e] = sh.run[e];
+        offsets[e] = sh.off[e];
         active[e] = -1;
     }
     for (int i = tid; i < max_tiles; i += DISPATCH_THREADS) {
@@ -119,24 +127,88 @@ __device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int 
     __syncthreads();
     __threadfence_block();
     for (int e = tid; e < E; e += DISPATCH_THREADS) {
-        const int n = s_run[e];
+        const int n = sh.run[e];
         if (n > 0) {
-            active[s_act[e]] = e;
+            active[sh.act[e]] = e;
             const int nt = (n + tile_m - 1) / tile_m;
             for (int j = 0; j < nt; ++j) {
-                const int slot = s_tiles[e] + j;
+                const int slot = sh.tiles[e] + j;
                 if (slot < max_tiles) {
                     tile_expert[slot] = e;
-                    tile_start[slot] = s_off[e] + j * tile_m;
+                    tile_start[slot] = sh.off[e] + j * tile_m;
                 }
             }
         }
     }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int P, int E, int tile_m, int max_tiles,
+                                               int* __restrict__ counts, int* __restrict__ offsets,
+                                               int* __restrict__ perm, int* __restrict__ inv, int* __restrict__ active,
+                                               int* __restrict__ meta, int* __restrict__ tile_expert,
+                                               int* __restrict__ tile_start) {
+    __shared__ DispatchShared sh;
+    rank_pairs(ids, 0, P, E, sh, inv);
+    write_groups(E, tile_m, max_tiles, sh, counts, offsets, active, meta, tile_expert, tile_start);
     // pass 2: scatter
-    for (int p = tid; p < P; p += DISPATCH_THREADS) {
+    for (int p = threadIdx.x; p < P; p += DISPATCH_THREADS) {
         const int e = ids[p];
         if (e >= 0 && e < E) {
-            const int pos = s_off[e] + inv[p];
+            const int pos = sh.off[e] + inv[p];
+            inv[p] = pos;
+            perm[pos] = p;
+        }
+    }
+}
+
+// The same grouping over several blocks, for long passes (ops.dispatch, limits.dispatch_blocks), in three launches:
+// moe_dispatch_ranks: block b ranks the pairs [b chunk, (b + 1) chunk) as pass 1 does (inv: the rank inside the
+//   block's pairs of its expert) and writes its per-expert counts and bad ids to block_counts[b], block_bad[b];
+// moe_dispatch_groups (one block): block_base[b][e] = the pairs of expert e in blocks before b, then counts, offsets,
+//   active, meta and tiles from the totals;
+// moe_dispatch_scatter: inv[p] = offsets[e] + block_base[b][e] + rank, perm[inv[p]] = p.
+// Pairs keep ascending order inside their expert, block by block: the output equals moe_dispatch's.
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
+    moe_dispatch_ranks(const int* __restrict__ ids, int P, int E, int chunk, int* __restrict__ inv,
+                       int* __restrict__ block_counts, int* __restrict__ block_bad) {
+    __shared__ DispatchShared sh;
+    const int p0 = blockIdx.x * chunk;
+    rank_pairs(ids, p0, min(P, p0 + chunk), E, sh, inv);
+    for (int e = threadIdx.x; e < E; e += DISPATCH_THREADS) block_counts[(size_t)blockIdx.x * E + e] = sh.run[e];
+    if (threadIdx.x == 0) block_bad[blockIdx.x] = sh.bad;
+}
+
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
+    moe_dispatch_groups(const int* __restrict__ block_counts, const int* __restrict__ block_bad, int blocks, int E,
+                        int tile_m, int max_tiles, int* __restrict__ block_base, int* __restrict__ counts,
+                        int* __restrict__ offsets, int* __restrict__ active, int* __restrict__ meta,
+                        int* __restrict__ tile_expert, int* __restrict__ tile_start) {
+    __shared__ DispatchShared sh;
+    for (int e = threadIdx.x; e < E; e += DISPATCH_THREADS) {
+        int run = 0;
+        for (int b = 0; b < blocks; ++b) {
+            block_base[(size_t)b * E + e] = run;
+            run += block_counts[(size_t)b * E + e];
+        }
+        sh.run[e] = run;
+    }
+    if (threadIdx.x == 0) {
+        int bad = 0;
+        for (int b = 0; b < blocks; ++b) bad += block_bad[b];
+        sh.bad = bad;
+    }
+    __syncthreads();
+    write_groups(E, tile_m, max_tiles, sh, counts, offsets, active, meta, tile_expert, tile_start);
+}
+
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
+    moe_dispatch_scatter(const int* __restrict__ ids, int P, int E, int chunk, const int* __restrict__ block_base,
+                         const int* __restrict__ offsets, int* __restrict__ inv, int* __restrict__ perm) {
+    for (int p = blockIdx.x * DISPATCH_THREADS + threadIdx.x; p < P; p += gridDim.x * DISPATCH_THREADS) {
+        const int e = ids[p];
+        if (e >= 0 && e < E) {
+            const int pos = offsets[e] + block_base[(size_t)(p / chunk) * E + e] + inv[p];
             inv[p] = pos;
             perm[pos] = p;
         }

@@ -361,6 +361,16 @@ class Dispatch(NamedTuple):
     num_pairs: int
     num_experts: int
     tile_m: int
+    spread: Any = None  # a pass ranked over several blocks (limits.dispatch_blocks): DispatchSpread, else None
+
+
+class DispatchSpread(NamedTuple):
+    """The scratch of a dispatch over several blocks (dispatch.cu's moe_dispatch_ranks / _groups / _scatter)."""
+    blocks: int
+    chunk: int          # pairs a block ranks
+    block_counts: Any   # [blocks * E] int32: each block's pairs of each expert
+    block_bad: Any      # [blocks] int32: each block's ids out of range
+    block_base: Any     # [blocks * E] int32: an expert's pairs in the blocks before
 
 
 def max_tiles(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) -> int:
@@ -371,9 +381,27 @@ def dispatch_buffers(num_pairs: int, num_experts: int, tile_m: int = GEMM_BM) ->
     """Empty buffers for `dispatch(..., out=)` (made once, e.g. before a graph capture)."""
     cp = _cupy()
     P, E, nt = num_pairs, num_experts, max_tiles(num_pairs, num_experts, tile_m)
+    grid = limits.dispatch_blocks(P, _sm_count())
+    spread = None if grid is None else DispatchSpread(*grid, cp.empty(grid[0] * E, cp.int32),
+                                                      cp.empty(grid[0], cp.int32), cp.empty(grid[0] * E, cp.int32))
     return Dispatch(cp.empty(E, cp.int32), cp.empty(E + 1, cp.int32), cp.empty(P, cp.int32), cp.empty(P, cp.int32),
                     cp.empty(E, cp.int32), cp.empty(4, cp.int32), cp.empty(nt, cp.int32), cp.empty(nt, cp.int32),
-                    P, E, tile_m)
+                    P, E, tile_m, spread)
+
+
+def _dispatch_spread(ids, P: int, E: int, tile_m: int, nt: int, out: Dispatch) -> None:
+    """The dispatch in three launches over out.spread's blocks (dispatch.cu): the same outputs as moe_dispatch."""
+    sp = out.spread
+    kernel("dispatch", "moe_dispatch_ranks")((sp.blocks,), (DISPATCH_THREADS,),
+                                            (ids, np.int32(P), np.int32(E), np.int32(sp.chunk), out.inv,
+                                             sp.block_counts, sp.block_bad))
+    kernel("dispatch", "moe_dispatch_groups")((1,), (DISPATCH_THREADS,),
+                                             (sp.block_counts, sp.block_bad, np.int32(sp.blocks), np.int32(E),
+                                              np.int32(tile_m), np.int32(nt), sp.block_base, out.counts, out.offsets,
+                                              out.active, out.meta, out.tile_expert, out.tile_start))
+    kernel("dispatch", "moe_dispatch_scatter")((_grid_stride_blocks(P, DISPATCH_THREADS),), (DISPATCH_THREADS,),
+                                              (ids, np.int32(P), np.int32(E), np.int32(sp.chunk), sp.block_base,
+                                               out.offsets, out.inv, out.perm))
 
 
 def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | None = None,
@@ -396,6 +424,9 @@ def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | No
         raise ValueError("dispatch buffers were made for another shape")
     args = (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm,
             out.inv, out.active, out.meta, out.tile_expert, out.tile_start)
+    if quantize is None and out.spread is not None:
+        _dispatch_spread(ids, P, E, tile_m, nt, out)
+        return out
     if quantize is None:
         kernel("dispatch", "moe_dispatch")((1,), (DISPATCH_THREADS,), args)
         return out
