@@ -76,6 +76,7 @@ def run(name: str, path: Path, model: dict, device: str) -> None:
         tc4_everywhere(name, path, device)
     if name == "qwen3_moe":
         dense_tc_everywhere(name, path, device)
+        spread_dispatch(name, path, device)
         with Engine(path, EngineConfig(device=device, max_seq_len=64, kv_cache_dtype="bfloat16",
                                        dense_gemm="bf16")) as eng:
             print(name, "bf16 KV cache, bf16 dense products", [x.shape for x in eng.logits([list(range(1, 41))])],
@@ -99,6 +100,19 @@ def tc4_everywhere(name: str, path: Path, device: str) -> None:
                   eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3))
     finally:
         limits.TC4_MIN_TOKENS, limits.TC4_MIN_INTERMEDIATE = saved
+
+
+def spread_dispatch(name: str, path: Path, device: str) -> None:
+    """Prefills and batched decode with every dispatch spread over blocks (moe_dispatch_ranks / _groups / _scatter:
+    limits.DISPATCH_SPREAD_MIN_PAIRS, off by default until timed)."""
+    saved = limits.DISPATCH_SPREAD_MIN_PAIRS
+    limits.DISPATCH_SPREAD_MIN_PAIRS = 1
+    try:
+        with Engine(path, EngineConfig(device=device, max_seq_len=64)) as eng:
+            print(name, "spread dispatch", [x.shape for x in eng.logits([list(range(1, 41)), [5, 6]])],
+                  eng.generate_batch([[1, 2], [3], [4, 5, 6]], 3))
+    finally:
+        limits.DISPATCH_SPREAD_MIN_PAIRS = saved
 
 
 def dense_tc_everywhere(name: str, path: Path, device: str) -> None:
