@@ -22,6 +22,8 @@
 #   sweep        benchmarks/prefill_gemm.py --sweep on Qwen3's and OLMoE's 512-row expert blocks: the W8A8 kernels'
 #                pipeline depths, FAST_SKIP_EMPTY_M, FAST_STAGE_STEPS, FAST_L2_PREFETCH and FAST_PERSISTENT (each
 #                kernel's weight GB/s from CUPTI; results written after every build)
+#   dispatch     benchmarks/dispatch_spread.py: the one-block dispatch against the spread one at 128-4096 tokens
+#                (limits.DISPATCH_SPREAD_MIN_PAIRS)
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
 #                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
 #                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode
@@ -40,7 +42,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/build/cupy_cache}
 STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
-T_PREFILL_HOST=${T_PREFILL_HOST:-300} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420}
+T_PREFILL_HOST=${T_PREFILL_HOST:-300} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420} T_DISPATCH=${T_DISPATCH:-90}
 PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -114,6 +116,10 @@ for step in $STEPS; do
       timeout "$T_SWEEP" python3 benchmarks/prefill_gemm.py --out "$OUT/sweep" --cases \
           --sweep qwen3-30b-a3b-512 olmoe-512 > "$OUT/sweep.log" 2>&1
       rc=$?; summary+=("sweep rc=$rc ($((SECONDS - t0)) s)") ;;
+    dispatch)
+      if [ -n "${DRY:-}" ]; then summary+=("dispatch skipped: it times CUDA kernels"); continue; fi
+      timeout "$T_DISPATCH" python3 benchmarks/dispatch_spread.py --out "$OUT/dispatch" > "$OUT/dispatch.log" 2>&1
+      rc=$?; summary+=("dispatch rc=$rc ($((SECONDS - t0)) s)") ;;
     dense_tc)
       if [ -n "${DRY:-}" ]; then summary+=("dense_tc skipped: it times CUDA kernels"); continue; fi
       timeout "$T_DENSE_TC" bash -c "python3 benchmarks/dense_gemv_sweep.py --tc --out '$OUT/dense_tc'; a=\$?; \
@@ -149,6 +155,7 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
 echo "==== dense_tc"; grep -E "^\||WRONG|decode batch|again with|Error|Traceback" "$OUT/dense_tc.log" 2>/dev/null | tail -60
+echo "==== dispatch"; grep -E "^\||Error|Traceback" "$OUT/dispatch.log" 2>/dev/null | tail -16
 echo "==== sweep"; grep -E "== |-kernel|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | cut -c1-120 | tail -70
 echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
     | tail -140
