@@ -185,18 +185,20 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum of v over the block (every thread gets it); s_red holds 32 floats (at most 32 warps); starts with a barrier,
-// so s_red may be reused by consecutive calls.
-__device__ __forceinline__ float block_sum(float v, float* s_red) {
+// WARP_REDUCE (warp_sum, warp_max) of v over the block (every thread gets it; 0 stands for the missing warps, so a
+// max is of values >= 0); s_red holds 32 floats (at most 32 warps); starts with a barrier, so s_red may be reused by
+// consecutive calls.
+template <float (*WARP_REDUCE)(float)>
+__device__ __forceinline__ float block_reduce(float v, float* s_red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = WARP_REDUCE(v);
     __syncthreads();                       // s_red may still be read from a previous call
     if (lane == 0) s_red[warp] = v;
     __syncthreads();
-    float t = lane < nwarps ? s_red[lane] : 0.0f;
-    t = warp_sum(t);
-    return t;
+    return WARP_REDUCE(lane < nwarps ? s_red[lane] : 0.0f);
 }
+
+__device__ __forceinline__ float block_sum(float v, float* s_red) { return block_reduce<warp_sum>(v, s_red); }
 
 // ---- activations rounded to int8 per group of 32 (the dp4a 4-bit GEMVs' inputs; moe_gemv4_dp4a.cu's header) -----------
 // position of input l (0..31) of a group in its staged bytes: evens of each 8 first, then odds

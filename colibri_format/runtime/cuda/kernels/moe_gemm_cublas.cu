@@ -155,18 +155,36 @@ down_epilogue(const float* __restrict__ yd, const unsigned long long* __restrict
 //   down_epilogue_int8:     ypair[perm[pos], h] = (w[perm[pos]] * (y * rs[pos])) * s[h]
 // The epilogues take every pair's row in one launch (each expert's products written at its rows of one array), so
 // that a layer costs the host two cuBLAS calls an expert and five launches.
-// The block's max of every thread's m (s_red: a shared float a warp)
-__device__ __forceinline__ float block_max(float m, float* s_red) {
-    m = warp_max(m);
-    __syncthreads();                     // s_red may still be read for the previous row
-    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    const int lane = threadIdx.x & 31;
-    return warp_max(lane < (int)(blockDim.x >> 5) ? s_red[lane] : 0.0f);   // every warp reduces the same partials
-}
-
 __device__ __forceinline__ signed char round_int8(float v, float sc) {
     return (signed char)(int)(sc > 0.0f ? rintf(v / sc) : 0.0f);
+}
+
+// A thread's float4s of a row: v[i] = the row's values at 4 (first + i stride) (zeros past cols, a multiple of 4);
+// returns the largest magnitude among them
+template <int VECS>
+__device__ __forceinline__ float load_row_vecs(const float* __restrict__ row, int cols, int first, int stride,
+                                               float4 (&v)[VECS]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) {
+        const int c = 4 * (first + i * stride);
+        v[i] = c < cols ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        m = fmaxf(fmaxf(m, fmaxf(fabsf(v[i].x), fabsf(v[i].y))), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+    }
+    return m;
+}
+
+// The int8 rounding (scale sc) of load_row_vecs' values, stored at their columns of qrow
+template <int VECS>
+__device__ __forceinline__ void store_row_vecs(signed char* __restrict__ qrow, int cols, int first, int stride,
+                                               const float4 (&v)[VECS], float sc) {
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) {
+        const int c = 4 * (first + i * stride);
+        if (c < cols)
+            *reinterpret_cast<char4*>(qrow + c) = make_char4(round_int8(v[i].x, sc), round_int8(v[i].y, sc),
+                                                             round_int8(v[i].z, sc), round_int8(v[i].w, sc));
+    }
 }
 
 // A row of whole float4s, up to 32 x QUANT_WARP_VECS of them (limits.quantize_rows_by_warp), is a warp's: read once
@@ -181,21 +199,8 @@ __device__ __forceinline__ void quantize_rows_by_warp(const float* __restrict__ 
         const float* row = x + (size_t)r * cols;
         signed char* qrow = q + (size_t)r * cols;
         float4 v[QUANT_WARP_VECS];
-        float m = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QUANT_WARP_VECS; ++i) {
-            const int c = 4 * (lane + 32 * i);
-            v[i] = c < cols ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-            m = fmaxf(fmaxf(m, fmaxf(fabsf(v[i].x), fabsf(v[i].y))), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
-        }
-        const float sc = warp_max(m) / 127.0f;
-#pragma unroll
-        for (int i = 0; i < QUANT_WARP_VECS; ++i) {
-            const int c = 4 * (lane + 32 * i);
-            if (c < cols)
-                *reinterpret_cast<char4*>(qrow + c) = make_char4(round_int8(v[i].x, sc), round_int8(v[i].y, sc),
-                                                                 round_int8(v[i].z, sc), round_int8(v[i].w, sc));
-        }
+        const float sc = warp_max(load_row_vecs(row, cols, lane, 32, v)) / 127.0f;
+        store_row_vecs(qrow, cols, lane, 32, v, sc);
         if (lane == 0) s[r] = sc;
     }
 }
@@ -212,26 +217,15 @@ quantize_rows_int8(const float* __restrict__ x, signed char* __restrict__ q, flo
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* row = x + (size_t)r * cols;
         signed char* qrow = q + (size_t)r * cols;
-        float m = 0.0f, sc;
+        float sc;
         if (in_registers) {
             float4 v[QUANT_ROW_VECS];
-#pragma unroll
-            for (int i = 0; i < QUANT_ROW_VECS; ++i) {
-                const int c = 4 * (threadIdx.x + i * blockDim.x);
-                v[i] = c < cols ? *reinterpret_cast<const float4*>(row + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-                m = fmaxf(fmaxf(m, fmaxf(fabsf(v[i].x), fabsf(v[i].y))), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
-            }
-            sc = block_max(m, s_red) / 127.0f;
-#pragma unroll
-            for (int i = 0; i < QUANT_ROW_VECS; ++i) {
-                const int c = 4 * (threadIdx.x + i * blockDim.x);
-                if (c < cols)
-                    *reinterpret_cast<char4*>(qrow + c) = make_char4(round_int8(v[i].x, sc), round_int8(v[i].y, sc),
-                                                                     round_int8(v[i].z, sc), round_int8(v[i].w, sc));
-            }
+            sc = block_reduce<warp_max>(load_row_vecs(row, cols, threadIdx.x, blockDim.x, v), s_red) / 127.0f;
+            store_row_vecs(qrow, cols, threadIdx.x, blockDim.x, v, sc);
         } else {
+            float m = 0.0f;
             for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(row[c]));
-            sc = block_max(m, s_red) / 127.0f;
+            sc = block_reduce<warp_max>(m, s_red) / 127.0f;
             for (int c = threadIdx.x; c < cols; c += blockDim.x) qrow[c] = round_int8(row[c], sc);
         }
         if (threadIdx.x == 0) s[r] = sc;
