@@ -658,10 +658,7 @@ class DenseGemvEmulator(LibraryEmulator):
     def gemv_normed(self, x, gamma, eps: float, w, *, bias=None, splits: int | None = None,
                     order: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """(y, x_out) of `ops.dense_gemv_normed`: rmsnorm(x) @ w.T (+ bias) and rmsnorm(x)."""
-        x_out = np.full(x.shape, np.nan, np.float32)
-        y = self._launch("dense_gemv_normed", x, w, bias, splits, order,
-                         (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out)))
-        return y, x_out
+        return self._normed(self._launch, "dense_gemv_normed", x, gamma, eps, w, bias, splits, order)
 
     def gemv_tc(self, x, w, *, bias=None, splits: int | None = None, order: int = 1) -> np.ndarray:
         """`ops.dense_gemv_tc`: x @ w.T (+ bias) for bf16 w on the tensor-core kernel, launched as the wrapper
@@ -671,10 +668,13 @@ class DenseGemvEmulator(LibraryEmulator):
     def gemv_tc_normed(self, x, gamma, eps: float, w, *, bias=None, splits: int | None = None,
                        order: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """(y, x_out) of `ops.dense_gemv_tc_normed`: rmsnorm(x) @ w.T (+ bias) and rmsnorm(x)."""
+        return self._normed(self._launch_tc, "dense_gemv_tc_normed", x, gamma, eps, w, bias, splits, order)
+
+    @staticmethod
+    def _normed(launch, family: str, x, gamma, eps: float, w, bias, splits, order) -> tuple[np.ndarray, np.ndarray]:
+        """(y, x_out) of a normed family's launch: the norm's arguments (gamma, eps, x_out) after the shared ones."""
         x_out = np.full(x.shape, np.nan, np.float32)
-        y = self._launch_tc("dense_gemv_tc_normed", x, w, bias, splits, order,
-                            (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out)))
-        return y, x_out
+        return launch(family, x, w, bias, splits, order, (_ptr(gamma), ctypes.c_float(eps), _ptr(x_out))), x_out
 
     def _launch_tc(self, family: str, x, w, bias, splits: int | None, order: int, tail: tuple) -> np.ndarray:
         T, K = x.shape
