@@ -97,7 +97,7 @@ FAST_STAGE_STEPS = 1
 # L2::256B prefetch sizes), so that a step's 64-byte read of a weight row brings the next step's bytes from DRAM with
 # it. H200, session 25 (prefill_gemm.py --sweep, the s8 kernels alone by CUPTI, µs): Qwen3-30B-A3B 512 tokens gate_up
 # 183.7 -> 127.0 (2.19 -> 3.17 TB/s of weights), down 107.4 -> 80.8; OLMoE 138.7 -> 122.0, 83.5 -> 72.7; 256 the same
-# within 2 %. The short runs of a weight row (64 bytes a K step) were what held the kernel at half the HBM rate.
+# within 2.2 %. The short runs of a weight row (64 bytes a K step) were what held the kernel at half the HBM rate.
 FAST_L2_PREFETCH = 128
 # 1: moe_gemm_fast.cu's blocks take several work items (ops._fast_launch launches as many blocks as run at once, when an
 # item spans at least FAST_STAGES stages) and run their copies on from one item into the next, instead of a block an

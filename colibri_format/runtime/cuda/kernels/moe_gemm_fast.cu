@@ -366,10 +366,9 @@ __device__ __forceinline__ void mma_step(const unsigned char* stage, int (&acc)[
 // one item; built with FAST_PERSISTENT = 1 the kernel also takes a persistent grid (as many blocks as run at once,
 // ops._fast_launch), whose blocks take several, and the cp.async ring runs on across them: the next item's first
 // stages load while the current one's last steps multiply and its epilogue stores, instead of each block filling and
-// draining the pipeline once. Tiles past the dispatch's
-// are -1 and listed last, so a block's first item without an expert ends its list. An item's tables sit in one of
-// two slots: the copies fill item j + 1's while the MMAs read item j's, which holds when an item spans at least
-// FAST_STAGES stages (the host takes the classic grid otherwise).
+// draining the pipeline once. Tiles past the dispatch's are -1 and listed last, so a block's first item without an
+// expert ends its list. An item's tables sit in one of two slots: the copies fill item j + 1's while the MMAs read
+// item j's, which holds when an item spans at least FAST_STAGES stages (the host takes the classic grid otherwise).
 struct FastItem {
     int expert, start, cnt, n0;   // expert (-1: none), first sorted row, rows (<= FAST_BM), first output
 };
