@@ -31,7 +31,7 @@
 #                device-timed), then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
 #                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
-# HF_SHAPES / PAGING_ARGS narrow the benchmarks.
+# HF_SHAPES / PAGING_ARGS / PREFILL_VARIANTS narrow the benchmarks.
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -43,7 +43,7 @@ STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
 T_PREFILL_HOST=${T_PREFILL_HOST:-300} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420} T_DISPATCH=${T_DISPATCH:-90}
-PREFILL_VARIANTS="fast-split + flash,fast-int8 + flash,defaults"
+PREFILL_VARIANTS=${PREFILL_VARIANTS:-"fast-split + flash,fast-int8 + flash,defaults"}
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
     > "$OUT/machine.txt" 2>&1
