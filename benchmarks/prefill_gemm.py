@@ -108,9 +108,10 @@ def timed_plain(cp, fn) -> float:
     return float(np.median(times))
 
 
-# What names an expert product's kernel: ours (moe_gemm_*) and cuBLAS's (sm90_xmma_gemm_..., cutlass ... gemm);
-# none of the glue kernels (dispatch, rounding, widening, epilogues, combine) has these in its name.
-PRODUCT_KERNEL_WORDS = ("gemm", "xmma", "cutlass")
+# What names an expert product's kernel: ours (moe_gemm_*) and cuBLAS's (sm90_xmma_gemm_..., cutlass ... gemm, and
+# the nvjet_sm90_* kernels CUDA 13's cuBLAS runs its bf16 products on); none of the glue kernels (dispatch, rounding,
+# widening, epilogues, combine) has these in its name.
+PRODUCT_KERNEL_WORDS = ("gemm", "xmma", "cutlass", "nvjet")
 
 
 def device_us(cp, fn) -> tuple[float, float] | None:
@@ -199,7 +200,10 @@ def bench_case(cp, be, name: str, H: int, I: int, E: int, k: int, T: int, fast_o
             device = device_us(cp, block)
             if device is not None:
                 add(f"{route}-{mode}", "block-device", device[0])
-                add(f"{route}-{mode}", "products", device[1])
+                if device[1] > 0:
+                    add(f"{route}-{mode}", "products", device[1])
+                else:
+                    log(f"  {route}-{mode}: no product kernel named by {PRODUCT_KERNEL_WORDS} in the timeline")
     add("split_bf16", "gate_up", timed(cp, lambda: ops.split_bf16(x, hi=st.x_hi, lo=st.x_lo)), product=False)
     add("split_bf16", "down", timed(cp, lambda: ops.split_bf16(act_ref, hi=st.act_hi, lo=st.act_lo)),
         product=False)
