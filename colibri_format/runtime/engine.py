@@ -598,13 +598,11 @@ class Engine:
     def _prefill_runner(self, chunks, kv, seqs: list[int], starts: list[int], all_logits: bool):
         """The prefill runner for a pass (`runner.PrefillRunner`; kv None: one with KV of its own), or None where a
         pass cannot take one: not one fresh sequence in slot 0, every row's logits wanted, routes read on the host
-        (traces), recurrent layers (padding would pass through their state), experts paged, no graphs (or the
-        backend's `prefill_graph_blocker`), or padded rows beyond PREFILL_GRAPH_MAX_ROWS, max_prefill_rows or the KV
-        capacity."""
+        (traces), recurrent layers (padding would pass through their state), experts paged, no graphs, or padded
+        rows beyond PREFILL_GRAPH_MAX_ROWS, max_prefill_rows or the KV capacity."""
         if (len(chunks) != 1 or starts != [0] or seqs != [0] or all_logits or self.args.linear_layers
                 or not self.experts.resident or self.routes.writer is not None or self.routes.observers
-                or self.graph_blocker(1) is not None
-                or self.be.prefill_graph_blocker(self.reader.blob_layout if self.args.moe_layers else None)):
+                or self.graph_blocker(1) is not None):
             return None
         rows = prefill_bucket(len(chunks[0]))
         limit = min(PREFILL_GRAPH_MAX_ROWS, self.config.max_prefill_rows, self.config.max_seq_len)

@@ -603,9 +603,6 @@ class NumpyBackend:
     def kernel_choices(self) -> tuple:
         return ()        # no graphs: nothing is replayed
 
-    def prefill_graph_blocker(self, blob_layout) -> str | None:
-        return None      # graph_blocker already says it: nothing to add
-
     # --- weights and ops the decoder calls -------------------------------------------------------------------
     def dense(self, reader) -> NumpyDense:
         return NumpyDense(reader, self.dtype, self.dense_gemm, self.bf16_tensor_cores)

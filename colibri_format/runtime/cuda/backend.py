@@ -125,17 +125,6 @@ class CupyBackend:
         return (self.fast_expert_gemm, self.cublas_expert_gemm, self.flash_prefill, self.int8_activations,
                 self.router_gemm_min_rows, self.dense_tc_min_rows, self.dense_gemm)
 
-    def prefill_graph_blocker(self, blob_layout) -> str | None:
-        """Why a fresh prompt's prefill may not replay as a graph beyond `graph_blocker`'s reasons, or None. 4-bit
-        experts: on the H200 (session 22) an engine whose 4-bit prefills replayed as graphs gave other greedy tokens
-        than a paged engine beside it. That comparison also set a padded 64-row pass (the grouped GEMM) against the
-        bare prompt (the GEMVs), so it may be rounding only; until
-        test_gpu_4bit.py::test_4bit_prefill_graphs_replay_the_eager_padded_pass (replay against the eager padded pass,
-        bit for bit) has passed on a GPU, their prefills stay eager."""
-        if blob_layout is not None and blob_layout.expert_format in PACKED_FORMATS:
-            return "4-bit experts: prefill graphs are not yet validated for them"
-        return None
-
     def dense(self, reader):
         from colibri_format.runtime.cuda.dense import DeviceDense  # noqa: PLC0415
 

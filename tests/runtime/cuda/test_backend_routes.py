@@ -99,16 +99,6 @@ def test_the_cuda_routes_round_where_the_numpy_twin_does(mode, shape, group, ext
             assert cuda == numpy_twin, (rows, pairs)
 
 
-@pytest.mark.parametrize("fmt", list(S.ExpertFormat))
-def test_prefill_graphs_skip_4bit_experts_only(fmt):
-    """Fresh prefills replay as graphs (runner.PrefillRunner) over int8 experts and dense-only models; 4-bit experts
-    stay eager (CupyBackend.prefill_graph_blocker says why)."""
-    layout = SimpleNamespace(expert_format=fmt)
-    blocker = CupyBackend.prefill_graph_blocker(None, layout)
-    assert (blocker is not None) == (fmt in (S.ExpertFormat.INT4_GROUP, S.ExpertFormat.MXFP4))
-    assert CupyBackend.prefill_graph_blocker(None, None) is None
-
-
 def test_the_router_route_follows_the_backends_switch():
     """CupyBackend.router sends passes of router_gemm_min_rows rows or more through cuBLAS (ops.router's by_gemm),
     the switch prefill_host.py --router sets on an open engine (and kernel_choices carries, so graphs follow it)."""

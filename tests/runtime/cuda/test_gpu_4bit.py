@@ -266,18 +266,16 @@ def test_cuda_engine_gives_the_numpy_engines_tokens(tmp_path, name, graphs):
 
 @pytest.mark.parametrize("name", ["int4-g32", "mxfp4"])
 @pytest.mark.parametrize("int8_activations", [True, False])
-def test_4bit_prefill_graphs_replay_the_eager_padded_pass(tmp_path, name, int8_activations, monkeypatch):
+def test_4bit_prefill_graphs_replay_the_eager_padded_pass(tmp_path, name, int8_activations):
     """A fresh prompt's padded prefill over 4-bit experts (the expansion to int8 and the grouped GEMM): its graph
     replays give the eager padded pass's logits bit for bit, for a second prompt of the bucket too, and those are the
     bare prompt's (an engine without graphs) up to rounding: the padded pass runs the GEMM where the bare one may run
-    the GEMVs. The engine keeps 4-bit prefills eager (CupyBackend.prefill_graph_blocker) until this has passed on a
-    GPU: the blocker is lifted here."""
+    the GEMVs."""
     if int8_activations and name == "mxfp4":
         pytest.skip("int8 activations are built for int4_group experts")
     path = _file(tmp_path, name)
     cfg = dict(device="cuda", max_seq_len=128, int8_activations=int8_activations)
     with Engine(path, EngineConfig(**cfg)) as g, Engine(path, EngineConfig(**cfg, use_graphs=False)) as e:
-        monkeypatch.setattr(g.be, "prefill_graph_blocker", lambda blob_layout: None)
         for prompt in (PROMPTS[0], PROMPTS[2]):
             runs = [g.be.to_host(g._prefill_fresh([np.asarray(prompt)]))[0].copy() for _ in range(3)]
             np.testing.assert_array_equal(runs[1], runs[0])
