@@ -143,6 +143,21 @@ __device__ __forceinline__ void write_groups(int E, int tile_m, int max_tiles, D
     __syncthreads();
 }
 
+// Pass 2 over pairs p0, p0 + step, ... < P: a pair of expert e goes to sorted position base(p, e) + its rank inv[p]
+// (base: where the pairs of e in p's range start), written to inv[p]; perm[position] = p. Out-of-range ids are skipped.
+template <typename Base>
+__device__ __forceinline__ void scatter_pairs(const int* __restrict__ ids, int p0, int step, int P, int E, Base base,
+                                              int* __restrict__ inv, int* __restrict__ perm) {
+    for (int p = p0; p < P; p += step) {
+        const int e = ids[p];
+        if (e >= 0 && e < E) {
+            const int pos = base(p, e) + inv[p];
+            inv[p] = pos;
+            perm[pos] = p;
+        }
+    }
+}
+
 __device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int P, int E, int tile_m, int max_tiles,
                                                int* __restrict__ counts, int* __restrict__ offsets,
                                                int* __restrict__ perm, int* __restrict__ inv, int* __restrict__ active,
@@ -151,15 +166,7 @@ __device__ __forceinline__ void dispatch_pairs(const int* __restrict__ ids, int 
     __shared__ DispatchShared sh;
     rank_pairs(ids, 0, P, E, sh, inv);
     write_groups(E, tile_m, max_tiles, sh, counts, offsets, active, meta, tile_expert, tile_start);
-    // pass 2: scatter
-    for (int p = threadIdx.x; p < P; p += DISPATCH_THREADS) {
-        const int e = ids[p];
-        if (e >= 0 && e < E) {
-            const int pos = sh.off[e] + inv[p];
-            inv[p] = pos;
-            perm[pos] = p;
-        }
-    }
+    scatter_pairs(ids, threadIdx.x, DISPATCH_THREADS, P, E, [&](int, int e) { return sh.off[e]; }, inv, perm);
 }
 
 // The same grouping over several blocks, for long passes (ops.dispatch, limits.dispatch_blocks), in three launches:
@@ -205,14 +212,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS)
     moe_dispatch_scatter(const int* __restrict__ ids, int P, int E, int chunk, const int* __restrict__ block_base,
                          const int* __restrict__ offsets, int* __restrict__ inv, int* __restrict__ perm) {
-    for (int p = blockIdx.x * DISPATCH_THREADS + threadIdx.x; p < P; p += gridDim.x * DISPATCH_THREADS) {
-        const int e = ids[p];
-        if (e >= 0 && e < E) {
-            const int pos = offsets[e] + block_base[(size_t)(p / chunk) * E + e] + inv[p];
-            inv[p] = pos;
-            perm[pos] = p;
-        }
-    }
+    scatter_pairs(ids, blockIdx.x * DISPATCH_THREADS + threadIdx.x, gridDim.x * DISPATCH_THREADS, P, E,
+                  [&](int p, int e) { return offsets[e] + block_base[(size_t)(p / chunk) * E + e]; }, inv, perm);
 }
 
 #define DISPATCH_ARGS                                                                                              \
