@@ -142,13 +142,13 @@ def use_dense_plan(text: str, result: dict) -> None:
     result.setdefault("dg_plans", {})[tokens] = [rows, unroll]
 
 
-def engine_profile(path: Path, batches: list[int], kv_cache_dtype: str = "auto") -> list[dict]:
+def engine_profile(path: Path, batches: list[int], kv_cache_dtype: str = "auto", context: int = 16) -> list[dict]:
     from colibri_format.runtime.cuda.bench import render, run_bench
 
     out = []
     for b in batches:
         r = run_bench(path, batch_size=b, num_iters=64, warmup_iters=8, prefill=False, verify="never",
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype, context=context)
         log("\n" + render(r))
         out.append(r)
     return out
@@ -217,6 +217,8 @@ def main() -> int:
                     "products of 2-32 rows on dense_gemv_tc (limits.DG_TC_MIN_ROWS = 2; off by default)")
     ap.add_argument("--kv-bf16-ab", action="store_true", help="each shape's engine runs again with a bf16 KV cache "
                     "(EngineConfig.kv_cache_dtype='bfloat16')")
+    ap.add_argument("--context", type=int, default=16, help="prompt tokens a sequence before the timed steps "
+                    "(attention's work follows it; the bf16 KV cache's decode A/B wants a long one, e.g. 4096)")
     ap.add_argument("--no-pairs", action="store_true", help="one-token passes keep the dispatch (ops.pairs_path "
                     "off: the four-kernel MoE layer before session 16)")
     ap.add_argument("--dg-max-splits", type=int, help="limits.DG_MAX_SPLITS for the engine runs (1: dense_gemv "
@@ -262,24 +264,24 @@ def main() -> int:
             path = Path(args.qwen3_file) if keep else Path(f"/dev/shm/{shape}_{args.experts}_full.colibri")
             ensure_model(path, shape, args.experts)
             batches = [int(b) for b in args.batches.split(",")]
-            result["engine"][shape] = engine_profile(path, batches)
+            result["engine"][shape] = engine_profile(path, batches, context=args.context)
             if args.pairs_ab:
                 from colibri_format.runtime.cuda.kernels import ops
 
                 by_pair = ops.pairs_path
                 ops.pairs_path = lambda num_tokens: False
                 log(f"{shape} again with the dispatch (--pairs-ab)")
-                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches)
+                result["engine"][f"{shape} dispatch"] = engine_profile(path, batches, context=args.context)
                 ops.pairs_path = by_pair
             if args.kv_bf16_ab:
                 log(f"{shape} again with a bf16 KV cache (--kv-bf16-ab)")
-                result["engine"][f"{shape} bf16 KV"] = engine_profile(path, batches, "bfloat16")
+                result["engine"][f"{shape} bf16 KV"] = engine_profile(path, batches, "bfloat16", args.context)
             if args.dense_tc_ab:
                 from colibri_format.runtime.cuda import limits
 
                 saved, limits.DG_TC_MIN_ROWS = limits.DG_TC_MIN_ROWS, 2
                 log(f"{shape} again with dense_gemv_tc from 2 rows (--dense-tc-ab)")
-                result["engine"][f"{shape} dense_tc"] = engine_profile(path, batches)
+                result["engine"][f"{shape} dense_tc"] = engine_profile(path, batches, context=args.context)
                 limits.DG_TC_MIN_ROWS = saved
             if not keep:
                 path.unlink()

@@ -15,6 +15,8 @@ def command(path: FileArg,
             seq_len: Annotated[int, typer.Option("--seq-len", min=1, help="Prefill length.")] = 512,
             num_iters: Annotated[int, typer.Option("--num-iters", min=1, help="Timed decode steps.")] = 32,
             warmup_iters: Annotated[int, typer.Option("--warmup-iters", min=0)] = 4,
+            context: Annotated[int, typer.Option(
+                "--context", min=1, help="Prompt tokens a sequence before the timed decode steps.")] = 16,
             max_cached_experts: MaxCachedExpertsOpt = None,
             gpu_memory: GpuMemoryOpt = None,
             int8_activations: ActivationsOpt = True,
@@ -27,9 +29,9 @@ def command(path: FileArg,
     from ..runtime.cuda.bench import render, run_bench
 
     result = run_bench(path, batch_size=batch_size, seq_len=seq_len, num_iters=num_iters,
-                       warmup_iters=warmup_iters, max_cached_experts=max_cached_experts, gpu_memory=gpu_memory,
-                       cache_policy=cache_policy, prefetch=prefetch, int8_activations=int8_activations,
-                       kv_cache_dtype=kv_cache_dtype)
+                       warmup_iters=warmup_iters, context=context, max_cached_experts=max_cached_experts,
+                       gpu_memory=gpu_memory, cache_policy=cache_policy, prefetch=prefetch,
+                       int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype)
     if as_json:
         print_json(result)
     else:

@@ -29,11 +29,12 @@ def bench_lib(monkeypatch):
 
 def test_options_reach_run_bench_and_json(bench_lib, small_file, capsys):
     assert main(["bench", small_file, "--batch-size", "2", "--seq-len", "8", "--num-iters", "3",
-                 "--warmup-iters", "0", "--max-cached-experts", "4", "--cache-policy", "lru", "--prefetch",
+                 "--warmup-iters", "0", "--context", "100", "--max-cached-experts", "4", "--cache-policy", "lru", "--prefetch",
                  "--json"]) == 0
     (path, kw), = bench_lib
     assert str(path) == small_file
-    assert kw == {"batch_size": 2, "seq_len": 8, "num_iters": 3, "warmup_iters": 0, "max_cached_experts": 4,
+    assert kw == {"batch_size": 2, "seq_len": 8, "num_iters": 3, "warmup_iters": 0, "context": 100,
+                  "max_cached_experts": 4,
                   "gpu_memory": None, "cache_policy": "lru", "prefetch": True, "int8_activations": True,
                   "kv_cache_dtype": "auto"}
     assert json.loads(capsys.readouterr().out) == RESULT
@@ -46,11 +47,12 @@ def test_options_reach_run_bench_and_json(bench_lib, small_file, capsys):
 def test_text_view(bench_lib, small_file, capsys):
     assert main(["bench", small_file]) == 0
     assert bench_lib[0][1]["batch_size"] == 1 and bench_lib[0][1]["max_cached_experts"] is None
+    assert bench_lib[0][1]["context"] == 16
     out = capsys.readouterr().out
     assert "decode batch 2: 100.0 tokens/s" in out and "copy ceiling 4000 GB/s" in out
 
 
-@pytest.mark.parametrize("flag", ["--batch-size", "--num-iters", "--seq-len"])
+@pytest.mark.parametrize("flag", ["--batch-size", "--num-iters", "--seq-len", "--context"])
 def test_non_positive_sizes_are_usage_errors(bench_lib, small_file, capsys, flag):
     assert main(["bench", small_file, flag, "0"]) == 2
     assert bench_lib == []

@@ -229,7 +229,8 @@ def prefill_bench(eng, seq_len: int, rng) -> dict:
 
 def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16,
                  before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
-    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences after `warmup`, a step at a time (the
+    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences of `prompt_len` prompt tokens (the
+    context the steps attend to, `context` in the figures) after `warmup`, a step at a time (the
     token read by the host each step), with the paging counters of the timed steps when experts are paged; then the
     same steps again (same tokens, positions and KV rows) as one chain, tokens fed back on the device
     (`chained_*`, `chained_paging`; greedy `generate` queues `Engine.chain_steps` steps a chain): any backend.
@@ -258,7 +259,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
             pos = pos + 1
 
     wall, paging = _timed_steps(eng, single_steps, num_iters * batch)
-    res = {"batch": batch, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
+    res = {"batch": batch, "context": prompt_len, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
            "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
            "graph": "captured" if runner.graph is not None else runner.reason}
     runner.chain(*first, min(2, num_iters))     # compiles what only a chain runs (the device argmax) untimed
@@ -326,31 +327,34 @@ def _roofline(kernels: dict, ceilings: dict, batch: int, decode_tps: float, dens
 
 
 def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int = 32, warmup_iters: int = 4,
+              context: int = 16,
               max_cached_experts: int | None = None, gpu_memory: int | str | None = None,
               cache_policy: str = "lrfu", cache_scope: str = "global",
               prefetch: bool = False, device_id: int = 0, use_graphs: bool = True, profile: bool = True,
               prefill: bool = True, forced_routes=None, seed: int = 0, engine=None,
               ceiling_bytes: int = 1 << 30, verify: str = "first-use",
               int8_activations: bool = True, kv_cache_dtype: str = "auto") -> dict:
-    """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring)."""
+    """Benchmark the CUDA engine on one file; returns a JSON-ready dict (see the module docstring). Decode steps
+    follow a prompt of `context` tokens a sequence (attention's work grows with it)."""
     from colibri_format.errors import InvalidInput
     from colibri_format.runtime.engine import Engine, EngineConfig
 
-    for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("num_iters", num_iters)):
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("num_iters", num_iters),
+                    ("context", context)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidInput(f"{name} must be a positive integer", field=name, value=v)
     if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
         raise InvalidInput("warmup_iters must be an integer >= 0", field="warmup_iters", value=warmup_iters)
     rng = np.random.default_rng(seed)
     cfg = EngineConfig(device="cuda", device_id=device_id, max_batch_size=max(batch_size, 1),
-                       max_seq_len=max(seq_len, 16 + warmup_iters + num_iters + 1), verify=verify,
+                       max_seq_len=max(seq_len, context + warmup_iters + num_iters + 1), verify=verify,
                        max_cached_experts=max_cached_experts, gpu_memory=gpu_memory, cache_policy=cache_policy,
                        cache_scope=cache_scope, use_graphs=use_graphs, prefetch=prefetch,
                        int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype)
     eng = engine or Engine(path, cfg)
     try:
         eng.decoder.forced_routes = forced_routes
-        result: dict = {"file": str(path), "config": {"batch_size": batch_size, "seq_len": seq_len,
+        result: dict = {"file": str(path), "config": {"batch_size": batch_size, "seq_len": seq_len, "context": context,
                                                       "num_iters": num_iters, "warmup_iters": warmup_iters,
                                                       "max_cached_experts": max_cached_experts,
                                                       "cache_policy": cache_policy, "cache_scope": cache_scope,
@@ -361,7 +365,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         result["engine"] = {k: v for k, v in eng.stats().items() if k not in ("paging", "graphs", "cache")}
         if prefill:
             result["prefill"] = prefill_bench(eng, seq_len, rng)
-        decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng)
+        decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng, prompt_len=context)
         result["decode"] = decode
         if profile:
             ids, pos = np.zeros(batch_size, np.int64), np.full(batch_size, runner.capacity - 1)
@@ -386,7 +390,8 @@ def render(result: dict) -> str:
         p = result["prefill"]
         lines.append(f"prefill {p['tokens']} tokens: {p['ms']:.2f} ms ({p['tokens_per_s']:.0f} tokens/s)")
     d = result["decode"]
-    lines.append(f"decode batch {d['batch']}: {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step']:.3f} ms/step, "
+    at = f" after {d['context']} tokens" if "context" in d else ""
+    lines.append(f"decode batch {d['batch']}{at}: {d['tokens_per_s']:.1f} tokens/s, {d['ms_per_step']:.3f} ms/step, "
                  f"host {d['host_ms_per_step']:.3f} ms/step, graph: {d['graph']}")
     if "chained_tokens_per_s" in d:
         lines.append(f"decode batch {d['batch']}, tokens fed back on the device: {d['chained_tokens_per_s']:.1f} "

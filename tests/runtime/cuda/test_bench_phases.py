@@ -39,7 +39,7 @@ def test_phases_on_the_cpu_engine(path, capacity):
             assert p["copy_gbps"] is None
     text = render({"file": str(path), "ceilings": {"d2d_copy_gbps": 1.0, "h2d_pinned_gbps": 1.0},
                    "prefill": pre, "decode": dec})
-    assert "decode batch 2" in text and ("MB/token over PCIe" in text) == (capacity is not None)
+    assert "decode batch 2 after 16 tokens" in text and ("MB/token over PCIe" in text) == (capacity is not None)
     assert "tokens fed back on the device" in text
 
 
@@ -58,6 +58,7 @@ def test_run_bench_reports_every_section(path, capacity):
     assert ("paging" in r["decode"]) == (capacity is not None)
     assert r["decode"]["chained_tokens_per_s"] > 0
     assert "decode batch 2" in render(r) and "tokens fed back on the device" in render(r)
+    assert r["config"]["context"] == r["decode"]["context"] == 16
 
 
 def test_timeline_totals_add_up_per_step():
@@ -68,3 +69,11 @@ def test_timeline_totals_add_up_per_step():
     t = summarize_timeline(ev, steps=2)
     assert t["kinds"]["a"] == {"calls": 1.5, "us": 10.0} and t["kinds"]["gpu_memcpy"]["calls"] == 0.5
     assert t["span_us"] == 20.0 and t["busy_us"] == 14.5 and t["idle_us"] == 5.5
+
+
+def test_decode_steps_follow_a_prompt_of_the_context_asked_for(path):
+    """decode_bench's prompt_len (run_bench's and `colibri bench`'s context): the timed steps attend to that many
+    prompt tokens, and the runner holds them with the steps."""
+    with Engine(path, EngineConfig(max_seq_len=128)) as eng:
+        dec, runner = decode_bench(eng, 1, 2, 1, np.random.default_rng(0), prompt_len=60)
+    assert dec["context"] == 60 and runner.capacity >= 60 + 1 + 2 + 1
