@@ -27,6 +27,8 @@
 #   dense_tc     benchmarks/dense_gemv_sweep.py --tc (dense_gemv_tc against the dense_gemv passes, 1-32 rows, the
 #                decode shapes), then decode_profile.py --dense-tc-ab --kv-bf16-ab on Qwen3 at batches 1, 8 and 32:
 #                what sets limits.DG_TC_MIN_ROWS, and a bf16 KV cache's decode
+#   kv_decode    benchmarks/decode_profile.py on Qwen3 at batches 1 and 8 after a 4096-token prompt (--context), with
+#                the float32 and the bf16 KV cache: decode at depth, where the cache's bytes count
 #   prefill      benchmarks/prefill_gemm.py on Mixtral's, Qwen3's and OLMoE's 512-row expert blocks (host-timed and
 #                device-timed), then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
@@ -43,6 +45,7 @@ STEPS=${STEPS:-"tests sanitizer hf paging"}
 T_TESTS=${T_TESTS:-420} T_SAN=${T_SAN:-120} T_HF=${T_HF:-240} T_PAGING=${T_PAGING:-180} T_GEMM=${T_GEMM:-240}
 T_PREFILL=${T_PREFILL:-420} T_ROUTER=${T_ROUTER:-120} T_NCU=${T_NCU:-240} T_NCU_DECODE=${T_NCU_DECODE:-300}
 T_PREFILL_HOST=${T_PREFILL_HOST:-300} T_SWEEP=${T_SWEEP:-360} T_DENSE_TC=${T_DENSE_TC:-420} T_DISPATCH=${T_DISPATCH:-90}
+T_KV_DECODE=${T_KV_DECODE:-240}
 PREFILL_VARIANTS=${PREFILL_VARIANTS:-"fast-split + flash,fast-int8 + flash,defaults"}
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader \
@@ -126,6 +129,11 @@ for step in $STEPS; do
           python3 benchmarks/decode_profile.py --out '$OUT/dense_tc' --skip-gemv --shapes qwen3 --batches 1,8,32 \
           --dense-tc-ab --kv-bf16-ab; exit \$((a || \$?))" > "$OUT/dense_tc.log" 2>&1
       rc=$?; summary+=("dense_tc rc=$rc ($((SECONDS - t0)) s)") ;;
+    kv_decode)
+      if [ -n "${DRY:-}" ]; then summary+=("kv_decode skipped: it times the CUDA engine"); continue; fi
+      timeout "$T_KV_DECODE" python3 benchmarks/decode_profile.py --out "$OUT/kv_decode" --skip-gemv --shapes qwen3 \
+          --batches 1,8 --context 4096 --kv-bf16-ab > "$OUT/kv_decode.log" 2>&1
+      rc=$?; summary+=("kv_decode rc=$rc ($((SECONDS - t0)) s)") ;;
     prefill)
       if [ -n "${DRY:-}" ]; then
         timeout "$T_PREFILL" python3 benchmarks/prefill_engine.py --out "$OUT/prefill_engine" --tiny --device cpu \
@@ -155,6 +163,7 @@ echo "==== ncu_decode"; grep -E "Duration|DRAM Throughput|ncu_decode_step\]" "$O
 echo "==== prefill_host"; grep -E "tokens: first two|fast_expert_gemm|Error|Traceback" "$OUT/prefill_host.log" \
     2>/dev/null | cut -c1-240 | tail -20
 echo "==== dense_tc"; grep -E "^\||WRONG|decode batch|again with|Error|Traceback" "$OUT/dense_tc.log" 2>/dev/null | tail -60
+echo "==== kv_decode"; grep -E "decode batch|again with|Error|Traceback" "$OUT/kv_decode.log" 2>/dev/null | tail -20
 echo "==== dispatch"; grep -E "^\||Error|Traceback" "$OUT/dispatch.log" 2>/dev/null | tail -16
 echo "==== sweep"; grep -E "== |-kernel|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | cut -c1-120 | tail -70
 echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
