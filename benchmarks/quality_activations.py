@@ -164,42 +164,41 @@ def main(argv: list[str] | None = None) -> int:
             label = ("bf16" if opts.get("dtype") == "bfloat16" else "f16") + " / " + label   # dense dtype / experts
             path = Path(tmp) / f"{kind}.colibri"
             convert(quality.MODEL_DIR, path, resume=False, **opts)
-            scores[f"colibri {label}, split (fp32-class) activations"] = quality.score_colibri(
-                path, wins, args.batch, int8_activations=False)
+
+            def score(path=path, **engine):
+                """The NumPy engine's scores with float expert inputs unless `engine` asks otherwise: the default
+                fast_expert_gemm 'auto' would round long passes' inputs to int8 (W8A8) under every row's label."""
+                return quality.score_colibri(path, wins, args.batch,
+                                             **{"int8_activations": False, "fast_expert_gemm": None, **engine})
+
+            scores[f"colibri {label}, split (fp32-class) activations"] = score()
             for form in forms:
                 with rounded_expert_inputs(FORMS[form]):
-                    scores[f"colibri {label}, {form} expert activations"] = quality.score_colibri(
-                        path, wins, args.batch, int8_activations=False)
+                    scores[f"colibri {label}, {form} expert activations"] = score()
             if "quant_bits" not in opts:     # int8 row experts: the engine's own W8A8 (its twin: limits.rounds_rows_int8)
                 name = f"colibri {label}, engine fast_expert_gemm='int8' (W8A8)"
-                scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=False,
-                                                     fast_expert_gemm="int8")
+                scores[name] = score(fast_expert_gemm="int8")
                 emulated = scores.get(f"colibri {label}, int8_token expert activations")
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
                     checks[f"{kind}: engine fast_expert_gemm='int8' == emulated int8_token"] = same
             if args.kv_bf16:      # the engine's own bf16 KV cache (numpy_backend.cache_entries), not an emulation
-                scores[f"colibri {label}, bf16 KV cache"] = quality.score_colibri(
-                    path, wins, args.batch, int8_activations=False, kv_cache_dtype="bfloat16")
+                scores[f"colibri {label}, bf16 KV cache"] = score(kv_cache_dtype="bfloat16")
                 if "quant_bits" not in opts:
-                    scores[f"colibri {label}, W8A8 + bf16 KV cache"] = quality.score_colibri(
-                        path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8",
-                        kv_cache_dtype="bfloat16")
+                    scores[f"colibri {label}, W8A8 + bf16 KV cache"] = score(fast_expert_gemm="int8",
+                                                                             kv_cache_dtype="bfloat16")
             if args.dense_bf16 and opts.get("dtype") == "bfloat16":     # the engine's own dense_gemm='bf16'
-                scores[f"colibri {label}, engine dense_gemm='bf16'"] = quality.score_colibri(
-                    path, wins, args.batch, int8_activations=False, dense_gemm="bf16")
-                scores[f"colibri {label}, engine W8A8 + dense_gemm='bf16'"] = quality.score_colibri(
-                    path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8", dense_gemm="bf16")
+                scores[f"colibri {label}, engine dense_gemm='bf16'"] = score(dense_gemm="bf16")
+                scores[f"colibri {label}, engine W8A8 + dense_gemm='bf16'"] = score(fast_expert_gemm="int8",
+                                                                                   dense_gemm="bf16")
             elif args.dense_bf16:
                 with rounded_dense_inputs(round_to_bf16):
-                    scores[f"colibri {label}, dense_bf16 activations"] = quality.score_colibri(
-                        path, wins, args.batch, int8_activations=False)
+                    scores[f"colibri {label}, dense_bf16 activations"] = score()
                     if "quant_bits" not in opts:
-                        scores[f"colibri {label}, W8A8 + dense_bf16 activations"] = quality.score_colibri(
-                            path, wins, args.batch, int8_activations=False, fast_expert_gemm="int8")
+                        scores[f"colibri {label}, W8A8 + dense_bf16 activations"] = score(fast_expert_gemm="int8")
             if opts.get("quant_bits") == 4:    # limits.A8_FORMATS: the engine rounds these itself when asked
                 name = f"colibri {label}, engine int8_activations=True (default)"
-                scores[name] = quality.score_colibri(path, wins, args.batch, int8_activations=True)
+                scores[name] = score(int8_activations=True)
                 emulated = scores.get(f"colibri {label}, int8_g32 expert activations")
                 if emulated is not None:
                     same = all(np.array_equal(a, b) for a, b in zip(scores[name].logprob, emulated.logprob))
