@@ -422,11 +422,11 @@ def dispatch(ids, num_experts: int, *, tile_m: int = GEMM_BM, out: Dispatch | No
         out = dispatch_buffers(P, E, tile_m)
     elif out.num_pairs != P or out.num_experts != E or out.tile_m != tile_m:
         raise ValueError("dispatch buffers were made for another shape")
-    args = (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm,
-            out.inv, out.active, out.meta, out.tile_expert, out.tile_start)
     if quantize is None and out.spread is not None:
         _dispatch_spread(ids, P, E, tile_m, nt, out)
         return out
+    args = (ids, np.int32(P), np.int32(E), np.int32(tile_m), np.int32(nt), out.counts, out.offsets, out.perm,
+            out.inv, out.active, out.meta, out.tile_expert, out.tile_start)
     if quantize is None:
         kernel("dispatch", "moe_dispatch")((1,), (DISPATCH_THREADS,), args)
         return out
