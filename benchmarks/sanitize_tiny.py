@@ -104,7 +104,7 @@ def tc4_everywhere(name: str, path: Path, device: str) -> None:
 
 def spread_dispatch(name: str, path: Path, device: str) -> None:
     """Prefills and batched decode with every dispatch spread over blocks (moe_dispatch_ranks / _groups / _scatter:
-    limits.DISPATCH_SPREAD_MIN_PAIRS, off by default: see limits.py)."""
+    limits.DISPATCH_SPREAD_MIN_PAIRS: by default only from 4,096 pairs, more than these passes have)."""
     saved = limits.DISPATCH_SPREAD_MIN_PAIRS
     limits.DISPATCH_SPREAD_MIN_PAIRS = 1
     try:

@@ -56,9 +56,8 @@ DISPATCH_MAX_E = 512
 # ops.dispatch ranks passes of at least this many pairs over several blocks (dispatch.cu's moe_dispatch_ranks /
 # _groups / _scatter: three launches) instead of one block (moe_dispatch, one launch); 0: never. On the H200
 # (benchmarks/dispatch_spread.py, session 26) the spread form won at 4,096 pairs on every shape timed (Qwen3-30B-A3B
-# 17.1 -> 7.2 µs, OLMoE 15.4 -> 7.2, Mixtral 9.5 -> 6.7) and lost at 1,024 (5.7 -> 6.9, 5.3 -> 7.0, 4.1 -> 6.5):
-# 4096 is the value to set, but only with a whole GPU suite run on it (none was left in session 26): 0 until then.
-DISPATCH_SPREAD_MIN_PAIRS = 0
+# 17.1 -> 7.2 µs, OLMoE 15.4 -> 7.2, Mixtral 9.5 -> 6.7) and lost at 1,024 (5.7 -> 6.9, 5.3 -> 7.0, 4.1 -> 6.5).
+DISPATCH_SPREAD_MIN_PAIRS = 4096
 # moe_gemv.cu
 GEMV_THREADS = 128
 GEMV_TOKC = (1, 2, 4, 8)                    # tokens per pass of the moe_{gate_up,down}_t<TOKC> kernels
