@@ -66,6 +66,16 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
 # (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
 GEMV_W4_PLAN = ((4, 1), (4, 1))
+# one-token MoE passes (ops.pairs_path) in one launch, moe_pairs_fused (gate_up, down and the combine; down items
+# wait in the kernel for their pair's act row) instead of three (moe_gate_up_pairs, moe_down_pairs, moe_combine).
+# Off until it is measured faster: on the H200 (session 27) its first form, a contiguous run of items a warp, took
+# 47.8 µs a Qwen3-30B-A3B layer against 19.9 for the three launches (benchmarks/decode_profile.py --fused-ab).
+MOE_PAIRS_FUSED = False
+# moe_pairs_fused: 1 = a down item brings its weight rows toward L2 (prefetch.global.L2) before it waits for act;
+# the order its warps walk the items (1 grid-stride, 0 a contiguous run a warp); ns between polls of a waiting item
+PAIRS_FUSED_PREFETCH = 1
+PAIRS_FUSED_ORDER = 1
+PAIRS_FUSED_SLEEP_NS = 256
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -307,7 +317,9 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
-    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, "PAIRS_FUSED_PREFETCH": PAIRS_FUSED_PREFETCH,
+                 "PAIRS_FUSED_ORDER": PAIRS_FUSED_ORDER, "PAIRS_FUSED_SLEEP_NS": PAIRS_FUSED_SLEEP_NS,
+                 **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,
