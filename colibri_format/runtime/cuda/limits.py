@@ -68,14 +68,17 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 GEMV_W4_PLAN = ((4, 1), (4, 1))
 # one-token MoE passes (ops.pairs_path) in one launch, moe_pairs_fused (gate_up, down and the combine; down items
 # wait in the kernel for their pair's act row) instead of three (moe_gate_up_pairs, moe_down_pairs, moe_combine).
-# Off until it is measured faster: on the H200 (session 27) its first form, a contiguous run of items a warp, took
-# 47.8 µs a Qwen3-30B-A3B layer against 19.9 for the three launches (benchmarks/decode_profile.py --fused-ab).
+# Off: slower in every form timed (benchmarks/decode_profile.py --fused-ab, Qwen3-30B-A3B at batch 1, µs a layer):
+# H200 19.9 for the three launches against 47.8 (contiguous runs) and 34.3-37.4 (grid-stride, one counter line);
+# H100 22.6 against 30.8 (grid-stride, a line a pair's counter). docs/benchmarks.md, session 27.
 MOE_PAIRS_FUSED = False
 # moe_pairs_fused: 1 = a down item brings its weight rows toward L2 (prefetch.global.L2) before it waits for act;
 # the order its warps walk the items (1 grid-stride, 0 a contiguous run a warp); ns between polls of a waiting item
-PAIRS_FUSED_PREFETCH = 1
+PAIRS_FUSED_PREFETCH = 0
 PAIRS_FUSED_ORDER = 1
 PAIRS_FUSED_SLEEP_NS = 256
+# int32 entries a pair's count of finished gate_up items takes in its sync buffer (32: a 128-byte line each)
+PAIRS_FUSED_PAD = 32
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -319,6 +322,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
     "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, "PAIRS_FUSED_PREFETCH": PAIRS_FUSED_PREFETCH,
                  "PAIRS_FUSED_ORDER": PAIRS_FUSED_ORDER, "PAIRS_FUSED_SLEEP_NS": PAIRS_FUSED_SLEEP_NS,
+                 "PAIRS_FUSED_PAD": PAIRS_FUSED_PAD,
                  **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},

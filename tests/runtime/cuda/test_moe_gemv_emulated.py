@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from colibri_format.runtime.cuda import limits
+from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GEMV_KINDS, GXX, GemvEmulator, GemvExtras, build_gemv
 from tests.runtime.cuda.synthetic_experts import host_experts, named_pairs, routed_pairs, valid_ids
@@ -202,8 +203,7 @@ def test_the_one_launch_pass_is_the_three_kernels_to_the_bit(emulator, fused_ord
     want = combine_like_the_kernel(y, k, residual, 0.5)
 
     fused = GemvEmulator(fused_orders[order], blocks)
-    rows = limits.KERNEL_DEFINES["moe_gemv"]["WIDE_DN_W4_ROWS"]
-    sync = np.zeros(T * k + -(-H // rows) + 1, np.int32)
+    sync = np.zeros(ops.pairs_fused_sync_size(T * k, H), np.int32)
     for launch in range(2):
         act_f = np.full_like(act, np.nan)
         y_f = np.full_like(y, np.nan)

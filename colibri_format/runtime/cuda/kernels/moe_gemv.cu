@@ -38,6 +38,9 @@
 #error "PAIRS_FUSED_SLEEP_NS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 #define PAIRS_FUSED_MAX_POLLS (1LL << 26)
+#ifndef PAIRS_FUSED_PAD
+#error "PAIRS_FUSED_PAD undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
 #ifndef WIDE_GU_W4_ROWS
 #error "WIDE_GU_W4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
@@ -450,8 +453,10 @@ DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g_extras, true, true, DOWN_EXTRA_PARAMS, DOW
 // rows in pair order into y = residual + alpha * sum, as moe_combine does, bit for bit. Every warp takes its gate_up
 // items before its down items, so a wait is on items running or done when every block is resident: the launch has
 // exactly the blocks the machine holds (ops._gemv_launch). In contiguous runs a wait is only on lower warps (blocks
-// start in index order), whatever the residency. sync [P + ceil(H / WIDE_DN_W4_ROWS) + 1] int32 is zero at the
-// start; the last warp to leave (sync's last entry counts them) sets it back to zero for the next launch.
+// start in index order), whatever the residency. sync (int32, zero at the start): a pair's count at pair *
+// PAIRS_FUSED_PAD (a line of its own: its atomics and polls meet no other pair's), then the row groups' tickets, then
+// (on a line of its own) the count of row groups combined; the last group combined sets it all back to zero for the
+// next launch (every other access of the launch to sync is then done). ops.pairs_fused_sync_size gives its size.
 template <bool GROUPED, bool EXTRAS>
 __device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, const int* __restrict__ ids,
                                                 const unsigned long long* __restrict__ blobs,
@@ -471,9 +476,10 @@ __device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, con
 #else
     const int first = warp, end = total, step = warps_total;
 #endif
-    int* pair_done = sync;
-    int* group_ticket = sync + P;
-    int* exits = sync + P + n_dn;
+    int* pair_done = sync;                              // pair p's count at p * PAIRS_FUSED_PAD
+    int* group_ticket = sync + P * PAIRS_FUSED_PAD;
+    const int tickets = (n_dn + PAIRS_FUSED_PAD - 1) / PAIRS_FUSED_PAD * PAIRS_FUSED_PAD;
+    int* groups_done = group_ticket + tickets;
     for (int item = first; item < end; item += step) {
         if (item < gu_items) {
             moe_gemv_wide_item<WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, GROUPED, true, EXTRAS, true>(
@@ -482,7 +488,7 @@ __device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, con
             __syncwarp();
             if (lane == 0) {
                 __threadfence();
-                atomicAdd(pair_done + item / n_gu, 1);
+                atomicAdd(pair_done + item / n_gu * PAIRS_FUSED_PAD, 1);
             }
             continue;
         }
@@ -494,7 +500,7 @@ __device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, con
         }
         if (lane == 0) {
             // a wait far past any pass (~seconds) means an item that never ran: fail the launch, never hang
-            for (long long polls = 0; *reinterpret_cast<volatile int*>(pair_done + pair) < n_gu; ++polls) {
+            for (long long polls = 0; *reinterpret_cast<volatile int*>(pair_done + pair * PAIRS_FUSED_PAD) < n_gu; ++polls) {
                 if (polls == PAIRS_FUSED_MAX_POLLS) __trap();
                 __nanosleep(PAIRS_FUSED_SLEEP_NS);
             }
@@ -520,11 +526,14 @@ __device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, con
                 const size_t o = (size_t)t * H + h;
                 y[o] = residual ? fmaf(alpha, s, residual[o]) : s * alpha;
             }
+            int reset = 0;
+            if (lane == 0) reset = atomicAdd(groups_done, 1) == n_dn - 1;   // every item has done its sync accesses
+            if (__shfl_sync(COLIBRI_FULL_MASK, reset, 0)) {
+                for (int i = lane; i < P; i += 32) pair_done[i * PAIRS_FUSED_PAD] = 0;
+                for (int i = lane; i < n_dn; i += 32) group_ticket[i] = 0;
+                if (lane == 0) *groups_done = 0;
+            }
         }
-    }
-    __syncwarp();
-    if (lane == 0 && atomicAdd(exits, 1) == warps_total - 1) {
-        for (int i = 0; i <= P + n_dn; ++i) sync[i] = 0;   // every other warp has left: the next launch starts at zero
     }
 }
 

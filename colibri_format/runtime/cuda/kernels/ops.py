@@ -709,10 +709,12 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtra
 
 
 def pairs_fused_sync_size(num_pairs: int, hidden: int) -> int:
-    """int32 entries of `moe_pairs_fused`'s sync buffer: a count a pair, a ticket a group of down rows (the w4 plan's
-    rows a down item, as the module is built), and the count of warps that left."""
-    rows = limits.KERNEL_DEFINES["moe_gemv"]["WIDE_DN_W4_ROWS"]
-    return num_pairs + -(-hidden // rows) + 1
+    """int32 entries of `moe_pairs_fused`'s sync buffer (as the module is built): a count a pair, PAIRS_FUSED_PAD
+    apart; a ticket a group of down rows (the w4 plan's rows a down item), padded to a multiple of PAIRS_FUSED_PAD;
+    the count of groups combined."""
+    defines = limits.KERNEL_DEFINES["moe_gemv"]
+    pad, groups = defines["PAIRS_FUSED_PAD"], -(-hidden // defines["WIDE_DN_W4_ROWS"])
+    return num_pairs * pad + -(-groups // pad) * pad + 1
 
 
 def moe_pairs_fused(x, ids, weights, table: ExpertTable, sync, *, residual=None, alpha: float = 1.0,
