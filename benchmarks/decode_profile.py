@@ -159,6 +159,7 @@ def fused_ab(engines: dict, shape: str, path: Path, batches: list[int], context:
     (--fused-ab, --fused-variant)."""
     from colibri_format.runtime.cuda import limits
 
+    saved = limits.MOE_PAIRS_FUSED
     limits.MOE_PAIRS_FUSED = False
     log(f"{shape} again with three launches a one-token MoE pass (--fused-ab)")
     engines[f"{shape} unfused"] = engine_profile(path, batches, context=context)
@@ -175,6 +176,7 @@ def fused_ab(engines: dict, shape: str, path: Path, batches: list[int], context:
         log(f"{shape} again fused with {defines} (--fused-variant)")
         engines[f"{shape} fused {variant}"] = engine_profile(path, batches, context=context)
     rebuild_module("moe_gemv", **defaults)
+    limits.MOE_PAIRS_FUSED = saved      # the next shape's first run is the default again
 
 
 def gemv_candidates(cp, copy_gbps: float) -> list[dict]:

@@ -69,7 +69,7 @@ GEMV_W4_PLAN = ((4, 1), (4, 1))
 # one-token MoE passes (ops.pairs_path) in one launch, moe_pairs_fused (gate_up, down and the combine; down items
 # wait in the kernel for their pair's act row) instead of three (moe_gate_up_pairs, moe_down_pairs, moe_combine).
 # Off: slower in every form timed (benchmarks/decode_profile.py --fused-ab, Qwen3-30B-A3B at batch 1, µs a layer):
-# H200 19.9 for the three launches against 47.8 (contiguous runs) and 34.3-37.4 (grid-stride, one counter line);
+# H200 19.7-19.8 for the three launches against 47.8 (contiguous runs) and 34.3-37.4 (grid-stride, one counter line);
 # H100 22.6 against 30.8 (grid-stride, a line a pair's counter). docs/benchmarks.md, session 27.
 MOE_PAIRS_FUSED = False
 # moe_pairs_fused: 1 = a down item brings its weight rows toward L2 (prefetch.global.L2) before it waits for act;
