@@ -154,31 +154,6 @@ def engine_profile(path: Path, batches: list[int], kv_cache_dtype: str = "auto",
     return out
 
 
-def fused_ab(engines: dict, shape: str, path: Path, batches: list[int], context: int, variants: list[str]) -> None:
-    """The one-token MoE pass in three launches, then in one with each variant's PAIRS_FUSED_* constants
-    (--fused-ab, --fused-variant)."""
-    from colibri_format.runtime.cuda import limits
-
-    saved = limits.MOE_PAIRS_FUSED
-    limits.MOE_PAIRS_FUSED = False
-    log(f"{shape} again with three launches a one-token MoE pass (--fused-ab)")
-    engines[f"{shape} unfused"] = engine_profile(path, batches, context=context)
-    limits.MOE_PAIRS_FUSED = True
-    defaults = {k: v for k, v in limits.KERNEL_DEFINES["moe_gemv"].items() if k.startswith("PAIRS_FUSED_")}
-    for variant in variants:
-        defines = dict(defaults)
-        for pair in filter(None, variant.split(",")):
-            key, _, value = pair.partition("=")
-            if key not in defaults or not value.isdigit():
-                raise SystemExit(f"--fused-variant {pair}: one of {sorted(defaults)}=<whole number>")
-            defines[key] = int(value)
-        rebuild_module("moe_gemv", **defines)
-        log(f"{shape} again fused with {defines} (--fused-variant)")
-        engines[f"{shape} fused {variant}"] = engine_profile(path, batches, context=context)
-    rebuild_module("moe_gemv", **defaults)
-    limits.MOE_PAIRS_FUSED = saved      # the next shape's first run is the default again
-
-
 def gemv_candidates(cp, copy_gbps: float) -> list[dict]:
     from colibri_format.runtime.cuda.kernels import ops
 
@@ -238,10 +213,6 @@ def main() -> int:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--pairs-ab", action="store_true", help="each shape's engine runs twice on one file: one-token "
                     "passes by pair (the default), then with the dispatch (as --no-pairs)")
-    ap.add_argument("--fused-ab", action="store_true", help="each shape's engine runs again with its one-token MoE "
-                    "passes in three launches (limits.MOE_PAIRS_FUSED off), then once a --fused-variant")
-    ap.add_argument("--fused-variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
-                    help="moe_gemv.cu rebuilt with these PAIRS_FUSED_* constants for a --fused-ab run (repeatable)")
     ap.add_argument("--dense-tc-ab", action="store_true", help="each shape's engine runs again with its bf16 dense "
                     "products of 2-32 rows on dense_gemv_tc (limits.DG_TC_MIN_ROWS = 2; off by default)")
     ap.add_argument("--kv-bf16-ab", action="store_true", help="each shape's engine runs again with a bf16 KV cache "
@@ -302,8 +273,6 @@ def main() -> int:
                 log(f"{shape} again with the dispatch (--pairs-ab)")
                 result["engine"][f"{shape} dispatch"] = engine_profile(path, batches, context=args.context)
                 ops.pairs_path = by_pair
-            if args.fused_ab:
-                fused_ab(result["engine"], shape, path, batches, args.context, args.fused_variant)
             if args.kv_bf16_ab:
                 log(f"{shape} again with a bf16 KV cache (--kv-bf16-ab)")
                 result["engine"][f"{shape} bf16 KV"] = engine_profile(path, batches, "bfloat16", args.context)

@@ -271,21 +271,11 @@ class CupyBackend:
         extras = ops.ExpertExtras.from_model(act, gate_up_bias, down_bias)
         fast_gemm, cublas = self._expert_gemm(T, P, table, extras)
         return ops.moe_experts(x, ids, weights, table, residual=residual, alpha=alpha, disp=ws.extra[key],
-                               out=residual, pairs_sync=self._pairs_sync(P, table.hidden_size, ws),
+                               out=residual,
                                act=ws.buf("moe_act", (P, table.intermediate_size)),
                                ypair=ws.buf("moe_ypair", (P, table.hidden_size)),
                                extras=extras, fast_gemm=fast_gemm, cublas=cublas,
                                staging=self._fast_staging(T, P, table, extras, ws, fast_gemm))
-
-    def _pairs_sync(self, pairs: int, hidden: int, ws):
-        """The sync buffer of a one-launch by-pair pass (`ops.moe_pairs_fused`; made zero once), or None where
-        limits.MOE_PAIRS_FUSED is off."""
-        if not limits.MOE_PAIRS_FUSED:
-            return None
-        key = ("pairs_sync", pairs, hidden)
-        if key not in ws.extra:
-            ws.extra[key] = self.zeros((self.ops.pairs_fused_sync_size(pairs, hidden),), np.int32)
-        return ws.extra[key]
 
     def _expert_gemm(self, rows: int, pairs: int, table, extras) -> tuple:
         """(fast_gemm, cublas) for moe_experts on a pass of `rows` rows and `pairs` routed pairs; 'auto' becomes

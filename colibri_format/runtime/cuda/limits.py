@@ -66,19 +66,6 @@ GEMV_WIDE = ("w2", "w4")                    # one token per pass, 2 / 4 chunks o
 # of gate_up (half its rows gate, half up: even) and of down; benchmarks/gemv_sweep.py times others against it
 # (H200, 2026-12-02: (4, 1) beat the earlier (4, 4) on both stages of Mixtral and Qwen3 experts, docs/benchmarks.md)
 GEMV_W4_PLAN = ((4, 1), (4, 1))
-# one-token MoE passes (ops.pairs_path) in one launch, moe_pairs_fused (gate_up, down and the combine; down items
-# wait in the kernel for their pair's act row) instead of three (moe_gate_up_pairs, moe_down_pairs, moe_combine).
-# Off: slower in every form timed (benchmarks/decode_profile.py --fused-ab, Qwen3-30B-A3B at batch 1, µs a layer):
-# H200 19.7-19.8 for the three launches against 47.8 (contiguous runs) and 34.3-37.4 (grid-stride, one counter line);
-# H100 22.6 against 30.8 (grid-stride, a line a pair's counter). docs/benchmarks.md, session 27.
-MOE_PAIRS_FUSED = False
-# moe_pairs_fused: 1 = a down item brings its weight rows toward L2 (prefetch.global.L2) before it waits for act;
-# the order its warps walk the items (1 grid-stride, 0 a contiguous run a warp); ns between polls of a waiting item
-PAIRS_FUSED_PREFETCH = 0
-PAIRS_FUSED_ORDER = 1
-PAIRS_FUSED_SLEEP_NS = 256
-# int32 entries a pair's count of finished gate_up items takes in its sync buffer (32: a 128-byte line each)
-PAIRS_FUSED_PAD = 32
 # moe_gemm.cu: GEMM_BM x GEMM_BN output tiles over GEMM_BK-column steps (fp32 SIMT and tensor-core variants)
 GEMM_THREADS = 256
 GEMM_BM = 64
@@ -320,10 +307,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "router": {"ROUTER_THREADS": ROUTER_THREADS, "ROUTER_TPB": ROUTER_TPB, "ROUTER_EPB": ROUTER_EPB,
                "ROUTER_MAX_E": ROUTER_MAX_E, "ROUTER_MAX_K": ROUTER_MAX_K},
     "dispatch": {"DISPATCH_THREADS": DISPATCH_THREADS, "DISPATCH_MAX_E": DISPATCH_MAX_E},
-    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, "PAIRS_FUSED_PREFETCH": PAIRS_FUSED_PREFETCH,
-                 "PAIRS_FUSED_ORDER": PAIRS_FUSED_ORDER, "PAIRS_FUSED_SLEEP_NS": PAIRS_FUSED_SLEEP_NS,
-                 "PAIRS_FUSED_PAD": PAIRS_FUSED_PAD,
-                 **w4_plan_defines(GEMV_W4_PLAN)},
+    "moe_gemv": {"GEMV_THREADS": GEMV_THREADS, **w4_plan_defines(GEMV_W4_PLAN)},
     "moe_gemm": {"GEMM_THREADS": GEMM_THREADS, "GEMM_BM": GEMM_BM, "GEMM_BN": GEMM_BN, "GEMM_BK": GEMM_BK,
                  "GEMM_PAD": GEMM_PAD, "TC_THREADS": TC_THREADS},
     "moe_gemm_fast": {"FAST_THREADS": FAST_THREADS, "FAST_BM": FAST_BM, "FAST_BN": FAST_BN, "FAST_BK": FAST_BK,

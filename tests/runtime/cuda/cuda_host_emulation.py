@@ -29,7 +29,7 @@ from colibri_format.runtime.cuda.kernels import ops
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
 PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "mma_16832_s8",
-               "bf16x2_sub", "load16_stream", "prefetch_l2")
+               "bf16x2_sub", "load16_stream")
 PTX_STRUCTS = ("TF16", "TBF16")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
@@ -943,22 +943,6 @@ extern "C" void emu_down_pairs(int grouped, int extras, int blocks, const float*
     });
 }
 
-// the by-pair pass in one launch (moe_pairs_fused_*): its down items wait on gate_up items of lower warps, which the
-// grid order of blocks (and __nanosleep's yield within a block) lets finish first
-extern "C" void emu_pairs_fused(int grouped, int extras, int blocks, const float* x, const int* ids,
-                                const unsigned long long* blobs, const unsigned long long* fills, long long off_gu,
-                                long long off_gus, long long off_dn, long long off_dns, float* act,
-                                const float* pair_w, float* ypair, const float* residual, float* y, int H, int I, int k,
-                                int gh, int gi, int P, int E, float alpha, int* sync, const float* gu_bias,
-                                float act_alpha, float limit, float up_offset, const float* dn_bias) {
-    emu_launch({blocks, 1, 1}, GEMV_THREADS, 0, [&] {
-        auto fn = extras ? (grouped ? moe_pairs_fused_g_extras : moe_pairs_fused_r_extras)
-                         : (grouped ? moe_pairs_fused_g : moe_pairs_fused_r);
-        fn(x, ids, blobs, fills, off_gu, off_gus, off_dn, off_dns, act, pair_w, ypair, residual, y, H, I, k, gh, gi,
-           P, E, alpha, sync, gu_bias, act_alpha, limit, up_offset, dn_bias);
-    });
-}
-
 extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, const unsigned long long* blobs,
                          const unsigned long long* fills, long long off_w, long long off_s, const int* perm,
                          const int* offsets, const int* active, const int* meta, const float* pair_w, float* y,
@@ -974,10 +958,10 @@ extern "C" void emu_down(int kernel, int extras, int blocks, const float* a, con
 """
 
 
-def build_gemv(tmp_path: Path, plan: tuple | None = None, **overrides: int) -> ctypes.CDLL:
+def build_gemv(tmp_path: Path, plan: tuple | None = None) -> ctypes.CDLL:
     """moe_gemv.cu for the CPU, with limits.py's constants (`plan`: another GEMV_W4_PLAN, as gemv_sweep.py builds
-    it; `overrides`: other values of its other constants)."""
-    defines = {**limits.KERNEL_DEFINES["moe_gemv"], **limits.w4_plan_defines(plan or limits.GEMV_W4_PLAN), **overrides}
+    it)."""
+    defines = {**limits.KERNEL_DEFINES["moe_gemv"], **limits.w4_plan_defines(plan or limits.GEMV_W4_PLAN)}
     return _compile(tmp_path, "moe_gemv", host_module_source("moe_gemv") + GEMV_DRIVER,
                     [f"-D{k}={v}" for k, v in defines.items()])
 
@@ -1029,20 +1013,6 @@ class GemvEmulator(GridStrideEmulator):
             ctypes.c_longlong(layout.array("gate_up_scale").offset), _ptr(act), layout.hidden_size,
             layout.intermediate_size, k, layout.group_size, T * k, num_experts, _nullable(ex.gate_up_bias),
             ctypes.c_float(ex.alpha), ctypes.c_float(ex.limit), ctypes.c_float(ex.up_offset))
-
-    def pairs_fused(self, x, ids, ptrs, fills, layout, weights, act, ypair, residual, y, alpha: float, sync,
-                    num_experts: int, extras: GemvExtras | None = None) -> None:
-        """moe_pairs_fused_*: gate_up, down and the combine of a by-pair pass in one launch (sync int32, zero)."""
-        T, k = ids.shape
-        ex = extras or GemvExtras(None, None, 1.0, float("inf"), 0.0)
-        group = layout.group_size
-        self.lib.emu_pairs_fused(
-            int(bool(group)), int(extras is not None), self.blocks, _ptr(x), _ptr(ids), _ptr(ptrs), _nullable(fills),
-            *(ctypes.c_longlong(layout.array(a).offset) for a in ("gate_up", "gate_up_scale", "down", "down_scale")),
-            _ptr(act), _ptr(weights), _ptr(ypair), _nullable(residual), _ptr(y), layout.hidden_size,
-            layout.intermediate_size, k, group, group, T * k, num_experts, ctypes.c_float(alpha), _ptr(sync),
-            _nullable(ex.gate_up_bias), ctypes.c_float(ex.alpha), ctypes.c_float(ex.limit),
-            ctypes.c_float(ex.up_offset), _nullable(ex.down_bias))
 
     def down_pairs(self, a, ids, ptrs, fills, layout, weights, y, num_experts: int,
                    extras: GemvExtras | None = None) -> None:

@@ -12,7 +12,6 @@
 //   - __shfl_xor_sync, __shfl_sync and __shfl_up_sync (of values up to 8 bytes) and __match_any_sync are
 //     warp-collective like mma.sync (below): post, meet, read the partner's (or every lane's), meet;
 //   - atomicAdd and __threadfence are the host's (blocks do not overlap: what the fences order is not exercised);
-//     __nanosleep yields to the block's other fibers (a warp spinning on a flag that another warp of its block sets);
 //   - TF16 / TBF16 (common.cuh's 16-bit float conversions, PTX cvt there) convert with _Float16 and round to nearest
 //     even;
 //   - mma.sync m16n8k16 (bf16 in, fp32 accumulate) and m16n8k32 (int8 in, int32) are warp-collective: each lane
@@ -150,12 +149,6 @@ thread_local EmuContext* emu_running = nullptr;
 thread_local long long emu_moves = 0;   // barrier arrivals and fiber ends: a round without any is a deadlock
 
 inline void emu_yield() { emu_running->switch_to(emu_scheduler); }
-// A thread that spins on another's flag sleeps between polls: here it hands over to the block's other fibers (only
-// warps of the running block can set the flag: a kernel that waits on other blocks runs emulated with one block).
-inline void __nanosleep(unsigned int) { emu_yield(); }
-inline void __trap() { std::abort(); }
-// prefetch_l2 (common.cuh) is a cache hint: nothing to emulate
-inline void prefetch_l2(const void*) {}
 
 // A barrier of `count` fibers: the last to arrive opens it and goes on; the others yield until it has opened.
 struct EmuBarrier {

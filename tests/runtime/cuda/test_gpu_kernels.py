@@ -235,46 +235,6 @@ def test_one_token_passes_run_by_pair_alike_to_the_bit(cp, rng, group):
         ops.moe_down_pairs(cp.zeros((k, I), cp.float32), cp.asarray(ids), cp.zeros((1, k + 1), cp.float32), table)
 
 
-@pytest.mark.parametrize("group", [0, 32])
-@pytest.mark.parametrize("E,k,H,I", [(16, 4, 256, 128), (128, 8, 2048, 768)])
-def test_a_one_launch_by_pair_pass_is_the_three_launches_to_the_bit(cp, rng, group, E, k, H, I):
-    """ops.moe_pairs_fused (gate_up, down and the combine in one launch; down items wait in the kernel for their
-    act rows) against the three by-pair launches of moe_experts: the same bits with and without a residual, its
-    sync buffer zero after each launch; then captured once and replayed 40 times with other ids and inputs each
-    time, every replay the three launches' bits; a sync buffer of another size is refused."""
-    buf, table, experts, x, ids, w = _moe_case(cp, rng, 1, E, k, H, I, group)
-    sync = cp.zeros(ops.pairs_fused_sync_size(k, H), cp.int32)
-    resid = rng.standard_normal((1, H)).astype(np.float32)
-    args = (cp.asarray(x), cp.asarray(ids), cp.asarray(w), table)
-    for residual in (None, resid):
-        kw = {} if residual is None else {"residual": cp.asarray(residual), "alpha": 1.5}
-        want = ops.moe_experts(*args, **kw).get()
-        np.testing.assert_array_equal(ops.moe_experts(*args, pairs_sync=sync, **kw).get(), want)
-        assert not sync.get().any()
-    assert rel(want, _moe(x, ids, w, experts, residual=resid, alpha=1.5)) < F32_TOL
-
-    xd, idsd, wd, rd = cp.asarray(x), cp.asarray(ids), cp.asarray(w), cp.asarray(resid)
-    out, act, ypair = nan_like(cp, (1, H)), nan_like(cp, (k, I)), nan_like(cp, (k, H))
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        try:
-            ops.moe_pairs_fused(xd, idsd, wd, table, sync, residual=rd, alpha=1.5, act=act, ypair=ypair, out=out)
-        finally:
-            graph = stream.end_capture()
-        for replay in range(40):
-            x2 = rng.standard_normal((1, H)).astype(np.float32)
-            ids2 = rng.choice(E, k, replace=False).astype(np.int32)[None]
-            xd.set(x2), idsd.set(ids2)
-            graph.launch(stream)
-            stream.synchronize()
-            want = ops.moe_experts(cp.asarray(x2), cp.asarray(ids2), wd, table, residual=rd, alpha=1.5).get()
-            np.testing.assert_array_equal(out.get(), want, err_msg=f"replay {replay}")
-    assert not sync.get().any()
-    with pytest.raises(ValueError, match="sync"):
-        ops.moe_pairs_fused(xd, idsd, wd, table, cp.zeros(sync.size + 1, cp.int32))
-
-
 def test_moe_wrappers_reject_bad_inputs(cp, rng):
     buf, table, experts, x, ids, w = _moe_case(cp, rng, 2, 8, 2, 64, 32, 0)
     d = ops.dispatch(cp.asarray(ids), 8)

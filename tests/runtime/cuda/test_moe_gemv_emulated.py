@@ -10,8 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_format.runtime.cuda import limits
-from colibri_format.runtime.cuda.kernels import ops
 from tests.runtime.cuda import kernel_expectations as expect
 from tests.runtime.cuda.cuda_host_emulation import GEMV_KINDS, GXX, GemvEmulator, GemvExtras, build_gemv
 from tests.runtime.cuda.synthetic_experts import host_experts, named_pairs, routed_pairs, valid_ids
@@ -156,63 +154,3 @@ def test_by_pair_kernels_match_float64_and_the_dispatch_path(emulator, case, fil
         emulator.down("w4", act_d, ptrs, None, layout, d, w, y_d, extras)
         np.testing.assert_array_equal(act, act_d[d["inv"]])
         np.testing.assert_array_equal(y, y_d)
-
-
-@pytest.fixture(scope="module")
-def fused_orders(tmp_path_factory, emulator):
-    """moe_gemv.cu built with each PAIRS_FUSED_ORDER (1 grid-stride, 0 contiguous runs), by order."""
-    other = 1 - limits.PAIRS_FUSED_ORDER
-    return {limits.PAIRS_FUSED_ORDER: emulator.lib,
-            other: build_gemv(tmp_path_factory.mktemp("moe_gemv_order"), PAIRS_FUSED_ORDER=other)}
-
-
-def combine_like_the_kernel(ypair: np.ndarray, k: int, residual: np.ndarray, alpha: float) -> np.ndarray:
-    """moe_combine in float32: the k pair rows summed in order from zero, then residual + alpha * sum (alpha a power
-    of two here, so the kernel's fused multiply-add rounds once, as this does)."""
-    s = np.zeros((ypair.shape[0] // k, ypair.shape[1]), np.float32)
-    for j in range(k):
-        s = s + ypair[j::k]
-    return residual + np.float32(alpha) * s
-
-
-@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"g{c[0]}-H{c[2]}-T{len(c[4])}")
-@pytest.mark.parametrize("fill", [False, True])
-@pytest.mark.parametrize("with_extras", [False, True])
-@pytest.mark.parametrize("order,blocks", [(1, 1), (0, 1), (0, 3)])
-def test_the_one_launch_pass_is_the_three_kernels_to_the_bit(emulator, fused_orders, case, fill, with_extras, order,
-                                                            blocks):
-    """moe_pairs_fused (gate_up, down and the combine in one launch, down items waiting in the kernel for their act
-    rows) against moe_gate_up_pairs, moe_down_pairs and the combine: the same act, ypair and y bits, the same slot
-    fills; its sync buffer is zero again after each launch, so a second launch gives the same y. Both item orders in
-    one block (its warps wait on each other); contiguous runs also in three blocks (waits across blocks, run here one
-    block at a time in grid order, which a grid-stride walk would deadlock: its launch needs every block resident)."""
-    group, E, H, I, ids = case
-    rng = np.random.default_rng(11)
-    layout, _, blobs = host_experts(rng, E, H, I, group)
-    r = named_pairs(rng, blobs, layout.size, E, ids, H)
-    T, k = r.ids.shape
-    extras = GemvExtras(rng.standard_normal((E, 2 * I)).astype(np.float32) * 0.5,
-                        rng.standard_normal((E, H)).astype(np.float32) * 0.5, alpha=1.702, limit=1.5,
-                        up_offset=1.0) if with_extras else None
-    fills = r.fills if fill else None
-    act = np.full((T * k, I), np.nan, np.float32)
-    y = np.full((T * k, H), np.nan, np.float32)
-    emulator.gate_up_pairs(r.x, r.ids, r.ptrs, None, layout, act, E, extras)
-    emulator.down_pairs(act, r.ids, r.ptrs, None, layout, r.w, y, E, extras)
-    residual = rng.standard_normal((T, H)).astype(np.float32)
-    want = combine_like_the_kernel(y, k, residual, 0.5)
-
-    fused = GemvEmulator(fused_orders[order], blocks)
-    sync = np.zeros(ops.pairs_fused_sync_size(T * k, H), np.int32)
-    for launch in range(2):
-        act_f = np.full_like(act, np.nan)
-        y_f = np.full_like(y, np.nan)
-        out = np.full_like(residual, np.nan)
-        fused.pairs_fused(r.x, r.ids, r.ptrs, fills, layout, r.w, act_f, y_f, residual, out, 0.5, sync, E, extras)
-        assert fused.errors() == (0, "")
-        np.testing.assert_array_equal(act_f, act)
-        np.testing.assert_array_equal(y_f, y)
-        np.testing.assert_array_equal(out, want, err_msg=f"launch {launch}")
-        assert not sync.any(), f"launch {launch} left its sync buffer {sync}"
-    if fill:
-        check_fills(blobs, r.slots, layout, r.ids[valid_ids(r.ids, E)[0]], E)

@@ -173,9 +173,6 @@ __device__ __forceinline__ void mma_16832_s8(int* c, unsigned int a0, unsigned i
 }
 
 // ---- warp reductions ------------------------------------------------------------------------------------------
-// A hint that brings the 128-byte line holding p into L2 (no register written, no fault on a bad address).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(COLIBRI_FULL_MASK, v, o);

@@ -28,19 +28,6 @@
 #ifndef GEMV_THREADS
 #error "GEMV_THREADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
-#ifndef PAIRS_FUSED_PREFETCH
-#error "PAIRS_FUSED_PREFETCH undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef PAIRS_FUSED_ORDER
-#error "PAIRS_FUSED_ORDER undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef PAIRS_FUSED_SLEEP_NS
-#error "PAIRS_FUSED_SLEEP_NS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#define PAIRS_FUSED_MAX_POLLS (1LL << 26)
-#ifndef PAIRS_FUSED_PAD
-#error "PAIRS_FUSED_PAD undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
 #ifndef WIDE_GU_W4_ROWS
 #error "WIDE_GU_W4_ROWS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
@@ -255,22 +242,22 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // BYPAIR (the *_pairs kernels below): no dispatch; active is the pass's ids [npairs] in pair order, an item is (pair,
 // rows), act and ypair rows are in pair order, and an id outside [0, nexp) gives zero rows (perm, offsets and meta
 // unused). Each pair reads its expert's rows, so only passes whose pairs name distinct experts (one token) should.
-// One warp item of moe_gemv_wide (item = slot * n_rg + row group). COHERENT: `in` is written during this launch by
-// other blocks (moe_pairs_fused's act), so it is read through L2 (__ldcg), not the read-only path.
-template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS, bool BYPAIR, bool COHERENT = false>
-__device__ __forceinline__ void moe_gemv_wide_item(int item, int n_rg, const float* __restrict__ in,
-                                                   const unsigned long long* __restrict__ blobs,
-                                                   const unsigned long long* __restrict__ fills, long long off_w,
-                                                   long long off_s, const int* __restrict__ perm,
-                                                   const int* __restrict__ offsets, const int* __restrict__ active,
-                                                   const float* __restrict__ pair_w, float* __restrict__ out,
-                                                   int ncols, int nout, int k, int group, const ExpertExtras& ex,
-                                                   int nexp) {
+template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false, bool BYPAIR = false>
+__device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
+                                              const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
+                                              const int* __restrict__ offsets, const int* __restrict__ active,
+                                              const int* __restrict__ meta, const float* __restrict__ pair_w,
+                                              float* __restrict__ out, int ncols, int nout, int k, int group,
+                                              const ExpertExtras ex = ExpertExtras{}, int npairs = 0, int nexp = 0) {
     constexpr int ROUT = GATEUP ? R / 2 : R;
     const int lane = threadIdx.x & 31;
+    const int n_rg = (nout + ROUT - 1) / ROUT;
+    const int total = (BYPAIR ? npairs : meta[0]) * n_rg;
     const int nchunk = ncols >> 4;
     const int ngroups = GROUPED ? ncols / group : 1;
-    {
+    const int warps_total = (gridDim.x * blockDim.x) >> 5;
+
+    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total) {
         const int slot = item / n_rg;
         const int o0 = (item - slot * n_rg) * ROUT;
         const int named = active[slot];
@@ -329,7 +316,7 @@ __device__ __forceinline__ void moe_gemv_wide_item(int item, int n_rg, const flo
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             const float4* p = reinterpret_cast<const float4*>(xrow + (cc << 4) + (h << 3));
-                            const float4 a = COHERENT ? __ldcg(p) : __ldg(p), b = COHERENT ? __ldcg(p + 1) : __ldg(p + 1);
+                            const float4 a = __ldg(p), b = __ldg(p + 1);
                             const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
                             for (int q = 0; q < R; ++q) {
@@ -364,23 +351,6 @@ __device__ __forceinline__ void moe_gemv_wide_item(int item, int n_rg, const flo
             }
         }
     }
-}
-
-template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false, bool BYPAIR = false>
-__device__ __forceinline__ void moe_gemv_wide(const float* __restrict__ in, const unsigned long long* __restrict__ blobs,
-                                              const unsigned long long* __restrict__ fills, long long off_w, long long off_s, const int* __restrict__ perm,
-                                              const int* __restrict__ offsets, const int* __restrict__ active,
-                                              const int* __restrict__ meta, const float* __restrict__ pair_w,
-                                              float* __restrict__ out, int ncols, int nout, int k, int group,
-                                              const ExpertExtras ex = ExpertExtras{}, int npairs = 0, int nexp = 0) {
-    constexpr int ROUT = GATEUP ? R / 2 : R;
-    const int n_rg = (nout + ROUT - 1) / ROUT;
-    const int total = (BYPAIR ? npairs : meta[0]) * n_rg;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5;
-    for (int item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; item < total; item += warps_total)
-        moe_gemv_wide_item<R, CPL, GROUPED, GATEUP, EXTRAS, BYPAIR>(item, n_rg, in, blobs, fills, off_w, off_s, perm,
-                                                                   offsets, active, pair_w, out, ncols, nout, k,
-                                                                   group, ex, nexp);
 }
 
 #define GATE_UP_WIDE_KERNEL(NAME, R, CPL, GROUPED)                                                               \
@@ -443,117 +413,6 @@ GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_r_extras, false, true, GATE_UP_EXTRA_P
 GATE_UP_PAIRS_KERNEL(moe_gate_up_pairs_w4_g_extras, true, true, GATE_UP_EXTRA_PARAMS, GATE_UP_EXTRA_VALUE)
 DOWN_PAIRS_KERNEL(moe_down_pairs_w4_r_extras, false, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
 DOWN_PAIRS_KERNEL(moe_down_pairs_w4_g_extras, true, true, DOWN_EXTRA_PARAMS, DOWN_EXTRA_VALUE)
-
-// ---- one token, no dispatch, one launch: gate_up + activation, down and the weighted combine (ops.moe_pairs_fused) --
-// The by-pair items above in one order: first every (pair, rows) item of gate_up, then the down items, row group
-// major (the P pairs of a group of output rows adjacent), walked grid-stride (PAIRS_FUSED_ORDER 1) or in a contiguous
-// run a warp (0). A down item first brings its weight rows toward L2 (PAIRS_FUSED_PREFETCH; they do not depend on
-// act), then waits, polling its pair's count of finished gate_up items (sync[pair]) every PAIRS_FUSED_SLEEP_NS, for
-// its act row; the last of a row group's P down items to finish (a ticket, sync[P + group]) sums the group's ypair
-// rows in pair order into y = residual + alpha * sum, as moe_combine does, bit for bit. Every warp takes its gate_up
-// items before its down items, so a wait is on items running or done when every block is resident: the launch has
-// exactly the blocks the machine holds (ops._gemv_launch). In contiguous runs a wait is only on lower warps (blocks
-// start in index order), whatever the residency. sync (int32, zero at the start): a pair's count at pair *
-// PAIRS_FUSED_PAD (a line of its own: its atomics and polls meet no other pair's), then the row groups' tickets, then
-// (on a line of its own) the count of row groups combined; the last group combined sets it all back to zero for the
-// next launch (every other access of the launch to sync is then done). ops.pairs_fused_sync_size gives its size.
-template <bool GROUPED, bool EXTRAS>
-__device__ __forceinline__ void moe_pairs_fused(const float* __restrict__ x, const int* __restrict__ ids,
-                                                const unsigned long long* __restrict__ blobs,
-                                                const unsigned long long* __restrict__ fills, long long off_gu,
-                                                long long off_gus, long long off_dn, long long off_dns,
-                                                float* act, const float* __restrict__ pair_w, float* ypair,
-                                                const float* residual, float* y, int H, int I, int k, int gh, int gi,
-                                                int P, int E, float alpha, int* sync, const ExpertExtras ex_gu,
-                                                const ExpertExtras ex_dn) {
-    constexpr int ROUT_GU = WIDE_GU_W4_ROWS / 2, RD = WIDE_DN_W4_ROWS;
-    const int lane = threadIdx.x & 31;
-    const int n_gu = (I + ROUT_GU - 1) / ROUT_GU, n_dn = (H + RD - 1) / RD;
-    const int gu_items = P * n_gu, total = gu_items + P * n_dn;
-    const int warps_total = (gridDim.x * blockDim.x) >> 5, warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-#if PAIRS_FUSED_ORDER == 0
-    const int run = (total + warps_total - 1) / warps_total, first = warp * run, end = min(total, first + run), step = 1;
-#else
-    const int first = warp, end = total, step = warps_total;
-#endif
-    int* pair_done = sync;                              // pair p's count at p * PAIRS_FUSED_PAD
-    int* group_ticket = sync + P * PAIRS_FUSED_PAD;
-    const int tickets = (n_dn + PAIRS_FUSED_PAD - 1) / PAIRS_FUSED_PAD * PAIRS_FUSED_PAD;
-    int* groups_done = group_ticket + tickets;
-    for (int item = first; item < end; item += step) {
-        if (item < gu_items) {
-            moe_gemv_wide_item<WIDE_GU_W4_ROWS, WIDE_GU_W4_CPL, GROUPED, true, EXTRAS, true>(
-                item, n_gu, x, blobs, fills, off_gu, off_gus, nullptr, nullptr, ids, nullptr, act, H, I, k, gh,
-                ex_gu, E);
-            __syncwarp();
-            if (lane == 0) {
-                __threadfence();
-                atomicAdd(pair_done + item / n_gu * PAIRS_FUSED_PAD, 1);
-            }
-            continue;
-        }
-        const int d = item - gu_items, group = d / P, pair = d - group * P;
-        const int named = __ldg(ids + pair);
-        if (PAIRS_FUSED_PREFETCH && named >= 0 && named < E) {
-            const char* rows = reinterpret_cast<const char*>(blobs[named]) + off_dn + (size_t)min(group * RD, H - RD) * I;
-            for (int b = lane * 128; b < RD * I; b += 32 * 128) prefetch_l2(rows + b);
-        }
-        if (lane == 0) {
-            // a wait far past any pass (~seconds) means an item that never ran: fail the launch, never hang
-            for (long long polls = 0; *reinterpret_cast<volatile int*>(pair_done + pair * PAIRS_FUSED_PAD) < n_gu; ++polls) {
-                if (polls == PAIRS_FUSED_MAX_POLLS) __trap();
-                __nanosleep(PAIRS_FUSED_SLEEP_NS);
-            }
-            __threadfence();
-        }
-        __syncwarp();
-        moe_gemv_wide_item<WIDE_DN_W4_ROWS, WIDE_DN_W4_CPL, GROUPED, false, EXTRAS, true, true>(
-            pair * n_dn + group, n_dn, act, blobs, fills, off_dn, off_dns, nullptr, nullptr, ids, pair_w, ypair, I, H,
-            1, gi, ex_dn, E);
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-            __threadfence();
-            last = atomicAdd(group_ticket + group, 1) == P - 1;
-            if (last) __threadfence();
-        }
-        if (__shfl_sync(COLIBRI_FULL_MASK, last, 0)) {
-            const int h0 = group * RD, rows = min(RD, H - h0), T = P / k;
-            for (int i = lane; i < T * rows; i += 32) {
-                const int t = i / rows, h = h0 + i - t * rows;
-                float s = 0.0f;
-                for (int j = 0; j < k; ++j) s += __ldcg(ypair + ((size_t)t * k + j) * H + h);
-                const size_t o = (size_t)t * H + h;
-                y[o] = residual ? fmaf(alpha, s, residual[o]) : s * alpha;
-            }
-            int reset = 0;
-            if (lane == 0) reset = atomicAdd(groups_done, 1) == n_dn - 1;   // every item has done its sync accesses
-            if (__shfl_sync(COLIBRI_FULL_MASK, reset, 0)) {
-                for (int i = lane; i < P; i += 32) pair_done[i * PAIRS_FUSED_PAD] = 0;
-                for (int i = lane; i < n_dn; i += 32) group_ticket[i] = 0;
-                if (lane == 0) *groups_done = 0;
-            }
-        }
-    }
-}
-
-#define PAIRS_FUSED_KERNEL(NAME, GROUPED, EXTRAS, GU_VALUE, DN_VALUE)                                              \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                                 \
-        NAME(const float* x, const int* ids, const unsigned long long* blobs, const unsigned long long* fills,  \
-             long long off_gu, long long off_gus, long long off_dn, long long off_dns, float* act,              \
-             const float* pair_w, float* ypair, const float* residual, float* y, int H, int I, int k, int gh,   \
-             int gi, int P, int E, float alpha, int* sync, const float* gu_bias, float act_alpha, float limit,  \
-             float up_offset, const float* dn_bias) {                                                          \
-        moe_pairs_fused<GROUPED, EXTRAS>(x, ids, blobs, fills, off_gu, off_gus, off_dn, off_dns, act, pair_w,  \
-                                         ypair, residual, y, H, I, k, gh, gi, P, E, alpha, sync, GU_VALUE,     \
-                                         DN_VALUE);                                                            \
-    }
-#define FUSED_GU_EXTRAS ExpertExtras{gu_bias, act_alpha, limit, up_offset}
-#define FUSED_DN_EXTRAS ExpertExtras{dn_bias, 1.0f, 0.0f, 0.0f}
-PAIRS_FUSED_KERNEL(moe_pairs_fused_r, false, false, NO_EXTRAS, NO_EXTRAS)
-PAIRS_FUSED_KERNEL(moe_pairs_fused_g, true, false, NO_EXTRAS, NO_EXTRAS)
-PAIRS_FUSED_KERNEL(moe_pairs_fused_r_extras, false, true, FUSED_GU_EXTRAS, FUSED_DN_EXTRAS)
-PAIRS_FUSED_KERNEL(moe_pairs_fused_g_extras, true, true, FUSED_GU_EXTRAS, FUSED_DN_EXTRAS)
 
 // ---- gpt-oss's experts: the kernels above with ExpertExtras (biases, clamped SwiGLU), suffix _extras ---------------
 // bias: gate_up [E, 2I] / down [E, H] f32, or null; alpha, limit (+inf: no clamp), up_offset: see ExpertExtras.

@@ -708,43 +708,6 @@ def moe_down_pairs(act, ids, weights, table: ExpertTable, *, extras: ExpertExtra
     return y
 
 
-def pairs_fused_sync_size(num_pairs: int, hidden: int) -> int:
-    """int32 entries of `moe_pairs_fused`'s sync buffer (as the module is built): a count a pair, PAIRS_FUSED_PAD
-    apart; a ticket a group of down rows (the w4 plan's rows a down item), padded to a multiple of PAIRS_FUSED_PAD;
-    the count of groups combined."""
-    defines = limits.KERNEL_DEFINES["moe_gemv"]
-    pad, groups = defines["PAIRS_FUSED_PAD"], -(-hidden // defines["WIDE_DN_W4_ROWS"])
-    return num_pairs * pad + -(-groups // pad) * pad + 1
-
-
-def moe_pairs_fused(x, ids, weights, table: ExpertTable, sync, *, residual=None, alpha: float = 1.0,
-                    extras: ExpertExtras | None = None, act=None, ypair=None, out=None):
-    """`moe_gate_up_pairs`, `moe_down_pairs` and `moe_combine` in one launch (moe_gemv.cu's moe_pairs_fused_*; down
-    items wait in the kernel for their pair's act row): the same act [P, I], ypair [P, H] and out [T, H] = residual +
-    alpha * sum_j ypair[t * k + j], bit for bit (out may be residual). sync: int32 [pairs_fused_sync_size(P, H)], all
-    zero before the first launch; each launch leaves it zero."""
-    cp = _cupy()
-    H, I = table.hidden_size, table.intermediate_size
-    T, k = _check_pairs(table, ids, x, H, False)
-    P = T * k
-    _check("weights", weights, dtype=np.float32, shape=(T, k))
-    _check("sync", sync, dtype=np.int32, shape=(pairs_fused_sync_size(P, H),))
-    if residual is not None:
-        _check("residual", residual, dtype=np.float32, shape=(T, H))
-    gh, gi, kind = table.groups()
-    act = _out("act", act, (P, I), cp.float32)
-    ypair = _out("ypair", ypair, (P, H), cp.float32)
-    y = _out("out", out, (T, H), cp.float32)
-    ex = extras or ExpertExtras()
-    fn, grid = _gemv_launch(_with_extras(f"moe_pairs_fused_{kind}", extras))
-    fn(grid, (GEMV_THREADS,),
-       (x, ids, table.blob_ptrs, _ptr(table.fill_ptrs), np.int64(table.off_gate_up), np.int64(table.off_gate_up_scale),
-        np.int64(table.off_down), np.int64(table.off_down_scale), act, weights, ypair, _ptr(residual), y, np.int32(H),
-        np.int32(I), np.int32(k), np.int32(gh), np.int32(gi), np.int32(P), np.int32(table.num_experts),
-        np.float32(alpha), sync) + ex.gate_up_args(table) + ex.down_args(table))
-    return y
-
-
 def _use_tc(kind: str, tensor_cores: bool | None) -> bool:
     if tensor_cores and kind != "r":
         raise ValueError("the tensor-core grouped GEMM supports per-row scales only")
@@ -1250,7 +1213,7 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
                 gemm: bool | None = None, tensor_cores: bool | None = None, disp: Dispatch | None = None,
                 act=None, ypair=None, extras: ExpertExtras | None = None, fast_gemm: str | None = None,
                 staging: FastGemmStaging | None = None, cublas: bool | None = None,
-                pairs: bool | None = None, pairs_sync=None, out=None):
+                pairs: bool | None = None, out=None):
     """The whole routed-expert block: dispatch, gate/up + SiLU, down, weighted combine (+ residual); with extras,
     gpt-oss's biases and clamped SwiGLU (`ExpertExtras`).
 
@@ -1259,15 +1222,11 @@ def moe_experts(x, ids, weights, table: ExpertTable, *, residual=None, alpha: fl
     (measured on an H200, docs/benchmarks.md). fast_gemm ('split' or 'bf16', default None: today's kernel) runs that
     GEMM on the pipelined kernel with those activations, where `uses_fast_gemm` says it can. cublas: run that GEMM as `moe_experts_cublas` with fast_gemm's activations (None: where `uses_cublas_gemm` says
     so, from CUBLAS_INT8_MIN_EXPERT_MACS for 'int8'; an eager pass only). pairs: a GEMV pass by pair without a
-    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so); pairs_sync given, such a pass runs in one launch
-    (`moe_pairs_fused`, its sync buffer).
+    dispatch (`moe_gate_up_pairs`; None: where `pairs_path` says so).
     """
     T, k = ids.shape
     use_gemm = gemm if gemm is not None else gemm_path(T, k, table.num_experts)
     if not use_gemm and (pairs_path(T) if pairs is None else pairs):
-        if pairs_sync is not None:
-            return moe_pairs_fused(x, ids, weights, table, pairs_sync, residual=residual, alpha=alpha, extras=extras,
-                                   act=act, ypair=ypair, out=out)
         act = moe_gate_up_pairs(x, ids, table, extras=extras, out=act)
         ypair = moe_down_pairs(act, ids, weights, table, extras=extras, out=ypair)
         return moe_combine(ypair, k, residual=residual, alpha=alpha, out=out)
