@@ -190,6 +190,16 @@ def _quantize_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_ou
                      err_units: np.ndarray) -> None:
     """The NumPy form of the values pass: q, and each group's largest |error| and its sum in ERROR_UNITS, block by
     block of `rows` rows through the per-thread float32 buffers."""
+    for start, stop, x, r in _upcast_blocks(src, g, rows):
+        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 127
+        np.rint(x, out=r)
+        np.copyto(q_out[start:stop].reshape(x.shape), r, casting="unsafe")
+        _tally_errors(x, r, np.float32(ERROR_UNITS), err_max[start:stop], err_units[start:stop])
+
+
+def _upcast_blocks(src: np.ndarray, g: int, rows: int):
+    """(start, stop, x, r) for each block of `rows` rows of src [out, in]: x float32 [rows, in // g, g] holds the
+    block's values, r a scratch of that shape (both the per-thread buffers, reused from block to block)."""
     n_out, n_in = src.shape
     x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
     for start in range(0, n_out, rows):
@@ -198,16 +208,19 @@ def _quantize_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, q_ou
         n = (stop - start) * n_in
         x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
         _upcast(src[start:stop], x)
-        _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 127
-        np.rint(x, out=r)
-        np.copyto(q_out[start:stop].reshape(shape), r, casting="unsafe")
-        np.subtract(x, r, out=x)
-        np.abs(x, out=x)
-        _abs_error_max(x, err_max[start:stop])
-        np.multiply(x, np.float32(ERROR_UNITS), out=x)
-        units = r.view(np.int32)
-        np.copyto(units, x, casting="unsafe")  # truncated toward zero: these values are >= 0
-        _reduce_groups(np.add, units, err_units[start:stop])
+        yield start, stop, x, r
+
+
+def _tally_errors(x: np.ndarray, r: np.ndarray, units, err_max: np.ndarray, err_units: np.ndarray) -> None:
+    """A block's rounding errors |x - r| (x, in scale units, is overwritten; r's bytes become the counts): each
+    group's largest into err_max, and the sum of its errors in `units` a step (truncated) into err_units."""
+    np.subtract(x, r, out=x)
+    np.abs(x, out=x)
+    _abs_error_max(x, err_max)
+    np.multiply(x, units, out=x)
+    counts = r.view(np.int32)
+    np.copyto(counts, x, casting="unsafe")  # truncated toward zero: these values are >= 0 (and < 2^31)
+    _reduce_groups(np.add, counts, err_units)
 
 
 # --- int4_group: two's-complement 4-bit values, two a byte, one float16 scale per group -------------------------
@@ -296,14 +309,7 @@ def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, uni
                       err_max: np.ndarray, err_units: np.ndarray, search: bool) -> None:
     """The NumPy form of the int4 values pass (`search` also refits `scale` in place): packed q, and each group's
     largest |error| and its sum in `units` a step, block by block of `rows` rows."""
-    n_out, n_in = src.shape
-    x_buf, r_buf = _block_buffers(min(rows, n_out) * n_in)
-    for start in range(0, n_out, rows):
-        stop = min(start + rows, n_out)
-        shape = (stop - start, n_in // g, g)
-        n = (stop - start) * n_in
-        x, r = x_buf[:n].reshape(shape), r_buf[:n].reshape(shape)
-        _upcast(src[start:stop], x)
+    for start, stop, x, r in _upcast_blocks(src, g, rows):
         if search:
             scale[start:stop] = _search_scales(x, scale[start:stop])
         _divide(x, scale[start:stop], x)   # w in units of its scale, |x| <= 7 (searched: may pass 8)
@@ -311,13 +317,7 @@ def _quantize4_blocks(src: np.ndarray, g: int, rows: int, scale: np.ndarray, uni
         if search:
             np.clip(r, -8, 7, out=r)
         _pack_nibbles(r, q_out[start:stop])
-        np.subtract(x, r, out=x)
-        np.abs(x, out=x)
-        _abs_error_max(x, err_max[start:stop])
-        np.multiply(x, units[start:stop, :, None], out=x)
-        counts = r.view(np.int32)
-        np.copyto(counts, x, casting="unsafe")  # truncated toward zero; < 2^31 (a searched error is below 2)
-        _reduce_groups(np.add, counts, err_units[start:stop])
+        _tally_errors(x, r, units[start:stop, :, None], err_max[start:stop], err_units[start:stop])  # errors < 2
 
 
 def quantize_int4(w: np.ndarray, group_size: int, *, search: bool = False) -> Quantized:
