@@ -33,7 +33,8 @@
 #                device-timed), then
 #                benchmarks/prefill_engine.py: full-depth prefill, the defaults beside the split and W8A8 ('int8')
 #                options and transformers bf16, and a CUPTI timeline of each default prefill (its largest kernels)
-# HF_SHAPES / PAGING_ARGS / PREFILL_VARIANTS narrow the benchmarks.
+# HF_SHAPES / PAGING_ARGS / PREFILL_VARIANTS narrow the benchmarks. SAVE_CACHE=1 leaves CuPy's kernel cache as
+# $OUT/cupy_cache.tgz (unpack it into build/ here and carry build/cupy_cache: the next call skips compiling).
 # DRY=1 runs the sanitizer workload, hf and paging with --dry-run (device="cpu", no GPU; tests then skip).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -168,4 +169,8 @@ echo "==== dispatch"; grep -E "^\||Error|Traceback" "$OUT/dispatch.log" 2>/dev/n
 echo "==== sweep"; grep -E "== |-kernel|Error|Traceback" "$OUT/sweep.log" 2>/dev/null | cut -c1-120 | tail -70
 echo "==== prefill"; grep -E "block|products|int8|prefill [0-9]|transformers|Error|Traceback|^  " "$OUT/prefill.log" 2>/dev/null \
     | tail -140
+if [ -n "${SAVE_CACHE:-}" ] && [ -d "$CUPY_CACHE_DIR" ]; then
+  tar czf "$OUT/cupy_cache.tgz" -C "$(dirname "$CUPY_CACHE_DIR")" "$(basename "$CUPY_CACHE_DIR")"
+  summary+=("kernel cache saved: $OUT/cupy_cache.tgz ($(du -h "$OUT/cupy_cache.tgz" | cut -f1))")
+fi
 echo "==== summary"; printf '%s\n' "${summary[@]}"
