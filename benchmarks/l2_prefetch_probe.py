@@ -45,7 +45,8 @@ extern "C" __global__ void wait_clock(long long cycles, int* sink) {
 
 extern "C" __global__ void prefetch_bulk(const char* p, long long bytes, int chunk) {
     const long long n = bytes / chunk;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    for (long long i = first; i < n; i += step)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p + i * chunk), "r"(chunk) : "memory");
 }
 
@@ -61,7 +62,8 @@ __device__ void stream_read(const uint4* p, long long words, unsigned int* out) 
     unsigned int acc = 0;
     unsigned long long policy = 0;
     if (EVICT_FIRST) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    for (long long i = first; i < words; i += step) {
         uint4 v;
         if (EVICT_FIRST)
             asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
@@ -72,8 +74,12 @@ __device__ void stream_read(const uint4* p, long long words, unsigned int* out) 
     }
     atomicXor(out + blockIdx.x, acc);
 }
-extern "C" __global__ void stream_plain(const uint4* p, long long words, unsigned int* out) { stream_read<false>(p, words, out); }
-extern "C" __global__ void stream_evict_first(const uint4* p, long long words, unsigned int* out) { stream_read<true>(p, words, out); }
+extern "C" __global__ void stream_plain(const uint4* p, long long words, unsigned int* out) {
+    stream_read<false>(p, words, out);
+}
+extern "C" __global__ void stream_evict_first(const uint4* p, long long words, unsigned int* out) {
+    stream_read<true>(p, words, out);
+}
 """
 FORMS = ("plain", "bulk", "lines", "plain + stream", "bulk + stream", "bulk + stream evict_first", "gemv only",
          "wait only")

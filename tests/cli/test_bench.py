@@ -29,8 +29,8 @@ def bench_lib(monkeypatch):
 
 def test_options_reach_run_bench_and_json(bench_lib, small_file, capsys):
     assert main(["bench", small_file, "--batch-size", "2", "--seq-len", "8", "--num-iters", "3",
-                 "--warmup-iters", "0", "--context", "100", "--max-cached-experts", "4", "--cache-policy", "lru", "--prefetch",
-                 "--json"]) == 0
+                 "--warmup-iters", "0", "--context", "100", "--max-cached-experts", "4", "--cache-policy", "lru",
+                 "--prefetch", "--json"]) == 0
     (path, kw), = bench_lib
     assert str(path) == small_file
     assert kw == {"batch_size": 2, "seq_len": 8, "num_iters": 3, "warmup_iters": 0, "context": 100,
