@@ -3,9 +3,9 @@ and a GPU.)
 
     PYTHONPATH=. python3 benchmarks/l2_prefetch_probe.py --out OUT_DIR [--layers 48] [--wait-us 10] [--replays 20]
 
-At batch 1 a decode layer spends ~25 µs of Qwen3-30B-A3B's ~65 in kernels that read almost nothing (attention over a
+At batch 1 a decode layer spends ~24 µs of Qwen3-30B-A3B's ~65 in kernels that read almost nothing (attention over a
 short context, the router, the rope, the combine: docs/benchmarks.md, session 27) while HBM idles, and its dense
-GEMVs, which follow them, read 17-21 MB each at 2.3-3 TB/s of a ~4.1 TB/s copy rate. This probe times a chain of
+GEMVs follow them (the normed q|k|v product reads its 21 MB at 2.3 TB/s of a ~4.1 TB/s copy rate). This probe times a chain of
 `--layers` layers, each a stand-in for the latency-bound part (`wait`: 32 blocks spinning `--wait-us` on the clock,
 no memory) followed by the engine's own `ops.dense_gemv` on that layer's o_proj-shaped bf16 weights (2048 x 4096,
 16.8 MB; every layer its own, so nothing is in L2 from the layer before), captured in one CUDA graph:
