@@ -2,8 +2,8 @@
 shuffles emulated, blocks in shuffled orders) against `numpy_backend.attention` in float64: key batches and their
 masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the minimum keys a split takes, windows,
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
-block's merge over repeated launches on one workspace (its tickets back at zero after each), a build with a
-wider split cap, and the merge's batched loads against a build that adds one split at a time (the same bits). The
+block's merge over repeated launches on one workspace (its tickets back at zero after each), one used split writing
+an unsplit launch's bits, a build with a wider split cap, and the merge's batched loads against a build that adds one split at a time (the same bits). The
 GPU tests are in test_gpu_kernels.py.
 """
 
@@ -109,6 +109,28 @@ def test_repeated_launches_on_one_workspace(emulator):
     for i, length in enumerate((200, 40, 1, 17, 64)):
         check(emulator, rng, nh=16, lengths=(length, length % 37 + 1), nsplit=ns, workspace=ws, order=i + 1,
               with_sinks=i % 2 == 1)
+
+
+@pytest.mark.parametrize("lengths,window", [((16, 1), 0), ((5, 0), 0), ((300, 200), 9)])
+@pytest.mark.parametrize("nsplit", [3, limits.ATT_MAX_SPLITS])
+def test_one_used_split_writes_the_bits_of_an_unsplit_launch(emulator, lengths, window, nsplit):
+    """Spans of at most ATT_DECODE_MIN_KEYS keys (and empty ones) fill one split: its block writes the output itself
+    (no partials, ticket or merge), so a grid planned for many splits gives an unsplit launch's bits, sinks
+    included, and the tickets stay at zero."""
+    rng = np.random.default_rng(sum(lengths) + nsplit)
+    k, v = caches(rng, 2, 128, "f32")
+    q = rng.standard_normal((len(lengths), 16, 128)).astype(np.float32)
+    q_seq = ((np.arange(len(lengths)) + 1) % 2).astype(np.int32)
+    sinks = rng.standard_normal(16).astype(np.float32)
+    outs = []
+    for ns in (nsplit, 1):
+        ws = AttentionEmulator.workspace(len(lengths), 16, 128, ns)
+        outs.append(emulator.attention(q, k, v, q_seq, np.asarray(lengths, np.int32), 1 / math.sqrt(128),
+                                       window=window, sinks=sinks, nsplit=ns, workspace=ws, order=2))
+        assert emulator.errors() == (0, "")
+        assert not ws["tickets"].any()
+    assert np.isfinite(outs[0]).all()
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
 WIDE_SPLITS = 4 * limits.ATT_MAX_SPLITS    # a candidate cap benchmarks/attention_decode.py times with --define

@@ -392,9 +392,9 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
     }
 }
 
-// With splits, the last block of a (row, kv head, head chunk) to finish merges the chunk's heads (as
-// attention_merge does, sinks included) and resets the ticket to 0 for the next launch (graph replays): one launch
-// less per layer. Partials are read past L1 (written by other blocks); the fence orders them before the ticket.
+// When more than one split holds keys, the last of those `used` blocks of a (row, kv head, head chunk) to finish
+// merges the chunk's heads (as attention_merge does, sinks included) and resets the ticket to 0 for the next launch
+// (graph replays): one launch less per layer. Partials are read past L1 (written by other blocks); the fence orders them before the ticket.
 // Only the `used` splits that hold keys are read. A warp per head first turns the splits' (max, sum) into weights
 // exp(m_s - max) / denominator in shared memory, with lanes across splits (independent loads, one round trip);
 // then each thread sums its output values' partials with those weights, so no thread runs a serial chain of
@@ -415,7 +415,7 @@ __device__ __forceinline__ void attention_merge_last(const float* part_ml, const
     __syncthreads();                                  // every warp's partials are written
     if (threadIdx.x == 0) {
         __threadfence();
-        s_last = atomicAdd(tickets + ticket_id, 1) == nsplit - 1;
+        s_last = atomicAdd(tickets + ticket_id, 1) == used - 1;
     }
     __syncthreads();
     if (!s_last) return;
@@ -493,13 +493,17 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     // `used` ones: the grid, fixed at capture, follows the capacity; the work follows the length.
     const int len = q_len[n], first = window > 0 ? max(0, len - window) : 0, span = len - first;
     const int chunk = max((span + nsplit - 1) / nsplit, ATT_DECODE_MIN_KEYS);
+    // Blocks past the `used` splits have no keys and leave at once (no ticket: the merge counts `used` arrivals).
+    // When one split holds every key (a span up to ATT_DECODE_MIN_KEYS, or an empty one), its block writes the
+    // output as an unsplit launch does (the same bits): no partials, no ticket, no merge, whatever the grid.
     const int used = (span + chunk - 1) / chunk;     // <= nsplit, as chunk >= span / nsplit; 0 for an empty span
+    if (split >= max(used, 1)) return;
+    const bool direct = used <= 1;
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
-    // unsplit, the one block writes the output even for an empty span; split, blocks past `used` have no keys
-    if (warp * ATT_HPW < ng && (nsplit == 1 || split < used))   // else no head of this chunk for this warp
+    if (warp * ATT_HPW < ng)   // else no head of this chunk for this warp
         attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
-                                       nsplit, n, kvh, split, G, g0, ng, lo, hi);
-    if (nsplit > 1)
+                                       direct ? 1 : nsplit, n, kvh, split, G, g0, ng, lo, hi);
+    if (!direct)
         attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }
 
