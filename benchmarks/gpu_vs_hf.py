@@ -137,7 +137,7 @@ def host_bench(eng: Engine, batch: int, seq_len: int, n: int, warmup: int, prefi
     out: dict = {"roofline": {"roofline_tokens_per_s": None, "share_of_roofline": None}}
     if prefill:
         out["prefill"] = prefill_bench(eng, seq_len, rng)
-    out["decode"] = decode_bench(eng, batch, n, warmup, rng, prompt_len=PROMPT)[0]
+    out["decode"] = decode_bench(eng, batch, n, warmup, rng, context=PROMPT)[0]
     return out
 
 

@@ -146,7 +146,7 @@ def one_run(path, *, batch, capacity, routing, n, warmup, ceilings, scope="globa
         if routing == "trace":
             routes = TraceRoutes(eng, layers, E, k, batch, n + warmup + 64)
             eng.decoder.forced_routes, advance = routes, routes.advance
-        res, runner = decode_bench(eng, batch, n, warmup, np.random.default_rng(0), prompt_len=PROMPT,
+        res, runner = decode_bench(eng, batch, n, warmup, np.random.default_rng(0), context=PROMPT,
                                    before_step=advance)
         blob = eng.experts.blob_size
         source = eng.stats()["host_source"]

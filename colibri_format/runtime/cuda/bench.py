@@ -227,20 +227,19 @@ def prefill_bench(eng, seq_len: int, rng) -> dict:
     return {"tokens": seq_len, "ms": 1e3 * t, "tokens_per_s": seq_len / t}
 
 
-def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: int = 16,
+def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, context: int = 16,
                  before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
-    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences of `prompt_len` prompt tokens (the
-    context the steps attend to, `context` in the figures) after `warmup`, a step at a time (the
-    token read by the host each step), with the paging counters of the timed steps when experts are paged; then the
+    """(figures, runner): `num_iters` timed greedy steps of `batch` sequences of `context` prompt tokens (which the
+    steps attend to) after `warmup`, a step at a time (the token read by the host each step), with the paging counters of the timed steps when experts are paged; then the
     same steps again (same tokens, positions and KV rows) as one chain, tokens fed back on the device
     (`chained_*`, `chained_paging`; greedy `generate` queues `Engine.chain_steps` steps a chain): any backend.
     `before_step` runs before every step (e.g. a replayed trace filling the decoder's forced-route buffers on the
     compute stream)."""
     step = before_step or (lambda: None)
-    chunks = [rng.integers(0, eng.vocab_size, prompt_len) for _ in range(batch)]
-    runner = eng.decode_runner(batch, prompt_len + warmup + num_iters + 1)
+    chunks = [rng.integers(0, eng.vocab_size, context) for _ in range(batch)]
+    runner = eng.decode_runner(batch, context + warmup + num_iters + 1)
     tok = eng.argmax(eng.prefill_into(runner, chunks))
-    pos = np.full(batch, prompt_len)
+    pos = np.full(batch, context)
     for _ in range(warmup):
         step()
         tok = eng.argmax(runner.step(np.array(tok), pos))
@@ -259,7 +258,7 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, prompt_len: 
             pos = pos + 1
 
     wall, paging = _timed_steps(eng, single_steps, num_iters * batch)
-    res = {"batch": batch, "context": prompt_len, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
+    res = {"batch": batch, "context": context, "steps": num_iters, "tokens_per_s": batch * num_iters / wall,
            "ms_per_step": 1e3 * wall / num_iters, "host_ms_per_step": 1e3 * host / num_iters,
            "graph": "captured" if runner.graph is not None else runner.reason}
     runner.chain(*first, min(2, num_iters))     # compiles what only a chain runs (the device argmax) untimed
@@ -365,7 +364,7 @@ def run_bench(path, *, batch_size: int = 1, seq_len: int = 512, num_iters: int =
         result["engine"] = {k: v for k, v in eng.stats().items() if k not in ("paging", "graphs", "cache")}
         if prefill:
             result["prefill"] = prefill_bench(eng, seq_len, rng)
-        decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng, prompt_len=context)
+        decode, runner = decode_bench(eng, batch_size, num_iters, warmup_iters, rng, context=context)
         result["decode"] = decode
         if profile:
             ids, pos = np.zeros(batch_size, np.int64), np.full(batch_size, runner.capacity - 1)

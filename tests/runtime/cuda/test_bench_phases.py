@@ -72,8 +72,8 @@ def test_timeline_totals_add_up_per_step():
 
 
 def test_decode_steps_follow_a_prompt_of_the_context_asked_for(path):
-    """decode_bench's prompt_len (run_bench's and `colibri bench`'s context): the timed steps attend to that many
+    """decode_bench's context (run_bench's and `colibri bench`'s): the timed steps attend to that many
     prompt tokens, and the runner holds them with the steps."""
     with Engine(path, EngineConfig(max_seq_len=128)) as eng:
-        dec, runner = decode_bench(eng, 1, 2, 1, np.random.default_rng(0), prompt_len=60)
+        dec, runner = decode_bench(eng, 1, 2, 1, np.random.default_rng(0), context=60)
     assert dec["context"] == 60 and runner.capacity >= 60 + 1 + 2 + 1
