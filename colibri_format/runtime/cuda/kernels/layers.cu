@@ -295,7 +295,7 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #endif
 static_assert(ATT_MERGE_LOADS >= 1, "the merge takes at least one split a round");
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
-// One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, unsplit, the output).
+// One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, `direct`, the output).
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
 // dimension, HPL values each). attention_decode_start: each head's q (times scale) and an empty state; head i is
 // head first + i of the chunk of `ng`, clamped to its last. attention_decode_keys: the keys [lo, hi) in batches of
@@ -374,8 +374,9 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
                                                       const typename TC::storage* __restrict__ vc,
                                                       const int* __restrict__ q_seq, const float* __restrict__ sinks,
                                                       float* part_ml, float* part_acc, float* __restrict__ out,
-                                                      int nh, int nkv, int capacity, float scale, int nsplit, int n,
-                                                      int kvh, int split, int G, int g0, int ng, int lo, int hi) {
+                                                      int nh, int nkv, int capacity, float scale, int nsplit,
+                                                      bool direct, int n, int kvh, int split, int G, int g0, int ng,
+                                                      int lo, int hi) {
     constexpr int HD = HPL * 32;
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -391,7 +392,7 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
         if (g >= ng) break;
         const int head = kvh * G + g0 + g;
         const size_t nhd = (size_t)n * nh + head;
-        if (nsplit == 1) {      // the sink joins here; with splits attention_merge adds it
+        if (direct) {      // the sink joins here; with splits the last block's merge adds it
             const float sk = sinks != nullptr ? sinks[head] : NEG_INF;
             const float mx = fmaxf(m[h], sk);
             float num_c = 0.0f, den = 0.0f;
@@ -445,7 +446,8 @@ __device__ __forceinline__ void attention_decode_block(const float* __restrict__
 
 // When more than one split holds keys, the last of those `used` blocks of a (row, kv head, head chunk) to finish
 // merges the chunk's heads (as attention_merge does, sinks included) and resets the ticket to 0 for the next launch
-// (graph replays): one launch less per layer. Partials are read past L1 (written by other blocks); the fence orders them before the ticket.
+// (graph replays): one launch less per layer. Partials are read past L1 (written by other blocks); the fence orders
+// them before the ticket.
 // Only the `used` splits that hold keys are read. A warp per head first turns the splits' (max, sum) into weights
 // exp(m_s - max) / denominator in shared memory, with lanes across splits (independent loads, one round trip);
 // then each thread sums its output values' partials with those weights, so no thread runs a serial chain of
@@ -556,7 +558,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
                                         nsplit, direct, n, kvh, split, G, g0, ng, lo, hi);
     else if (warp * ATT_HPW < ng)   // else no head of this chunk for this warp
         attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
-                                       direct ? 1 : nsplit, n, kvh, split, G, g0, ng, lo, hi);
+                                       nsplit, direct, n, kvh, split, G, g0, ng, lo, hi);
     if (!direct)
         attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }
