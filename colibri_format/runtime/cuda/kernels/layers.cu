@@ -121,35 +121,6 @@ __device__ __forceinline__ WarpMerge attention_merge_warps(const float (&s_m)[AT
     return r;
 }
 
-// A block's merged warp states (stashed in shared memory) for the ng heads of its chunk: the output (`direct`, the
-// sink joining the denominator) or the split's partials (max, sum, unnormalized output; the merge adds the sink).
-template <int HD>
-__device__ __forceinline__ void attention_write_merged(const float (&s_m)[ATT_WARPS][ATT_GMAX],
-                                                       const float (&s_l)[ATT_WARPS][ATT_GMAX],
-                                                       const float (&s_acc)[ATT_WARPS][ATT_GMAX][HD],
-                                                       const float* __restrict__ sinks, float* part_ml,
-                                                       float* part_acc, float* __restrict__ out, int nh, int nsplit,
-                                                       bool direct, int n, int kvh, int G, int g0, int ng, int split) {
-    const float NEG_INF = __int_as_float(0xff800000);
-    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
-        const int g = i / HD, d = i - g * HD;
-        const int head = kvh * G + g0 + g;
-        const size_t nhd = (size_t)n * nh + head;
-        // -inf: no sink (fmaxf and + exp(-inf) leave mx and den as they are)
-        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d,
-                                                      (direct && sinks != nullptr) ? sinks[head] : NEG_INF);
-        if (direct) {
-            out[nhd * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
-        } else {
-            part_acc[(nhd * nsplit + split) * HD + d] = r.num;
-            if (d == 0) {
-                part_ml[(nhd * nsplit + split) * 2] = r.mx;
-                part_ml[(nhd * nsplit + split) * 2 + 1] = r.den;
-            }
-        }
-    }
-}
-
 template <typename TC, int HPL>
 __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q,
                                                      const typename TC::storage* __restrict__ kc,
@@ -243,8 +214,23 @@ __device__ __forceinline__ void attention_split_impl(const float* __restrict__ q
     }
     attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
     __syncthreads();
-    attention_write_merged<HD>(s_m, s_l, s_acc, sinks, part_ml, part_acc, out, nh, nsplit, nsplit == 1, n, kvh, G,
-                               g0, ng, split);
+    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        const int head = kvh * G + g0 + g;
+        // with splits, attention_merge adds the sink; -inf: none (fmaxf and + exp(-inf) leave mx and den as they are)
+        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d,
+                                                      (sinks != nullptr && nsplit == 1) ? sinks[head] : NEG_INF);
+        const size_t nhd = (size_t)n * nh + head;
+        if (nsplit == 1) {
+            out[nhd * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
+        } else {
+            part_acc[(nhd * nsplit + split) * HD + d] = r.num;
+            if (d == 0) {
+                part_ml[(nhd * nsplit + split) * 2] = r.mx;
+                part_ml[(nhd * nsplit + split) * 2 + 1] = r.den;
+            }
+        }
+    }
 }
 
 #define ATTENTION_SPLIT_KERNEL(SUF, TC, HPL)                                                                    \
@@ -429,6 +415,7 @@ __device__ __forceinline__ void attention_decode_block(const float* __restrict__
     constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
     __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
     __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
+    const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t row = (size_t)nkv * HD;
     const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
@@ -440,8 +427,23 @@ __device__ __forceinline__ void attention_decode_block(const float* __restrict__
     attention_decode_keys<TC, HPL, ATT_GMAX>(kc, vc, base_off, row, w_lo, w_hi, qv, acc, m, l);
     attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
     __syncthreads();
-    attention_write_merged<HD>(s_m, s_l, s_acc, sinks, part_ml, part_acc, out, nh, nsplit, direct, n, kvh, G, g0, ng,
-                               split);
+    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
+        const int g = i / HD, d = i - g * HD;
+        const int head = kvh * G + g0 + g;
+        const size_t nhd = (size_t)n * nh + head;
+        // direct: the sink joins here; with splits the last block's merge adds it
+        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d,
+                                                      (direct && sinks != nullptr) ? sinks[head] : NEG_INF);
+        if (direct) {
+            out[nhd * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
+        } else {
+            part_acc[(nhd * nsplit + split) * HD + d] = r.num;
+            if (d == 0) {
+                part_ml[(nhd * nsplit + split) * 2] = r.mx;
+                part_ml[(nhd * nsplit + split) * 2 + 1] = r.den;
+            }
+        }
+    }
 }
 
 // When more than one split holds keys, the last of those `used` blocks of a (row, kv head, head chunk) to finish
