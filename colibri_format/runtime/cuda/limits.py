@@ -152,9 +152,6 @@ ATT_MAX_SPLITS = 64
 # attention_decode's last-block merge: splits whose partial outputs a thread loads before it adds any (one L2 round
 # trip for up to this many splits)
 ATT_MERGE_LOADS = 8
-# attention_decode: head dims up to this split each block's keys over its warps (every warp all the chunk's heads);
-# larger ones split the heads (a warp's registers for 8 heads of 256 values would spill)
-ATT_WARP_KEYS_HD = 128
 # attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
 # over key tiles of FA_BN keys for bf16 caches, FA_BN_F32 for fp32 caches (their tiles are kept as bf16 hi and lo
 # parts: twice the shared memory a key) and FA_BN_HD256 for head_dim 256 (more keys spilled registers with nvcc 13)
@@ -321,7 +318,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                         "QUANT_ROW_VECS": QUANT_ROW_VECS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
-               "ATT_MERGE_LOADS": ATT_MERGE_LOADS, "ATT_WARP_KEYS_HD": ATT_WARP_KEYS_HD,
+               "ATT_MERGE_LOADS": ATT_MERGE_LOADS,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS, "DG_TC_ROWS": DG_TC_ROWS,
                "DG_TC_UNROLL": DG_TC_UNROLL,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},

@@ -252,16 +252,12 @@ ATTENTION_SPLIT_KERNEL(bf16_hd128, TBF16, 4)
 ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 
 // Attention for few query rows (decode): the same contract and partials as attention_split, another work split.
-// Block = (row n, kv head, split); lanes split the head dimension (HPL = HD / 32 values each). Head dims up to
-// ATT_WARP_KEYS_HD: every warp takes all ATT_GMAX heads of the kv head's chunk over a quarter of the split's keys
-// (a whole number of key batches), and the block merges its warps' states in shared memory (as attention_split
-// does), so a split's serial chain of key batches is a quarter as long and a group of one head (OLMoE) keeps every
-// warp busy. Larger head dims (registers: a warp's state for 8 heads of 256 values would spill): warp w takes
-// the heads g0 + ATT_HPW*w .. + ATT_HPW - 1 over all the split's keys. Keys go in batches of
-// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, so c keys cost about c / KB
-// memory round trips (the split kernel's lane-per-key tiles cost ~HD/16 round trips per 32 keys whatever the
-// length, which dominates short decode contexts). With splits the last block merges (no attention_merge launch;
-// tickets: one zeroed int per (row, kv head, head chunk)).
+// Block = (row n, kv head, split); warp w takes the heads g0 + ATT_HPW*w .. + ATT_HPW - 1 of the kv head's chunk
+// of ATT_GMAX heads; lanes split the head dimension (HPL = HD / 32 values each). Keys go in batches of
+// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, so a split of c keys costs
+// about c / KB memory round trips (the split kernel's lane-per-key tiles cost ~HD/16 round trips per 32 keys
+// whatever the length, which dominates short decode contexts). With splits the last block merges (no
+// attention_merge launch; tickets: one zeroed int per (row, kv head, head chunk)).
 #ifndef ATT_LANE_FLOATS
 #error "ATT_LANE_FLOATS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
@@ -275,9 +271,6 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #endif
 #ifndef ATT_MERGE_LOADS
 #error "ATT_MERGE_LOADS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-#ifndef ATT_WARP_KEYS_HD
-#error "ATT_WARP_KEYS_HD undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
 static_assert(ATT_MERGE_LOADS >= 1, "the merge takes at least one split a round");
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
@@ -400,52 +393,6 @@ __device__ __forceinline__ void attention_decode_warp(const float* __restrict__ 
     }
 }
 
-// The split's keys [lo, hi) over the block's warps (ATT_WARP_KEYS_HD): warp w takes the KB-key batches of its
-// quarter for all ATT_GMAX heads of the chunk (heads past ng repeat the last: computed, never written); the
-// block merges the warps' states per head and writes the output (`direct`) or the split's partials.
-template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_block(const float* __restrict__ q,
-                                                       const typename TC::storage* __restrict__ kc,
-                                                       const typename TC::storage* __restrict__ vc,
-                                                       const int* __restrict__ q_seq, const float* __restrict__ sinks,
-                                                       float* part_ml, float* part_acc, float* __restrict__ out,
-                                                       int nh, int nkv, int capacity, float scale, int nsplit,
-                                                       bool direct, int n, int kvh, int split, int G, int g0, int ng,
-                                                       int lo, int hi) {
-    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
-    __shared__ float s_m[ATT_WARPS][ATT_GMAX], s_l[ATT_WARPS][ATT_GMAX];
-    __shared__ float s_acc[ATT_WARPS][ATT_GMAX][HD];
-    const float NEG_INF = __int_as_float(0xff800000);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t row = (size_t)nkv * HD;
-    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
-    const int part = ((hi - lo + ATT_WARPS - 1) / ATT_WARPS + KB - 1) / KB * KB;
-    const int w_lo = min(hi, lo + warp * part), w_hi = min(hi, w_lo + part);
-
-    float qv[ATT_GMAX][HPL], acc[ATT_GMAX][HPL], m[ATT_GMAX], l[ATT_GMAX];
-    attention_decode_start<HPL, ATT_GMAX>(q, (size_t)n * nh + kvh * G + g0, 0, ng, scale, qv, acc, m, l);
-    attention_decode_keys<TC, HPL, ATT_GMAX>(kc, vc, base_off, row, w_lo, w_hi, qv, acc, m, l);
-    attention_warps_stash<HPL>(s_m, s_l, s_acc, m, l, acc);
-    __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += ATT_THREADS) {
-        const int g = i / HD, d = i - g * HD;
-        const int head = kvh * G + g0 + g;
-        const size_t nhd = (size_t)n * nh + head;
-        // direct: the sink joins here; with splits the last block's merge adds it
-        const WarpMerge r = attention_merge_warps<HD>(s_m, s_l, s_acc, g, d,
-                                                      (direct && sinks != nullptr) ? sinks[head] : NEG_INF);
-        if (direct) {
-            out[nhd * HD + d] = r.den > 0.0f ? r.num / r.den : 0.0f;
-        } else {
-            part_acc[(nhd * nsplit + split) * HD + d] = r.num;
-            if (d == 0) {
-                part_ml[(nhd * nsplit + split) * 2] = r.mx;
-                part_ml[(nhd * nsplit + split) * 2 + 1] = r.den;
-            }
-        }
-    }
-}
-
 // When more than one split holds keys, the last of those `used` blocks of a (row, kv head, head chunk) to finish
 // merges the chunk's heads (as attention_merge does, sinks included) and resets the ticket to 0 for the next launch
 // (graph replays): one launch less per layer. Partials are read past L1 (written by other blocks); the fence orders
@@ -555,10 +502,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     if (split >= max(used, 1)) return;
     const bool direct = used <= 1;
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
-    if constexpr (HD <= ATT_WARP_KEYS_HD)
-        attention_decode_block<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
-                                        nsplit, direct, n, kvh, split, G, g0, ng, lo, hi);
-    else if (warp * ATT_HPW < ng)   // else no head of this chunk for this warp
+    if (warp * ATT_HPW < ng)   // else no head of this chunk for this warp
         attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
                                        nsplit, direct, n, kvh, split, G, g0, ng, lo, hi);
     if (!direct)
