@@ -100,8 +100,8 @@ def _route_from_logits(logits, k, bias, mode):
 def test_dispatch(cp, rng, monkeypatch, P, E, tile_m, spread):
     """One block (moe_dispatch), or spread over several (limits.DISPATCH_SPREAD_MIN_PAIRS: the three launches of
     moe_dispatch_ranks / _groups / _scatter): the stable grouping either way."""
-    if spread:
-        monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1)
+    # every size on each path: 1 spreads any pass, 0 never does (the default threshold would spread the large ones)
+    monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1 if spread else 0)
     # skewed ids: a few experts get most pairs
     ids = np.minimum(rng.zipf(1.5, P) - 1, E - 1).astype(np.int32)
     rng.shuffle(ids)
@@ -123,8 +123,8 @@ def test_dispatch(cp, rng, monkeypatch, P, E, tile_m, spread):
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_dispatch_counts_invalid_ids(cp, monkeypatch, spread):
-    if spread:
-        monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1)
+    # every size on each path: 1 spreads any pass, 0 never does (the default threshold would spread the large ones)
+    monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1 if spread else 0)
     ids = np.array([0, 5, 9, -1, 2], np.int32)
     d = ops.dispatch(cp.asarray(ids), 6)
     assert int(d.meta.get()[2]) == 2
