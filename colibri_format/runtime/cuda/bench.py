@@ -231,9 +231,9 @@ def decode_bench(eng, batch: int, num_iters: int, warmup: int, rng, context: int
                  before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
     """(figures, runner): `num_iters` timed greedy steps of `batch` sequences of `context` prompt tokens (which the
     steps attend to) after `warmup`, a step at a time (the token read by the host each step), with the paging
-    counters of the timed steps when experts are paged; then the
-    same steps again (same tokens, positions and KV rows) as one chain, tokens fed back on the device
-    (`chained_*`, `chained_paging`; greedy `generate` queues `Engine.chain_steps` steps a chain): any backend.
+    counters of the timed steps when experts are paged; then the same steps again (same tokens, positions and KV
+    rows) as one chain, tokens fed back on the device (`chained_*`, `chained_paging`; greedy `generate` queues
+    `Engine.chain_steps` steps a chain): any backend.
     `before_step` runs before every step (e.g. a replayed trace filling the decoder's forced-route buffers on the
     compute stream)."""
     step = before_step or (lambda: None)

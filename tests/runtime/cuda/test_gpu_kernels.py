@@ -123,8 +123,8 @@ def test_dispatch(cp, rng, monkeypatch, P, E, tile_m, spread):
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_dispatch_counts_invalid_ids(cp, monkeypatch, spread):
-    # every size on each path: 1 spreads any pass, 0 never does (the default threshold would spread the large ones)
-    monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1 if spread else 0)
+    if spread:
+        monkeypatch.setattr(limits, "DISPATCH_SPREAD_MIN_PAIRS", 1)
     ids = np.array([0, 5, 9, -1, 2], np.int32)
     d = ops.dispatch(cp.asarray(ids), 6)
     assert int(d.meta.get()[2]) == 2
