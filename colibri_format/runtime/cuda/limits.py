@@ -152,6 +152,9 @@ ATT_MAX_SPLITS = 64
 # attention_decode's last-block merge: splits whose partial outputs a thread loads before it adds any (one L2 round
 # trip for up to this many splits)
 ATT_MERGE_LOADS = 8
+# attention_decode's key tiles in flight: a tile is ATT_LANE_FLOATS x 32 values of K and as many of V (8 KiB of f32,
+# 4 KiB of 16-bit values), copied into shared memory ATT_DECODE_STAGES - 1 tiles ahead of the one computed on
+ATT_DECODE_STAGES = 4
 # attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
 # over key tiles of FA_BN keys for bf16 caches, FA_BN_F32 for fp32 caches (their tiles are kept as bf16 hi and lo
 # parts: twice the shared memory a key) and FA_BN_HD256 for head_dim 256 (more keys spilled registers with nvcc 13)
@@ -318,7 +321,7 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
                         "QUANT_ROW_VECS": QUANT_ROW_VECS},
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
-               "ATT_MERGE_LOADS": ATT_MERGE_LOADS,
+               "ATT_MERGE_LOADS": ATT_MERGE_LOADS, "ATT_DECODE_STAGES": ATT_DECODE_STAGES,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS, "DG_TC_ROWS": DG_TC_ROWS,
                "DG_TC_UNROLL": DG_TC_UNROLL,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
@@ -417,6 +420,12 @@ def fast_gemm_blocks_per_sm(activations: str) -> int:
     """moe_gemm_fast.cu blocks a multiprocessor holds at once by shared memory."""
     per_block = fast_gemm_shared_bytes(activations) + FAST_STATIC_SHARED_BYTES + 1024
     return max(1, MULTIPROCESSOR_SHARED_BYTES // per_block)
+
+
+def attention_decode_shared_bytes(cache_itemsize: int, stages: int | None = None) -> int:
+    """Dynamic shared memory of an attention_decode launch over caches of `cache_itemsize`-byte values: its
+    `stages` (default ATT_DECODE_STAGES) tiles of K and V rows."""
+    return (stages or ATT_DECODE_STAGES) * 2 * ATT_LANE_FLOATS * 32 * cache_itemsize
 
 
 def fast_gemm_shared_bytes(activations: str) -> int:

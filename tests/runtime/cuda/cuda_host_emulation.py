@@ -28,8 +28,8 @@ from colibri_format.runtime.cuda.kernels import ops
 
 GXX = shutil.which("g++")
 SHIM_DIR = Path(__file__).resolve().parent
-PTX_HELPERS = ("shared_address", "copy16_async", "commit_copies", "wait_copies", "mma_16816", "mma_16832_s8",
-               "bf16x2_sub", "load16_stream")
+PTX_HELPERS = ("shared_address", "copy16_async", "copy16_async_l2", "commit_copies", "wait_copies", "mma_16816",
+               "mma_16832_s8", "bf16x2_sub", "load16_stream")
 PTX_STRUCTS = ("TF16", "TBF16")
 DYNAMIC_SHARED = "extern __shared__ __align__(128) unsigned char fast_smem[];"
 
@@ -520,12 +520,12 @@ RMSNORM_KERNELS = ("f32_f32_f32", "f32_f32_bf16", "f32_bf16_f16", "bf16_f32_f32"
 
 LAYERS_DRIVER = r"""
 #define EMU_ATTENTION_DECODE(SUF, TC)                                                                            \
-    extern "C" void emu_attention_decode_##SUF(int gx, int gy, int gz, unsigned order, const float* q,          \
-                                               const TC::storage* kc, const TC::storage* vc, const int* q_seq,  \
-                                               const int* q_len, const float* sinks, float* ml, float* acc,     \
-                                               int* tickets, float* out, int nh, int nkv, int capacity,         \
-                                               int window, float scale, int nsplit) {                           \
-        emu_launch({gx, gy, gz}, ATT_THREADS, 0, [&] {                                                           \
+    extern "C" void emu_attention_decode_##SUF(int gx, int gy, int gz, size_t smem, unsigned order,             \
+                                               const float* q, const TC::storage* kc, const TC::storage* vc,    \
+                                               const int* q_seq, const int* q_len, const float* sinks,          \
+                                               float* ml, float* acc, int* tickets, float* out, int nh, int nkv, \
+                                               int capacity, int window, float scale, int nsplit) {             \
+        emu_launch({gx, gy, gz}, ATT_THREADS, smem, [&] {                                                        \
             attention_decode_##SUF(q, kc, vc, q_seq, q_len, sinks, ml, acc, tickets, out, nh, nkv, capacity,     \
                                    window, scale, nsplit);                                                       \
         }, order);                                                                                               \
@@ -586,22 +586,28 @@ extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const
     for c in ("f32", "bf16") for tok in limits.DG_PLANS)
 
 
+ATTENTION_TILES_SHARED = "extern __shared__ __align__(16) unsigned char att_tiles[];"
+
+
 def build_layers(tmp_path: Path, **defines: int) -> ctypes.CDLL:
     """layers.cu for the CPU, with limits.py's constants (but `defines`: other values, e.g. a dense_gemv plan)."""
     options = {**limits.KERNEL_DEFINES["layers"], **defines}
-    return _compile(tmp_path, "layers", host_module_source("layers") + LAYERS_DRIVER,
-                    [f"-D{k}={v}" for k, v in options.items()])
+    src = host_module_source("layers")
+    assert ATTENTION_TILES_SHARED in src
+    src = src.replace(ATTENTION_TILES_SHARED, "unsigned char* att_tiles = emu_block->shared.data();")
+    return _compile(tmp_path, "layers", src + LAYERS_DRIVER, [f"-D{k}={v}" for k, v in options.items()])
 
 
 class AttentionEmulator(LibraryEmulator):
     """layers.cu's attention kernels over host arrays, launched as `ops.attention` (flash_prefill off) launches
     them: attention_decode for up to ATT_DECODE_MAX_ROWS query rows, attention_split (+ attention_merge) beyond;
-    blocks run in a shuffled order (`order` seeds it, 0: grid order). max_splits: the ATT_MAX_SPLITS the library was
-    built with (build_layers' define, limits.py's by default)."""
+    blocks run in a shuffled order (`order` seeds it, 0: grid order). max_splits, stages: the ATT_MAX_SPLITS and
+    ATT_DECODE_STAGES the library was built with (build_layers' defines, limits.py's by default)."""
 
-    def __init__(self, lib: ctypes.CDLL, max_splits: int = limits.ATT_MAX_SPLITS) -> None:
+    def __init__(self, lib: ctypes.CDLL, max_splits: int = limits.ATT_MAX_SPLITS,
+                 stages: int = limits.ATT_DECODE_STAGES) -> None:
         super().__init__(lib)
-        self.max_splits = max_splits
+        self.max_splits, self.stages = max_splits, stages
 
     @staticmethod
     def workspace(num_rows: int, heads: int, head_dim: int, nsplit: int) -> dict:
@@ -629,9 +635,14 @@ class AttentionEmulator(LibraryEmulator):
         grid = (NQ, nkv, -(-(nh // nkv) // limits.ATT_GMAX) * nsplit)
         rows = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(q_seq), _ptr(q_len), _nullable(sinks), ml, acc)
         tail = (nh, nkv, cap, window, ctypes.c_float(scale), nsplit)
-        if NQ <= limits.ATT_DECODE_MAX_ROWS:
-            getattr(self.lib, f"emu_attention_decode_{code}_hd{hd}")(*grid, ctypes.c_uint(order), *rows, tickets,
-                                                                     _ptr(out), *tail)
+        if NQ <= limits.ATT_DECODE_MAX_ROWS:     # its tiles are copied (cp.async) from the caches only
+            self.lib.emu_clear_sources()
+            for cache in (k_cache, v_cache):
+                self.lib.emu_allow_source(_ptr(cache), ctypes.c_size_t(cache.nbytes))
+            smem = limits.attention_decode_shared_bytes(k_cache.itemsize, self.stages)
+            getattr(self.lib, f"emu_attention_decode_{code}_hd{hd}")(*grid, ctypes.c_size_t(smem),
+                                                                     ctypes.c_uint(order), *rows, tickets, _ptr(out),
+                                                                     *tail)
             return out
         getattr(self.lib, f"emu_attention_split_{code}_hd{hd}")(*grid, ctypes.c_uint(order), *rows, _ptr(out), *tail)
         if nsplit > 1:

@@ -215,6 +215,8 @@ inline void copy16_async(void* dst, const void* src, bool valid) {
     emu_open_group.push_back({dst, src, valid});
 }
 
+inline void copy16_async_l2(void* dst, const void* src, bool valid) { copy16_async(dst, src, valid); }
+
 inline void commit_copies() {
     emu_groups.push_back(std::move(emu_open_group));
     emu_open_group.clear();

@@ -58,20 +58,14 @@ __device__ __forceinline__ void fa_store_split4(u16* hi_dst, u16* lo_dst, float4
     *reinterpret_cast<uint2*>(lo_dst) = make_uint2(fa_pack_bf16(x.x - h0, x.y - h1), fa_pack_bf16(x.z - h2, x.w - h3));
 }
 
-__device__ __forceinline__ unsigned int fa_smem_addr(const void* p) {
-    unsigned int a;
-    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 __device__ __forceinline__ void fa_ldmatrix_x4(unsigned int* r, const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fa_smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
 }
 
 __device__ __forceinline__ void fa_ldmatrix_x4_trans(unsigned int* r, const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fa_smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
 }
 
 __device__ __forceinline__ void fa_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
@@ -82,15 +76,6 @@ __device__ __forceinline__ void fa_mma(float* c, const unsigned int* a, unsigned
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 16 bytes global -> shared without registers; src_bytes 0 writes zeros (keys past the tile's end).
-__device__ __forceinline__ void fa_cp_async16(u16* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(fa_smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void fa_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int PENDING>
-__device__ __forceinline__ void fa_cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
 
 // One tile of BN cache rows [k0, k0 + BN) (rows >= kend as zeros) of the sequence and kv head whose first element
 // is src into dst [parts][BN][HD + FA_PAD] bf16. bf16 caches (one part): cp.async (completes at the caller's wait); fp32 (hi, lo): loaded, split, stored now.
@@ -104,7 +89,7 @@ __device__ __forceinline__ void fa_load_kv_tile(u16* dst, const typename TC::sto
             const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
             const bool valid = k0 + r < kend;
             const typename TC::storage* s = src + (valid ? (size_t)(k0 + r) * row + c : 0);
-            fa_cp_async16(dst + r * LD + c, s, valid ? 16 : 0);
+            copy16_async(dst + r * LD + c, s, valid);
         }
     } else {
         // BATCH loads in flight before their stores: few round trips to L2 a tile, and registers to spare
@@ -195,7 +180,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
     fa_load_queries<HD>(s_q, q, row0, pair0, npairs, nh, G, kvh);
     fa_load_kv_tile<TC, HD, BN>(s_k, kb, row, kbegin, kend);
     fa_load_kv_tile<TC, HD, BN>(s_v, vb, row, kbegin, kend);
-    fa_cp_async_commit();
+    commit_copies();
 
     float o_acc[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -211,8 +196,8 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             fa_load_kv_tile<TC, HD, BN>(s_k + (buf ^ 1) * TILE, kb, row, k0 + BN, kend);
             fa_load_kv_tile<TC, HD, BN>(s_v + (buf ^ 1) * TILE, vb, row, k0 + BN, kend);
         }
-        fa_cp_async_commit();                             // an empty group on the last tile keeps the count uniform
-        fa_cp_async_wait<1>();                            // this tile's group is complete
+        commit_copies();                             // an empty group on the last tile keeps the count uniform
+        wait_copies<1>();                            // this tile's group is complete
         __syncthreads();
         if (k0 < warp_hi && k0 + BN > warp_lo) {
             const u16* kt = s_k + buf * TILE;
@@ -317,7 +302,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
         }
         __syncthreads();                                  // every warp is done with this buffer
     }
-    fa_cp_async_wait<0>();                                // no copy outlives the block (an all-idle tile's zeros)
+    wait_copies<0>();                                // no copy outlives the block (an all-idle tile's zeros)
 
     // normalize (the sink's logit joins the denominator) and store this lane's two pairs
 #pragma unroll

@@ -172,6 +172,29 @@ __device__ __forceinline__ void mma_16832_s8(int* c, unsigned int a0, unsigned i
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// ---- asynchronous copies global -> shared (sm_80+) -------------------------------------------------------------
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared past L1, or 16 zero bytes when !valid (src is then not read). The "memory" clobbers
+// keep the compiler from moving shared-memory accesses across the copies and the waits.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most PENDING of this thread's committed copy groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 // ---- warp reductions ------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -253,11 +253,13 @@ ATTENTION_SPLIT_KERNEL(bf16_hd256, TBF16, 8)
 
 // Attention for few query rows (decode): the same contract and partials as attention_split, another work split.
 // Block = (row n, kv head, split); warp w takes the heads g0 + ATT_HPW*w .. + ATT_HPW - 1 of the kv head's chunk
-// of ATT_GMAX heads; lanes split the head dimension (HPL = HD / 32 values each). Keys go in batches of
-// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used, so a split of c keys costs
-// about c / KB memory round trips (the split kernel's lane-per-key tiles cost ~HD/16 round trips per 32 keys
-// whatever the length, which dominates short decode contexts). With splits the last block merges (no
-// attention_merge launch; tickets: one zeroed int per (row, kv head, head chunk)).
+// of ATT_GMAX heads; lanes split the head dimension (HPL = HD / 32 values each). The split's keys go in tiles of
+// KB = ATT_LANE_FLOATS / HPL keys whose K and V rows the whole block copies into shared memory (cp.async, 16 bytes a
+// copy), ATT_DECODE_STAGES - 1 tiles ahead of the one its warps compute on: the keys' reads stay in flight while the
+// scores, the softmax and p * V run, and every K/V byte is read once a block (each warp used to load its tile
+// itself and then wait for it, so a split of c keys cost about c / KB memory round trips plus its arithmetic, and
+// the block's warps read the same rows four times). With splits the last block merges (no attention_merge launch;
+// tickets: one zeroed int per (row, kv head, head chunk)).
 #ifndef ATT_LANE_FLOATS
 #error "ATT_LANE_FLOATS undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
 #endif
@@ -274,12 +276,15 @@ static_assert(ATT_GMAX % ATT_WARPS == 0, "whole heads per warp");
 #endif
 static_assert(ATT_MERGE_LOADS >= 1, "the merge takes at least one split a round");
 static_assert(ATT_MAX_SPLITS % 32 == 0, "the merge's lanes take whole rounds of splits");
-// One warp's heads of attention_decode over its split's keys [lo, hi): the partials (or, `direct`, the output).
+#ifndef ATT_DECODE_STAGES
+#error "ATT_DECODE_STAGES undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
+#endif
+static_assert(ATT_DECODE_STAGES >= 2, "a tile in flight while another is computed on");
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
 // dimension, HPL values each). attention_decode_start: each head's q (times scale) and an empty state; head i is
-// head first + i of the chunk of `ng`, clamped to its last. attention_decode_keys: the keys [lo, hi) in batches of
-// KB = ATT_LANE_FLOATS / HPL whose K and V rows are all loaded before they are used: each head's running max m,
-// sum l and unnormalized output acc.
+// head first + i of the chunk of `ng`, clamped to its last. attention_decode_tile: the keys [p0, min(p0 + KB, hi))
+// of a tile in shared memory (K rows, then V rows, HD values each): each head's running max m, sum l and
+// unnormalized output acc.
 template <int HPL, int NH>
 __device__ __forceinline__ void attention_decode_start(const float* __restrict__ q, size_t chunk_row, int first,
                                                        int ng, float scale, float (&qv)[NH][HPL],
@@ -299,72 +304,100 @@ __device__ __forceinline__ void attention_decode_start(const float* __restrict__
     }
 }
 
+// A lane's HPL consecutive values of a row in shared memory, widened: one 4-, 8- or 16-byte load per 16 bytes
+// (consecutive lanes read consecutive bytes, so a warp's load has no bank conflicts).
+template <typename TC, int HPL>
+__device__ __forceinline__ void shared_lane_values(const typename TC::storage* p, float (&out)[HPL]) {
+    typedef typename TC::storage S;
+    constexpr int BYTES = HPL * (int)sizeof(S);
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES % 16 == 0, "a lane's values are 4, 8 or 16k bytes");
+    S v[HPL];
+    if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < BYTES / 16; ++i) reinterpret_cast<uint4*>(v)[i] = reinterpret_cast<const uint4*>(p)[i];
+    } else if constexpr (BYTES == 8) {
+        *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
+    } else {
+        *reinterpret_cast<unsigned int*>(v) = *reinterpret_cast<const unsigned int*>(p);
+    }
+#pragma unroll
+    for (int u = 0; u < HPL; ++u) out[u] = TC::to_f32(v[u]);
+}
+
 template <typename TC, int HPL, int NH>
-__device__ __forceinline__ void attention_decode_keys(const typename TC::storage* __restrict__ kc,
-                                                      const typename TC::storage* __restrict__ vc, size_t base_off,
-                                                      size_t row, int lo, int hi,
-                                                      const float (&qv)[NH][HPL], float (&acc)[NH][HPL],
-                                                      float (&m)[NH], float (&l)[NH]) {
-    constexpr int KB = ATT_LANE_FLOATS / HPL;
+__device__ __forceinline__ void attention_decode_tile(const typename TC::storage* ks, const typename TC::storage* vs,
+                                                      int p0, int hi, const float (&qv)[NH][HPL],
+                                                      float (&acc)[NH][HPL], float (&m)[NH], float (&l)[NH]) {
+    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
     const float NEG_INF = __int_as_float(0xff800000);
-    for (int p0 = lo; p0 < hi; p0 += KB) {
-        float kf[KB][HPL], vf[KB][HPL];
+    const int lane = threadIdx.x & 31;
+    float kf[KB][HPL], vf[KB][HPL];
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+        shared_lane_values<TC, HPL>(ks + b * HD + lane * HPL, kf[b]);
+        shared_lane_values<TC, HPL>(vs + b * HD + lane * HPL, vf[b]);
+    }
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+        float sc[KB];
+        float mb = NEG_INF;
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
-            const size_t off = base_off + (size_t)min(p0 + b, hi - 1) * row;   // past hi: a valid row, masked below
+            float d = 0.0f;
 #pragma unroll
-            for (int u = 0; u < HPL; ++u) {
-                kf[b][u] = TC::to_f32(kc[off + u]);
-                vf[b][u] = TC::to_f32(vc[off + u]);
-            }
+            for (int u = 0; u < HPL; ++u) d = fmaf(qv[h][u], kf[b][u], d);
+            sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
+            mb = fmaxf(mb, sc[b]);
         }
+        const float mn = fmaxf(m[h], mb);            // finite: key p0 < hi is valid
+        const float c = expf(m[h] - mn);             // 0 while m is -inf
+        l[h] *= c;
 #pragma unroll
-        for (int h = 0; h < NH; ++h) {
-            float sc[KB];
-            float mb = NEG_INF;
+        for (int u = 0; u < HPL; ++u) acc[h][u] *= c;
 #pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                float d = 0.0f;
+        for (int b = 0; b < KB; ++b) {
+            const float pb = expf(sc[b] - mn);       // 0 for masked keys (their rows are zeros)
+            l[h] += pb;
 #pragma unroll
-                for (int u = 0; u < HPL; ++u) d = fmaf(qv[h][u], kf[b][u], d);
-                sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
-                mb = fmaxf(mb, sc[b]);
-            }
-            const float mn = fmaxf(m[h], mb);            // finite: key p0 < hi is valid
-            const float c = expf(m[h] - mn);             // 0 while m is -inf
-            l[h] *= c;
-#pragma unroll
-            for (int u = 0; u < HPL; ++u) acc[h][u] *= c;
-#pragma unroll
-            for (int b = 0; b < KB; ++b) {
-                const float pb = expf(sc[b] - mn);       // 0 for masked keys
-                l[h] += pb;
-#pragma unroll
-                for (int u = 0; u < HPL; ++u) acc[h][u] = fmaf(pb, vf[b][u], acc[h][u]);
-            }
-            m[h] = mn;
+            for (int u = 0; u < HPL; ++u) acc[h][u] = fmaf(pb, vf[b][u], acc[h][u]);
         }
+        m[h] = mn;
     }
 }
 
+// The block's copies of the tile of keys [p0, p0 + KB) into ks / vs (KB rows of HD values each); keys at or past
+// hi are zeros (not read). seq_off: the element offset of the row's sequence and kv head in the caches; row: the
+// elements from one key to the next (nkv * HD).
 template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_warp(const float* __restrict__ q,
-                                                      const typename TC::storage* __restrict__ kc,
-                                                      const typename TC::storage* __restrict__ vc,
-                                                      const int* __restrict__ q_seq, const float* __restrict__ sinks,
-                                                      float* part_ml, float* part_acc, float* __restrict__ out,
-                                                      int nh, int nkv, int capacity, float scale, int nsplit,
-                                                      bool direct, int n, int kvh, int split, int G, int g0, int ng,
-                                                      int lo, int hi) {
+__device__ __forceinline__ void attention_decode_copy_tile(typename TC::storage* ks, typename TC::storage* vs,
+                                                           const typename TC::storage* __restrict__ kc,
+                                                           const typename TC::storage* __restrict__ vc,
+                                                           size_t seq_off, size_t row, int p0, int hi) {
+    constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
+    constexpr int PER_ROW = HD * (int)sizeof(typename TC::storage) / 16, ELEMS = 16 / (int)sizeof(typename TC::storage);
+    constexpr int ROUNDS = (KB * PER_ROW + ATT_THREADS - 1) / ATT_THREADS;   // 16-byte copies of K a thread
+#pragma unroll
+    for (int r = 0; r < ROUNDS; ++r) {
+        const int i = threadIdx.x + r * ATT_THREADS;
+        if (i >= KB * PER_ROW) break;
+        const int b = i / PER_ROW, c = (i - b * PER_ROW) * ELEMS;
+        const bool valid = p0 + b < hi;
+        const size_t off = valid ? seq_off + (size_t)(p0 + b) * row + c : 0;
+        copy16_async(ks + b * HD + c, kc + off, valid);
+        copy16_async(vs + b * HD + c, vc + off, valid);
+    }
+}
+
+// The warp's heads after the keys: partials of split `split` (or, `direct`, the output, the sink joined).
+template <int HPL>
+__device__ __forceinline__ void attention_decode_store(const float* __restrict__ sinks, float* part_ml,
+                                                       float* part_acc, float* __restrict__ out, int nh, int nsplit,
+                                                       bool direct, int n, int kvh, int split, int G, int g0, int ng,
+                                                       const float (&acc)[ATT_HPW][HPL], const float (&m)[ATT_HPW],
+                                                       const float (&l)[ATT_HPW]) {
     constexpr int HD = HPL * 32;
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t row = (size_t)nkv * HD;
-    const size_t base_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD + lane * HPL;
-
-    float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
-    attention_decode_start<HPL, ATT_HPW>(q, (size_t)n * nh + kvh * G + g0, warp * ATT_HPW, ng, scale, qv, acc, m, l);
-    attention_decode_keys<TC, HPL, ATT_HPW>(kc, vc, base_off, row, lo, hi, qv, acc, m, l);
 #pragma unroll
     for (int h = 0; h < ATT_HPW; ++h) {
         const int g = warp * ATT_HPW + h;
@@ -502,9 +535,42 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     if (split >= max(used, 1)) return;
     const bool direct = used <= 1;
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
-    if (warp * ATT_HPW < ng)   // else no head of this chunk for this warp
-        attention_decode_warp<TC, HPL>(q, kc, vc, q_seq, sinks, part_ml, part_acc, out, nh, nkv, capacity, scale,
-                                       nsplit, direct, n, kvh, split, G, g0, ng, lo, hi);
+
+    // Tiles [stage][K rows, V rows] in dynamic shared memory (limits.attention_decode_shared_bytes); a copy group
+    // is committed every step, empty or not, so that wait_copies' count names tile t's group.
+    typedef typename TC::storage S;
+    constexpr int KB = ATT_LANE_FLOATS / HPL, TILE = KB * HD;
+    extern __shared__ __align__(16) unsigned char att_tiles[];
+    S* tiles = reinterpret_cast<S*>(att_tiles);
+    const size_t row = (size_t)nkv * HD, seq_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD;
+    const int ntiles = (hi - lo + KB - 1) / KB;
+#pragma unroll
+    for (int t = 0; t < ATT_DECODE_STAGES - 1; ++t) {
+        if (t < ntiles)
+            attention_decode_copy_tile<TC, HPL>(tiles + 2 * t * TILE, tiles + (2 * t + 1) * TILE, kc, vc, seq_off,
+                                                row, lo + t * KB, hi);
+        commit_copies();
+    }
+    const bool has_heads = warp * ATT_HPW < ng;      // else no head of this chunk for this warp: it only copies
+    float qv[ATT_HPW][HPL], acc[ATT_HPW][HPL], m[ATT_HPW], l[ATT_HPW];
+    attention_decode_start<HPL, ATT_HPW>(q, (size_t)n * nh + kvh * G + g0, warp * ATT_HPW, ng, scale, qv, acc, m, l);
+    for (int t = 0; t < ntiles; ++t) {
+        wait_copies<ATT_DECODE_STAGES - 2>();         // this thread's copies of tile t have landed
+        __syncthreads();                              // everyone's have; tile t - 1's stage is free again
+        const int ahead = t + ATT_DECODE_STAGES - 1, sa = ahead % ATT_DECODE_STAGES;
+        if (ahead < ntiles)
+            attention_decode_copy_tile<TC, HPL>(tiles + 2 * sa * TILE, tiles + (2 * sa + 1) * TILE, kc, vc, seq_off,
+                                                row, lo + ahead * KB, hi);
+        commit_copies();
+        const int st = t % ATT_DECODE_STAGES;
+        if (has_heads)
+            attention_decode_tile<TC, HPL, ATT_HPW>(tiles + 2 * st * TILE, tiles + (2 * st + 1) * TILE, lo + t * KB,
+                                                    hi, qv, acc, m, l);
+    }
+    wait_copies<0>();                                 // only empty groups remain: none outlives the block
+    if (has_heads)
+        attention_decode_store<HPL>(sinks, part_ml, part_acc, out, nh, nsplit, direct, n, kvh, split, G, g0, ng, acc,
+                                    m, l);
     if (!direct)
         attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }

@@ -74,12 +74,6 @@ static_assert(FAST_STAGE_STEPS >= 1, "a stage holds at least one K step");
 enum FastInput { FAST_IN_BF16, FAST_IN_SPLIT, FAST_IN_INT8 };
 
 // ---- asynchronous copies (sm_80+) ----------------------------------------------------------------------------
-__device__ __forceinline__ unsigned int shared_address(const void* p) {
-    unsigned int a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // The copy instruction: FAST_L2_PREFETCH bytes around each source read brought into L2 (0: no prefetch size, the
 // sectors read only), so that a 64-byte read of a weight row fetches the row's next bytes from DRAM with it
 #if FAST_L2_PREFETCH == 0
@@ -92,19 +86,11 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
 #error "FAST_L2_PREFETCH must be 0, 128 or 256"
 #endif
 
-// 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read). The "memory" clobbers keep the
-// compiler from moving shared-memory accesses across the copies and the waits.
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
+// common.cuh's copy16_async with FAST_CP_ASYNC's L2 prefetch size (commit_copies / wait_copies as there)
+__device__ __forceinline__ void copy16_async_l2(void* dst, const void* src, bool valid) {
     asm volatile(FAST_CP_ASYNC " [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
                  "r"(valid ? 16 : 0)
                  : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
 // ---- shared-memory layout ---------------------------------------------------------------------------------------
@@ -159,7 +145,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
             const Copy cp(tid + it * FAST_THREADS);
             const int src = s_row[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
             const bool ok = src >= 0 && col < ncols;
-            copy16_async(stage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
+            copy16_async_l2(stage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
                          in + (ok ? (size_t)src * ncols + col : 0), ok);
         }
     } else {
@@ -173,8 +159,8 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
             const size_t off = ok ? (size_t)src * ncols + col : 0;
             unsigned char* dst =
                 stage + cp.step * STEP_BYTES + (cp.row * FAST_A_CHUNKS + a_slot(cp.row, cp.chunk)) * 16;
-            copy16_async(dst, hi + off, ok);
-            if (IN == FAST_IN_SPLIT) copy16_async(dst + FAST_A_BYTES, in_lo + off, ok);
+            copy16_async_l2(dst, hi + off, ok);
+            if (IN == FAST_IN_SPLIT) copy16_async_l2(dst + FAST_A_BYTES, in_lo + off, ok);
         }
     }
     unsigned char* bstage = stage + FastStage<IN>::A_PARTS * FastStage<IN>::A_BYTES;
@@ -184,7 +170,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
         const Copy cp(tid + it * FAST_THREADS);
         const int wr = s_wrow[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
         const bool ok = wr >= 0 && col < ncols;
-        copy16_async(bstage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
+        copy16_async_l2(bstage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
                      w + (ok ? (size_t)wr * ncols + col : 0), ok);
     }
 }

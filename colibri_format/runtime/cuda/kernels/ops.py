@@ -1354,9 +1354,13 @@ def attention(q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 
     if NQ <= ATT_DECODE_MAX_ROWS:        # merges in its last block of each (row, kv head, head chunk)
         if not _aligned16(o):
             raise ValueError("out must start on a 16-byte boundary (attention_decode's merge stores float4)")
-        kernel("layers", f"attention_decode_{dtype_code(k_cache)}_hd{hd}")(
-            (NQ, nkv, gchunks * ns), (ATT_THREADS,),
-            (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, _ptr(tickets), o) + args_tail + (np.int32(ns),))
+        if not (_aligned16(k_cache) and _aligned16(v_cache)):
+            raise ValueError("k_cache and v_cache must start on 16-byte boundaries (attention_decode copies 16 bytes)")
+        smem = limits.attention_decode_shared_bytes(k_cache.dtype.itemsize)
+        fn = _opted_in(kernel("layers", f"attention_decode_{dtype_code(k_cache)}_hd{hd}"), smem)
+        fn((NQ, nkv, gchunks * ns), (ATT_THREADS,),
+           (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, _ptr(tickets), o) + args_tail + (np.int32(ns),),
+           shared_mem=smem)
         return o
     kernel("layers", f"attention_split_{dtype_code(k_cache)}_hd{hd}")(
         (NQ, nkv, gchunks * ns), (ATT_THREADS,), (q, k_cache, v_cache, q_seq, q_len, _ptr(sinks), ml, acc, o)
