@@ -4,7 +4,7 @@ masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
 block's merge over repeated launches on one workspace (its tickets back at zero after each), one used split writing
 an unsplit launch's bits, a build with a wider split cap, the merge's batched loads against a build that adds
-one split at a time (the same bits), and the key tiles' copy pipeline against a two-stage build (the same bits). The GPU tests are in test_gpu_kernels.py.
+one split at a time (the same bits), and the key tiles' copy pipeline against a four-stage build (the same bits). The GPU tests are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -180,19 +180,19 @@ def test_batched_merge_loads_add_in_the_same_order(emulator, one_split_at_a_time
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory):
-    """layers.cu with ATT_DECODE_STAGES = 2: one key tile copied while the other is computed on (the shallowest
-    pipeline: a stage is overwritten one step after it was read)."""
-    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_stages2"), ATT_DECODE_STAGES=2), stages=2)
+def four_stages(tmp_path_factory):
+    """layers.cu with ATT_DECODE_STAGES = 4 (limits.py's is 2): three key tiles copied ahead of the one computed on."""
+    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_stages4"), ATT_DECODE_STAGES=4), stages=4)
 
 
 @pytest.mark.parametrize("cache,hd", [("f32", 128), ("bf16", 64), ("f16", 256)])
 @pytest.mark.parametrize("lengths,nsplit", [((300, 17), 1), ((300, 100), 3), ((9, 2), 1)])
-def test_the_pipeline_depth_changes_no_bit(emulator, two_stages, cache, hd, lengths, nsplit):
-    """The key tiles' copies run ATT_DECODE_STAGES - 1 tiles ahead: 2 stages give the default build's bits, over
+def test_the_pipeline_depth_changes_no_bit(emulator, four_stages, cache, hd, lengths, nsplit):
+    """The key tiles' copies run ATT_DECODE_STAGES - 1 tiles ahead: 4 stages give the default build's bits, over
     tiles many more than the stages, a partial last tile and fewer tiles than the stages, in shuffled block orders."""
+    assert limits.ATT_DECODE_STAGES != 4
     outs = []
-    for emu in (emulator, two_stages):
+    for emu in (emulator, four_stages):
         rng = np.random.default_rng(sum(lengths) + nsplit + hd)
         k, v = caches(rng, 2, hd, cache)
         q = rng.standard_normal((len(lengths), 12, hd)).astype(np.float32)
