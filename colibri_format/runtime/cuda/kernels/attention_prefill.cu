@@ -76,7 +76,6 @@ __device__ __forceinline__ void fa_mma(float* c, const unsigned int* a, unsigned
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-
 // One tile of BN cache rows [k0, k0 + BN) (rows >= kend as zeros) of the sequence and kv head whose first element
 // is src into dst [parts][BN][HD + FA_PAD] bf16. bf16 caches (one part): cp.async (completes at the caller's wait); fp32 (hi, lo): loaded, split, stored now.
 template <typename TC, int HD, int BN>
@@ -196,8 +195,8 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
             fa_load_kv_tile<TC, HD, BN>(s_k + (buf ^ 1) * TILE, kb, row, k0 + BN, kend);
             fa_load_kv_tile<TC, HD, BN>(s_v + (buf ^ 1) * TILE, vb, row, k0 + BN, kend);
         }
-        commit_copies();                             // an empty group on the last tile keeps the count uniform
-        wait_copies<1>();                            // this tile's group is complete
+        commit_copies();                                  // an empty group on the last tile keeps the count uniform
+        wait_copies<1>();                                 // this tile's group is complete
         __syncthreads();
         if (k0 < warp_hi && k0 + BN > warp_lo) {
             const u16* kt = s_k + buf * TILE;
@@ -302,7 +301,7 @@ __device__ __forceinline__ void attention_prefill_impl(const float* __restrict__
         }
         __syncthreads();                                  // every warp is done with this buffer
     }
-    wait_copies<0>();                                // no copy outlives the block (an all-idle tile's zeros)
+    wait_copies<0>();                                     // no copy outlives the block (an all-idle tile's zeros)
 
     // normalize (the sink's logit joins the denominator) and store this lane's two pairs
 #pragma unroll
