@@ -141,7 +141,7 @@ QUANT_ROW_VECS = 16
 # Qwen3 q/k/v 8.37 -> 7.42 us, o_proj 6.56 -> 6.11, Mixtral q/k/v 16.17 -> 14.82, lm_head 138.8 -> 139.9).
 ATT_THREADS = 128
 ATT_GMAX = 8
-# attention_decode (query rows <= ATT_DECODE_MAX_ROWS): K and V values a lane loads per key batch, and the fewest
+# attention_decode (query rows <= ATT_DECODE_MAX_ROWS): K and V values a lane takes from each key tile, and the fewest
 # keys a split is planned with (more splits, shorter serial chains: decode is latency-bound, not bandwidth-bound)
 ATT_LANE_FLOATS = 32
 ATT_DECODE_MAX_ROWS = 32

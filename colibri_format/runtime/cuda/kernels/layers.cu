@@ -518,7 +518,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
                                                       float* __restrict__ out, int nh, int nkv, int capacity,
                                                       int window, float scale, int nsplit) {
     constexpr int HD = HPL * 32;
-    static_assert(ATT_LANE_FLOATS / HPL >= 1, "a key per batch at least");
+    static_assert(ATT_LANE_FLOATS / HPL >= 1, "a key a tile at least");
     const int warp = threadIdx.x >> 5;
     const int n = blockIdx.x, kvh = blockIdx.y;
     const int split = blockIdx.z % nsplit, gchunk = blockIdx.z / nsplit;
