@@ -154,8 +154,8 @@ ATT_MAX_SPLITS = 64
 ATT_MERGE_LOADS = 8
 # attention_decode's key tiles in flight: a tile is ATT_LANE_FLOATS x 32 values of K and as many of V (8 KiB of f32,
 # 4 KiB of 16-bit values), copied into shared memory ATT_DECODE_STAGES - 1 tiles ahead of the one computed on. H100,
-# session 30 (benchmarks/attention_decode.py --define ATT_DECODE_STAGES=2|3|4|8): 2 was fastest or within 0.3 us
-# everywhere (Qwen3 b1 f32 4096 keys 29.1 against 30.1 us with 4); a split's time follows its tiles' arithmetic, not
+# session 30 (benchmarks/attention_decode.py --define ATT_DECODE_STAGES=2|3|4|8): 2 was fastest or tied on every
+# Qwen3 and OLMoE case (Qwen3 b1 f32 4096 keys 29.1 against 30.1 us with 4); a split's time follows its tiles' arithmetic, not
 # the copies (8 splits of 512 keys: 141 us, 64 of 64: 30 us)
 ATT_DECODE_STAGES = 2
 # attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,

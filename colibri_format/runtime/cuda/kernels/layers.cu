@@ -283,7 +283,7 @@ static_assert(ATT_DECODE_STAGES >= 2, "a tile in flight while another is compute
 // The online softmax of attention_decode, for NH query heads of one kv head in registers (lanes over the head
 // dimension, HPL values each). attention_decode_start: each head's q (times scale) and an empty state; head i is
 // head first + i of the chunk of `ng`, clamped to its last. attention_decode_tile: the keys [p0, min(p0 + KB, hi))
-// of a tile in shared memory (K rows, then V rows, HD values each): each head's running max m, sum l and
+// of a tile stage in shared memory (KB K rows, then KB V rows, HD values each): each head's running max m, sum l and
 // unnormalized output acc.
 template <int HPL, int NH>
 __device__ __forceinline__ void attention_decode_start(const float* __restrict__ q, size_t chunk_row, int first,
@@ -325,17 +325,17 @@ __device__ __forceinline__ void shared_lane_values(const typename TC::storage* p
 }
 
 template <typename TC, int HPL, int NH>
-__device__ __forceinline__ void attention_decode_tile(const typename TC::storage* ks, const typename TC::storage* vs,
-                                                      int p0, int hi, const float (&qv)[NH][HPL],
-                                                      float (&acc)[NH][HPL], float (&m)[NH], float (&l)[NH]) {
+__device__ __forceinline__ void attention_decode_tile(const typename TC::storage* stage, int p0, int hi,
+                                                      const float (&qv)[NH][HPL], float (&acc)[NH][HPL],
+                                                      float (&m)[NH], float (&l)[NH]) {
     constexpr int HD = HPL * 32, KB = ATT_LANE_FLOATS / HPL;
     const float NEG_INF = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31;
     float kf[KB][HPL], vf[KB][HPL];
 #pragma unroll
     for (int b = 0; b < KB; ++b) {
-        shared_lane_values<TC, HPL>(ks + b * HD + lane * HPL, kf[b]);
-        shared_lane_values<TC, HPL>(vs + b * HD + lane * HPL, vf[b]);
+        shared_lane_values<TC, HPL>(stage + b * HD + lane * HPL, kf[b]);
+        shared_lane_values<TC, HPL>(stage + (KB + b) * HD + lane * HPL, vf[b]);
     }
 #pragma unroll
     for (int h = 0; h < NH; ++h) {
@@ -365,11 +365,11 @@ __device__ __forceinline__ void attention_decode_tile(const typename TC::storage
     }
 }
 
-// The block's copies of the tile of keys [p0, p0 + KB) into ks / vs (KB rows of HD values each); keys at or past
-// hi are zeros (not read). seq_off: the element offset of the row's sequence and kv head in the caches; row: the
-// elements from one key to the next (nkv * HD).
+// The block's copies of the tile of keys [p0, p0 + KB) into a stage (KB K rows, then KB V rows, HD values each);
+// keys at or past hi are zeros (not read). seq_off: the element offset of the row's sequence and kv head in the
+// caches; row: the elements from one key to the next (nkv * HD).
 template <typename TC, int HPL>
-__device__ __forceinline__ void attention_decode_copy_tile(typename TC::storage* ks, typename TC::storage* vs,
+__device__ __forceinline__ void attention_decode_copy_tile(typename TC::storage* stage,
                                                            const typename TC::storage* __restrict__ kc,
                                                            const typename TC::storage* __restrict__ vc,
                                                            size_t seq_off, size_t row, int p0, int hi) {
@@ -383,8 +383,8 @@ __device__ __forceinline__ void attention_decode_copy_tile(typename TC::storage*
         const int b = i / PER_ROW, c = (i - b * PER_ROW) * ELEMS;
         const bool valid = p0 + b < hi;
         const size_t off = valid ? seq_off + (size_t)(p0 + b) * row + c : 0;
-        copy16_async(ks + b * HD + c, kc + off, valid);
-        copy16_async(vs + b * HD + c, vc + off, valid);
+        copy16_async(stage + b * HD + c, kc + off, valid);
+        copy16_async(stage + (KB + b) * HD + c, vc + off, valid);
     }
 }
 
@@ -536,10 +536,11 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     const bool direct = used <= 1;
     const int lo = first + split * chunk, hi = min(len, lo + chunk);
 
-    // Tiles [stage][K rows, V rows] in dynamic shared memory (limits.attention_decode_shared_bytes); a copy group
-    // is committed every step, empty or not, so that wait_copies' count names tile t's group.
+    // ATT_DECODE_STAGES stages of 2 * KB rows (a tile's K rows, then its V rows) in dynamic shared memory
+    // (limits.attention_decode_shared_bytes); a copy group is committed every step, empty or not, so that
+    // wait_copies' count names tile t's group.
     typedef typename TC::storage S;
-    constexpr int KB = ATT_LANE_FLOATS / HPL, TILE = KB * HD;
+    constexpr int KB = ATT_LANE_FLOATS / HPL, STAGE = 2 * KB * HD;
     extern __shared__ __align__(16) unsigned char att_tiles[];
     S* tiles = reinterpret_cast<S*>(att_tiles);
     const size_t row = (size_t)nkv * HD, seq_off = (size_t)q_seq[n] * capacity * row + (size_t)kvh * HD;
@@ -547,8 +548,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
 #pragma unroll
     for (int t = 0; t < ATT_DECODE_STAGES - 1; ++t) {
         if (t < ntiles)
-            attention_decode_copy_tile<TC, HPL>(tiles + 2 * t * TILE, tiles + (2 * t + 1) * TILE, kc, vc, seq_off,
-                                                row, lo + t * KB, hi);
+            attention_decode_copy_tile<TC, HPL>(tiles + t * STAGE, kc, vc, seq_off, row, lo + t * KB, hi);
         commit_copies();
     }
     const bool has_heads = warp * ATT_HPW < ng;      // else no head of this chunk for this warp: it only copies
@@ -557,15 +557,14 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
     for (int t = 0; t < ntiles; ++t) {
         wait_copies<ATT_DECODE_STAGES - 2>();         // this thread's copies of tile t have landed
         __syncthreads();                              // everyone's have; tile t - 1's stage is free again
-        const int ahead = t + ATT_DECODE_STAGES - 1, sa = ahead % ATT_DECODE_STAGES;
+        const int ahead = t + ATT_DECODE_STAGES - 1;
         if (ahead < ntiles)
-            attention_decode_copy_tile<TC, HPL>(tiles + 2 * sa * TILE, tiles + (2 * sa + 1) * TILE, kc, vc, seq_off,
-                                                row, lo + ahead * KB, hi);
+            attention_decode_copy_tile<TC, HPL>(tiles + ahead % ATT_DECODE_STAGES * STAGE, kc, vc, seq_off, row,
+                                                lo + ahead * KB, hi);
         commit_copies();
-        const int st = t % ATT_DECODE_STAGES;
         if (has_heads)
-            attention_decode_tile<TC, HPL, ATT_HPW>(tiles + 2 * st * TILE, tiles + (2 * st + 1) * TILE, lo + t * KB,
-                                                    hi, qv, acc, m, l);
+            attention_decode_tile<TC, HPL, ATT_HPW>(tiles + t % ATT_DECODE_STAGES * STAGE, lo + t * KB, hi, qv, acc,
+                                                    m, l);
     }
     wait_copies<0>();                                 // only empty groups remain: none outlives the block
     if (has_heads)
