@@ -208,6 +208,48 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The warp sums of N values a lane (N a power of two): sums[j] = the sum over the lanes of v[j], in every lane. A
+// transposed butterfly: at each of the first log2(min(N, 32)) rounds a lane keeps half of its values and adds its
+// partner's copy of that half (the other half goes to the partner), so that after them the lanes whose top bits are
+// j hold value j's sum; the rounds left are plain xor sums, and a shuffle from one such lane gives every lane each
+// sum. Per 32 values: 31 reducing and 32 broadcasting shuffles, at most 6 deep, where N warp_sums are 5N, 5 deep
+// each. (v is overwritten.)
+template <int C, int O, int N>
+__device__ __forceinline__ void warp_sum_halving(float (&v)[N], int lane) {
+    if constexpr (O >= 1) {
+        if constexpr (C > 1) {
+            const bool upper = lane & O;
+#pragma unroll
+            for (int i = 0; i < C / 2; ++i) {
+                const float send = upper ? v[i] : v[i + C / 2];
+                const float keep = upper ? v[i + C / 2] : v[i];
+                v[i] = keep + __shfl_xor_sync(COLIBRI_FULL_MASK, send, O);
+            }
+            warp_sum_halving<C / 2, O / 2, N>(v, lane);
+        } else {
+            v[0] += __shfl_xor_sync(COLIBRI_FULL_MASK, v[0], O);
+            warp_sum_halving<1, O / 2, N>(v, lane);
+        }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&v)[N], float (&sums)[N]) {
+    constexpr int G = N < 32 ? N : 32;                    // values a reduction round-trip takes
+    static_assert((N & (N - 1)) == 0 && N % G == 0, "a power of two of values a lane");
+    constexpr int SHIFT = G == 32 ? 0 : G == 16 ? 1 : G == 8 ? 2 : G == 4 ? 3 : G == 2 ? 4 : 5;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int g0 = 0; g0 < N; g0 += G) {
+        float part[G];
+#pragma unroll
+        for (int i = 0; i < G; ++i) part[i] = v[g0 + i];
+        warp_sum_halving<G, 16, G>(part, lane);
+#pragma unroll
+        for (int j = 0; j < G; ++j) sums[g0 + j] = __shfl_sync(COLIBRI_FULL_MASK, part[0], j << SHIFT);
+    }
+}
+
 // WARP_REDUCE (warp_sum, warp_max) of v over the block (every thread gets it; 0 stands for the missing warps, so a
 // max is of values >= 0); s_red holds 32 floats (at most 32 warps); starts with a barrier, so s_red may be reused by
 // consecutive calls.

@@ -337,16 +337,23 @@ __device__ __forceinline__ void attention_decode_tile(const typename TC::storage
         shared_lane_values<TC, HPL>(stage + b * HD + lane * HPL, kf[b]);
         shared_lane_values<TC, HPL>(stage + (KB + b) * HD + lane * HPL, vf[b]);
     }
+    float d[NH * KB], dots[NH * KB];                 // lane partials, then the warp's sums, of q_h . k_b
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int b = 0; b < KB; ++b) {
+            d[h * KB + b] = 0.0f;
+#pragma unroll
+            for (int u = 0; u < HPL; ++u) d[h * KB + b] = fmaf(qv[h][u], kf[b][u], d[h * KB + b]);
+        }
+    warp_sums<NH * KB>(d, dots);
 #pragma unroll
     for (int h = 0; h < NH; ++h) {
         float sc[KB];
         float mb = NEG_INF;
 #pragma unroll
         for (int b = 0; b < KB; ++b) {
-            float d = 0.0f;
-#pragma unroll
-            for (int u = 0; u < HPL; ++u) d = fmaf(qv[h][u], kf[b][u], d);
-            sc[b] = p0 + b < hi ? warp_sum(d) : NEG_INF;
+            sc[b] = p0 + b < hi ? dots[h * KB + b] : NEG_INF;
             mb = fmaxf(mb, sc[b]);
         }
         const float mn = fmaxf(m[h], mb);            // finite: key p0 < hi is valid
