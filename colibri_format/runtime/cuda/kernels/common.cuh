@@ -233,20 +233,42 @@ __device__ __forceinline__ void warp_sum_halving(float (&v)[N], int lane) {
     }
 }
 
+// Groups of G = min(N, 32) values a reduction takes, and how far right a lane's number is shifted to name the
+// value whose sum it holds after warp_sum_halving<G, 16, G> (the lanes past that many bits hold copies)
+template <int N>
+struct WarpSumsShape {
+    static_assert(N >= 1 && (N & (N - 1)) == 0, "a power of two of values a lane");
+    static constexpr int G = N < 32 ? N : 32;
+    static constexpr int SHIFT = G == 32 ? 0 : G == 16 ? 1 : G == 8 ? 2 : G == 4 ? 3 : G == 2 ? 4 : 5;
+};
+
 template <int N>
 __device__ __forceinline__ void warp_sums(float (&v)[N], float (&sums)[N]) {
-    constexpr int G = N < 32 ? N : 32;                    // values a reduction round-trip takes
-    static_assert((N & (N - 1)) == 0 && N % G == 0, "a power of two of values a lane");
-    constexpr int SHIFT = G == 32 ? 0 : G == 16 ? 1 : G == 8 ? 2 : G == 4 ? 3 : G == 2 ? 4 : 5;
+    typedef WarpSumsShape<N> W;
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int g0 = 0; g0 < N; g0 += G) {
-        float part[G];
+    for (int g0 = 0; g0 < N; g0 += W::G) {
+        float part[W::G];
 #pragma unroll
-        for (int i = 0; i < G; ++i) part[i] = v[g0 + i];
-        warp_sum_halving<G, 16, G>(part, lane);
+        for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
+        warp_sum_halving<W::G, 16, W::G>(part, lane);
 #pragma unroll
-        for (int j = 0; j < G; ++j) sums[g0 + j] = __shfl_sync(COLIBRI_FULL_MASK, part[0], j << SHIFT);
+        for (int j = 0; j < W::G; ++j) sums[g0 + j] = __shfl_sync(COLIBRI_FULL_MASK, part[0], j << W::SHIFT);
+    }
+}
+
+// dst[i] = the warp's sum of v[i] for i < N, each stored by one lane (warp_sums' reduction without its broadcast).
+template <int N>
+__device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
+    typedef WarpSumsShape<N> W;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int g0 = 0; g0 < N; g0 += W::G) {
+        float part[W::G];
+#pragma unroll
+        for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
+        warp_sum_halving<W::G, 16, W::G>(part, lane);
+        if ((lane & ((1 << W::SHIFT) - 1)) == 0) dst[g0 + (lane >> W::SHIFT)] = part[0];
     }
 }
 

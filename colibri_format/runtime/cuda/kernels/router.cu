@@ -61,7 +61,7 @@ __device__ __forceinline__ void router_logits(const float* __restrict__ x, const
                                               float* __restrict__ logits, int T, int H, int E) {
     constexpr int V = Vec16<TW>::N;
     __shared__ float s_part[ROUTER_WARPS][ROUTER_EPB * ROUTER_TPB];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5;
     const int t0 = blockIdx.x * ROUTER_TPB;
     const int e0 = blockIdx.y * ROUTER_EPB;
     float acc[ROUTER_EPB][ROUTER_TPB];
@@ -94,13 +94,7 @@ __device__ __forceinline__ void router_logits(const float* __restrict__ x, const
             }
         }
     }
-#pragma unroll
-    for (int i = 0; i < ROUTER_EPB; ++i)
-#pragma unroll
-        for (int j = 0; j < ROUTER_TPB; ++j) {
-            const float sum = warp_sum(acc[i][j]);
-            if (lane == 0) s_part[warp][i * ROUTER_TPB + j] = sum;
-        }
+    warp_sums_store<ROUTER_EPB * ROUTER_TPB>(reinterpret_cast<float (&)[ROUTER_EPB * ROUTER_TPB]>(acc), s_part[warp]);
     __syncthreads();
     if (threadIdx.x < ROUTER_EPB * ROUTER_TPB) {
         const int i = threadIdx.x / ROUTER_TPB, j = threadIdx.x % ROUTER_TPB;
@@ -354,13 +348,9 @@ __device__ __forceinline__ void router_norm_logits(const float* h, const float* 
             }
         }
     }
+    warp_sums_store<SQUARES>(reinterpret_cast<float (&)[SQUARES]>(acc), s_part[warp]);
 #pragma unroll
-    for (int j = 0; j < ROUTER_TPB; ++j) {
-#pragma unroll
-        for (int i = 0; i < ROUTER_EPB; ++i) {
-            const float sum = warp_sum(acc[i][j]);
-            if (lane == 0) s_part[warp][i * ROUTER_TPB + j] = sum;
-        }
+    for (int j = 0; j < ROUTER_TPB; ++j) {       // warp_sum, as add_rmsnorm sums its squares: the same inv bits
         const float sum = warp_sum(ss[j]);
         if (lane == 0) s_part[warp][SQUARES + j] = sum;
     }
