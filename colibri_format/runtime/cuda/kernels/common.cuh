@@ -257,18 +257,27 @@ __device__ __forceinline__ void warp_sums(float (&v)[N], float (&sums)[N]) {
     }
 }
 
-// dst[i] = the warp's sum of v[i] for i < N, each stored by one lane (warp_sums' reduction without its broadcast).
+// dst[i] = the warp's sum of v[i] for i < N, each stored by one lane (warp_sums' reduction without its broadcast;
+// N not a power of two, as a benchmark's plan may make it: a warp_sum a value).
 template <int N>
 __device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
-    typedef WarpSumsShape<N> W;
     const int lane = threadIdx.x & 31;
+    if constexpr ((N & (N - 1)) != 0) {
 #pragma unroll
-    for (int g0 = 0; g0 < N; g0 += W::G) {
-        float part[W::G];
+        for (int i = 0; i < N; ++i) {
+            const float sum = warp_sum(v[i]);
+            if (lane == 0) dst[i] = sum;
+        }
+    } else {
+        typedef WarpSumsShape<N> W;
 #pragma unroll
-        for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
-        warp_sum_halving<W::G, 16, W::G>(part, lane);
-        if ((lane & ((1 << W::SHIFT) - 1)) == 0) dst[g0 + (lane >> W::SHIFT)] = part[0];
+        for (int g0 = 0; g0 < N; g0 += W::G) {
+            float part[W::G];
+#pragma unroll
+            for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
+            warp_sum_halving<W::G, 16, W::G>(part, lane);
+            if ((lane & ((1 << W::SHIFT) - 1)) == 0) dst[g0 + (lane >> W::SHIFT)] = part[0];
+        }
     }
 }
 

@@ -830,16 +830,10 @@ __device__ __forceinline__ void dense_gemv_impl(const float* __restrict__ x, con
             }
         }
     }
-#pragma unroll
-    for (int q = 0; q < ROWS; ++q)
-#pragma unroll
-        for (int j = 0; j < TOK; ++j) {
-            const float s = warp_sum(acc[q][j]);
-            if (lane == 0) s_part[warp][q][j] = s;
-        }
+    warp_sums_store<ROWS * TOK>(reinterpret_cast<float (&)[ROWS * TOK]>(acc), &s_part[warp][0][0]);
     if constexpr (NORM) {
 #pragma unroll
-        for (int j = 0; j < TOK; ++j) {
+        for (int j = 0; j < TOK; ++j) {        // warp_sum, as the norms sum their squares
             const float s = warp_sum(squares[j]);
             if (lane == 0) s_squares[warp][j] = s;
         }
