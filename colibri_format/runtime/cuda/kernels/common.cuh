@@ -281,6 +281,51 @@ __device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
     }
 }
 
+// The outputs of a GEMV warp item from its lane partials acc[R][TOKC] (rows q, tokens j; for GATEUP the first R / 2
+// rows are gate rows and the rest their up rows): emit(q, j, sum of row q, sum of up row q + R / 2 (GATEUP, else 0))
+// runs once per output (q < R / 2 for GATEUP, else q < R; every j) in one lane. The sums come from one transposed
+// reduction (warp_sum_halving) of the R * TOKC values, in groups of 32: a gate row's up sum sits in the lane 16 above
+// (up to 32 values) or in the same lane of the group half the groups later. Counts that are not a power of two (a
+// benchmark's plan) take a warp_sum a value and emit from lane 0. (acc is overwritten.)
+template <int R, int TOKC, bool GATEUP, typename Emit>
+__device__ __forceinline__ void warp_item_sums(float (&acc)[R][TOKC], Emit&& emit) {
+    constexpr int N = R * TOKC, ROUT = GATEUP ? R / 2 : R;
+    const int lane = threadIdx.x & 31;
+    float (&flat)[N] = reinterpret_cast<float (&)[N]>(acc);    // value q * TOKC + j
+    if constexpr ((N & (N - 1)) != 0) {
+#pragma unroll
+        for (int q = 0; q < ROUT; ++q)
+#pragma unroll
+            for (int j = 0; j < TOKC; ++j) {
+                const float a = warp_sum(acc[q][j]);
+                const float b = GATEUP ? warp_sum(acc[q + ROUT][j]) : 0.0f;
+                if (lane == 0) emit(q, j, a, b);
+            }
+    } else if constexpr (N <= 32) {
+        typedef WarpSumsShape<N> W;
+        warp_sum_halving<N, 16, N>(flat, lane);
+        const float up = GATEUP ? __shfl_xor_sync(COLIBRI_FULL_MASK, flat[0], 16) : 0.0f;
+        const int i = lane >> W::SHIFT;
+        if ((lane & ((1 << W::SHIFT) - 1)) == 0 && i < ROUT * TOKC) emit(i / TOKC, i % TOKC, flat[0], up);
+    } else {
+        constexpr int NG = N / 32, OUT_GROUPS = GATEUP ? NG / 2 : NG;
+        float mine[NG];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            float part[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) part[i] = flat[32 * g + i];
+            warp_sum_halving<32, 16, 32>(part, lane);
+            mine[g] = part[0];
+        }
+#pragma unroll
+        for (int g = 0; g < OUT_GROUPS; ++g) {
+            const int i = 32 * g + lane;
+            emit(i / TOKC, i % TOKC, mine[g], GATEUP ? mine[g + NG / 2] : 0.0f);
+        }
+    }
+}
+
 // WARP_REDUCE (warp_sum, warp_max) of v over the block (every thread gets it; 0 stands for the missing warps, so a
 // max is of values >= 0); s_red holds 32 floats (at most 32 warps); starts with a barrier, so s_red may be reused by
 // consecutive calls.
@@ -518,24 +563,16 @@ __device__ __forceinline__ void packed4_gemv(const Dot& dot, const unsigned long
                     if (cc < nchunk) dot.template chunk<TOKC, R>(acc, raw[f], sraw[f], trow, nt, cc);
                 }
             }
-#pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                if (j < nt) {
-                    const int pos = start + c0 + j;
-#pragma unroll
-                    for (int q = 0; q < ROUT; ++q) {
-                        const float a = warp_sum(acc[q][j]);
-                        if (GATEUP) {
-                            const float b = warp_sum(acc[q + ROUT][j]);
-                            if (lane == 0 && ob + q >= o0)
-                                out[(size_t)pos * nout + ob + q] = valid ? silu_f32(a) * b : 0.0f;
-                        } else if (lane == 0 && ob + q >= o0) {
-                            const int pair = BYPAIR ? pos : perm[pos];
-                            out[(size_t)pair * nout + ob + q] = valid ? __ldg(pair_w + pair) * a : 0.0f;
-                        }
-                    }
+            warp_item_sums<R, TOKC, GATEUP>(acc, [&](int q, int j, float a, float b) {
+                if (j >= nt || ob + q < o0) return;
+                const int pos = start + c0 + j;
+                if (GATEUP) {
+                    out[(size_t)pos * nout + ob + q] = valid ? silu_f32(a) * b : 0.0f;
+                } else {
+                    const int pair = BYPAIR ? pos : perm[pos];
+                    out[(size_t)pair * nout + ob + q] = valid ? __ldg(pair_w + pair) * a : 0.0f;
                 }
-            }
+            });
         }
     }
 }

@@ -163,34 +163,24 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
                     for (int q = 0; q < R; ++q) buf[f][q] = buf[f + 1][q];
             }
 
-            float srow[R];
-#pragma unroll
-            for (int q = 0; q < R; ++q) srow[q] = GROUPED ? 1.0f : __ldg(sbase + ob + (q % ROUT) + (GATEUP && q >= ROUT ? nout : 0));
             if (!GROUPED && fs && c0 == 0 && lane == 0) {
 #pragma unroll
-                for (int q = 0; q < R; ++q) fs[ob + (q % ROUT) + (q >= ROUT ? nout : 0)] = srow[q];
+                for (int q = 0; q < R; ++q)
+                    fs[ob + (q % ROUT) + (q >= ROUT ? nout : 0)] = __ldg(sbase + ob + (q % ROUT) + (q >= ROUT ? nout : 0));
             }
-#pragma unroll
-            for (int j = 0; j < TOKC; ++j) {
-                if (j < nt) {
-                    const int pos = start + c0 + j;
-#pragma unroll
-                    for (int q = 0; q < ROUT; ++q) {
-                        const float a = warp_sum(acc[q][j]) * srow[q];
-                        if (GATEUP) {
-                            const float b = warp_sum(acc[q + ROUT][j]) * srow[q + ROUT];
-                            if (lane == 0 && ob + q >= o0)
-                                out[(size_t)pos * nout + ob + q] = expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q);
-                        } else {
-                            if (lane == 0 && ob + q >= o0) {
-                                const int pair = perm[pos];
-                                out[(size_t)pair * nout + ob + q] =
-                                    __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q);
-                            }
-                        }
-                    }
+            warp_item_sums<R, TOKC, GATEUP>(acc, [&](int q, int j, float row_sum, float up_sum) {
+                if (j >= nt || ob + q < o0) return;
+                const int pos = start + c0 + j;
+                const float a = row_sum * (GROUPED ? 1.0f : __ldg(sbase + ob + q));
+                if (GATEUP) {
+                    const float b = up_sum * (GROUPED ? 1.0f : __ldg(sbase + nout + ob + q));
+                    out[(size_t)pos * nout + ob + q] = expert_activation<EXTRAS>(a, b, ex, e, nout, ob + q);
+                } else {
+                    const int pair = perm[pos];
+                    out[(size_t)pair * nout + ob + q] =
+                        __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q);
                 }
-            }
+            });
         }
     }
 }
@@ -242,18 +232,14 @@ DOWN_KERNEL(moe_down_t8_g, 8, 4, 1, true)
 // BYPAIR (the *_pairs kernels below): no dispatch; active is the pass's ids [npairs] in pair order, an item is (pair,
 // rows), act and ypair rows are in pair order, and an id outside [0, nexp) gives zero rows (perm, offsets and meta
 // unused). Each pair reads its expert's rows, so only passes whose pairs name distinct experts (one token) should.
-// A wide item's outputs from its rows' lane partials acc[R] (gate rows, then up rows, for GATEUP): the row sums by
-// one transposed warp reduction (warp_sum_halving), after which the lanes whose top bits are q hold row q's sum and
-// a gate row's lane takes its up row's sum from the lane 16 above; one lane a row scales, activates and stores
-// (fs, the fill copy's scales, or null). Rows a power of two; other counts (a benchmark's plan) a warp_sum a row.
+// A wide item's outputs (one token) from its rows' lane partials acc[R] (gate rows, then up rows, for GATEUP): row
+// sums by warp_item_sums, then one lane a row scales, activates and stores (fs: the fill copy's scales, or null).
 template <int R, bool GROUPED, bool GATEUP, bool EXTRAS>
 __device__ __forceinline__ void wide_item_outputs(float (&acc)[R], const float* sbase, float* fs,
                                                   const float* __restrict__ pair_w, float* __restrict__ out,
                                                   bool valid, int e, int nout, int ob, int o0, int pos, int pair,
                                                   const ExpertExtras& ex) {
-    constexpr int ROUT = GATEUP ? R / 2 : R;
-    const int lane = threadIdx.x & 31;
-    auto store = [&](int q, float row_sum, float up_sum) {
+    warp_item_sums<R, 1, GATEUP>(reinterpret_cast<float (&)[R][1]>(acc), [&](int q, int, float row_sum, float up_sum) {
         const float sa = GROUPED ? 1.0f : __ldg(sbase + ob + q);
         if (!GROUPED && fs) fs[ob + q] = sa;
         const float a = row_sum * sa;
@@ -267,21 +253,7 @@ __device__ __forceinline__ void wide_item_outputs(float (&acc)[R], const float* 
             out[(size_t)pair * nout + ob + q] =
                 valid ? __ldg(pair_w + pair) * expert_down_out<EXTRAS>(a, ex, e, nout, ob + q) : 0.0f;
         }
-    };
-    if constexpr ((R & (R - 1)) == 0 && R <= 32) {
-        typedef WarpSumsShape<R> W;
-        warp_sum_halving<R, 16, R>(acc, lane);
-        const float up_sum = GATEUP ? __shfl_xor_sync(COLIBRI_FULL_MASK, acc[0], 16) : 0.0f;
-        const int q = lane >> W::SHIFT;
-        if ((lane & ((1 << W::SHIFT) - 1)) == 0 && q < ROUT) store(q, acc[0], up_sum);
-    } else {
-#pragma unroll
-        for (int q = 0; q < ROUT; ++q) {
-            const float a = warp_sum(acc[q]);
-            const float b = GATEUP ? warp_sum(acc[q + ROUT]) : 0.0f;
-            if (lane == 0) store(q, a, b);
-        }
-    }
+    });
 }
 
 template <int R, int CPL, bool GROUPED, bool GATEUP, bool EXTRAS = false, bool BYPAIR = false>
