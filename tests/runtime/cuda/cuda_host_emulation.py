@@ -518,7 +518,39 @@ ATTENTION_DECODE_KERNELS = tuple(f"{c}_hd{hd}" for c in ("f32", "f16", "bf16") f
 
 RMSNORM_KERNELS = ("f32_f32_f32", "f32_f32_bf16", "f32_bf16_f16", "bf16_f32_f32")   # <x>_<out>_<weight>
 
+WARP_SUMS_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# (rows, tokens, gate_up) of the warp_item_sums instances: powers of two up to 32 values and past them, and counts
+# that are not powers of two (the warp_sum-a-value path)
+WARP_ITEM_SHAPES = ((2, 1, True), (4, 1, True), (4, 1, False), (8, 8, True), (4, 8, False), (8, 2, False),
+                    (6, 1, True), (3, 2, False))
+
 LAYERS_DRIVER = r"""
+#define EMU_WARP_SUMS(N)                                                                                          \
+    extern "C" void emu_warp_sums_##N(const float* v, float* sums, float* stored) {                              \
+        emu_launch({1, 1, 1}, 32, 0, [&] {                                                                         \
+            const int lane = threadIdx.x;                                                                          \
+            float mine[N], again[N], out[N];                                                                       \
+            for (int i = 0; i < N; ++i) mine[i] = again[i] = v[lane * N + i];                                     \
+            warp_sums<N>(mine, out);                                                                               \
+            for (int i = 0; i < N; ++i) sums[lane * N + i] = out[i];                                              \
+            warp_sums_store<N>(again, stored);                                                                     \
+        });                                                                                                        \
+    }
+#define EMU_WARP_ITEM_SUMS(R, TOKC, GU)                                                                          \
+    extern "C" void emu_warp_item_sums_##R##_##TOKC##_##GU(const float* v, float* a_out, float* b_out,          \
+                                                          int* counts) {                                          \
+        emu_launch({1, 1, 1}, 32, 0, [&] {                                                                         \
+            const int lane = threadIdx.x;                                                                          \
+            float acc[R][TOKC];                                                                                    \
+            for (int q = 0; q < R; ++q)                                                                            \
+                for (int j = 0; j < TOKC; ++j) acc[q][j] = v[(lane * R + q) * TOKC + j];                          \
+            warp_item_sums<R, TOKC, GU>(acc, [&](int q, int j, float a, float b) {                                 \
+                a_out[q * TOKC + j] = a;                                                                           \
+                b_out[q * TOKC + j] = b;                                                                           \
+                counts[q * TOKC + j] += 1;                                                                         \
+            });                                                                                                    \
+        });                                                                                                        \
+    }
 #define EMU_ATTENTION_DECODE(SUF, TC)                                                                            \
     extern "C" void emu_attention_decode_##SUF(int gx, int gy, int gz, size_t smem, unsigned order,             \
                                                const float* q, const TC::storage* kc, const TC::storage* vc,    \
@@ -578,7 +610,9 @@ extern "C" void emu_attention_merge(int rows, int threads, unsigned order, const
                    [&] { dense_gemv_tc_normed_bf16_n##NT(x, w, bias, y, T, N, K, splits, gamma, eps, x_out); },  \
                    order);                                                                                       \
     }
-""" + "".join(f"EMU_DENSE_GEMV_TC({nt})\n" for nt in limits.DG_TC_TILES) + "".join(
+""" + "".join(f"EMU_WARP_SUMS({n})\n" for n in WARP_SUMS_COUNTS) + "".join(
+    f"EMU_WARP_ITEM_SUMS({r}, {t}, {str(g).lower()})\n" for r, t, g in WARP_ITEM_SHAPES) + "".join(
+    f"EMU_DENSE_GEMV_TC({nt})\n" for nt in limits.DG_TC_TILES) + "".join(
     f"EMU_ATTENTION_DECODE({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_ATTENTION_SPLIT({k}, T{k.split('_')[0].upper()})\n" for k in ATTENTION_DECODE_KERNELS) + "".join(
     f"EMU_RMSNORM({k}, {', '.join('T' + c.upper() for c in k.split('_'))})\n" for k in RMSNORM_KERNELS) + "".join(
