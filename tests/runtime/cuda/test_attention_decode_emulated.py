@@ -2,10 +2,10 @@
 shuffles emulated, blocks in shuffled orders) against `numpy_backend.attention` in float64: key batches and their
 masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the minimum keys a split takes, windows,
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
-block's merge over repeated launches on one workspace (its tickets back at zero after each), one used split writing
-an unsplit launch's bits, a build with a wider split cap, the merge's batched loads against a build that adds
-one split at a time (the same bits), the key tiles' copy pipeline against a four-stage build (the same bits), and the two-level merge against a one-level
-build. The GPU tests are in test_gpu_kernels.py.
+block's merge over repeated launches on one workspace (its tickets back at zero after each), one used split writing an
+unsplit launch's bits, a build with a wider split cap, the merge's batched loads against a build that adds one split
+at a time (the same bits), the key tiles' copy pipeline against a four-stage build (the same bits), and the two-level
+merge against a one-level build. The GPU tests are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
