@@ -213,7 +213,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // partner's copy of that half (the other half goes to the partner), so that after them the lanes whose top bits are
 // j hold value j's sum; the rounds left are plain xor sums, and a shuffle from one such lane gives every lane each
 // sum. Per 32 values: 31 reducing and 32 broadcasting shuffles, at most 6 deep, where N warp_sums are 5N, 5 deep
-// each. (v is overwritten.)
+// each.
 template <int C, int O, int N>
 __device__ __forceinline__ void warp_sum_halving(float (&v)[N], int lane) {
     if constexpr (O >= 1) {
@@ -242,25 +242,32 @@ struct WarpSumsShape {
     static constexpr int SHIFT = G == 32 ? 0 : G == 16 ? 1 : G == 8 ? 2 : G == 4 ? 3 : G == 2 ? 4 : 5;
 };
 
+// The warp's sum of value (lane >> SHIFT) of the G values at v (warp_sum_halving on a copy of them)
+template <int G>
+__device__ __forceinline__ float warp_group_sum(const float* v, int lane) {
+    float part[G];
+#pragma unroll
+    for (int i = 0; i < G; ++i) part[i] = v[i];
+    warp_sum_halving<G, 16, G>(part, lane);
+    return part[0];
+}
+
 template <int N>
-__device__ __forceinline__ void warp_sums(float (&v)[N], float (&sums)[N]) {
+__device__ __forceinline__ void warp_sums(const float (&v)[N], float (&sums)[N]) {
     typedef WarpSumsShape<N> W;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int g0 = 0; g0 < N; g0 += W::G) {
-        float part[W::G];
+        const float mine = warp_group_sum<W::G>(v + g0, lane);
 #pragma unroll
-        for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
-        warp_sum_halving<W::G, 16, W::G>(part, lane);
-#pragma unroll
-        for (int j = 0; j < W::G; ++j) sums[g0 + j] = __shfl_sync(COLIBRI_FULL_MASK, part[0], j << W::SHIFT);
+        for (int j = 0; j < W::G; ++j) sums[g0 + j] = __shfl_sync(COLIBRI_FULL_MASK, mine, j << W::SHIFT);
     }
 }
 
 // dst[i] = the warp's sum of v[i] for i < N, each stored by one lane (warp_sums' reduction without its broadcast;
 // N not a power of two, as a benchmark's plan may make it: a warp_sum a value).
 template <int N>
-__device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
+__device__ __forceinline__ void warp_sums_store(const float (&v)[N], float* dst) {
     const int lane = threadIdx.x & 31;
     if constexpr ((N & (N - 1)) != 0) {
 #pragma unroll
@@ -272,11 +279,8 @@ __device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
         typedef WarpSumsShape<N> W;
 #pragma unroll
         for (int g0 = 0; g0 < N; g0 += W::G) {
-            float part[W::G];
-#pragma unroll
-            for (int i = 0; i < W::G; ++i) part[i] = v[g0 + i];
-            warp_sum_halving<W::G, 16, W::G>(part, lane);
-            if ((lane & ((1 << W::SHIFT) - 1)) == 0) dst[g0 + (lane >> W::SHIFT)] = part[0];
+            const float mine = warp_group_sum<W::G>(v + g0, lane);
+            if ((lane & ((1 << W::SHIFT) - 1)) == 0) dst[g0 + (lane >> W::SHIFT)] = mine;
         }
     }
 }
@@ -286,12 +290,12 @@ __device__ __forceinline__ void warp_sums_store(float (&v)[N], float* dst) {
 // runs once per output (q < R / 2 for GATEUP, else q < R; every j) in one lane. The sums come from one transposed
 // reduction (warp_sum_halving) of the R * TOKC values, in groups of 32: a gate row's up sum sits in the lane 16 above
 // (up to 32 values) or in the same lane of the group half the groups later. Counts that are not a power of two (a
-// benchmark's plan) take a warp_sum a value and emit from lane 0. (acc is overwritten.)
+// benchmark's plan) take a warp_sum a value and emit from lane 0.
 template <int R, int TOKC, bool GATEUP, typename Emit>
-__device__ __forceinline__ void warp_item_sums(float (&acc)[R][TOKC], Emit&& emit) {
+__device__ __forceinline__ void warp_item_sums(const float (&acc)[R][TOKC], Emit&& emit) {
     constexpr int N = R * TOKC, ROUT = GATEUP ? R / 2 : R;
     const int lane = threadIdx.x & 31;
-    float (&flat)[N] = reinterpret_cast<float (&)[N]>(acc);    // value q * TOKC + j
+    const float* flat = &acc[0][0];                                  // value q * TOKC + j
     if constexpr ((N & (N - 1)) != 0) {
 #pragma unroll
         for (int q = 0; q < ROUT; ++q)
@@ -303,21 +307,15 @@ __device__ __forceinline__ void warp_item_sums(float (&acc)[R][TOKC], Emit&& emi
             }
     } else if constexpr (N <= 32) {
         typedef WarpSumsShape<N> W;
-        warp_sum_halving<N, 16, N>(flat, lane);
-        const float up = GATEUP ? __shfl_xor_sync(COLIBRI_FULL_MASK, flat[0], 16) : 0.0f;
+        const float mine = warp_group_sum<N>(flat, lane);
+        const float up = GATEUP ? __shfl_xor_sync(COLIBRI_FULL_MASK, mine, 16) : 0.0f;
         const int i = lane >> W::SHIFT;
-        if ((lane & ((1 << W::SHIFT) - 1)) == 0 && i < ROUT * TOKC) emit(i / TOKC, i % TOKC, flat[0], up);
+        if ((lane & ((1 << W::SHIFT) - 1)) == 0 && i < ROUT * TOKC) emit(i / TOKC, i % TOKC, mine, up);
     } else {
         constexpr int NG = N / 32, OUT_GROUPS = GATEUP ? NG / 2 : NG;
         float mine[NG];
 #pragma unroll
-        for (int g = 0; g < NG; ++g) {
-            float part[32];
-#pragma unroll
-            for (int i = 0; i < 32; ++i) part[i] = flat[32 * g + i];
-            warp_sum_halving<32, 16, 32>(part, lane);
-            mine[g] = part[0];
-        }
+        for (int g = 0; g < NG; ++g) mine[g] = warp_group_sum<32>(flat + 32 * g, lane);
 #pragma unroll
         for (int g = 0; g < OUT_GROUPS; ++g) {
             const int i = 32 * g + lane;
