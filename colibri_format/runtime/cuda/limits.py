@@ -152,9 +152,6 @@ ATT_MAX_SPLITS = 64
 # attention_decode's last-block merge: splits whose partial outputs a thread loads before it adds any (one L2 round
 # trip for up to this many splits)
 ATT_MERGE_LOADS = 8
-# attention_decode merges more than ATT_MERGE_GROUP used splits in two levels: the last block of each group of this
-# many splits merges its group, the last of those the groups (ATT_MAX_SPLITS or more: one level, as before)
-ATT_MERGE_GROUP = 8
 # attention_decode's key tiles in flight: a tile is ATT_LANE_FLOATS x 32 values of K and as many of V (8 KiB of f32,
 # 4 KiB of 16-bit values), copied into shared memory ATT_DECODE_STAGES - 1 tiles ahead of the one computed on. H100,
 # session 30 (benchmarks/attention_decode.py --define ATT_DECODE_STAGES=2|3|4|8): 2 was fastest or tied on every
@@ -328,7 +325,6 @@ KERNEL_DEFINES: dict[str, dict[str, int]] = {
     "layers": {"ATT_THREADS": ATT_THREADS, "ATT_GMAX": ATT_GMAX, "ATT_LANE_FLOATS": ATT_LANE_FLOATS,
                "ATT_DECODE_MIN_KEYS": ATT_DECODE_MIN_KEYS, "ATT_MAX_SPLITS": ATT_MAX_SPLITS,
                "ATT_MERGE_LOADS": ATT_MERGE_LOADS, "ATT_DECODE_STAGES": ATT_DECODE_STAGES,
-               "ATT_MERGE_GROUP": ATT_MERGE_GROUP,
                "DG_THREADS": DG_THREADS, "NORM_VECS": NORM_VECS, "DG_TC_ROWS": DG_TC_ROWS,
                "DG_TC_UNROLL": DG_TC_UNROLL,
                **{f"DG_T{tok}_ROWS": rows for tok, (rows, _) in DG_PLANS.items()},
@@ -427,12 +423,6 @@ def fast_gemm_blocks_per_sm(activations: str) -> int:
     """moe_gemm_fast.cu blocks a multiprocessor holds at once by shared memory."""
     per_block = fast_gemm_shared_bytes(activations) + FAST_STATIC_SHARED_BYTES + 1024
     return max(1, MULTIPROCESSOR_SHARED_BYTES // per_block)
-
-
-def attention_tickets(num_rows: int, heads: int, nsplit: int) -> int:
-    """The merge tickets an attention_decode launch of `nsplit` splits needs: one per (row, kv head, head chunk) (at
-    most rows x heads of them) and, for the two-level merge, one per group of ATT_MERGE_GROUP splits of each."""
-    return num_rows * heads * (1 + -(-nsplit // ATT_MERGE_GROUP))
 
 
 def attention_decode_shared_bytes(cache_itemsize: int, stages: int | None = None) -> int:

@@ -649,7 +649,7 @@ class AttentionEmulator(LibraryEmulator):
         tickets zero."""
         return {"ml": np.full(num_rows * heads * nsplit * 2, np.nan, np.float32),
                 "acc": np.full(num_rows * heads * nsplit * head_dim, np.nan, np.float32),
-                "tickets": np.zeros(limits.attention_tickets(num_rows, heads, nsplit), np.int32)}
+                "tickets": np.zeros(num_rows * heads, np.int32)}
 
     def attention(self, q, k_cache, v_cache, q_seq, q_len, scale: float, *, window: int = 0, sinks=None,
                   nsplit: int = 1, workspace: dict | None = None, order: int = 1) -> np.ndarray:

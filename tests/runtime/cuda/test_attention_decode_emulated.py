@@ -4,8 +4,8 @@ masked tail, splits (1, a few, ATT_MAX_SPLITS) over short and long contexts, the
 sinks, GQA groups of one, a partial chunk, one chunk and two chunks of ATT_GMAX heads, 16-bit caches, and the last
 block's merge over repeated launches on one workspace (its tickets back at zero after each), one used split writing an
 unsplit launch's bits, a build with a wider split cap, the merge's batched loads against a build that adds one split
-at a time (the same bits), the key tiles' copy pipeline against a four-stage build (the same bits), and the two-level
-merge against a one-level build. The GPU tests are in test_gpu_kernels.py.
+at a time (the same bits), and the key tiles' copy pipeline against a four-stage build (the same bits). The GPU tests
+are in test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -204,19 +204,3 @@ def test_the_pipeline_depth_changes_no_bit(emulator, four_stages, cache, hd, len
         assert emu.errors() == (0, "")
     assert np.isfinite(outs[0]).all()
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
-
-
-@pytest.fixture(scope="module")
-def one_level_merge(tmp_path_factory):
-    """layers.cu with ATT_MERGE_GROUP = ATT_MAX_SPLITS: every merge in one block, as before the two-level merge."""
-    return AttentionEmulator(build_layers(tmp_path_factory.mktemp("layers_one_level"),
-                                          ATT_MERGE_GROUP=limits.ATT_MAX_SPLITS))
-
-
-@pytest.mark.parametrize("lengths", [(300, 129), (144, 9), (17, 300)])
-def test_two_level_merge_against_one_level(emulator, one_level_merge, lengths):
-    """More used splits than ATT_MERGE_GROUP (whole groups, a last group of one and of a few, a second row merged in
-    one level): both builds match the float64 reference, sinks included, and leave every ticket at zero."""
-    for emu in (emulator, one_level_merge):
-        check(emu, np.random.default_rng(sum(lengths)), nh=16, nkv=2, lengths=lengths, nsplit=limits.ATT_MAX_SPLITS,
-              with_sinks=True, order=5)

@@ -433,65 +433,47 @@ __device__ __forceinline__ void attention_decode_store(const float* __restrict__
     }
 }
 
-// When more than one split holds keys, the partials of the `used` splits of a (row, kv head, head chunk) are merged
-// by the blocks that arrive last (no attention_merge launch): up to ATT_MERGE_GROUP of them by the last of those
-// blocks into the output; more in two levels, the last block of each group of ATT_MERGE_GROUP splits merging its
-// group into the group's first slot (groups merge in parallel, each reading a few partials), then the last of those
-// group mergers merging the groups' slots into the output. A merge that reads every split in one block reads 64
-// splits' 4 KiB partials in 16 rounds of loads a thread after the last split ends. Tickets (zeroed ints, reset by the
-// block that takes the last one: graph replays) count the arrivals: one per (row, kv head, head chunk), then one per
-// group of each. Partials are read past L1 (written by other blocks); the fences order them before the tickets.
-#ifndef ATT_MERGE_GROUP
-#error "ATT_MERGE_GROUP undefined: compile with the -D options of runtime/cuda/limits.py (KERNEL_DEFINES)"
-#endif
-static_assert(ATT_MERGE_GROUP >= 2, "a group merges at least two splits");
-
-// Whether this block is the last of `count` to take ticket *t (which it then resets to zero). Starts with a barrier:
-// the block's writes are done before thread 0's fence and ticket; the fence after the ticket lets the last block
-// see the others' writes.
-__device__ __forceinline__ bool block_takes_last_ticket(int* t, int count) {
-    __shared__ int s_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(t, 1) == count - 1;
-        if (s_last) *t = 0;
-    }
-    __syncthreads();
-    if (!s_last) return false;
-    __threadfence();
-    return true;
-}
-
-// The merge of `count` partials of the chunk's heads, slots first, first + stride, ...: into the output (final:
-// normalized, the sink joined) or into slot `first` as one partial (its max, sum and unnormalized output). A warp per
-// head first turns the slots' (max, sum) into weights exp(m_s - max) (over the denominator when final) in shared
-// memory, with lanes across slots (independent loads, one round trip); then each thread sums its output values'
-// partials with those weights, so no thread runs a serial chain of dependent loads and exponentials per slot. A
-// thread takes 4 consecutive values (float4 loads) and issues ATT_MERGE_LOADS slots' loads before it adds any. The sum
-// runs over the slots in order, masked ones adding fmaf(0, 0, num) = num: the same bits whatever ATT_MERGE_LOADS.
-// A thread writes back only the values it read (slot `first` included), and a warp its head's (max, sum) after all
-// its lanes read theirs: no other thread reads what is overwritten.
+// When more than one split holds keys, the last of those `used` blocks of a (row, kv head, head chunk) to finish
+// merges the chunk's heads (as attention_merge does, sinks included) and resets the ticket to 0 for the next launch
+// (graph replays): one launch less per layer. Partials are read past L1 (written by other blocks); the fence orders
+// them before the ticket.
+// Only the `used` splits that hold keys are read. A warp per head first turns the splits' (max, sum) into weights
+// exp(m_s - max) / denominator in shared memory, with lanes across splits (independent loads, one round trip);
+// then each thread sums its output values' partials with those weights, so no thread runs a serial chain of
+// dependent loads and exponentials per split (the merge was most of a short-context decode call before). A thread
+// takes 4 consecutive values (float4 loads) and issues ATT_MERGE_LOADS splits' loads before it adds any: a chunk of
+// 8 heads x 128 values is 2 rounds of loads a thread, where a value a thread and the compiler's 4-way unroll of the
+// split loop (its remainder one split at a time) made 8-24 round trips of L2 latency in the last block alone. The
+// sum still runs over the splits in order, masked splits adding fmaf(0, 0, num) = num: the same bits.
 template <int HD>
-__device__ __forceinline__ void attention_merge_slots(float* part_ml, float* part_acc,
-                                                      const float* __restrict__ sinks, float* __restrict__ out,
-                                                      int nh, int nsplit, int n, int kvh, int G, int g0, int ng,
-                                                      int first, int count, int stride, bool final) {
+__device__ __forceinline__ void attention_merge_last(const float* part_ml, const float* part_acc,
+                                                     const float* __restrict__ sinks, int* __restrict__ tickets,
+                                                     float* __restrict__ out, int nh, int nsplit, int used, int n,
+                                                     int kvh, int G, int g0, int ng) {
+    __shared__ int s_last;
     __shared__ float s_w[ATT_GMAX][ATT_MAX_SPLITS];
     const float NEG_INF = __int_as_float(0xff800000);
+    const int ticket_id = (n * gridDim.y + kvh) * (gridDim.z / nsplit) + g0 / ATT_GMAX;
+    __syncthreads();                                  // every warp's partials are written
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(tickets + ticket_id, 1) == used - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int g = warp; g < ng; g += ATT_WARPS) {
         const int head = kvh * G + g0 + g;
         const size_t r = (size_t)n * nh + head;
-        const float sink = final && sinks != nullptr ? __ldg(sinks + head) : NEG_INF;
+        const float sink = sinks != nullptr ? __ldg(sinks + head) : NEG_INF;
         float ms[ATT_MAX_SPLITS / 32], ls[ATT_MAX_SPLITS / 32];
         float mx = sink;
 #pragma unroll
         for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) {
             const int sp = lane + 32 * i;
-            const size_t slot = r * nsplit + first + (size_t)sp * stride;
-            ms[i] = sp < count ? __ldcg(part_ml + slot * 2) : NEG_INF;
-            ls[i] = sp < count ? __ldcg(part_ml + slot * 2 + 1) : 0.0f;
+            ms[i] = sp < used ? __ldcg(part_ml + (r * nsplit + sp) * 2) : NEG_INF;
+            ls[i] = sp < used ? __ldcg(part_ml + (r * nsplit + sp) * 2 + 1) : 0.0f;
             mx = fmaxf(mx, ms[i]);
         }
         mx = warp_max(mx);
@@ -502,14 +484,8 @@ __device__ __forceinline__ void attention_merge_slots(float* part_ml, float* par
             den = fmaf(ls[i], ms[i], den);
         }
         den = warp_sum(den);
-        float inv = 1.0f;
-        if (final) {
-            if (sink != NEG_INF) den += expf(sink - mx);
-            inv = den > 0.0f ? 1.0f / den : 0.0f;
-        } else if (lane == 0) {                    // every lane's loads of this head's (max, sum) are done
-            part_ml[(r * nsplit + first) * 2] = mx;
-            part_ml[(r * nsplit + first) * 2 + 1] = den;
-        }
+        if (sink != NEG_INF) den += expf(sink - mx);
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
 #pragma unroll
         for (int i = 0; i < ATT_MAX_SPLITS / 32; ++i) s_w[g][lane + 32 * i] = ms[i] * inv;
     }
@@ -518,48 +494,25 @@ __device__ __forceinline__ void attention_merge_slots(float* part_ml, float* par
     for (int i = threadIdx.x; i < ng * Q; i += blockDim.x) {
         const int g = i / Q, d = (i - g * Q) * 4;
         const size_t r = (size_t)n * nh + kvh * G + g0 + g;
-        float4* acc = reinterpret_cast<float4*>(part_acc + (r * nsplit + first) * HD + d);
+        const float4* acc = reinterpret_cast<const float4*>(part_acc + r * nsplit * HD + d);
         float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s0 = 0; s0 < count; s0 += ATT_MERGE_LOADS) {
+        for (int s0 = 0; s0 < used; s0 += ATT_MERGE_LOADS) {
             float4 a[ATT_MERGE_LOADS];
 #pragma unroll
             for (int b = 0; b < ATT_MERGE_LOADS; ++b)
-                a[b] = s0 + b < count ? __ldcg(acc + (size_t)(s0 + b) * stride * Q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                a[b] = s0 + b < used ? __ldcg(acc + (size_t)(s0 + b) * Q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
             for (int b = 0; b < ATT_MERGE_LOADS; ++b) {
-                const float wt = s0 + b < count ? s_w[g][s0 + b] : 0.0f;
+                const float wt = s0 + b < used ? s_w[g][s0 + b] : 0.0f;
                 num.x = fmaf(a[b].x, wt, num.x);
                 num.y = fmaf(a[b].y, wt, num.y);
                 num.z = fmaf(a[b].z, wt, num.z);
                 num.w = fmaf(a[b].w, wt, num.w);
             }
         }
-        *(final ? reinterpret_cast<float4*>(out + r * HD + d) : acc) = num;
+        *reinterpret_cast<float4*>(out + r * HD + d) = num;
     }
-}
-
-// The merges after this block's partials are written (see above): returns when this block has no merge left to do.
-template <int HD>
-__device__ __forceinline__ void attention_decode_merges(float* part_ml, float* part_acc, const float* sinks,
-                                                        int* tickets, float* out, int nh, int nsplit, int used,
-                                                        int n, int kvh, int split, int G, int g0, int ng) {
-    const int chunks = gridDim.z / nsplit;
-    const int ticket = (n * gridDim.y + kvh) * chunks + g0 / ATT_GMAX;     // < rows x heads
-    if (used <= ATT_MERGE_GROUP) {
-        if (block_takes_last_ticket(tickets + ticket, used))
-            attention_merge_slots<HD>(part_ml, part_acc, sinks, out, nh, nsplit, n, kvh, G, g0, ng, 0, used, 1, true);
-        return;
-    }
-    const int groups = (used + ATT_MERGE_GROUP - 1) / ATT_MERGE_GROUP, group = split / ATT_MERGE_GROUP;
-    const int gfirst = group * ATT_MERGE_GROUP, gcount = min(ATT_MERGE_GROUP, used - gfirst);
-    int* group_tickets = tickets + (size_t)gridDim.x * nh + (size_t)ticket * ((nsplit + ATT_MERGE_GROUP - 1) / ATT_MERGE_GROUP);
-    if (!block_takes_last_ticket(group_tickets + group, gcount)) return;
-    if (gcount > 1)
-        attention_merge_slots<HD>(part_ml, part_acc, sinks, out, nh, nsplit, n, kvh, G, g0, ng, gfirst, gcount, 1,
-                                  false);
-    if (block_takes_last_ticket(tickets + ticket, groups))
-        attention_merge_slots<HD>(part_ml, part_acc, sinks, out, nh, nsplit, n, kvh, G, g0, ng, 0, groups,
-                                  ATT_MERGE_GROUP, true);
+    if (threadIdx.x == 0) tickets[ticket_id] = 0;
 }
 
 template <typename TC, int HPL>
@@ -625,8 +578,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* __restrict__ 
         attention_decode_store<HPL>(sinks, part_ml, part_acc, out, nh, nsplit, direct, n, kvh, split, G, g0, ng, acc,
                                     m, l);
     if (!direct)
-        attention_decode_merges<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, split, G, g0,
-                                    ng);
+        attention_merge_last<HD>(part_ml, part_acc, sinks, tickets, out, nh, nsplit, used, n, kvh, G, g0, ng);
 }
 
 #define ATTENTION_DECODE_KERNEL(SUF, TC, HPL)                                                                   \

@@ -1286,7 +1286,7 @@ class AttentionWorkspace:
         self.shape = (num_rows, heads, head_dim, nsplit)
         self.ml = cp.empty(num_rows * heads * nsplit * 2, cp.float32)
         self.acc = cp.empty(num_rows * heads * nsplit * head_dim, cp.float32)
-        self.tickets = cp.zeros(limits.attention_tickets(num_rows, heads, nsplit), cp.int32)
+        self.tickets = cp.zeros(num_rows * heads, cp.int32)     # >= rows x kv heads x head chunks
 
 
 def use_flash_prefill(q, k_cache) -> bool:
