@@ -150,8 +150,11 @@ ATT_DECODE_MIN_KEYS = 16
 # per split and head in shared memory)
 ATT_MAX_SPLITS = 64
 # attention_decode's last-block merge: splits whose partial outputs a thread loads before it adds any (one L2 round
-# trip for up to this many splits)
-ATT_MERGE_LOADS = 8
+# trip for up to this many splits; the sum's order, and so its bits, do not depend on it). H200, session 31
+# (benchmarks/attention_decode.py --define ATT_MERGE_LOADS=16|32, f32 caches, 17/512/4096 keys): 16 was faster than 8
+# on all 12 Qwen3 and OLMoE cases (Qwen3 b1 4096 keys 16.37 against 18.65 us, b8 81.40 against 85.66; OLMoE b1 17
+# keys 4.76 against 5.39); 32 gave back most of it (Qwen3 b1 4096 17.99)
+ATT_MERGE_LOADS = 16
 # attention_decode's key tiles in flight: a tile is ATT_LANE_FLOATS x 32 values of K and as many of V (8 KiB of f32,
 # 4 KiB of 16-bit values), copied into shared memory ATT_DECODE_STAGES - 1 tiles ahead of the one computed on. H100,
 # session 30 (benchmarks/attention_decode.py --define ATT_DECODE_STAGES=2|3|4|8): 2 was fastest or tied on every
