@@ -323,9 +323,9 @@ def test_simulate_100k_accesses_quickly():
     import time
     acc = access_sequence(synthetic_trace(8, 32, 4, 3200, skew=1.0, locality=0.3, seed=5))
     assert len(acc) > 100_000
-    t0 = time.perf_counter()
+    t0 = time.process_time()             # CPU seconds: other jobs on a loaded machine stretch only the wall clock
     simulate(acc, 32, PolicySpec("lrfu"), 64)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
 
 
 # --- publication lag ------------------------------------------------------------------------------

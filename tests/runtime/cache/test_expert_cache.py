@@ -399,10 +399,10 @@ def test_many_accesses_are_fast():
     import time
     pairs = [(i % 16, (i * 7919) % 64) for i in range(20000)]
     cache = ExpertCache(200, policy="lrfu")
-    t0 = time.perf_counter()
+    t0 = time.process_time()             # CPU seconds: other jobs on a loaded machine stretch only the wall clock
     for l, e in itertools.islice(pairs, 20000):
         cache.get(l, e, loader=lambda: None)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lrfu"])
