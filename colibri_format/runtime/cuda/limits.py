@@ -158,8 +158,8 @@ ATT_MERGE_LOADS = 16
 # attention_decode's key tiles in flight: a tile is ATT_LANE_FLOATS x 32 values of K and as many of V (8 KiB of f32,
 # 4 KiB of 16-bit values), copied into shared memory ATT_DECODE_STAGES - 1 tiles ahead of the one computed on. H100,
 # session 30 (benchmarks/attention_decode.py --define ATT_DECODE_STAGES=2|3|4|8): 2 was fastest or tied on every
-# Qwen3 and OLMoE case (Qwen3 b1 f32 4096 keys 29.1 against 30.1 us with 4); a split's time follows its tiles' arithmetic, not
-# the copies (8 splits of 512 keys: 141 us, 64 of 64: 30 us)
+# Qwen3 and OLMoE case (Qwen3 b1 f32 4096 keys 29.1 against 30.1 us with 4); a split's time follows its tiles'
+# arithmetic, not the copies (8 splits of 512 keys: 141 us, 64 of 64: 30 us)
 ATT_DECODE_STAGES = 2
 # attention_prefill.cu (flash attention, prefill): blocks of FA_THREADS threads, 16 (query row, head) pairs a warp,
 # over key tiles of FA_BN keys for bf16 caches, FA_BN_F32 for fp32 caches (their tiles are kept as bf16 hi and lo

@@ -146,7 +146,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
             const int src = s_row[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
             const bool ok = src >= 0 && col < ncols;
             copy16_async_l2(stage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
-                         in + (ok ? (size_t)src * ncols + col : 0), ok);
+                            in + (ok ? (size_t)src * ncols + col : 0), ok);
         }
     } else {
         const u16* hi = static_cast<const u16*>(in_hi);
@@ -171,7 +171,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const void* __r
         const int wr = s_wrow[cp.row], col = k0 + cp.step * FAST_BK + cp.chunk * 16;
         const bool ok = wr >= 0 && col < ncols;
         copy16_async_l2(bstage + cp.step * STEP_BYTES + (cp.row * FAST_B_CHUNKS + b_slot(cp.row, cp.chunk)) * 16,
-                     w + (ok ? (size_t)wr * ncols + col : 0), ok);
+                        w + (ok ? (size_t)wr * ncols + col : 0), ok);
     }
 }
 

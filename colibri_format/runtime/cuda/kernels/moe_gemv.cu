@@ -165,8 +165,10 @@ __device__ __forceinline__ void moe_gemv(const float* __restrict__ in, const uns
 
             if (!GROUPED && fs && c0 == 0 && lane == 0) {
 #pragma unroll
-                for (int q = 0; q < R; ++q)
-                    fs[ob + (q % ROUT) + (q >= ROUT ? nout : 0)] = __ldg(sbase + ob + (q % ROUT) + (q >= ROUT ? nout : 0));
+                for (int q = 0; q < R; ++q) {
+                    const int r = ob + (q % ROUT) + (q >= ROUT ? nout : 0);     // gate rows, then their up rows
+                    fs[r] = __ldg(sbase + r);
+                }
             }
             warp_item_sums<R, TOKC, GATEUP>(acc, [&](int q, int j, float row_sum, float up_sum) {
                 if (j >= nt || ob + q < o0) return;
