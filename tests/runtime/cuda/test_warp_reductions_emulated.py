@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.runtime.cuda.cuda_host_emulation import GXX, WARP_ITEM_SHAPES, WARP_SUMS_COUNTS, _ptr, build_layers
+from tests.runtime.cuda.test_dense_gemv_emulated import relerr
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH")
 TOL = 1e-6
@@ -25,10 +26,6 @@ def lane_values(rng, *shape) -> np.ndarray:
     return (rng.standard_normal((32, *shape)) * 10.0 ** rng.integers(-3, 4, (32, *shape))).astype(np.float32)
 
 
-def rel(got: np.ndarray, exp: np.ndarray) -> float:
-    return float(np.abs(got - exp).max() / max(np.abs(exp).max(), 1e-30))
-
-
 @pytest.mark.parametrize("n", WARP_SUMS_COUNTS)
 def test_warp_sums_and_their_store(lib, n):
     rng = np.random.default_rng(n)
@@ -38,7 +35,7 @@ def test_warp_sums_and_their_store(lib, n):
     getattr(lib, f"emu_warp_sums_{n}")(_ptr(v), _ptr(sums), _ptr(stored))
     assert int(lib.emu_error_count()) == 0
     exp = v.astype(np.float64).sum(0)
-    assert rel(sums[0], exp) < TOL
+    assert relerr(sums[0], exp) < TOL
     assert (sums.view(np.uint32) == sums[0].view(np.uint32)).all(), "lanes disagree"
     assert np.array_equal(stored.view(np.uint32), sums[0].view(np.uint32))
 
@@ -58,9 +55,9 @@ def test_warp_item_sums_emits_each_output_once(lib, rows, tokens, gate_up):
     outs = rows // 2 if gate_up else rows
     emitted = counts.reshape(rows, tokens)
     assert (emitted[:outs] == 1).all() and (emitted[outs:] == 0).all(), emitted
-    assert rel(a.reshape(rows, tokens)[:outs], exp[:outs]) < TOL
+    assert relerr(a.reshape(rows, tokens)[:outs], exp[:outs]) < TOL
     if gate_up:
-        assert rel(b.reshape(rows, tokens)[:outs], exp[outs:]) < TOL
+        assert relerr(b.reshape(rows, tokens)[:outs], exp[outs:]) < TOL
     else:
         assert (b.reshape(rows, tokens)[:outs] == 0).all()
 
